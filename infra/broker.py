@@ -1,0 +1,332 @@
+"""A real single-node Apache Kafka broker (KRaft) on loopback, without containers.
+
+Primitives:
+- ``ensure_jars(settings)``: the broker's jars, fetched once with Maven into the cache folder.
+- ``start(settings)``: format a fresh data directory, start broker+controller in one JVM on free
+  loopback ports, wait until it accepts connections, record it in the state file.
+- ``stop(settings)``: SIGTERM, wait, SIGKILL if needed; remove its data directory and state file.
+- ``status(settings)``: the recorded broker and whether it is up.
+- ``resolve_bootstrap(settings)``: ``RELAYGR_BOOTSTRAP`` if set, else the running local broker.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from relaygr.infra.settings import Settings
+
+POM = Path(__file__).with_name("pom.xml")
+JAVA_HINT = (
+    "install OpenJDK 17+ (Debian/Ubuntu: apt-get install openjdk-17-jre-headless) and Maven "
+    "(apt-get install maven), or run the whole stack with `docker compose up`"
+)
+
+
+class BrokerError(RuntimeError):
+    """The local broker could not be fetched, started, found or stopped; the message says why."""
+
+
+@dataclass
+class BrokerState:
+    pid: int
+    port: int
+    controller_port: int
+    data_dir: str
+    log_file: str
+    cluster_id: str
+    kafka_version: str
+    started_at: float
+
+    @property
+    def bootstrap(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+
+def _require(tool: str) -> str:
+    path = shutil.which(tool)
+    if path is None:
+        raise BrokerError(f"`{tool}` not found: {JAVA_HINT}")
+    return path
+
+
+def jars_dir(settings: Settings) -> Path:
+    return settings.cache_dir / f"kafka-{settings.kafka_version}"
+
+
+def ensure_jars(settings: Settings, *, quiet: bool = False) -> Path:
+    """The folder of broker jars; fetched with Maven on first use, reused afterwards."""
+    target = jars_dir(settings)
+    stamp = target / ".complete"
+    if stamp.exists():
+        return target
+    mvn = _require("mvn")
+    _require("java")
+    tmp = target.with_name(target.name + f".partial-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    if not quiet:
+        print(f"fetching Kafka {settings.kafka_version} jars with Maven into {target} (once) ...", flush=True)
+    cmd = [
+        mvn,
+        "-q",
+        "-B",
+        "-f",
+        str(POM),
+        "dependency:copy-dependencies",
+        "-DincludeScope=runtime",
+        f"-Dkafka.version={settings.kafka_version}",
+        f"-DoutputDirectory={tmp}",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
+        raise BrokerError("Maven could not fetch the broker jars:\n" + "\n".join(tail))
+    # A folder mixing two versions' jars breaks the classpath: replace it whole.
+    shutil.rmtree(target, ignore_errors=True)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp.rename(target)
+    stamp.write_text(settings.kafka_version)
+    return target
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _cluster_id() -> str:
+    return base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+
+
+def _server_properties(data_dir: Path, port: int, cport: int) -> str:
+    props = {
+        "process.roles": "broker,controller",
+        "node.id": "1",
+        "controller.quorum.voters": f"1@127.0.0.1:{cport}",
+        "listeners": f"PLAINTEXT://127.0.0.1:{port},CONTROLLER://127.0.0.1:{cport}",
+        "advertised.listeners": f"PLAINTEXT://127.0.0.1:{port}",
+        "inter.broker.listener.name": "PLAINTEXT",
+        "controller.listener.names": "CONTROLLER",
+        "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
+        "log.dirs": str(data_dir / "logs"),
+        "num.partitions": "1",
+        "offsets.topic.replication.factor": "1",
+        "offsets.topic.num.partitions": "8",
+        "transaction.state.log.replication.factor": "1",
+        "transaction.state.log.min.isr": "1",
+        "share.coordinator.state.topic.replication.factor": "1",
+        "share.coordinator.state.topic.min.isr": "1",
+        "group.initial.rebalance.delay.ms": "0",
+        # The cleaner's dedupe buffer sits on the heap (128 MiB by default).
+        "log.cleaner.dedupe.buffer.size": str(8 * 1024 * 1024),
+        "auto.create.topics.enable": "false",
+        "delete.topic.enable": "true",
+        "message.max.bytes": str(8 * 1024 * 1024),
+    }
+    return "".join(f"{k}={v}\n" for k, v in props.items())
+
+
+_LOG4J = """\
+status = warn
+appender.out.type = Console
+appender.out.name = out
+appender.out.layout.type = PatternLayout
+appender.out.layout.pattern = [%d] %p %m (%c)%n
+rootLogger.level = INFO
+rootLogger.appenderRef.out.ref = out
+logger.kafka.name = kafka
+logger.kafka.level = INFO
+logger.state.name = state.change.logger
+logger.state.level = WARN
+logger.request.name = kafka.request.logger
+logger.request.level = WARN
+"""
+
+
+def _java_cmd(jars: Path, data_dir: Path, heap: str, main: list[str]) -> list[str]:
+    return [
+        _require("java"),
+        f"-Xmx{heap}",
+        f"-Xms{heap}",
+        "-XX:+UseG1GC",
+        "-XX:MaxGCPauseMillis=20",
+        "-XX:InitiatingHeapOccupancyPercent=35",
+        "-XX:+ExplicitGCInvokesConcurrent",
+        "-Djava.awt.headless=true",
+        f"-Dlog4j2.configurationFile={data_dir / 'log4j2.properties'}",
+        f"-Dkafka.logs.dir={data_dir}",
+        "-cp",
+        f"{jars}/*",  # expanded by the JVM, not a shell
+        *main,
+    ]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie child (started by this very process) counts as dead.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][:1] != "Z"
+    except OSError:
+        return True
+
+
+def port_open(port: int, host: str = "127.0.0.1", timeout: float = 0.5) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def read_state(settings: Settings) -> BrokerState | None:
+    try:
+        return BrokerState(**json.loads(settings.state_file.read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def status(settings: Settings) -> tuple[bool, BrokerState | None]:
+    state = read_state(settings)
+    if state is None:
+        return False, None
+    return _alive(state.pid) and port_open(state.port), state
+
+
+def start(settings: Settings, *, quiet: bool = False) -> BrokerState:
+    """Start a fresh broker, or return the one already running."""
+    up, state = status(settings)
+    if up and state is not None:
+        return state
+    if state is not None:  # stale record of a dead broker
+        _cleanup(state, settings)
+    jars = ensure_jars(settings, quiet=quiet)
+    settings.home.mkdir(parents=True, exist_ok=True)
+    data_dir = settings.home / f"broker-{int(time.time())}-{os.getpid()}"
+    data_dir.mkdir(parents=True)
+    port, cport = free_port(), free_port()
+    while cport == port:
+        cport = free_port()
+    props = data_dir / "server.properties"
+    props.write_text(_server_properties(data_dir, port, cport))
+    (data_dir / "log4j2.properties").write_text(_LOG4J)
+    log_file = data_dir / "broker.log"
+    cluster_id = _cluster_id()
+
+    fmt = subprocess.run(
+        _java_cmd(
+            jars, data_dir, "256m", ["kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(props)]
+        ),
+        capture_output=True,
+        text=True,
+    )
+    if fmt.returncode != 0:
+        shutil.rmtree(data_dir, ignore_errors=True)
+        raise BrokerError(
+            "formatting the broker's data directory failed:\n" + (fmt.stdout + fmt.stderr)[-2000:]
+        )
+
+    t0 = time.monotonic()
+    with open(log_file, "ab") as log:
+        # Its own session: the broker outlives this command and gets SIGTERM from `stop` directly.
+        proc = subprocess.Popen(
+            _java_cmd(jars, data_dir, settings.broker_heap, ["kafka.Kafka", str(props)]),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    state = BrokerState(
+        pid=proc.pid,
+        port=port,
+        controller_port=cport,
+        data_dir=str(data_dir),
+        log_file=str(log_file),
+        cluster_id=cluster_id,
+        kafka_version=settings.kafka_version,
+        started_at=time.time(),
+    )
+    settings.state_file.write_text(json.dumps(asdict(state), indent=2))
+    while not port_open(port):
+        if proc.poll() is not None:
+            _cleanup(state, settings, keep_log=True)
+            raise BrokerError(
+                f"the broker exited with code {proc.returncode}; see {log_file}:\n{_tail(log_file)}"
+            )
+        if time.monotonic() - t0 > settings.broker_start_timeout_s:
+            stop(settings)
+            raise BrokerError(
+                f"the broker did not accept connections within {settings.broker_start_timeout_s:.0f} s"
+            )
+        time.sleep(0.2)
+    return state
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def _cleanup(state: BrokerState, settings: Settings, *, keep_log: bool = False) -> None:
+    if keep_log:
+        shutil.rmtree(Path(state.data_dir) / "logs", ignore_errors=True)
+    else:
+        shutil.rmtree(state.data_dir, ignore_errors=True)
+    settings.state_file.unlink(missing_ok=True)
+
+
+def stop(settings: Settings, *, grace_s: float = 30.0) -> BrokerState | None:
+    """Stop the recorded broker (SIGTERM, then SIGKILL after ``grace_s``) and remove its data."""
+    state = read_state(settings)
+    if state is None:
+        return None
+    if _alive(state.pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(state.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while _alive(state.pid) and time.monotonic() < deadline:
+            _reap(state.pid)
+            time.sleep(0.2)
+        if _alive(state.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(state.pid, signal.SIGKILL)
+            time.sleep(0.2)
+        _reap(state.pid)
+    _cleanup(state, settings)
+    return state
+
+
+def _reap(pid: int) -> None:
+    """Collect our own child's exit status so it does not linger as a zombie."""
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)
+
+
+def resolve_bootstrap(settings: Settings) -> str:
+    if settings.bootstrap:
+        return settings.bootstrap
+    up, state = status(settings)
+    if up and state is not None:
+        return state.bootstrap
+    raise BrokerError(
+        "no Kafka broker: run `relaygr broker start` (local) or set RELAYGR_BOOTSTRAP=host:port (external)"
+    )

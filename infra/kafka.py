@@ -1,0 +1,118 @@
+"""Kafka clients and topic administration, configured from ``Settings``.
+
+Primitives:
+- ``producer(settings)`` / ``consumer(settings, *topics, ...)`` / ``admin(settings)``: aiokafka
+  clients with the bootstrap servers and security settings of this deployment.
+- ``ensure_topics(registry, settings)``: create every topic of the registry that is missing
+  (idempotent); an existing topic with another partition count is an error, since co-partitioning
+  (hence affinity) depends on it.
+- ``describe_partitions(settings, names)``: partition counts of existing topics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from relaygr.infra.broker import resolve_bootstrap
+from relaygr.infra.settings import Settings, kafka_client_kwargs
+from relaygr.schemas.topics import TopicRegistry
+
+TOPIC_ALREADY_EXISTS = 36
+
+
+class TopicError(RuntimeError):
+    """Topics exist with a layout that breaks co-partitioning, or could not be created."""
+
+
+def _common(settings: Settings) -> dict[str, Any]:
+    return {"bootstrap_servers": resolve_bootstrap(settings), **kafka_client_kwargs(settings)}
+
+
+def producer(settings: Settings, **kw: Any) -> AIOKafkaProducer:
+    # acks=all + idempotence: a result is "delivered" only once the broker has it, exactly once.
+    opts: dict[str, Any] = {"acks": "all", "enable_idempotence": True, "linger_ms": 1}
+    opts.update(kw)
+    return AIOKafkaProducer(**_common(settings), **opts)
+
+
+def consumer(settings: Settings, *topics: str, **kw: Any) -> AIOKafkaConsumer:
+    opts: dict[str, Any] = {"enable_auto_commit": False, "auto_offset_reset": "earliest"}
+    opts.update(kw)
+    return AIOKafkaConsumer(*topics, **_common(settings), **opts)
+
+
+def admin(settings: Settings) -> AIOKafkaAdminClient:
+    return AIOKafkaAdminClient(**_common(settings))
+
+
+async def describe_partitions(settings: Settings, names: list[str]) -> dict[str, int]:
+    client = admin(settings)
+    await client.start()
+    try:
+        return await _partition_counts(client, names)
+    finally:
+        await client.close()
+
+
+async def _partition_counts(
+    client: AIOKafkaAdminClient, names: list[str], *, with_leader: bool = False
+) -> dict[str, int]:
+    """Partition counts of the existing topics among ``names`` (only led partitions if asked)."""
+    existing = set(await client.list_topics())
+    wanted = [n for n in names if n in existing]
+    if not wanted:
+        return {}
+    out: dict[str, int] = {}
+    for t in await client.describe_topics(wanted):
+        if t.get("error_code", 0) == 0:
+            parts = t["partitions"]
+            if with_leader:
+                parts = [p for p in parts if p.get("error_code", 0) == 0 and p.get("leader", -1) >= 0]
+            out[t["topic"]] = len(parts)
+    return out
+
+
+async def ensure_topics(
+    registry: TopicRegistry, settings: Settings, *, timeout_s: float = 30.0
+) -> dict[str, str]:
+    """Create the registry's missing topics. Returns ``{name: "created" | "exists"}``."""
+    client = admin(settings)
+    await client.start()
+    try:
+        names = registry.names
+        have = await _partition_counts(client, names)
+        for spec in registry:
+            if spec.name in have and have[spec.name] != spec.partitions:
+                raise TopicError(
+                    f"topic {spec.name} has {have[spec.name]} partitions, the registry wants {spec.partitions}; "
+                    "co-partitioned topics must match (delete it, or set RELAYGR_PARTITIONS to match)"
+                )
+        missing = [s for s in registry if s.name not in have]
+        status = {n: "exists" for n in have}
+        if missing:
+            resp = await client.create_topics(
+                [
+                    NewTopic(s.name, s.partitions, settings.replication_factor, topic_configs=s.configs())
+                    for s in missing
+                ],
+                timeout_ms=int(timeout_s * 1000),
+            )
+            for topic, code, *rest in resp.topic_errors:
+                if code not in (0, TOPIC_ALREADY_EXISTS):
+                    msg = rest[0] if rest else ""
+                    raise TopicError(f"creating {topic} failed: error {code} {msg}")
+                status[topic] = "created" if code == 0 else "exists"
+        # Creation is asynchronous: wait until every partition of every topic has a leader.
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while True:
+            have = await _partition_counts(client, names, with_leader=True)
+            if all(have.get(s.name) == s.partitions for s in registry):
+                return status
+            if asyncio.get_running_loop().time() > deadline:
+                raise TopicError(f"topics not ready after {timeout_s:.0f} s: {have}")
+            await asyncio.sleep(0.2)
+    finally:
+        await client.close()

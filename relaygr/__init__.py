@@ -1,0 +1,3 @@
+"""RelayGR: relay-race serving of long-sequence generative recommendation on Kafka."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,93 @@
+"""The one command line: ``relaygr <command> ...``.
+
+Each command lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``;
+this file only maps names to modules and imports a module when its command runs, so that
+``relaygr --help`` and ``relaygr broker ...`` stay fast and never import torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help). Groups map to nested commands.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "broker": ("relaygr.infra.broker_cli", "start, stop or inspect the local single-node Kafka broker"),
+    "topics": ("relaygr.infra.topics_cli", "create (idempotently) or list RelayGR's topics"),
+    "roundtrip": (
+        "relaygr.infra.roundtrip",
+        "send one event of every schema through the broker and read it back",
+    ),
+    "demo": ("relaygr.demo", "the main job: broker, topics and the pipeline on MovieLens, with a summary"),
+    "train": ("relaygr.workers.train", "train the HSTU ranker on MovieLens and write a checkpoint"),
+}
+
+GROUPS: dict[str, tuple[str, dict[str, tuple[str, str]]]] = {
+    "bench": (
+        "benchmarks that print one JSON line per measurement, relay and baseline side by side",
+        {
+            "model": (
+                "relaygr.bench.model",
+                "rank with a cached prefix vs full inference, per prefix length",
+            ),
+            "store": ("relaygr.bench.store", "prefix store tiers vs recompute, per prefix length"),
+        },
+    ),
+}
+
+
+def _add_module_command(sub: argparse._SubParsersAction, name: str, module: str, help_: str) -> None:
+    mod = importlib.import_module(module)
+    p = sub.add_parser(name, help=help_, description=(mod.__doc__ or help_).strip().splitlines()[0])
+    mod.add_arguments(p)
+    p.set_defaults(_run=mod.run)
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="relaygr",
+        description=(
+            "RelayGR: serve long-sequence generative recommendation on Kafka. Retrieval pre-infers "
+            "the user's long-term history on the worker that will rank the request; ranking then "
+            "computes only the short-term behaviours and the candidates against the cached prefix."
+        ),
+        epilog="Configuration: environment variables with the RELAYGR_ prefix (see README).",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    # Only the module of the command being run is imported; the others get a stub for --help.
+    wanted = argv[0] if argv else None
+    for name, (module, help_) in COMMANDS.items():
+        if name == wanted:
+            _add_module_command(sub, name, module, help_)
+        else:
+            sub.add_parser(name, help=help_)
+    for group, (help_, members) in GROUPS.items():
+        gp = sub.add_parser(group, help=help_, description=help_)
+        gsub = gp.add_subparsers(dest="subcommand", metavar="WHAT")
+        want_member = argv[1] if group == wanted and len(argv) > 1 else None
+        for name, (module, mhelp) in members.items():
+            if name == want_member:
+                _add_module_command(gsub, name, module, mhelp)
+            else:
+                gsub.add_parser(name, help=mhelp)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(argv)
+    args = parser.parse_args(argv)
+    run = getattr(args, "_run", None)
+    if run is None:
+        parser.print_help()
+        return 2
+    try:
+        return int(run(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

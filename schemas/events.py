@@ -1,0 +1,228 @@
+"""The events of RelayGR's data flow: one pydantic v2 model per message kind.
+
+Primitives:
+- ``BehaviorEvent``      — a user interacted with an item (``relaygr.behaviors``, key ``user_id``).
+- ``RecommendationRequest`` — a user needs a ranked list (``relaygr.requests``, key ``user_id``).
+- ``RetrievedRequest``   — retrieval's candidates for a request (key ``user_id``).
+- ``PrefillSignal``      — the trigger's order to pre-infer a user's long-term prefix (key ``user_id``).
+- ``RankRequest``        — pre-processed candidates, ready for the ranking worker (key ``user_id``).
+- ``RankedResult``       — the answer (``relaygr.results``, key ``request_id``).
+- ``DeadLetter``         — a message a stage could not use: its original bytes and the reason.
+- ``WorkerStats``        — a ranking worker's cache footprint, load and latency model.
+
+Every model is strict (no type coercion, unknown fields rejected), carries ``schema_version``, and
+bounds its ids, counts, lengths and timestamps, so a hostile message fails validation instead of
+exhausting a stage.
+"""
+
+from __future__ import annotations
+
+import math
+from enum import StrEnum
+from typing import Annotated, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator
+
+SCHEMA_VERSION = 1
+
+MAX_ID_LEN = 128
+MAX_ITEM_ID = 2**31 - 1
+MAX_CANDIDATES = 2000
+MAX_SHORT_TERM = 4096
+MAX_REASON_LEN = 2000
+
+# Timestamps are float seconds since the epoch; the bounds reject NaN, inf and absurd values.
+TS_MAX = 1e11
+
+Id = Annotated[str, Field(min_length=1, max_length=MAX_ID_LEN, pattern=r"^[^\x00-\x1f]+$")]
+ItemId = Annotated[int, Field(ge=0, le=MAX_ITEM_ID)]
+Timestamp = Annotated[float, Field(ge=0.0, le=TS_MAX, allow_inf_nan=False)]
+Millis = Annotated[float, Field(ge=0.0, le=1e9, allow_inf_nan=False)]
+Count = Annotated[int, Field(ge=0, le=10_000_000)]
+
+
+class Event(BaseModel):
+    """Base of every message: strict, frozen, versioned."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+    schema_version: Literal[1] = SCHEMA_VERSION
+    kind: ClassVar[str]
+
+    #: The field that the message is keyed by on its topic.
+    key_field: ClassVar[str] = "user_id"
+
+    def key(self) -> bytes:
+        return str(getattr(self, self.key_field)).encode()
+
+
+class BehaviorEvent(Event):
+    """A user's interaction with an item, as it happened."""
+
+    kind: ClassVar[str] = "behavior"
+    user_id: Id
+    item_id: ItemId
+    ts: Timestamp
+    action: int = Field(default=0, ge=0, le=255, description="interaction type; MovieLens: the rating 1..5")
+
+
+class RecommendationRequest(Event):
+    """A user's request for recommendations, as retrieval first sees it."""
+
+    kind: ClassVar[str] = "request"
+    request_id: Id
+    user_id: Id
+    ts: Timestamp
+    num_candidates: int = Field(default=128, ge=1, le=MAX_CANDIDATES, description="how many items to rank")
+    top_k: int = Field(default=10, ge=1, le=MAX_CANDIDATES, description="how many ranked items to return")
+    label_item_id: ItemId | None = Field(
+        default=None, description="replay only: the item the user really chose next (ground truth)"
+    )
+
+
+class TriggerReason(StrEnum):
+    """Why the sequence-aware trigger did or did not order a pre-inference."""
+
+    ADMITTED = "admitted"
+    NOT_AT_RISK = "not_at_risk"
+    FOOTPRINT_BOUND = "footprint_bound"
+    RATE_BOUND = "rate_bound"
+    NO_HISTORY = "no_history"
+    DISABLED = "disabled"
+
+
+class RetrievedRequest(Event):
+    """Retrieval's output: the request plus its candidates and the trigger's decision."""
+
+    kind: ClassVar[str] = "retrieved"
+    request_id: Id
+    user_id: Id
+    ts: Timestamp
+    candidates: list[ItemId] = Field(max_length=MAX_CANDIDATES)
+    top_k: int = Field(default=10, ge=1, le=MAX_CANDIDATES)
+    history_len: Count = 0
+    trigger: Annotated[TriggerReason, Strict(False)] = TriggerReason.DISABLED
+    retrieved_at: Timestamp
+    label_item_id: ItemId | None = None
+
+
+class PrefillSignal(Event):
+    """Order to pre-infer the long-term prefix of ``user_id``'s history, ahead of its rank request."""
+
+    kind: ClassVar[str] = "prefill"
+    request_id: Id
+    user_id: Id
+    ts: Timestamp
+    history_len: Count = Field(description="events in the user's history when the trigger fired")
+    prefix_len: Count = Field(
+        description="events the prefix should cover (history minus the short-term tail)"
+    )
+    lease_ttl_s: float = Field(default=30.0, gt=0.0, le=3600.0, allow_inf_nan=False)
+    issued_at: Timestamp
+
+
+class RankRequest(Event):
+    """Pre-processed request: unseen candidates, ready for ranking."""
+
+    kind: ClassVar[str] = "rank"
+    request_id: Id
+    user_id: Id
+    ts: Timestamp
+    candidates: list[ItemId] = Field(max_length=MAX_CANDIDATES)
+    top_k: int = Field(default=10, ge=1, le=MAX_CANDIDATES)
+    deadline_ts: Timestamp = Field(description="wall-clock time by which the result is due")
+    prefill_expected: bool = Field(default=False, description="a prefill signal was sent for this request")
+    produced_at: Timestamp
+    upstream_ms: dict[str, Millis] = Field(default_factory=dict, max_length=16)
+    label_item_id: ItemId | None = None
+
+
+class ScoredItem(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+    item_id: ItemId
+    score: float = Field(allow_inf_nan=False)
+
+
+class RankPath(StrEnum):
+    """How a request was ranked."""
+
+    RELAY = "relay"  # cached prefix was ready: suffix + candidates only
+    RELAY_WAITED = "relay_waited"  # waited for an in-flight prefix, then relay
+    RELAY_EXTENDED = "relay_extended"  # a shorter cached prefix was extended first
+    FULL = "full"  # no cache: full inference over the whole history
+    FULL_TRUNCATED = "full_truncated"  # full inference, history truncated to fit the budget
+    BASELINE = "baseline"  # baseline mode: full inference by design
+    COLD_START = "cold_start"  # the user has no history
+    TIMEOUT = "timeout"  # the deadline passed before ranking could start
+
+
+class RankedResult(Event):
+    """The ranking worker's answer to one request."""
+
+    kind: ClassVar[str] = "result"
+    key_field: ClassVar[str] = "request_id"
+    request_id: Id
+    user_id: Id
+    ts: Timestamp = Field(description="the request's timestamp")
+    items: list[ScoredItem] = Field(max_length=MAX_CANDIDATES)
+    path: Annotated[RankPath, Strict(False)]
+    latency_ms: Millis = Field(description="end to end, from the request's ts to the result's production")
+    worker_id: Id = "unknown"
+    breakdown_ms: dict[str, Millis] = Field(default_factory=dict, max_length=32)
+    history_len: Count = 0
+    tokens_computed: Count = 0
+    label_item_id: ItemId | None = None
+
+
+class DeadLetter(Event):
+    """A message that a stage could not use, with where it came from and why."""
+
+    kind: ClassVar[str] = "dead_letter"
+    source_topic: str = Field(min_length=1, max_length=249)
+    partition: int = Field(ge=-1)
+    offset: int = Field(ge=-1)
+    key_b64: str | None = Field(default=None, max_length=4096)
+    value_b64: str = Field(description="the original bytes, base64 (bounded by the stage's size limit)")
+    reason: str = Field(min_length=1, max_length=MAX_REASON_LEN)
+    stage: Id
+    ts: Timestamp
+
+    def key(self) -> bytes:
+        return f"{self.source_topic}:{self.partition}:{self.offset}".encode()
+
+
+class WorkerStats(Event):
+    """A ranking worker's periodic report (compacted topic, key ``worker_id``)."""
+
+    kind: ClassVar[str] = "worker_stats"
+    key_field: ClassVar[str] = "worker_id"
+    worker_id: Id
+    ts: Timestamp
+    partitions: list[int] = Field(default_factory=list, max_length=4096)
+    cache_bytes: dict[str, Count] = Field(default_factory=dict, max_length=8)
+    pinned_bytes: Count = 0
+    queue_depth: Count = 0
+    prefill_inflight: Count = 0
+    # Latency model of full ranking: ms ≈ a + b·n + c·n² for a history of n tokens.
+    latency_coeffs: list[float] = Field(default_factory=list, max_length=4)
+    mode: Literal["relay", "baseline"] = "relay"
+
+    @field_validator("latency_coeffs")
+    @classmethod
+    def _finite(cls, v: list[float]) -> list[float]:
+        if not all(math.isfinite(x) for x in v):
+            raise ValueError("coefficients must be finite")
+        return v
+
+
+ALL_EVENTS: tuple[type[Event], ...] = (
+    BehaviorEvent,
+    RecommendationRequest,
+    RetrievedRequest,
+    PrefillSignal,
+    RankRequest,
+    RankedResult,
+    DeadLetter,
+    WorkerStats,
+)

@@ -1,0 +1,93 @@
+"""The topic registry: every topic's name, key, partition count and cleanup policy.
+
+Primitives:
+- ``TopicSpec``: one topic.
+- ``TopicRegistry(prefix, partitions)``: the topics of one deployment. Every topic that meets
+  at a ranking worker has the same partition count and is keyed by ``user_id``, so Kafka's
+  default partitioner sends a user's behaviours, prefill signal and rank request to the same
+  partition number, hence the same worker (the affinity-aware router).
+
+Public contract: ``<prefix>.behaviors``, ``<prefix>.requests``, ``<prefix>.results`` and
+``<prefix>.dead-letters`` keep their names, keys and JSON encoding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from relaygr.schemas.events import (
+    BehaviorEvent,
+    DeadLetter,
+    Event,
+    PrefillSignal,
+    RankedResult,
+    RankRequest,
+    RecommendationRequest,
+    RetrievedRequest,
+    WorkerStats,
+)
+
+
+@dataclass(frozen=True)
+class TopicSpec:
+    role: str
+    name: str
+    event_type: type[Event]
+    key: str
+    partitions: int
+    cleanup_policy: Literal["delete", "compact"] = "delete"
+    co_partitioned: bool = True
+    retention_ms: int | None = None
+
+    def configs(self) -> dict[str, str]:
+        c = {"cleanup.policy": self.cleanup_policy}
+        if self.retention_ms is not None:
+            c["retention.ms"] = str(self.retention_ms)
+        return c
+
+
+class TopicRegistry:
+    """The topics of a deployment with topic prefix ``prefix`` and ``partitions`` partitions."""
+
+    def __init__(self, prefix: str = "relaygr", partitions: int = 4) -> None:
+        if partitions < 1:
+            raise ValueError("partitions must be >= 1")
+        self.prefix = prefix
+        self.partitions = partitions
+        p = partitions
+        day = 24 * 3600 * 1000
+        specs = [
+            TopicSpec("behaviors", f"{prefix}.behaviors", BehaviorEvent, "user_id", p),
+            TopicSpec("requests", f"{prefix}.requests", RecommendationRequest, "user_id", p),
+            TopicSpec("retrieved", f"{prefix}.retrieved", RetrievedRequest, "user_id", p, retention_ms=day),
+            TopicSpec("prefill", f"{prefix}.prefill-signals", PrefillSignal, "user_id", p, retention_ms=day),
+            TopicSpec("rank", f"{prefix}.rank-requests", RankRequest, "user_id", p, retention_ms=day),
+            TopicSpec("results", f"{prefix}.results", RankedResult, "request_id", p, co_partitioned=False),
+            TopicSpec(
+                "dead_letters", f"{prefix}.dead-letters", DeadLetter, "source", 1, co_partitioned=False
+            ),
+            TopicSpec(
+                "worker_stats",
+                f"{prefix}.worker-stats",
+                WorkerStats,
+                "worker_id",
+                1,
+                "compact",
+                co_partitioned=False,
+            ),
+        ]
+        self._by_role = {s.role: s for s in specs}
+
+    def __iter__(self):
+        return iter(self._by_role.values())
+
+    def __getitem__(self, role: str) -> TopicSpec:
+        return self._by_role[role]
+
+    def name(self, role: str) -> str:
+        return self._by_role[role].name
+
+    @property
+    def names(self) -> list[str]:
+        return [s.name for s in self]

@@ -1,0 +1,60 @@
+"""Shared fixtures: one real Kafka broker per test session, isolated topics per test.
+
+The broker is the project's own (``relaygr.infra.broker``): an already running one is reused
+(as `.ci/run` starts it through the CLI), ``RELAYGR_BOOTSTRAP`` points at an external cluster,
+and otherwise the session starts a fresh broker in a temporary folder and stops it at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+from relaygr.infra import broker
+from relaygr.infra.settings import Settings, get_settings
+
+
+@pytest.fixture(scope="session")
+def kafka_settings(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
+    settings = get_settings(reload=True)
+    if settings.bootstrap:
+        yield settings
+        return
+    up, state = broker.status(settings)
+    if up and state is not None:
+        yield settings.model_copy(update={"bootstrap": state.bootstrap})
+        return
+    own = settings.model_copy(update={"home": tmp_path_factory.mktemp("broker-home")})
+    state = broker.start(own, quiet=True)
+    try:
+        yield own.model_copy(update={"bootstrap": state.bootstrap})
+    finally:
+        broker.stop(own)
+
+
+@pytest.fixture
+def topic_prefix() -> str:
+    """A topic prefix of this test's own: tests never see each other's messages."""
+    return f"t-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+async def registry(kafka_settings: Settings, topic_prefix: str) -> AsyncIterator:
+    from relaygr.infra.kafka import admin, ensure_topics
+    from relaygr.schemas import TopicRegistry
+
+    reg = TopicRegistry(topic_prefix, partitions=4)
+    await ensure_topics(reg, kafka_settings)
+    yield reg
+    client = admin(kafka_settings)
+    await client.start()
+    try:
+        await client.delete_topics(reg.names)
+    finally:
+        await client.close()
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"relaygr: RELAYGR_BOOTSTRAP={os.environ.get('RELAYGR_BOOTSTRAP', '(local broker)')}"

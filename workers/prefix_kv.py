@@ -1,0 +1,151 @@
+"""The baton of the relay: a user's behaviour sequence and the per-layer KV cache of its prefix.
+
+Primitives:
+- ``Events``: a user's behaviours as aligned tensors (item ids, action ids, timestamps).
+- ``history_fingerprint``: a digest of the first ``n`` events of a history. Histories are
+  append-only, so a cached prefix of length ``n`` is valid for a longer history exactly when the
+  fingerprint of the longer history's first ``n`` events equals the cached one.
+- ``PrefixKV``: what pre-inference leaves behind for ranking — per-layer keys and values of the
+  prefix tokens plus what the suffix needs to attend to them (positions, timestamps, length),
+  the fingerprint of the history it came from and the version of the model that computed it.
+
+This module is the interface between the model (which produces and consumes ``PrefixKV``) and the
+prefix store (which keeps it in device memory, host memory or RocksDB). It imports only torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field, replace
+
+import torch
+
+FINGERPRINT_BYTES = 16
+
+
+@dataclass(frozen=True)
+class Events:
+    """A sequence of user behaviours, oldest first.
+
+    ``item_ids`` and ``action_ids`` are int64; ``timestamps`` are float64 seconds. Ties in
+    timestamp keep their given order: the caller sorts with a fixed tie-break.
+    """
+
+    item_ids: torch.Tensor
+    action_ids: torch.Tensor
+    timestamps: torch.Tensor
+
+    def __post_init__(self) -> None:
+        n = self.item_ids.shape[0]
+        if self.item_ids.dim() != 1 or self.action_ids.shape != (n,) or self.timestamps.shape != (n,):
+            raise ValueError(
+                "Events: item_ids, action_ids and timestamps must be 1-D tensors of one length, got "
+                f"{tuple(self.item_ids.shape)}, {tuple(self.action_ids.shape)}, "
+                f"{tuple(self.timestamps.shape)}"
+            )
+
+    @classmethod
+    def from_lists(
+        cls,
+        item_ids: list[int],
+        timestamps: list[float],
+        action_ids: list[int] | None = None,
+    ) -> Events:
+        n = len(item_ids)
+        return cls(
+            item_ids=torch.as_tensor(item_ids, dtype=torch.int64).reshape(n),
+            action_ids=torch.as_tensor(action_ids if action_ids is not None else [0] * n, dtype=torch.int64).reshape(n),
+            timestamps=torch.as_tensor(timestamps, dtype=torch.float64).reshape(n),
+        )
+
+    @classmethod
+    def empty(cls) -> Events:
+        return cls.from_lists([], [], [])
+
+    def __len__(self) -> int:
+        return int(self.item_ids.shape[0])
+
+    def slice(self, start: int, stop: int | None = None) -> Events:
+        return Events(self.item_ids[start:stop], self.action_ids[start:stop], self.timestamps[start:stop])
+
+    def concat(self, other: Events) -> Events:
+        return Events(
+            torch.cat([self.item_ids, other.item_ids]),
+            torch.cat([self.action_ids, other.action_ids]),
+            torch.cat([self.timestamps, other.timestamps]),
+        )
+
+
+def history_fingerprint(events: Events, n: int | None = None) -> bytes:
+    """Digest of the first ``n`` events (all if ``None``): ids, actions and timestamps."""
+    n = len(events) if n is None else n
+    if n < 0 or n > len(events):
+        raise ValueError(f"history_fingerprint: n={n} outside [0, {len(events)}]")
+    h = hashlib.blake2b(digest_size=FINGERPRINT_BYTES)
+    h.update(n.to_bytes(8, "little"))
+    for t in (events.item_ids, events.action_ids, events.timestamps):
+        h.update(t[:n].detach().to("cpu").contiguous().numpy().tobytes())
+    return h.digest()
+
+
+@dataclass
+class PrefixKV:
+    """Per-layer KV cache of a history prefix of ``length`` tokens.
+
+    ``keys[l]`` and ``values[l]`` have shape ``[heads, length, head_dim]`` (values may use their
+    own head dim) on one device and in one dtype. ``positions`` (int64) and ``timestamps``
+    (float64) of the prefix tokens travel with them: relative attention bias is computed from
+    the absolute positions and timestamps of each token pair. ``fingerprint`` is
+    ``history_fingerprint(history, length)``. ``model_version`` names the weights that computed it.
+    """
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    positions: torch.Tensor
+    timestamps: torch.Tensor
+    length: int
+    fingerprint: bytes
+    model_version: str
+    meta: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def device(self) -> torch.device:
+        return self.keys[0].device if self.keys else self.positions.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.keys[0].dtype if self.keys else torch.float32
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.keys)
+
+    def nbytes(self) -> int:
+        """Bytes held by all tensors (what the prefix store budgets)."""
+        tensors = [*self.keys, *self.values, self.positions, self.timestamps]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def to(self, device: torch.device | str, *, pin: bool = False, non_blocking: bool = False) -> PrefixKV:
+        """A copy on ``device``. ``pin=True`` on a CPU target pins host memory (for fast H2D)."""
+        device = torch.device(device)
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            if device.type == "cpu":
+                out = t.to("cpu")
+                if pin and torch.cuda.is_available() and not out.is_pinned():
+                    out = out.pin_memory()
+                return out
+            return t.to(device, non_blocking=non_blocking)
+
+        return replace(
+            self,
+            keys=[move(k) for k in self.keys],
+            values=[move(v) for v in self.values],
+            positions=move(self.positions),
+            timestamps=move(self.timestamps),
+            meta=dict(self.meta),
+        )
+
+    def matches(self, history: Events) -> bool:
+        """True when this prefix was computed from the first ``length`` events of ``history``."""
+        return len(history) >= self.length and history_fingerprint(history, self.length) == self.fingerprint
