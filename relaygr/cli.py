@@ -20,6 +20,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "send one event of every schema through the broker and read it back",
     ),
     "demo": ("relaygr.demo", "the main job: broker, topics and the pipeline on MovieLens, with a summary"),
+    "up": ("relaygr.streams.up", "run every stage locally (retrieval, preprocess, N ranking workers)"),
+    "stage": ("relaygr.streams.stage_cli", "run one stage of the cascade in this process"),
     "train": ("relaygr.workers.train", "train the HSTU ranker on MovieLens and write a checkpoint"),
 }
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import TypeVar
 
 from pydantic import ValidationError
+
 from relaygr.schemas.events import Event
 
 DEFAULT_MAX_BYTES = 1_048_576

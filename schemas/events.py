@@ -73,11 +73,19 @@ class RecommendationRequest(Event):
     request_id: Id
     user_id: Id
     ts: Timestamp
+    event_ts: Timestamp | None = Field(
+        default=None, description="the request's time on the behaviours' clock (replays); None: same as ts"
+    )
     num_candidates: int = Field(default=128, ge=1, le=MAX_CANDIDATES, description="how many items to rank")
     top_k: int = Field(default=10, ge=1, le=MAX_CANDIDATES, description="how many ranked items to return")
     label_item_id: ItemId | None = Field(
         default=None, description="replay only: the item the user really chose next (ground truth)"
     )
+
+    @property
+    def model_ts(self) -> float:
+        """The request's time as the model sees it: histories are cut before it."""
+        return self.ts if self.event_ts is None else self.event_ts
 
 
 class TriggerReason(StrEnum):
@@ -98,12 +106,20 @@ class RetrievedRequest(Event):
     request_id: Id
     user_id: Id
     ts: Timestamp
+    event_ts: Timestamp | None = Field(
+        default=None, description="the request's time on the behaviours' clock (replays); None: same as ts"
+    )
     candidates: list[ItemId] = Field(max_length=MAX_CANDIDATES)
     top_k: int = Field(default=10, ge=1, le=MAX_CANDIDATES)
     history_len: Count = 0
     trigger: Annotated[TriggerReason, Strict(False)] = TriggerReason.DISABLED
     retrieved_at: Timestamp
     label_item_id: ItemId | None = None
+
+    @property
+    def model_ts(self) -> float:
+        """The request's time as the model sees it: histories are cut before it."""
+        return self.ts if self.event_ts is None else self.event_ts
 
 
 class PrefillSignal(Event):
@@ -113,12 +129,20 @@ class PrefillSignal(Event):
     request_id: Id
     user_id: Id
     ts: Timestamp
+    event_ts: Timestamp | None = Field(
+        default=None, description="the request's time on the behaviours' clock (replays); None: same as ts"
+    )
     history_len: Count = Field(description="events in the user's history when the trigger fired")
     prefix_len: Count = Field(
         description="events the prefix should cover (history minus the short-term tail)"
     )
     lease_ttl_s: float = Field(default=30.0, gt=0.0, le=3600.0, allow_inf_nan=False)
     issued_at: Timestamp
+
+    @property
+    def model_ts(self) -> float:
+        """The request's time as the model sees it: histories are cut before it."""
+        return self.ts if self.event_ts is None else self.event_ts
 
 
 class RankRequest(Event):
@@ -128,6 +152,9 @@ class RankRequest(Event):
     request_id: Id
     user_id: Id
     ts: Timestamp
+    event_ts: Timestamp | None = Field(
+        default=None, description="the request's time on the behaviours' clock (replays); None: same as ts"
+    )
     candidates: list[ItemId] = Field(max_length=MAX_CANDIDATES)
     top_k: int = Field(default=10, ge=1, le=MAX_CANDIDATES)
     deadline_ts: Timestamp = Field(description="wall-clock time by which the result is due")
@@ -135,6 +162,11 @@ class RankRequest(Event):
     produced_at: Timestamp
     upstream_ms: dict[str, Millis] = Field(default_factory=dict, max_length=16)
     label_item_id: ItemId | None = None
+
+    @property
+    def model_ts(self) -> float:
+        """The request's time as the model sees it: histories are cut before it."""
+        return self.ts if self.event_ts is None else self.event_ts
 
 
 class ScoredItem(BaseModel):
@@ -170,8 +202,16 @@ class RankedResult(Event):
     latency_ms: Millis = Field(description="end to end, from the request's ts to the result's production")
     worker_id: Id = "unknown"
     breakdown_ms: dict[str, Millis] = Field(default_factory=dict, max_length=32)
-    history_len: Count = 0
-    tokens_computed: Count = 0
+    history_len: Count = Field(default=0, description="events in the user's history at ranking")
+    used_len: Count = Field(default=0, description="events the ranking read (less when truncated)")
+    tokens_computed: Count = Field(default=0, description="tokens computed at ranking (suffix + candidates)")
+    prefix_len: Count = Field(default=0, description="events served from a cached prefix")
+    prefix_tier: Literal["device", "host", "disk", "inflight", "miss"] | None = Field(
+        default=None, description="where the cached prefix came from (None: no cache involved)"
+    )
+    prefix_worker_id: Id | None = Field(
+        default=None, description="the worker that computed the cached prefix"
+    )
     label_item_id: ItemId | None = None
 
 

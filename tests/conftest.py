@@ -12,6 +12,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
+
 from relaygr.infra import broker
 from relaygr.infra.settings import Settings, get_settings
 

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from relaygr.infra import broker
 from relaygr.infra.settings import Settings
 

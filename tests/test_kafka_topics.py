@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+
 from relaygr.infra.kafka import TopicError, consumer, describe_partitions, ensure_topics, producer
 from relaygr.infra.roundtrip import roundtrip
 from relaygr.schemas import TopicRegistry, decode, encode

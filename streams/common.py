@@ -1,0 +1,134 @@
+"""What every stage shares: the faust app factory, raw topics, dead letters, metrics endpoint.
+
+Primitives:
+- ``make_app(stage, settings, worker_id)``: a faust app bound to this deployment's broker and
+  security settings, RocksDB (rocksdict) table store, web server off (metrics are served by
+  ``serve_metrics`` on loopback instead).
+- ``raw_topic(app, name)``: bytes in, bytes out — decoding is ours, so that bad input reaches
+  the dead-letter topic with its reason instead of crashing faust's deserializer.
+- ``dead_letter(...)``: the ``DeadLetter`` record of a message a stage could not use.
+- ``decode_keyed(event_type, key, value, max_bytes)``: decode and check that the message key
+  agrees with the payload's key field.
+- ``guarded(stage, ev, handler, to_dlq)``: per-message isolation of failures.
+- ``serve_metrics(port)``: the Prometheus endpoint of this process, bound to 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import time
+from pathlib import Path
+from typing import Any, TypeVar
+
+from relaygr.infra.broker import resolve_bootstrap
+from relaygr.infra.settings import Settings, kafka_client_kwargs
+from relaygr.schemas import DeadLetter, Event, SchemaError, decode
+
+E = TypeVar("E", bound=Event)
+log = logging.getLogger(__name__)
+
+
+def decode_keyed(event_type: type[E], key: bytes | None, value: bytes | None, max_bytes: int) -> E:
+    ev = decode(event_type, value, max_bytes=max_bytes)
+    if key is not None and key != ev.key():
+        shown = key[:64].decode("utf-8", "replace")
+        raise SchemaError(
+            ev.key_field,
+            f"message key {shown!r} disagrees with the payload's {ev.key_field}",
+            event_type=event_type.__name__,
+        )
+    return ev
+
+
+async def guarded(stage: str, ev: Any, handler: Any, to_dlq: Any) -> None:
+    """Run ``handler(ev)``; bad input and unexpected failures go to the dead-letter topic with
+    their reason instead of crashing the stage (and so stopping every good message behind it)."""
+    try:
+        await handler(ev)
+    except SchemaError as e:
+        await to_dlq(ev, str(e))
+    except Exception as e:
+        log.exception("%s: handling %s@%s failed", stage, ev.message.topic, ev.message.offset)
+        await to_dlq(ev, f"internal error in {stage}: {type(e).__name__}: {e}")
+
+
+def dead_letter(
+    stage: str,
+    topic: str,
+    partition: int,
+    offset: int,
+    key: bytes | None,
+    value: bytes | None,
+    reason: str,
+    limit: int,
+) -> DeadLetter:
+    raw = value or b""
+    if len(raw) > limit:  # keep the record bounded: the head of an oversized message is enough
+        reason = f"{reason} (value truncated to {limit} of {len(raw)} bytes)"
+        raw = raw[:limit]
+    return DeadLetter(
+        source_topic=topic,
+        partition=partition,
+        offset=offset,
+        key_b64=base64.b64encode(key[:3000]).decode() if key is not None else None,
+        value_b64=base64.b64encode(raw).decode(),
+        reason=reason[:2000],
+        stage=stage,
+        ts=time.time(),
+    )
+
+
+def make_app(stage: str, settings: Settings, worker_id: str, **overrides: Any):
+    import faust
+
+    bootstrap = resolve_bootstrap(settings)
+    datadir = Path(settings.home) / "stages" / f"{stage}-{worker_id}"
+    datadir.mkdir(parents=True, exist_ok=True)
+    conf: dict[str, Any] = {
+        "broker": [f"kafka://{hp.strip()}" for hp in bootstrap.split(",")],
+        "store": "rocksdb://",
+        "datadir": str(datadir),
+        "topic_partitions": settings.partitions,
+        "topic_replication_factor": settings.replication_factor,
+        "web_enabled": False,
+        "consumer_auto_offset_reset": "earliest",
+        "producer_acks": -1,
+        "processing_guarantee": "at_least_once",
+        "table_cleanup_interval": 3600.0,
+        "stream_wait_empty": False,
+    }
+    creds = _credentials(settings)
+    if creds is not None:
+        conf["broker_credentials"] = creds
+    conf.update(overrides)
+    return faust.App(f"{settings.topic_prefix}-{stage}", **conf)
+
+
+def _credentials(settings: Settings):
+    import faust
+
+    kw = kafka_client_kwargs(settings)
+    proto = settings.security_protocol
+    if proto == "PLAINTEXT":
+        return None
+    if proto == "SSL":
+        return faust.SSLCredentials(kw["ssl_context"])
+    return faust.SASLCredentials(
+        username=settings.sasl_username,
+        password=settings.sasl_password,
+        mechanism=settings.sasl_mechanism,
+        ssl_context=kw.get("ssl_context"),
+    )
+
+
+def raw_topic(app, name: str):
+    return app.topic(name, key_type=bytes, value_type=bytes, key_serializer="raw", value_serializer="raw")
+
+
+def serve_metrics(port: int) -> None:
+    """Expose this process's Prometheus metrics on 127.0.0.1:``port`` (0 = don't)."""
+    if port:
+        from prometheus_client import start_http_server
+
+        start_http_server(port, addr="127.0.0.1")

@@ -1,0 +1,95 @@
+"""Pipeline settings shared by the stages, from ``RELAYGR_*`` environment variables.
+
+Primitives:
+- ``PipelineSettings``: the model, the ranking budget, the trigger's knobs, the upstream stages'
+  emulated feature-fetch time and the worker's memory budgets.
+- ``trigger_config(p, bytes_per_token)`` / ``engine_config(p)``: the typed configs they feed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from relaygr.infra.settings import _default_home
+from relaygr.streams.trigger import TriggerConfig
+from relaygr.workers.ranker import EngineConfig
+
+
+def _default_model_dir() -> Path:
+    return _default_home() / "model"
+
+
+class PipelineSettings(BaseSettings):
+    """Every field is the env var ``RELAYGR_<FIELD>``."""
+
+    model_config = SettingsConfigDict(env_prefix="RELAYGR_", extra="ignore")
+
+    mode: Literal["relay", "baseline"] = Field(
+        default="relay",
+        description="relay: trigger + prefix cache; baseline: full inference on every request.",
+    )
+    model_dir: Path = Field(
+        default_factory=_default_model_dir, description="Checkpoint written by `relaygr train`."
+    )
+    device: str | None = Field(
+        default=None, description="Model device (cpu, cuda, cuda:N, npu:N); default: the checkpoint's."
+    )
+    budget_ms: float = Field(default=50.0, gt=0, description="Ranking-stage latency budget (P99 SLO), ms.")
+    theta: float = Field(
+        default=0.5, gt=0, description="Trigger: at risk when predicted full ranking > budget × theta."
+    )
+    short_term: int = Field(
+        default=64, ge=0, description="Most recent events computed at ranking time (the suffix)."
+    )
+    num_candidates: int = Field(default=128, ge=1, le=2000, description="Candidates retrieval returns.")
+    max_rank_candidates: int = Field(default=128, ge=1, le=2000, description="Cap after pre-processing.")
+    feature_fetch_ms: float = Field(
+        default=0.0,
+        ge=0,
+        description="Emulated feature-fetch time in retrieval and in pre-processing each (W/2).",
+    )
+    footprint_bound_mb: float = Field(
+        default=512.0, ge=0, description="Trigger bound on live prefix MiB per partition."
+    )
+    prefill_rate_per_s: float = Field(default=200.0, gt=0, description="Trigger bound on pre-inference rate.")
+    lease_ttl_s: float = Field(default=30.0, gt=0, description="Lease of a pre-inferred prefix.")
+    prefill_chunk: int = Field(default=512, ge=1, description="Tokens per pre-inference job on the device.")
+    device_cache_mb: float = Field(default=1024.0, ge=0, description="Prefix store: device tier MiB.")
+    host_cache_mb: float = Field(default=4096.0, ge=0, description="Prefix store: host tier MiB.")
+    disk_cache_mb: float = Field(
+        default=16384.0, ge=0, description="Prefix store: RocksDB tier MiB (0 = off)."
+    )
+    calibration_file: Path | None = Field(
+        default=None,
+        description="Latency model JSON from `relaygr calibrate`; default: calibrate at worker start.",
+    )
+    max_inflight: int = Field(
+        default=256, ge=1, description="Ranking worker: requests in flight before it pauses fetching."
+    )
+    stats_interval_s: float = Field(default=2.0, gt=0, description="Ranking worker: WorkerStats period.")
+    concurrency: int = Field(
+        default=16, ge=1, description="Retrieval/pre-processing: requests processed concurrently."
+    )
+
+
+def trigger_config(p: PipelineSettings, bytes_per_token: int) -> TriggerConfig:
+    return TriggerConfig(
+        enabled=p.mode == "relay",
+        budget_ms=p.budget_ms,
+        theta=p.theta,
+        short_term=p.short_term,
+        footprint_bound_bytes=int(p.footprint_bound_mb * (1 << 20)),
+        bytes_per_token=bytes_per_token,
+        prefill_rate_per_s=p.prefill_rate_per_s,
+        lease_ttl_s=p.lease_ttl_s,
+    )
+
+
+def engine_config(p: PipelineSettings) -> EngineConfig:
+    return EngineConfig(
+        mode=p.mode, budget_ms=p.budget_ms, prefill_chunk=p.prefill_chunk, lease_ttl_s=p.lease_ttl_s
+    )

@@ -1,0 +1,95 @@
+"""Pre-processing stage (faust app): drop what the user has seen, cap, emit the rank request.
+
+Topology:
+  behaviors (key user_id) ──> table ``seen`` (RocksDB via rocksdict, changelog in Kafka)
+  retrieved (key user_id) ──> unseen candidates, capped ──> rank-requests (key user_id)
+  bad input ──> dead-letters
+
+The rank request carries its deadline (now + the ranking budget) and keeps the user_id key, so
+it lands on the partition — hence the ranking worker — that received the prefill signal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from prometheus_client import Counter as PCounter
+
+from relaygr.infra.settings import Settings
+from relaygr.schemas import (
+    BehaviorEvent,
+    RankRequest,
+    RetrievedRequest,
+    TopicRegistry,
+    TriggerReason,
+    encode,
+)
+from relaygr.streams.common import dead_letter, decode_keyed, guarded, make_app, raw_topic
+from relaygr.streams.config import PipelineSettings
+
+STAGE = "preprocess"
+DEAD = PCounter("relaygr_preprocess_dead_letters_total", "Messages sent to the dead-letter topic", ["topic"])
+RANKREQ = PCounter("relaygr_preprocess_requests_total", "Rank requests emitted")
+DROPPED = PCounter("relaygr_preprocess_seen_dropped_total", "Candidates dropped as already seen")
+
+
+def build(settings: Settings, p: PipelineSettings, worker_id: str = "0"):
+    app = make_app(STAGE, settings, worker_id)
+    reg = TopicRegistry(settings.topic_prefix, settings.partitions)
+    behaviors, retrieved = raw_topic(app, reg.name("behaviors")), raw_topic(app, reg.name("retrieved"))
+    out_rank, dlq = raw_topic(app, reg.name("rank")), raw_topic(app, reg.name("dead_letters"))
+    seen = app.Table("seen", default=None, partitions=settings.partitions)
+    limit = settings.max_message_bytes
+
+    async def to_dlq(ev, reason: str) -> None:
+        m = ev.message
+        DEAD.labels(m.topic).inc()
+        dl = dead_letter(STAGE, m.topic, m.partition, m.offset, ev.key, ev.value, reason, limit)
+        await (await dlq.send(key=dl.key(), value=encode(dl)))
+
+    async def on_behavior(ev) -> None:
+        b = decode_keyed(BehaviorEvent, ev.key, ev.value, limit)
+        s = seen.get(b.user_id) or []
+        s.append([b.item_id, b.ts])
+        seen[b.user_id] = s
+
+    async def on_retrieved(ev) -> None:
+        r = decode_keyed(RetrievedRequest, ev.key, ev.value, limit)
+        t0 = time.time()
+        before = {int(i) for i, ts in (seen.get(r.user_id) or []) if ts < r.model_ts}
+        if p.feature_fetch_ms:
+            await asyncio.sleep(p.feature_fetch_ms / 1000)
+        cands = [c for c in r.candidates if c not in before]
+        DROPPED.inc(len(r.candidates) - len(cands))
+        now = time.time()
+        out = RankRequest(
+            request_id=r.request_id,
+            user_id=r.user_id,
+            ts=r.ts,
+            event_ts=r.event_ts,
+            candidates=cands[: p.max_rank_candidates],
+            top_k=r.top_k,
+            deadline_ts=now + p.budget_ms / 1000,
+            prefill_expected=r.trigger == TriggerReason.ADMITTED,
+            produced_at=now,
+            upstream_ms={
+                "retrieval": max(0.0, (r.retrieved_at - r.ts) * 1000),
+                "preprocess": (now - t0) * 1000,
+            },
+            label_item_id=r.label_item_id,
+        )
+        await (await out_rank.send(key=out.key(), value=encode(out)))
+        RANKREQ.inc()
+
+    @app.agent(behaviors)
+    async def ingest(stream):
+        async for ev in stream.events():
+            await guarded(STAGE, ev, on_behavior, to_dlq)
+
+    @app.agent(retrieved, concurrency=p.concurrency)
+    async def preprocess(stream):
+        async for ev in stream.events():
+            await guarded(STAGE, ev, on_retrieved, to_dlq)
+
+    return app

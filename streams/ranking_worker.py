@@ -1,0 +1,418 @@
+"""Ranking worker: one process per device, a consumer-group member over the co-partitioned topics.
+
+Topology (all keyed by user_id, same partition count, so the range assignor hands partition p of
+every topic to the same member — the worker that pre-infers a user's prefix ranks its request):
+  behaviors       ──> HistoryTable (RocksDB; the topic is its changelog: resumes at its own offset)
+  prefill-signals ──> RankingEngine.prefill (lease; promote, extend or compute the prefix)
+  rank-requests   ──> RankingEngine.rank ──> results (key request_id)
+  bad input       ──> dead-letters;   every few seconds ──> worker-stats
+
+Delivery: offsets of signals and requests are committed only up to the first one whose work is
+not finished — for a request, whose result the broker has acknowledged (acks=all, idempotent
+producer). A crash therefore re-ranks at most the unfinished requests; results are keyed by
+request_id, so a consumer that keeps the last result per key sees each request once.
+
+Model work runs on the engine's device thread; this loop only fetches, schedules and publishes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+from aiokafka import ConsumerRebalanceListener, TopicPartition
+from prometheus_client import Counter as PCounter
+from prometheus_client import Gauge, Histogram
+
+from relaygr.infra.kafka import consumer, producer
+from relaygr.infra.settings import Settings
+from relaygr.schemas import (
+    BehaviorEvent,
+    PrefillSignal,
+    RankedResult,
+    RankPath,
+    RankRequest,
+    SchemaError,
+    ScoredItem,
+    TopicRegistry,
+    WorkerStats,
+    encode,
+)
+from relaygr.streams.common import dead_letter, decode_keyed
+from relaygr.streams.config import PipelineSettings, engine_config
+from relaygr.streams.history import HistoryTable
+from relaygr.workers.latency_model import LatencyModel
+from relaygr.workers.model import HSTURanker
+from relaygr.workers.prefix_store import PrefixStore, PrefixStoreConfig
+from relaygr.workers.ranker import RankingEngine, calibrate
+from relaygr.workers.scheduler import DeviceScheduler, Priority
+
+log = logging.getLogger(__name__)
+STAGE = "ranking"
+
+PATHS = PCounter("relaygr_rank_results_total", "Ranked results by path", ["path"])
+PREFILLS = PCounter("relaygr_prefill_outcomes_total", "Prefill signal outcomes", ["status"])
+DEAD = PCounter("relaygr_ranking_dead_letters_total", "Messages sent to the dead-letter topic", ["topic"])
+E2E = Histogram(
+    "relaygr_rank_latency_seconds",
+    "Ranking-stage latency (rank request produced -> result produced)",
+    ["path"],
+    buckets=(0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2, 5),
+)
+STORE = Gauge("relaygr_prefix_store", "Prefix store counters and gauges", ["name"])
+INFLIGHT = Gauge("relaygr_rank_inflight", "Requests being ranked")
+
+
+class OffsetTracker:
+    """Per partition: the next offset that is safe to commit (all before it are finished)."""
+
+    def __init__(self) -> None:
+        self._pending: dict[TopicPartition, set[int]] = {}
+        self._next: dict[TopicPartition, int] = {}
+
+    def start(self, tp: TopicPartition, offset: int) -> None:
+        self._pending.setdefault(tp, set()).add(offset)
+        self._next[tp] = max(self._next.get(tp, 0), offset + 1)
+
+    def done(self, tp: TopicPartition, offset: int) -> None:
+        self._pending.get(tp, set()).discard(offset)
+
+    def committable(self, tps: set[TopicPartition] | None = None) -> dict[TopicPartition, int]:
+        out = {}
+        for tp, nxt in self._next.items():
+            if tps is not None and tp not in tps:
+                continue
+            pending = self._pending.get(tp)
+            out[tp] = min(pending) if pending else nxt
+        return out
+
+    def pending(self, tps: set[TopicPartition] | None = None) -> int:
+        return sum(len(v) for tp, v in self._pending.items() if tps is None or tp in tps)
+
+    def forget(self, tps: set[TopicPartition]) -> None:
+        for tp in tps:
+            self._pending.pop(tp, None)
+            self._next.pop(tp, None)
+
+
+class RankingWorker:
+    def __init__(
+        self,
+        settings: Settings,
+        p: PipelineSettings,
+        worker_id: str,
+        *,
+        static_membership: bool = True,
+    ) -> None:
+        self.settings, self.p, self.worker_id = settings, p, worker_id
+        self.reg = TopicRegistry(settings.topic_prefix, settings.partitions)
+        self.static_membership = static_membership
+        self.dir = Path(settings.home) / "workers" / worker_id
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.model = HSTURanker.load(p.model_dir, device=p.device)
+        self.latency = self._latency_model()
+        self.scheduler = DeviceScheduler(worker_id)
+        self.store: PrefixStore | None = None
+        if p.mode == "relay":
+            mib = 1 << 20
+            self.store = PrefixStore(
+                PrefixStoreConfig(
+                    device=str(self.model.device),
+                    device_budget_bytes=int(p.device_cache_mb * mib),
+                    host_budget_bytes=int(p.host_cache_mb * mib),
+                    disk_path=str(self.dir / "prefix-store") if p.disk_cache_mb > 0 else None,
+                    disk_budget_bytes=int(p.disk_cache_mb * mib),
+                    default_lease_ttl_s=p.lease_ttl_s,
+                ),
+                model_version=self.model.model_version,
+                clock=time.time,
+            )
+        self.engine = RankingEngine(self.model, self.store, self.scheduler, engine_config(p), self.latency)
+        self.history = HistoryTable(self.dir / "history")
+        self.tracker = OffsetTracker()
+        self.tasks: set[asyncio.Task] = set()
+        self.counts: Counter[str] = Counter()
+        self.assigned: set[TopicPartition] = set()
+        self.events_log = open(self.dir / "events.jsonl", "a", buffering=1)  # noqa: SIM115
+        self._stop = asyncio.Event()
+
+    def _latency_model(self) -> LatencyModel:
+        if self.p.calibration_file is not None and self.p.calibration_file.exists():
+            return LatencyModel.load(self.p.calibration_file)
+        model, samples = calibrate(self.model, lengths=(64, 256, 512, 1024, 2048), repeats=2)
+        log.info("calibrated full ranking on this machine: %s -> %s", samples, model)
+        return model
+
+    def _note(self, **fields: object) -> None:
+        """One JSON line per signal handled / result produced (the worker's own audit trail)."""
+        self.events_log.write(json.dumps({"worker_id": self.worker_id, "t": time.time(), **fields}) + "\n")
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    async def run(self) -> None:
+        topics = [self.reg.name("behaviors"), self.reg.name("prefill"), self.reg.name("rank")]
+        kw = {}
+        if self.static_membership:
+            kw["group_instance_id"] = self.worker_id
+        self.consumer = consumer(
+            self.settings,
+            group_id=f"{self.settings.topic_prefix}-ranking",
+            max_poll_records=500,
+            session_timeout_ms=10000,
+            heartbeat_interval_ms=1000,
+            max_poll_interval_ms=300000,
+            **kw,
+        )
+        self.consumer.subscribe(topics, listener=_Rebalance(self))
+        self.producer = producer(self.settings)
+        await self.producer.start()
+        await self.consumer.start()
+        stats = asyncio.create_task(self._publish_stats())
+        try:
+            await self._loop()
+        finally:
+            stats.cancel()
+            await self._drain(set(self.assigned), timeout_s=30)
+            with contextlib.suppress(Exception):
+                await self._commit()
+            await self.consumer.stop()
+            await self.producer.stop()
+            self.scheduler.close()
+            if self.store is not None:
+                self.store.close()
+            self.history.close()
+            self.events_log.close()
+
+    async def _loop(self) -> None:
+        beh, sig, rank = self.reg.name("behaviors"), self.reg.name("prefill"), self.reg.name("rank")
+        last_commit = time.monotonic()
+        while not self._stop.is_set():
+            # Bounded queue: stop fetching signals and requests while too much is in flight.
+            busy = len(self.tasks) >= self.p.max_inflight
+            work = [tp for tp in self.consumer.assignment() if tp.topic != beh]
+            if busy:
+                self.consumer.pause(*work)
+            else:
+                self.consumer.resume(*work)
+            batch = await self.consumer.getmany(timeout_ms=20, max_records=500)
+            # Behaviours first: a request in the same batch sees the events before it.
+            for tp, msgs in sorted(batch.items(), key=lambda kv: kv[0].topic != beh):
+                for m in msgs:
+                    if tp.topic == beh:
+                        self._apply_behavior(tp, m)
+                    elif tp.topic == sig:
+                        self._spawn(tp, m, self._handle_prefill)
+                    elif tp.topic == rank:
+                        self._spawn(tp, m, self._handle_rank)
+            if time.monotonic() - last_commit > 0.2:
+                await self._commit()
+                last_commit = time.monotonic()
+            INFLIGHT.set(len(self.tasks))
+
+    def _spawn(self, tp: TopicPartition, m, handler) -> None:
+        self.tracker.start(tp, m.offset)
+        task = asyncio.create_task(self._guard(tp, m, handler))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _guard(self, tp: TopicPartition, m, handler) -> None:
+        try:
+            await handler(tp, m)
+            self.tracker.done(tp, m.offset)
+        except SchemaError as e:
+            await self._dead_letter(tp, m, str(e))
+            self.tracker.done(tp, m.offset)
+        except Exception:  # not marked done: the offset stays uncommitted and is redelivered
+            log.exception("handling %s@%d failed", tp, m.offset)
+            self.counts["handler_errors"] += 1
+
+    async def _commit(self) -> None:
+        offsets = self.tracker.committable(self.assigned)
+        if offsets:
+            await self.consumer.commit(offsets)
+
+    async def _drain(self, tps: set[TopicPartition], timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.tracker.pending(tps) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+
+    # ------------------------------------------------------------------ handlers
+
+    def _apply_behavior(self, tp: TopicPartition, m) -> None:
+        try:
+            b = decode_keyed(BehaviorEvent, m.key, m.value, self.settings.max_message_bytes)
+        except SchemaError as e:
+            self.history.mark(tp.partition, m.offset)
+            self._spawn_dead_letter(tp, m, str(e))
+            return
+        self.history.append(tp.partition, m.offset, b)
+
+    def _spawn_dead_letter(self, tp: TopicPartition, m, reason: str) -> None:
+        task = asyncio.create_task(self._dead_letter(tp, m, reason))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _dead_letter(self, tp: TopicPartition, m, reason: str) -> None:
+        DEAD.labels(tp.topic).inc()
+        dl = dead_letter(
+            STAGE, tp.topic, tp.partition, m.offset, m.key, m.value, reason, self.settings.max_message_bytes
+        )
+        await self.producer.send_and_wait(self.reg.name("dead_letters"), encode(dl), key=dl.key())
+
+    async def _history_caught_up(self, partition: int, timeout_s: float = 0.2) -> None:
+        """Wait (briefly) until behaviours of this partition are applied up to the known log end."""
+        tp = TopicPartition(self.reg.name("behaviors"), partition)
+        end = self.consumer.highwater(tp)
+        if end is None:
+            return
+        deadline = time.monotonic() + timeout_s
+        while self.history.next_offset(partition) < end and time.monotonic() < deadline:
+            await asyncio.sleep(0.002)
+
+    async def _handle_prefill(self, tp: TopicPartition, m) -> None:
+        s = decode_keyed(PrefillSignal, m.key, m.value, self.settings.max_message_bytes)
+        await self._history_caught_up(tp.partition)
+        hist = self.history.get(s.user_id, s.model_ts)
+        n = min(s.prefix_len, len(hist))
+        out = await self.engine.prefill(s.user_id, hist.slice(0, n), s.lease_ttl_s, owner=self.worker_id)
+        PREFILLS.labels(out.status.split(":")[0]).inc()
+        self.counts[f"prefill_{out.status}"] += 1
+        self._note(
+            event="prefill",
+            request_id=s.request_id,
+            user_id=s.user_id,
+            partition=tp.partition,
+            status=out.status,
+            prefix_len=out.prefix_len,
+            ms=round(out.ms, 3),
+        )
+
+    async def _handle_rank(self, tp: TopicPartition, m) -> None:
+        r = decode_keyed(RankRequest, m.key, m.value, self.settings.max_message_bytes)
+        t_in = time.time()
+        await self._history_caught_up(tp.partition)
+        hist = self.history.get(r.user_id, r.model_ts)
+        cands = torch.tensor(r.candidates, dtype=torch.int64)
+        if t_in >= r.deadline_ts:
+            path, items, oc = (
+                RankPath.TIMEOUT,
+                [ScoredItem(item_id=c, score=0.0) for c in r.candidates[: r.top_k]],
+                None,
+            )
+        else:
+            oc = await self.engine.rank(r.user_id, hist, cands, r.model_ts, r.deadline_ts)
+            order = torch.argsort(oc.scores, descending=True, stable=True)[: r.top_k].tolist()
+            items = [ScoredItem(item_id=r.candidates[i], score=float(oc.scores[i])) for i in order]
+            path = RankPath(oc.path)
+        now = time.time()
+        breakdown = {
+            "queue": max(0.0, (t_in - r.produced_at) * 1000),
+            "ranking": (now - r.produced_at) * 1000,
+        }
+        breakdown.update({k: float(v) for k, v in r.upstream_ms.items()})
+        if oc is not None:
+            breakdown.update(oc.breakdown_ms)
+        res = RankedResult(
+            request_id=r.request_id,
+            user_id=r.user_id,
+            ts=r.ts,
+            items=items,
+            path=path,
+            latency_ms=max(0.0, (now - r.ts) * 1000),
+            worker_id=self.worker_id,
+            breakdown_ms=breakdown,
+            history_len=len(hist),
+            used_len=oc.used_len if oc else 0,
+            tokens_computed=oc.tokens_computed if oc else 0,
+            prefix_len=oc.prefix_len if oc else 0,
+            prefix_tier=oc.prefix_tier if oc else None,
+            prefix_worker_id=oc.prefix_owner if oc else None,
+            label_item_id=r.label_item_id,
+        )
+        await self.producer.send_and_wait(self.reg.name("results"), encode(res), key=res.key())
+        PATHS.labels(path.value).inc()
+        E2E.labels(path.value).observe(now - r.produced_at)
+        self.counts[f"path_{path.value}"] += 1
+        self._note(
+            event="result",
+            request_id=r.request_id,
+            user_id=r.user_id,
+            partition=tp.partition,
+            path=path.value,
+        )
+
+    # ------------------------------------------------------------------ stats
+
+    async def _publish_stats(self) -> None:
+        while True:
+            await asyncio.sleep(self.p.stats_interval_s)
+            try:
+                self.latency = self.engine.refit_latency()
+                m = self.store.metrics() if self.store is not None else {}
+                for k, v in m.items():
+                    STORE.labels(k).set(v)
+                st = WorkerStats(
+                    worker_id=self.worker_id,
+                    ts=time.time(),
+                    partitions=sorted({tp.partition for tp in self.assigned}),
+                    cache_bytes={t: int(m.get(f"bytes_{t}", 0)) for t in ("device", "host", "disk")},
+                    pinned_bytes=int(m.get("bytes_reserved", 0)),
+                    queue_depth=self.scheduler.queue_depth(),
+                    prefill_inflight=self.scheduler.queue_depth(Priority.PREFILL),
+                    latency_coeffs=self.latency.coeffs(),
+                    mode=self.p.mode,
+                )
+                await self.producer.send_and_wait(self.reg.name("worker_stats"), encode(st), key=st.key())
+            except Exception:
+                log.exception("publishing worker stats failed")
+
+
+class _Rebalance(ConsumerRebalanceListener):
+    def __init__(self, worker: RankingWorker) -> None:
+        self.w = worker
+
+    async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
+        revoked = set(revoked)
+        # Finish (or give up on) what is in flight for these partitions, then commit it.
+        await self.w._drain(revoked, timeout_s=10)
+        with contextlib.suppress(Exception):
+            offsets = self.w.tracker.committable(revoked)
+            if offsets:
+                await self.w.consumer.commit(offsets)
+        self.w.tracker.forget(revoked)
+        self.w.assigned -= revoked
+
+    async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
+        self.w.assigned |= set(assigned)
+        beh = self.w.reg.name("behaviors")
+        for tp in assigned:
+            if tp.topic == beh:
+                # The history table knows how far it got: resume there, not at the group offset.
+                self.w.consumer.seek(tp, self.w.history.next_offset(tp.partition))
+        log.info("%s assigned %s", self.w.worker_id, sorted((t.topic, t.partition) for t in assigned))
+
+
+def main(settings: Settings, p: PipelineSettings, worker_id: str, metrics_port: int = 0) -> int:
+    from relaygr.streams.common import serve_metrics
+
+    serve_metrics(metrics_port)
+    worker = RankingWorker(settings, p, worker_id)
+
+    async def go() -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, worker.stop)
+        await worker.run()
+
+    asyncio.run(go())
+    return 0

@@ -1,0 +1,197 @@
+"""Retrieval stage (faust app): candidates for each request, and the sequence-aware trigger.
+
+Topology:
+  behaviors (key user_id) ──> table ``histories`` (RocksDB via rocksdict, changelog in Kafka)
+  requests  (key user_id) ──> trigger ──> prefill-signals (key user_id, same partition number)
+                          └─> candidates ──> retrieved (key user_id)
+  worker-stats ──> the trigger's latency model and measured footprints
+  bad input ──> dead-letters
+
+Candidates: top-K items by inner product of the trained model's item embeddings with the mean
+embedding of the user's most recent items (popular items for a user without history). The
+prefill signal goes out before the emulated feature fetch, so pre-inference overlaps it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+
+import numpy as np
+from prometheus_client import Counter as PCounter
+from prometheus_client import Histogram
+
+from relaygr.infra.settings import Settings
+from relaygr.schemas import (
+    BehaviorEvent,
+    PrefillSignal,
+    RecommendationRequest,
+    RetrievedRequest,
+    SchemaError,
+    TopicRegistry,
+    WorkerStats,
+    decode,
+    encode,
+)
+from relaygr.streams.common import dead_letter, decode_keyed, guarded, make_app, raw_topic
+from relaygr.streams.config import PipelineSettings, trigger_config
+from relaygr.streams.trigger import SequenceAwareTrigger
+from relaygr.workers.latency_model import LatencyModel
+
+log = logging.getLogger(__name__)
+
+STAGE = "retrieval"
+RECENT = 32
+
+TRIGGER = PCounter("relaygr_trigger_decisions_total", "Sequence-aware trigger decisions", ["reason"])
+DEAD = PCounter("relaygr_dead_letters_total", "Messages sent to the dead-letter topic", ["stage", "topic"])
+REQS = PCounter("relaygr_retrieval_requests_total", "Requests retrieved")
+LAT = Histogram(
+    "relaygr_retrieval_seconds",
+    "Retrieval stage time per request",
+    buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1),
+)
+
+
+class CandidateGenerator:
+    """Top-K by inner product with the mean embedding of the user's recent items."""
+
+    def __init__(self, item_emb: np.ndarray) -> None:
+        self.emb = np.ascontiguousarray(item_emb, dtype=np.float32)
+        self.num_items = self.emb.shape[0] - 1  # row 0 is padding/unknown
+        self.popularity: Counter[int] = Counter()
+
+    def observe(self, item_id: int) -> None:
+        self.popularity[item_id] += 1
+
+    def candidates(self, recent_items: list[int], k: int) -> list[int]:
+        k = min(k, self.num_items)
+        known = [i for i in recent_items if 0 < i <= self.num_items]
+        if not known:
+            popular = [i for i, _ in self.popularity.most_common(k)]
+            taken = set(popular)
+            rest = [i for i in range(1, self.num_items + 1) if i not in taken]
+            return popular + rest[: k - len(popular)]
+        u = self.emb[known].mean(axis=0)
+        scores = self.emb @ u
+        scores[0] = -np.inf
+        top = np.argpartition(-scores, k)[:k] if k < len(scores) - 1 else np.arange(1, len(scores))
+        return [int(i) for i in top[np.argsort(-scores[top], kind="stable")]]
+
+
+def load_item_embeddings(p: PipelineSettings) -> tuple[np.ndarray, int]:
+    """Item embeddings of the trained model and its KV bytes per token."""
+    from relaygr.workers.model import HSTURanker
+    from relaygr.workers.ranker import kv_bytes_per_token
+
+    model = HSTURanker.load(p.model_dir, device="cpu")
+    return model.item_embeddings().float().cpu().numpy(), kv_bytes_per_token(model)
+
+
+def load_latency(p: PipelineSettings) -> LatencyModel:
+    if p.calibration_file is not None and p.calibration_file.exists():
+        return LatencyModel.load(p.calibration_file)
+    return LatencyModel()  # replaced by the first WorkerStats a ranking worker publishes
+
+
+def build(settings: Settings, p: PipelineSettings, worker_id: str = "0"):
+    app = make_app(STAGE, settings, worker_id)
+    reg = TopicRegistry(settings.topic_prefix, settings.partitions)
+    behaviors, requests = raw_topic(app, reg.name("behaviors")), raw_topic(app, reg.name("requests"))
+    out_prefill, out_retrieved = raw_topic(app, reg.name("prefill")), raw_topic(app, reg.name("retrieved"))
+    dlq = raw_topic(app, reg.name("dead_letters"))
+    histories = app.Table("histories", default=None, partitions=settings.partitions)
+    emb, bytes_per_token = load_item_embeddings(p)
+    gen = CandidateGenerator(emb)
+    trigger = SequenceAwareTrigger(trigger_config(p, bytes_per_token), load_latency(p))
+    app.relaygr_trigger = trigger  # for inspection
+    limit = settings.max_message_bytes
+
+    async def to_dlq(ev, reason: str) -> None:
+        m = ev.message
+        DEAD.labels(STAGE, m.topic).inc()
+        dl = dead_letter(STAGE, m.topic, m.partition, m.offset, ev.key, ev.value, reason, limit)
+        await (await dlq.send(key=dl.key(), value=encode(dl)))
+
+    async def on_behavior(ev) -> None:
+        b = decode_keyed(BehaviorEvent, ev.key, ev.value, limit)
+        h = histories.get(b.user_id) or []
+        h.append([b.item_id, b.ts])
+        histories[b.user_id] = h
+        gen.observe(b.item_id)
+
+    async def on_request(ev) -> None:
+        r = decode_keyed(RecommendationRequest, ev.key, ev.value, limit)
+        t0 = time.time()
+        h = [x for x in (histories.get(r.user_id) or []) if x[1] < r.model_ts]
+        decision = trigger.decide(ev.message.partition, len(h), t0)
+        TRIGGER.labels(decision.reason.value).inc()
+        if decision.admitted:
+            sig = PrefillSignal(
+                request_id=r.request_id,
+                user_id=r.user_id,
+                ts=r.ts,
+                event_ts=r.event_ts,
+                history_len=len(h),
+                prefix_len=decision.prefix_len,
+                lease_ttl_s=trigger.config.lease_ttl_s,
+                issued_at=time.time(),
+            )
+            await out_prefill.send(key=sig.key(), value=encode(sig))
+        if p.feature_fetch_ms:
+            await asyncio.sleep(p.feature_fetch_ms / 1000)
+        cands = gen.candidates([int(x[0]) for x in h[-RECENT:]], 2 * r.num_candidates)
+        out = RetrievedRequest(
+            request_id=r.request_id,
+            user_id=r.user_id,
+            ts=r.ts,
+            event_ts=r.event_ts,
+            candidates=cands[:2000],
+            top_k=r.top_k,
+            history_len=len(h),
+            trigger=decision.reason,
+            retrieved_at=time.time(),
+            label_item_id=r.label_item_id,
+        )
+        await (await out_retrieved.send(key=out.key(), value=encode(out)))
+        REQS.inc()
+        LAT.observe(time.time() - t0)
+
+    @app.agent(behaviors)
+    async def ingest(stream):
+        async for ev in stream.events():
+            await guarded(STAGE, ev, on_behavior, to_dlq)
+
+    @app.agent(requests, concurrency=p.concurrency)
+    async def retrieve(stream):
+        async for ev in stream.events():
+            await guarded(STAGE, ev, on_request, to_dlq)
+
+    @app.task
+    async def follow_worker_stats() -> None:
+        """Calibrate the trigger from the ranking workers' reports (a plain reader, no group)."""
+        from relaygr.infra.kafka import consumer
+
+        cons = consumer(settings, reg.name("worker_stats"), group_id=None)
+        await cons.start()
+        try:
+            async for m in cons:
+                try:
+                    st = decode(WorkerStats, m.value, max_bytes=limit)
+                except SchemaError as e:
+                    log.warning("bad worker stats skipped: %s", e)
+                    continue
+                if st.mode == "relay" and len(st.latency_coeffs) == 3:
+                    try:
+                        trigger.latency = LatencyModel.from_coeffs(st.latency_coeffs)
+                    except ValueError as e:
+                        log.warning("worker %s sent an unusable latency model: %s", st.worker_id, e)
+                if st.partitions:
+                    for part in st.partitions:
+                        trigger.report_footprint(part, st.pinned_bytes // len(st.partitions))
+        finally:
+            await cons.stop()
+
+    return app

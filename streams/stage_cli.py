@@ -1,0 +1,72 @@
+"""Run one stage of the cascade in this process: retrieval, preprocess or ranking.
+
+Every stage reads the broker, topic and pipeline settings from RELAYGR_* environment variables
+(see README). Run several `ranking` processes with different --worker-id to scale out: Kafka's
+consumer group gives each a share of the partitions, the same share of every co-partitioned topic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from relaygr.infra.broker import BrokerError
+from relaygr.infra.settings import get_settings
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("stage", choices=["retrieval", "preprocess", "ranking"], help="which stage")
+    parser.add_argument(
+        "--worker-id", default="0", help="this process's id (ranking: also its static group member id)"
+    )
+    parser.add_argument("--mode", choices=["relay", "baseline"], help="override RELAYGR_MODE")
+    parser.add_argument(
+        "--metrics-port", type=int, default=0, help="Prometheus endpoint on 127.0.0.1 (0 = off)"
+    )
+    parser.add_argument("--log-level", default="warning", help="python log level")
+
+
+def run(args: argparse.Namespace) -> int:
+    from relaygr.streams.config import PipelineSettings
+
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format=f"%(asctime)s {args.stage}[{args.worker_id}] %(levelname)s %(message)s",
+    )
+    settings = get_settings()
+    p = PipelineSettings()
+    if args.mode:
+        p = p.model_copy(update={"mode": args.mode})
+    if not (p.model_dir / "config.json").exists():
+        print(
+            f"relaygr stage: no trained model in {p.model_dir}: run `relaygr train --out {p.model_dir}`",
+            file=sys.stderr,
+        )
+        return 1
+    try:
+        if args.stage == "ranking":
+            from relaygr.streams.ranking_worker import main
+
+            return main(
+                settings,
+                p,
+                f"ranker-{args.worker_id}" if args.worker_id.isdigit() else args.worker_id,
+                args.metrics_port,
+            )
+        from relaygr.streams.common import serve_metrics
+
+        if args.stage == "retrieval":
+            from relaygr.streams.retrieval import build
+        else:
+            from relaygr.streams.preprocess import build
+        app = build(settings, p, args.worker_id)
+        serve_metrics(args.metrics_port)
+        from faust.worker import Worker
+
+        level = {"warning": "warn", "critical": "crit"}.get(args.log_level.lower(), args.log_level.lower())
+        Worker(app, loglevel=level, quiet=True, redirect_stdouts=False).execute_from_commandline()
+        return 0
+    except BrokerError as e:
+        print(f"relaygr stage {args.stage}: {e}", file=sys.stderr)
+        return 1

@@ -1,0 +1,134 @@
+"""Traffic for the pipeline from real MovieLens data, and reading the answers back.
+
+Primitives:
+- ``leave_last_out(ml, users, synth_factor)``: per user, the behaviours before their last
+  interaction and a request whose ground truth is that last item (``event_ts`` = its time).
+- ``synthesise(history, factor)``: a longer history by time-shifted repetition of the real one:
+  ``factor`` copies, each earlier copy shifted back by the history's span plus one day, the last
+  copy being the real history. Used where MovieLens histories are shorter than the experiment
+  needs; reports say so.
+- ``publish(settings, registry, behaviours, requests, qps)``: behaviours first (keyed by user),
+  then requests paced at ``qps`` (wall-clock ``ts`` stamped at send time).
+- ``collect_results(settings, registry, request_ids, timeout_s)``: results by request_id (the
+  last one per id: results are idempotent by key).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterable
+
+import torch
+
+from relaygr.infra.kafka import consumer, producer
+from relaygr.infra.settings import Settings
+from relaygr.schemas import BehaviorEvent, RankedResult, RecommendationRequest, TopicRegistry, decode, encode
+from relaygr.workers.movielens import MovieLens
+from relaygr.workers.prefix_kv import Events
+
+DAY = 86400.0
+
+
+def synthesise(history: Events, factor: int) -> Events:
+    if factor <= 1 or len(history) == 0:
+        return history
+    ts = history.timestamps
+    span = float(ts[-1] - ts[0]) + DAY
+    copies = [
+        Events(history.item_ids, history.action_ids, ts - (factor - 1 - j) * span) for j in range(factor)
+    ]
+    out = copies[0]
+    for c in copies[1:]:
+        out = out.concat(c)
+    return out
+
+
+def leave_last_out(
+    ml: MovieLens, users: Iterable[int], *, synth_factor: int = 1, num_candidates: int = 128, top_k: int = 10
+) -> tuple[list[BehaviorEvent], list[RecommendationRequest]]:
+    behaviours: list[BehaviorEvent] = []
+    requests: list[RecommendationRequest] = []
+    for u in users:
+        h = ml.histories[u]
+        if len(h) < 2:
+            continue
+        past = synthesise(h.slice(0, len(h) - 1), synth_factor)
+        uid = str(u)
+        behaviours += [
+            BehaviorEvent(user_id=uid, item_id=int(i), ts=float(t), action=int(a))
+            for i, a, t in zip(
+                past.item_ids.tolist(), past.action_ids.tolist(), past.timestamps.tolist(), strict=True
+            )
+        ]
+        requests.append(
+            RecommendationRequest(
+                request_id=f"ml-{u}-{len(h) - 1}",
+                user_id=uid,
+                ts=time.time(),
+                event_ts=float(h.timestamps[-1]),
+                num_candidates=num_candidates,
+                top_k=top_k,
+                label_item_id=int(h.item_ids[-1]),
+            )
+        )
+    return behaviours, requests
+
+
+def history_of(behaviours: list[BehaviorEvent], user_id: str, before_ts: float | None = None) -> Events:
+    """The history a stage sees for ``user_id`` at ``before_ts``: its events strictly before it."""
+    mine = [b for b in behaviours if b.user_id == user_id and (before_ts is None or b.ts < before_ts)]
+    return Events(
+        torch.tensor([b.item_id for b in mine], dtype=torch.int64),
+        torch.tensor([b.action for b in mine], dtype=torch.int64),
+        torch.tensor([b.ts for b in mine], dtype=torch.float64),
+    )
+
+
+async def publish(
+    settings: Settings,
+    reg: TopicRegistry,
+    behaviours: list[BehaviorEvent],
+    requests: list[RecommendationRequest],
+    *,
+    qps: float = 50.0,
+    settle_s: float = 1.0,
+) -> list[RecommendationRequest]:
+    """Publish, returning the requests as sent (with their send-time ``ts``)."""
+    prod = producer(settings, linger_ms=5)
+    await prod.start()
+    sent = []
+    try:
+        futs = [await prod.send(reg.name("behaviors"), encode(b), key=b.key()) for b in behaviours]
+        await asyncio.gather(*futs)
+        await asyncio.sleep(settle_s)
+        t0 = time.monotonic()
+        for i, r in enumerate(requests):
+            wait = t0 + i / qps - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            r = r.model_copy(update={"ts": time.time()})
+            await prod.send_and_wait(reg.name("requests"), encode(r), key=r.key())
+            sent.append(r)
+    finally:
+        await prod.stop()
+    return sent
+
+
+async def collect_results(
+    settings: Settings, reg: TopicRegistry, request_ids: set[str], *, timeout_s: float = 60.0
+) -> dict[str, RankedResult]:
+    cons = consumer(settings, reg.name("results"), group_id=None)
+    await cons.start()
+    out: dict[str, RankedResult] = {}
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not request_ids <= out.keys() and time.monotonic() < deadline:
+            for msgs in (await cons.getmany(timeout_ms=200)).values():
+                for m in msgs:
+                    r = decode(RankedResult, m.value)
+                    if r.request_id in request_ids:
+                        out[r.request_id] = r
+    finally:
+        await cons.stop()
+    return out

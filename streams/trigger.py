@@ -1,0 +1,119 @@
+"""The sequence-aware trigger: pre-infer only the requests whose full ranking is at risk.
+
+Primitives:
+- ``TriggerConfig``: the ranking budget, the risk threshold θ and the two bounds.
+- ``TokenBucket``: the pre-inference rate bound.
+- ``SequenceAwareTrigger.decide(user_id, partition, history_len, now)``: a ``Decision`` with its
+  ``TriggerReason``. Admit iff full ranking of this history is predicted (by the calibrated
+  ``LatencyModel``) to exceed ``budget × θ`` AND the bytes of live prefixes on that partition stay
+  under the footprint bound AND the token bucket has a token. Every decision is counted.
+
+The footprint is estimated here from admitted signals (bytes per token × prefix length, alive for
+the lease TTL); ranking workers' reports (``WorkerStats``) replace the estimate with measured
+bytes when they arrive.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import Counter
+from dataclasses import dataclass
+
+from pydantic import BaseModel, Field
+
+from relaygr.schemas import TriggerReason
+from relaygr.workers.latency_model import LatencyModel
+
+
+class TriggerConfig(BaseModel):
+    enabled: bool = Field(default=True, description="False = never pre-infer (the baseline mode).")
+    budget_ms: float = Field(default=50.0, gt=0, description="P99 budget of the ranking stage.")
+    theta: float = Field(
+        default=0.5, gt=0, le=10, description="At risk when predicted full ranking exceeds budget × theta."
+    )
+    short_term: int = Field(default=64, ge=0, description="Events at the end of the history left to ranking.")
+    min_prefix: int = Field(default=32, ge=1, description="A shorter prefix is never worth a signal.")
+    footprint_bound_bytes: int = Field(
+        default=512 << 20, ge=0, description="Bound on live prefix bytes per partition."
+    )
+    bytes_per_token: int = Field(
+        default=4096, ge=1, description="KV bytes per cached token (from the model)."
+    )
+    prefill_rate_per_s: float = Field(default=200.0, gt=0, description="Token-bucket rate of pre-inference.")
+    prefill_burst: float = Field(default=50.0, ge=1, description="Token-bucket depth.")
+    lease_ttl_s: float = Field(default=30.0, gt=0, description="How long a pre-inferred prefix stays pinned.")
+
+
+class TokenBucket:
+    def __init__(self, rate: float, burst: float) -> None:
+        self.rate, self.burst = rate, burst
+        self.tokens, self.t = burst, None
+
+    def take(self, now: float) -> bool:
+        if self.t is not None:
+            self.tokens = min(self.burst, self.tokens + (now - self.t) * self.rate)
+        self.t = now
+        if self.tokens >= 1.0:
+            self.tokens -= 1.0
+            return True
+        return False
+
+
+@dataclass(frozen=True)
+class Decision:
+    reason: TriggerReason
+    prefix_len: int = 0
+    predicted_full_ms: float = 0.0
+    est_bytes: int = 0
+
+    @property
+    def admitted(self) -> bool:
+        return self.reason is TriggerReason.ADMITTED
+
+
+class SequenceAwareTrigger:
+    def __init__(self, config: TriggerConfig, latency: LatencyModel) -> None:
+        self.config = config
+        self.latency = latency
+        self.bucket = TokenBucket(config.prefill_rate_per_s, config.prefill_burst)
+        self.counts: Counter[str] = Counter()
+        # Live estimated prefixes per partition: heap of (expiry, bytes) and their running sum.
+        self._live: dict[int, list[tuple[float, int]]] = {}
+        self._live_bytes: dict[int, int] = {}
+        self._reported: dict[int, int] = {}
+
+    def live_bytes(self, partition: int, now: float) -> int:
+        heap = self._live.setdefault(partition, [])
+        total = self._live_bytes.get(partition, 0)
+        while heap and heap[0][0] <= now:
+            total -= heapq.heappop(heap)[1]
+        self._live_bytes[partition] = total
+        return max(total, self._reported.get(partition, 0))
+
+    def report_footprint(self, partition: int, measured_bytes: int) -> None:
+        """A worker's measured pinned bytes for ``partition`` (from its stats)."""
+        self._reported[partition] = measured_bytes
+
+    def decide(self, partition: int, history_len: int, now: float) -> Decision:
+        d = self._decide(partition, history_len, now)
+        self.counts[d.reason.value] += 1
+        return d
+
+    def _decide(self, partition: int, history_len: int, now: float) -> Decision:
+        c = self.config
+        if not c.enabled:
+            return Decision(TriggerReason.DISABLED)
+        prefix_len = history_len - c.short_term
+        if history_len == 0 or prefix_len < c.min_prefix:
+            return Decision(TriggerReason.NO_HISTORY if history_len == 0 else TriggerReason.NOT_AT_RISK)
+        predicted = self.latency.predict_ms(history_len)
+        if predicted <= c.budget_ms * c.theta:
+            return Decision(TriggerReason.NOT_AT_RISK, prefix_len, predicted)
+        est = prefix_len * c.bytes_per_token
+        if self.live_bytes(partition, now) + est > c.footprint_bound_bytes:
+            return Decision(TriggerReason.FOOTPRINT_BOUND, prefix_len, predicted, est)
+        if not self.bucket.take(now):
+            return Decision(TriggerReason.RATE_BOUND, prefix_len, predicted, est)
+        heapq.heappush(self._live.setdefault(partition, []), (now + c.lease_ttl_s, est))
+        self._live_bytes[partition] = self._live_bytes.get(partition, 0) + est
+        return Decision(TriggerReason.ADMITTED, prefix_len, predicted, est)

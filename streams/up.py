@@ -1,0 +1,183 @@
+"""Run every stage of the cascade locally, one process each, against the configured broker.
+
+`relaygr up` starts retrieval, pre-processing and N ranking workers, waits until a probe request
+comes back ranked, then runs until Ctrl-C (or SIGTERM), which stops them all. Logs go to
+$RELAYGR_HOME/logs/<stage>.log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from relaygr.infra.broker import BrokerError
+from relaygr.infra.settings import Settings, get_settings
+
+
+class Pipeline:
+    """The stage processes of one local deployment (a context manager)."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        ranking_workers: int = 2,
+        mode: str | None = None,
+        env: dict[str, str] | None = None,
+        log_dir: Path | None = None,
+        metrics_base_port: int = 0,
+    ) -> None:
+        self.settings = settings
+        self.n = ranking_workers
+        self.mode = mode
+        self.env = {**os.environ, **(env or {})}
+        if settings.bootstrap:
+            self.env["RELAYGR_BOOTSTRAP"] = settings.bootstrap
+        self.env["RELAYGR_TOPIC_PREFIX"] = settings.topic_prefix
+        self.env["RELAYGR_PARTITIONS"] = str(settings.partitions)
+        self.env["RELAYGR_HOME"] = str(settings.home)
+        self.env.setdefault("PYTHONUNBUFFERED", "1")
+        self.log_dir = log_dir or Path(settings.home) / "logs"
+        self.metrics_base_port = metrics_base_port
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def _spawn(self, name: str, args: list[str], port_index: int) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "relaygr.cli", "stage", *args]
+        if self.mode:
+            cmd += ["--mode", self.mode]
+        if self.metrics_base_port:
+            cmd += ["--metrics-port", str(self.metrics_base_port + port_index)]
+        log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
+        self.procs[name] = subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+
+    def start(self) -> Pipeline:
+        self._spawn("retrieval", ["retrieval"], 0)
+        self._spawn("preprocess", ["preprocess"], 1)
+        for i in range(self.n):
+            self.start_worker(i)
+        return self
+
+    def start_worker(self, i: int) -> None:
+        self._spawn(f"ranker-{i}", ["ranking", "--worker-id", f"ranker-{i}"], 2 + i)
+
+    def stop_worker(self, i: int, *, kill: bool = False) -> None:
+        p = self.procs.pop(f"ranker-{i}")
+        _end(p, kill=kill)
+
+    def check(self) -> None:
+        for name, p in self.procs.items():
+            if p.poll() is not None:
+                raise RuntimeError(
+                    f"stage {name} exited with code {p.returncode}; see {self.log_dir / (name + '.log')}"
+                )
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs.values():
+            _end(p)
+        self.procs.clear()
+
+    def __enter__(self) -> Pipeline:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    async def wait_ready(self, timeout_s: float = 180.0) -> float:
+        """Send probe requests until one comes back ranked; returns seconds waited."""
+        from relaygr.infra.kafka import consumer, producer
+        from relaygr.schemas import RankedResult, RecommendationRequest, TopicRegistry, decode, encode
+
+        reg = TopicRegistry(self.settings.topic_prefix, self.settings.partitions)
+        t0 = time.monotonic()
+        cons = consumer(self.settings, reg.name("results"), group_id=None, auto_offset_reset="latest")
+        prod = producer(self.settings)
+        await cons.start()
+        await prod.start()
+        try:
+            await cons.seek_to_end()
+            sent: set[str] = set()
+            last = 0.0
+            while time.monotonic() - t0 < timeout_s:
+                self.check()
+                if time.monotonic() - last > 2.0:
+                    rid = f"probe-{uuid.uuid4().hex[:8]}"
+                    req = RecommendationRequest(
+                        request_id=rid, user_id=f"probe-{len(sent) % 8}", ts=time.time()
+                    )
+                    await prod.send_and_wait(reg.name("requests"), encode(req), key=req.key())
+                    sent.add(rid)
+                    last = time.monotonic()
+                batch = await cons.getmany(timeout_ms=200)
+                for msgs in batch.values():
+                    for m in msgs:
+                        if decode(RankedResult, m.value).request_id in sent:
+                            return time.monotonic() - t0
+            raise TimeoutError(
+                f"the pipeline did not answer a probe within {timeout_s:.0f} s (logs in {self.log_dir})"
+            )
+        finally:
+            await cons.stop()
+            await prod.stop()
+
+
+def _end(p: subprocess.Popen, *, kill: bool = False, grace_s: float = 30.0) -> None:
+    if p.poll() is None:
+        p.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
+    try:
+        p.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--ranking-workers", type=int, default=2, help="ranking worker processes (default 2)")
+    parser.add_argument("--mode", choices=["relay", "baseline"], help="override RELAYGR_MODE")
+    parser.add_argument(
+        "--metrics-base-port", type=int, default=0, help="Prometheus ports from here, one per stage"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    settings = get_settings()
+    stop = False
+
+    def on_signal(*_: object) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        with Pipeline(
+            settings,
+            ranking_workers=args.ranking_workers,
+            mode=args.mode,
+            metrics_base_port=args.metrics_base_port,
+        ) as pipe:
+            waited = asyncio.run(pipe.wait_ready())
+            print(
+                f"pipeline up in {waited:.1f} s: retrieval, preprocess, {args.ranking_workers} ranking worker(s); "
+                f"logs in {pipe.log_dir}. Ctrl-C stops.",
+                flush=True,
+            )
+            while not stop:
+                pipe.check()
+                time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    except (BrokerError, RuntimeError, TimeoutError) as e:
+        print(f"relaygr up: {e}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,72 @@
+"""A latency model of full ranking, calibrated on the machine that ranks.
+
+Primitives:
+- ``LatencyModel``: predicted milliseconds of full ranking for a history of ``n`` tokens,
+  ``a + b·n + c·n²`` (projections grow linearly, causal attention quadratically).
+- ``LatencyModel.fit(samples)``: least squares on measured ``(n, ms)`` pairs, coefficients kept
+  non-negative so that the prediction grows with ``n``.
+- ``max_tokens_within(budget_ms)``: the longest history whose predicted time fits a budget (what
+  full inference truncates to).
+- ``save`` / ``load``: a JSON calibration file (``relaygr calibrate`` writes it).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class LatencyModel:
+    a: float = 1.0
+    b: float = 0.01
+    c: float = 0.0
+
+    def predict_ms(self, n: int | float) -> float:
+        return self.a + self.b * n + self.c * n * n
+
+    def max_tokens_within(self, budget_ms: float) -> int:
+        """Largest ``n`` with ``predict_ms(n) <= budget_ms`` (0 if even an empty history does not fit)."""
+        room = budget_ms - self.a
+        if room <= 0:
+            return 0
+        if self.c <= 0:
+            return int(room / self.b) if self.b > 0 else 1 << 30
+        n = (-self.b + math.sqrt(self.b * self.b + 4 * self.c * room)) / (2 * self.c)
+        return max(0, int(n))
+
+    @classmethod
+    def fit(cls, samples: Iterable[tuple[float, float]]) -> LatencyModel:
+        pts = np.asarray(list(samples), dtype=np.float64)
+        if pts.ndim != 2 or pts.shape[0] < 3:
+            raise ValueError("fit needs at least 3 (tokens, ms) samples")
+        n, ms = pts[:, 0], pts[:, 1]
+        design = np.stack([np.ones_like(n), n, n * n], axis=1)
+        coef, *_ = np.linalg.lstsq(design, ms, rcond=None)
+        if (coef < 0).any():  # refit without the negative terms rather than predict shrinking times
+            keep = [i for i in range(3) if coef[i] >= 0] or [1]
+            sub, *_ = np.linalg.lstsq(design[:, keep], ms, rcond=None)
+            coef = np.zeros(3)
+            coef[keep] = np.clip(sub, 0, None)
+        return cls(float(coef[0]), float(coef[1]), float(coef[2]))
+
+    def coeffs(self) -> list[float]:
+        return [self.a, self.b, self.c]
+
+    @classmethod
+    def from_coeffs(cls, coeffs: list[float]) -> LatencyModel:
+        if len(coeffs) != 3 or not all(math.isfinite(x) and x >= 0 for x in coeffs):
+            raise ValueError(f"latency model needs 3 finite non-negative coefficients, got {coeffs}")
+        return cls(*coeffs)
+
+    def save(self, path: Path, **extra: object) -> None:
+        path.write_text(json.dumps({"coeffs": self.coeffs(), **extra}, indent=2))
+
+    @classmethod
+    def load(cls, path: Path) -> LatencyModel:
+        return cls.from_coeffs(json.loads(Path(path).read_text())["coeffs"])

@@ -1,0 +1,240 @@
+"""The ranking engine of one worker: model + prefix store + device scheduler, no Kafka.
+
+Primitives:
+- ``EngineConfig``: mode (``relay`` or ``baseline``), the ranking budget, chunking, leases.
+- ``RankingEngine.prefill(user_id, history, ttl_s)``: pre-inference on a prefill signal — lease,
+  then promote, extend or compute the prefix (chunked on the device scheduler, so a ranking job
+  waits for at most one chunk). Returns a ``PrefillOutcome``.
+- ``RankingEngine.rank(user_id, history, candidates, request_ts, deadline)``: a ``RankOutcome``.
+  Relay path when a valid cached prefix exists; wait for an in-flight prefix only while that
+  still meets the deadline; otherwise full inference, truncated to what the latency model says
+  fits the remaining budget. Baseline mode is full inference on the same code.
+- ``calibrate(model, ...)``: measure full ranking at a few history lengths and fit the
+  ``LatencyModel`` the trigger and the truncation use.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, Field
+
+from relaygr.workers.latency_model import LatencyModel
+from relaygr.workers.model import HSTURanker
+from relaygr.workers.prefix_kv import Events, PrefixKV
+from relaygr.workers.prefix_store import PrefixStore
+from relaygr.workers.scheduler import DeviceScheduler, Priority
+
+
+class EngineConfig(BaseModel):
+    mode: Literal["relay", "baseline"] = Field(
+        default="relay", description="relay: cached prefixes; baseline: full inference, no trigger, no cache."
+    )
+    budget_ms: float = Field(default=50.0, gt=0, description="Ranking-stage latency budget (P99 target).")
+    prefill_chunk: int = Field(default=512, ge=1, description="Tokens per pre-inference job on the device.")
+    lease_ttl_s: float = Field(default=30.0, gt=0, description="Lease of a pre-inferred prefix.")
+    truncate_to_budget: bool = Field(
+        default=True, description="Full inference keeps only the most recent events that fit the budget."
+    )
+    min_truncated_len: int = Field(default=16, ge=0, description="Never truncate below this many events.")
+    wait_margin_ms: float = Field(
+        default=2.0, ge=0, description="Slack kept when deciding to wait for an in-flight prefix."
+    )
+
+
+@dataclass
+class RankOutcome:
+    scores: torch.Tensor
+    path: str
+    breakdown_ms: dict[str, float] = field(default_factory=dict)
+    history_len: int = 0
+    used_len: int = 0
+    tokens_computed: int = 0
+    prefix_len: int = 0
+    prefix_tier: str | None = None
+    prefix_owner: str | None = None  # the worker that computed the cached prefix
+
+
+@dataclass
+class PrefillOutcome:
+    status: str  # computed | extended | device | host | disk | merged | refused:<reason> | skipped
+    prefix_len: int = 0
+    ms: float = 0.0
+
+
+class RankingEngine:
+    def __init__(
+        self,
+        model: HSTURanker,
+        store: PrefixStore | None,
+        scheduler: DeviceScheduler,
+        config: EngineConfig,
+        latency: LatencyModel,
+    ) -> None:
+        if config.mode == "relay" and store is None:
+            raise ValueError("relay mode needs a prefix store")
+        self.model = model
+        self.store = store
+        self.scheduler = scheduler
+        self.config = config
+        self.latency = latency
+        # Recent (tokens, ms) of full-path compute: the worker refits its latency model from them.
+        self.samples: deque[tuple[int, float]] = deque(maxlen=512)
+        self.bytes_per_token = kv_bytes_per_token(model)
+
+    # ------------------------------------------------------------------ pre-inference
+
+    async def prefill(
+        self, user_id: str, history: Events, ttl_s: float | None = None, *, owner: str | None = None
+    ) -> PrefillOutcome:
+        """Lease and pre-infer ``history`` (the prefix part of the user's history). ``owner`` is
+        recorded in the prefix's metadata, so a later ranking can tell who computed it."""
+        if self.config.mode != "relay" or self.store is None:
+            return PrefillOutcome("skipped")
+        if len(history) == 0:
+            return PrefillOutcome("skipped")
+        t0 = time.perf_counter()
+        lease = self.store.lease(
+            user_id, ttl_s or self.config.lease_ttl_s, len(history) * self.bytes_per_token
+        )
+        if not lease:
+            return PrefillOutcome(f"refused:{lease.reason}", len(history))
+
+        async def compute(best: PrefixKV | None) -> PrefixKV:
+            steps = self.model.prefill_steps(history, self.config.prefill_chunk, prefix=best)
+            while True:
+                out = await self.scheduler.submit(lambda: next(steps), priority=Priority.PREFILL)
+                if out is not None:
+                    if owner is not None:
+                        out.meta["worker_id"] = owner
+                    return out
+
+        _, source = await self.store.get_or_compute(user_id, history, compute)
+        return PrefillOutcome(source, len(history), (time.perf_counter() - t0) * 1000)
+
+    # ------------------------------------------------------------------ ranking
+
+    async def rank(
+        self,
+        user_id: str,
+        history: Events,
+        candidates: torch.Tensor,
+        request_ts: float,
+        deadline: float,
+    ) -> RankOutcome:
+        """Rank ``candidates`` for ``user_id``. ``deadline`` is wall-clock seconds (time.time())."""
+        n = len(history)
+        bd: dict[str, float] = {}
+        if n == 0:
+            scores, ms = await self._run(None, history, candidates, request_ts, deadline)
+            bd["compute"] = ms
+            return RankOutcome(scores, "cold_start", bd, 0, 0, len(candidates))
+
+        if self.config.mode == "relay" and self.store is not None:
+            t0 = time.perf_counter()
+            found = await self.store.lookup(user_id, history)
+            bd["lookup"] = (time.perf_counter() - t0) * 1000
+            prefix, tier, path = found.prefix, found.tier, "relay"
+            if prefix is None and self.store.in_flight(user_id):
+                # Wait only if ranking the suffix after the wait still meets the deadline.
+                est = self.latency.predict_ms(min(n, self.config.prefill_chunk)) + self.config.wait_margin_ms
+                room_s = deadline - time.time() - est / 1000
+                if room_s > 0:
+                    t1 = time.perf_counter()
+                    waited = await self.store.wait_in_flight(user_id, room_s)
+                    bd["prefix_wait"] = (time.perf_counter() - t1) * 1000
+                    if waited is not None and waited.matches(history):
+                        prefix, tier, path = waited, "inflight", "relay_waited"
+            if prefix is not None:
+                suffix = history.slice(prefix.length)
+                scores, ms = await self._run(prefix, suffix, candidates, request_ts, deadline)
+                bd["compute"] = ms
+                self.store.release(user_id)
+                return RankOutcome(
+                    scores,
+                    path,
+                    bd,
+                    n,
+                    n,
+                    len(suffix) + len(candidates),
+                    prefix.length,
+                    tier,
+                    prefix.meta.get("worker_id"),
+                )
+            self.store.release(user_id)
+
+        used = history
+        path = "baseline" if self.config.mode == "baseline" else "full"
+        if self.config.truncate_to_budget:
+            left_ms = (deadline - time.time()) * 1000
+            fit = max(self.config.min_truncated_len, self.latency.max_tokens_within(left_ms))
+            if fit < n:
+                used = history.slice(n - fit)
+                path = "full_truncated"
+        scores, ms = await self._run(None, used, candidates, request_ts, deadline)
+        bd["compute"] = ms
+        self.samples.append((len(used), ms))
+        return RankOutcome(scores, path, bd, n, len(used), len(used) + len(candidates), 0, "miss")
+
+    async def _run(
+        self,
+        prefix: PrefixKV | None,
+        events: Events,
+        candidates: torch.Tensor,
+        request_ts: float,
+        deadline: float,
+    ) -> tuple[torch.Tensor, float]:
+        timing: list[float] = []
+
+        def job() -> torch.Tensor:
+            t0 = time.perf_counter()
+            out = self.model.rank(prefix, events, candidates, request_ts)
+            timing.append((time.perf_counter() - t0) * 1000)
+            return out
+
+        scores = await self.scheduler.submit(job, priority=Priority.RANK, deadline=deadline)
+        return scores, timing[0]
+
+    def refit_latency(self) -> LatencyModel:
+        """Refit the latency model from recent full-path measurements when they span enough lengths."""
+        if len({n // 64 for n, _ in self.samples}) >= 4:
+            self.latency = LatencyModel.fit(self.samples)
+        return self.latency
+
+
+def kv_bytes_per_token(model: HSTURanker) -> int:
+    c = model.config
+    elem = torch.empty((), dtype=model.dtype).element_size()
+    # keys + values per layer, plus the position (int64) and timestamp (float64) of the token.
+    return len(model.layers) * c.heads * (c.attn_dim + c.linear_dim) * elem + 16
+
+
+def calibrate(
+    model: HSTURanker,
+    lengths: tuple[int, ...] = (64, 256, 512, 1024, 2048),
+    candidates: int = 128,
+    repeats: int = 3,
+) -> tuple[LatencyModel, list[tuple[int, float]]]:
+    """Median time of ``rank_full`` per history length on this machine, and the fitted model."""
+    gen = torch.Generator().manual_seed(0)
+    cands = torch.randint(1, model.config.num_items + 1, (candidates,), generator=gen)
+    samples = []
+    for n in lengths:
+        hist = Events(
+            torch.randint(1, model.config.num_items + 1, (n,), generator=gen),
+            torch.randint(1, model.config.num_actions + 1, (n,), generator=gen),
+            torch.arange(n, dtype=torch.float64) * 60.0,
+        )
+        model.rank_full(hist, cands, float(n) * 60.0)  # warm-up
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            model.rank_full(hist, cands, float(n) * 60.0)
+            times.append((time.perf_counter() - t0) * 1000)
+        samples.append((n, statistics.median(times)))
+    return LatencyModel.fit(samples), samples
