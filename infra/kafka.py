@@ -117,3 +117,17 @@ async def ensure_topics(
             await asyncio.sleep(0.2)
     finally:
         await client.close()
+
+
+async def delete_topics_with_prefix(settings: Settings, prefix: str) -> list[str]:
+    """Delete every topic whose name starts with ``prefix`` (the registry's and the stages'
+    changelogs alike). Returns the deleted names."""
+    client = admin(settings)
+    await client.start()
+    try:
+        mine = [t for t in await client.list_topics() if t.startswith(prefix)]
+        if mine:
+            await client.delete_topics(mine)
+        return mine
+    finally:
+        await client.close()

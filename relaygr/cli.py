@@ -22,6 +22,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("relaygr.demo", "the main job: broker, topics and the pipeline on MovieLens, with a summary"),
     "up": ("relaygr.streams.up", "run every stage locally (retrieval, preprocess, N ranking workers)"),
     "stage": ("relaygr.streams.stage_cli", "run one stage of the cascade in this process"),
+    "calibrate": (
+        "relaygr.calibrate",
+        "measure full-ranking latency here and write the trigger's latency model",
+    ),
     "train": ("relaygr.workers.train", "train the HSTU ranker on MovieLens and write a checkpoint"),
 }
 
@@ -34,6 +38,10 @@ GROUPS: dict[str, tuple[str, dict[str, tuple[str, str]]]] = {
                 "rank with a cached prefix vs full inference, per prefix length",
             ),
             "store": ("relaygr.bench.store", "prefix store tiers vs recompute, per prefix length"),
+            "pipeline": (
+                "relaygr.bench.pipeline",
+                "Kafka hop overhead; relay vs baseline ranking P99 on the broker",
+            ),
         },
     ),
 }

@@ -113,6 +113,7 @@ class RetrievedRequest(Event):
     top_k: int = Field(default=10, ge=1, le=MAX_CANDIDATES)
     history_len: Count = 0
     trigger: Annotated[TriggerReason, Strict(False)] = TriggerReason.DISABLED
+    received_at: Timestamp | None = Field(default=None, description="when retrieval read the request")
     retrieved_at: Timestamp
     label_item_id: ItemId | None = None
 

@@ -71,6 +71,9 @@ class PipelineSettings(BaseSettings):
         default=256, ge=1, description="Ranking worker: requests in flight before it pauses fetching."
     )
     stats_interval_s: float = Field(default=2.0, gt=0, description="Ranking worker: WorkerStats period.")
+    torch_threads: int = Field(
+        default=0, ge=0, description="Ranking worker: torch CPU threads (0 = torch's default)."
+    )
     concurrency: int = Field(
         default=16, ge=1, description="Retrieval/pre-processing: requests processed concurrently."
     )

@@ -1,7 +1,7 @@
 """Pre-processing stage (faust app): drop what the user has seen, cap, emit the rank request.
 
 Topology:
-  behaviors (key user_id) ──> table ``seen`` (RocksDB via rocksdict, changelog in Kafka)
+  behaviors (key user_id) ──> table ``seen``: item -> first seen (RocksDB via rocksdict, changelog)
   retrieved (key user_id) ──> unseen candidates, capped ──> rank-requests (key user_id)
   bad input ──> dead-letters
 
@@ -39,7 +39,7 @@ def build(settings: Settings, p: PipelineSettings, worker_id: str = "0"):
     reg = TopicRegistry(settings.topic_prefix, settings.partitions)
     behaviors, retrieved = raw_topic(app, reg.name("behaviors")), raw_topic(app, reg.name("retrieved"))
     out_rank, dlq = raw_topic(app, reg.name("rank")), raw_topic(app, reg.name("dead_letters"))
-    seen = app.Table("seen", default=None, partitions=settings.partitions)
+    seen = app.Table("seen-v1", default=None, partitions=settings.partitions)
     limit = settings.max_message_bytes
 
     async def to_dlq(ev, reason: str) -> None:
@@ -50,14 +50,16 @@ def build(settings: Settings, p: PipelineSettings, worker_id: str = "0"):
 
     async def on_behavior(ev) -> None:
         b = decode_keyed(BehaviorEvent, ev.key, ev.value, limit)
-        s = seen.get(b.user_id) or []
-        s.append([b.item_id, b.ts])
-        seen[b.user_id] = s
+        s = seen.get(b.user_id) or {}
+        key = str(b.item_id)  # JSON object keys are strings
+        if key not in s or b.ts < s[key]:
+            s[key] = b.ts  # when the user first saw the item
+            seen[b.user_id] = s
 
     async def on_retrieved(ev) -> None:
         r = decode_keyed(RetrievedRequest, ev.key, ev.value, limit)
         t0 = time.time()
-        before = {int(i) for i, ts in (seen.get(r.user_id) or []) if ts < r.model_ts}
+        before = {int(i) for i, ts in (seen.get(r.user_id) or {}).items() if ts < r.model_ts}
         if p.feature_fetch_ms:
             await asyncio.sleep(p.feature_fetch_ms / 1000)
         cands = [c for c in r.candidates if c not in before]
@@ -74,7 +76,9 @@ def build(settings: Settings, p: PipelineSettings, worker_id: str = "0"):
             prefill_expected=r.trigger == TriggerReason.ADMITTED,
             produced_at=now,
             upstream_ms={
-                "retrieval": max(0.0, (r.retrieved_at - r.ts) * 1000),
+                "hop_requests": max(0.0, ((r.received_at or r.ts) - r.ts) * 1000),
+                "retrieval": max(0.0, (r.retrieved_at - (r.received_at or r.ts)) * 1000),
+                "hop_retrieved": max(0.0, (t0 - r.retrieved_at) * 1000),
                 "preprocess": (now - t0) * 1000,
             },
             label_item_id=r.label_item_id,

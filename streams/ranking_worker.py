@@ -316,7 +316,7 @@ class RankingWorker:
             path = RankPath(oc.path)
         now = time.time()
         breakdown = {
-            "queue": max(0.0, (t_in - r.produced_at) * 1000),
+            "hop_rank": max(0.0, (t_in - r.produced_at) * 1000),
             "ranking": (now - r.produced_at) * 1000,
         }
         breakdown.update({k: float(v) for k, v in r.upstream_ms.items()})
@@ -405,6 +405,8 @@ class _Rebalance(ConsumerRebalanceListener):
 def main(settings: Settings, p: PipelineSettings, worker_id: str, metrics_port: int = 0) -> int:
     from relaygr.streams.common import serve_metrics
 
+    if p.torch_threads:
+        torch.set_num_threads(p.torch_threads)
     serve_metrics(metrics_port)
     worker = RankingWorker(settings, p, worker_id)
 

@@ -1,7 +1,8 @@
 """Retrieval stage (faust app): candidates for each request, and the sequence-aware trigger.
 
 Topology:
-  behaviors (key user_id) ──> table ``histories`` (RocksDB via rocksdict, changelog in Kafka)
+  behaviors (key user_id) ──> table ``histories``: length + recent items (RocksDB via rocksdict,
+                              changelog in Kafka)
   requests  (key user_id) ──> trigger ──> prefill-signals (key user_id, same partition number)
                           └─> candidates ──> retrieved (key user_id)
   worker-stats ──> the trigger's latency model and measured footprints
@@ -48,6 +49,11 @@ RECENT = 32
 TRIGGER = PCounter("relaygr_trigger_decisions_total", "Sequence-aware trigger decisions", ["reason"])
 DEAD = PCounter("relaygr_dead_letters_total", "Messages sent to the dead-letter topic", ["stage", "topic"])
 REQS = PCounter("relaygr_retrieval_requests_total", "Requests retrieved")
+HOP = Histogram(
+    "relaygr_retrieval_hop_seconds",
+    "Kafka hop: request produced -> retrieval received",
+    buckets=(0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 1),
+)
 LAT = Histogram(
     "relaygr_retrieval_seconds",
     "Retrieval stage time per request",
@@ -81,6 +87,25 @@ class CandidateGenerator:
         return [int(i) for i in top[np.argsort(-scores[top], kind="stable")]]
 
 
+def summary_add(summary: dict | None, item_id: int, ts: float) -> dict:
+    """A user's history as retrieval needs it: its length and its most recent items (O(1) per event,
+    so the table's changelog carries small values however long the history grows)."""
+    s = summary or {"n": 0, "r": []}
+    s["n"] += 1
+    s["r"] = [*s["r"][-(RECENT - 1) :], [item_id, ts]] if RECENT > 1 else [[item_id, ts]]
+    return s
+
+
+def summary_before(summary: dict | None, ts: float) -> tuple[int, list[int]]:
+    """History length and recent items strictly before ``ts`` (events newer than the request that
+    arrived first are discounted; beyond the kept window the count is exact only for ordered input)."""
+    if not summary:
+        return 0, []
+    newer = [x for x in summary["r"] if x[1] >= ts]
+    recent = [int(i) for i, t in summary["r"] if t < ts]
+    return max(0, summary["n"] - len(newer)), recent
+
+
 def load_item_embeddings(p: PipelineSettings) -> tuple[np.ndarray, int]:
     """Item embeddings of the trained model and its KV bytes per token."""
     from relaygr.workers.model import HSTURanker
@@ -102,7 +127,8 @@ def build(settings: Settings, p: PipelineSettings, worker_id: str = "0"):
     behaviors, requests = raw_topic(app, reg.name("behaviors")), raw_topic(app, reg.name("requests"))
     out_prefill, out_retrieved = raw_topic(app, reg.name("prefill")), raw_topic(app, reg.name("retrieved"))
     dlq = raw_topic(app, reg.name("dead_letters"))
-    histories = app.Table("histories", default=None, partitions=settings.partitions)
+    # The value format is part of the table's name: a format change starts a fresh table.
+    histories = app.Table("summaries-v1", default=None, partitions=settings.partitions)
     emb, bytes_per_token = load_item_embeddings(p)
     gen = CandidateGenerator(emb)
     trigger = SequenceAwareTrigger(trigger_config(p, bytes_per_token), load_latency(p))
@@ -117,16 +143,15 @@ def build(settings: Settings, p: PipelineSettings, worker_id: str = "0"):
 
     async def on_behavior(ev) -> None:
         b = decode_keyed(BehaviorEvent, ev.key, ev.value, limit)
-        h = histories.get(b.user_id) or []
-        h.append([b.item_id, b.ts])
-        histories[b.user_id] = h
+        histories[b.user_id] = summary_add(histories.get(b.user_id), b.item_id, b.ts)
         gen.observe(b.item_id)
 
     async def on_request(ev) -> None:
         r = decode_keyed(RecommendationRequest, ev.key, ev.value, limit)
         t0 = time.time()
-        h = [x for x in (histories.get(r.user_id) or []) if x[1] < r.model_ts]
-        decision = trigger.decide(ev.message.partition, len(h), t0)
+        HOP.observe(max(0.0, t0 - r.ts))
+        n, recent = summary_before(histories.get(r.user_id), r.model_ts)
+        decision = trigger.decide(ev.message.partition, n, t0)
         TRIGGER.labels(decision.reason.value).inc()
         if decision.admitted:
             sig = PrefillSignal(
@@ -134,7 +159,7 @@ def build(settings: Settings, p: PipelineSettings, worker_id: str = "0"):
                 user_id=r.user_id,
                 ts=r.ts,
                 event_ts=r.event_ts,
-                history_len=len(h),
+                history_len=n,
                 prefix_len=decision.prefix_len,
                 lease_ttl_s=trigger.config.lease_ttl_s,
                 issued_at=time.time(),
@@ -142,7 +167,7 @@ def build(settings: Settings, p: PipelineSettings, worker_id: str = "0"):
             await out_prefill.send(key=sig.key(), value=encode(sig))
         if p.feature_fetch_ms:
             await asyncio.sleep(p.feature_fetch_ms / 1000)
-        cands = gen.candidates([int(x[0]) for x in h[-RECENT:]], 2 * r.num_candidates)
+        cands = gen.candidates(recent, 2 * r.num_candidates)
         out = RetrievedRequest(
             request_id=r.request_id,
             user_id=r.user_id,
@@ -150,8 +175,9 @@ def build(settings: Settings, p: PipelineSettings, worker_id: str = "0"):
             event_ts=r.event_ts,
             candidates=cands[:2000],
             top_k=r.top_k,
-            history_len=len(h),
+            history_len=n,
             trigger=decision.reason,
+            received_at=t0,
             retrieved_at=time.time(),
             label_item_id=r.label_item_id,
         )

@@ -45,15 +45,29 @@ def synthesise(history: Events, factor: int) -> Events:
 
 
 def leave_last_out(
-    ml: MovieLens, users: Iterable[int], *, synth_factor: int = 1, num_candidates: int = 128, top_k: int = 10
+    ml: MovieLens,
+    users: Iterable[int],
+    *,
+    synth_factor: int = 1,
+    target_len: int | None = None,
+    num_candidates: int = 128,
+    top_k: int = 10,
 ) -> tuple[list[BehaviorEvent], list[RecommendationRequest]]:
+    """Per user: the history before the last interaction as behaviours (lengthened by
+    ``synth_factor`` repetitions, or to exactly ``target_len`` events by as many as needed) and a
+    request for the last interaction."""
     behaviours: list[BehaviorEvent] = []
     requests: list[RecommendationRequest] = []
     for u in users:
         h = ml.histories[u]
         if len(h) < 2:
             continue
-        past = synthesise(h.slice(0, len(h) - 1), synth_factor)
+        past = h.slice(0, len(h) - 1)
+        if target_len is not None:
+            past = synthesise(past, -(-target_len // len(past)))
+            past = past.slice(max(0, len(past) - target_len))
+        else:
+            past = synthesise(past, synth_factor)
         uid = str(u)
         behaviours += [
             BehaviorEvent(user_id=uid, item_id=int(i), ts=float(t), action=int(a))

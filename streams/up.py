@@ -17,7 +17,7 @@ import time
 import uuid
 from pathlib import Path
 
-from relaygr.infra.broker import BrokerError
+from relaygr.infra.broker import BrokerError, free_port
 from relaygr.infra.settings import Settings, get_settings
 
 
@@ -33,6 +33,7 @@ class Pipeline:
         env: dict[str, str] | None = None,
         log_dir: Path | None = None,
         metrics_base_port: int = 0,
+        metrics: bool = False,
     ) -> None:
         self.settings = settings
         self.n = ranking_workers
@@ -44,8 +45,14 @@ class Pipeline:
         self.env["RELAYGR_PARTITIONS"] = str(settings.partitions)
         self.env["RELAYGR_HOME"] = str(settings.home)
         self.env.setdefault("PYTHONUNBUFFERED", "1")
+        # Share the cores among the ranking workers instead of oversubscribing them.
+        self.env.setdefault(
+            "RELAYGR_TORCH_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, ranking_workers)))
+        )
         self.log_dir = log_dir or Path(settings.home) / "logs"
         self.metrics_base_port = metrics_base_port
+        self.metrics = metrics
+        self.metrics_ports: dict[str, int] = {}
         self.procs: dict[str, subprocess.Popen] = {}
 
     def _spawn(self, name: str, args: list[str], port_index: int) -> None:
@@ -53,8 +60,10 @@ class Pipeline:
         cmd = [sys.executable, "-m", "relaygr.cli", "stage", *args]
         if self.mode:
             cmd += ["--mode", self.mode]
-        if self.metrics_base_port:
-            cmd += ["--metrics-port", str(self.metrics_base_port + port_index)]
+        if self.metrics_base_port or self.metrics:
+            port = self.metrics_base_port + port_index if self.metrics_base_port else free_port()
+            self.metrics_ports[name] = port
+            cmd += ["--metrics-port", str(port)]
         log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
         self.procs[name] = subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT)
         log.close()
@@ -72,6 +81,19 @@ class Pipeline:
     def stop_worker(self, i: int, *, kill: bool = False) -> None:
         p = self.procs.pop(f"ranker-{i}")
         _end(p, kill=kill)
+
+    def scrape(self, name: str) -> dict[str, float]:
+        """The Prometheus samples of stage ``name`` (``metric{labels}`` -> value)."""
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_ports[name]}/metrics", timeout=5) as r:
+            text = r.read().decode()
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                key, _, value = line.rpartition(" ")
+                out[key] = float(value)
+        return out
 
     def check(self) -> None:
         for name, p in self.procs.items():

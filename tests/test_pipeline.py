@@ -7,14 +7,18 @@ prefix is the worker that ranks with it, baseline mode ranks the same, unknown u
 
 from __future__ import annotations
 
+import asyncio
+import base64
 import json
+import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
-from relaygr.infra.kafka import ensure_topics
-from relaygr.schemas import RecommendationRequest, TopicRegistry
+from relaygr.infra.kafka import consumer, delete_topics_with_prefix, ensure_topics, producer
+from relaygr.schemas import DeadLetter, RecommendationRequest, TopicRegistry, decode
 from relaygr.streams.traffic import collect_results, history_of, leave_last_out, publish
 from relaygr.streams.up import Pipeline
 from relaygr.workers.latency_model import LatencyModel
@@ -61,26 +65,81 @@ def _env(model_dir: Path, mode: str) -> dict[str, str]:
 
 
 async def _run(kafka_settings, tmp_path_factory, model_dir, traffic, mode: str, workers: int):
-    prefix = f"pipe-{mode}-{tmp_path_factory.mktemp('x').name}"
+    prefix = f"pipe-{mode}-{uuid.uuid4().hex[:8]}"
     settings = kafka_settings.model_copy(
         update={"topic_prefix": prefix, "home": tmp_path_factory.mktemp(f"home-{mode}"), "partitions": 4}
     )
     reg = TopicRegistry(prefix, 4)
     await ensure_topics(reg, settings)
     behaviours, requests = traffic
-    pipe = Pipeline(settings, ranking_workers=workers, env=_env(model_dir, mode))
+    pipe = Pipeline(settings, ranking_workers=workers, env=_env(model_dir, mode), metrics=True)
     pipe.start()
     try:
         await pipe.wait_ready(timeout_s=240)
+        await _send_raw(settings, reg, BAD)
         sent = await publish(settings, reg, behaviours, requests, qps=40)
         results = await collect_results(settings, reg, {r.request_id for r in sent}, timeout_s=120)
         pipe.check()
+        metrics = {name: pipe.scrape(name) for name in pipe.procs}
+        dead = await _dead_letters(settings, reg, expect=EXPECTED_DEAD)
     finally:
         pipe.stop()
+        await delete_topics_with_prefix(settings, prefix)
     events = []
     for f in Path(settings.home, "workers").glob("*/events.jsonl"):
         events += [json.loads(line) for line in f.read_text().splitlines()]
-    return sent, results, events
+    return Run(sent, results, events, metrics, dead)
+
+
+# Bad input mixed into the real traffic: (topic role, key, value, what the reason must say).
+BAD = [
+    ("behaviors", b"1", b"\xff\xfe not utf-8", "invalid UTF-8"),
+    ("behaviors", b"2", b'{"user_id": "2", "item_id": "x", "ts": 1.0}', "item_id"),
+    ("behaviors", b"3", b'{"user_id": "4", "item_id": 5, "ts": 1.0}', "disagrees"),
+    ("requests", b"5", b"{not json", "invalid JSON"),
+    (
+        "requests",
+        b"6",
+        b'{"schema_version": 9, "request_id": "r", "user_id": "6", "ts": 1.0}',
+        "schema version",
+    ),
+]
+# Behaviours are read by three stages (retrieval, preprocess, ranking), requests by retrieval.
+EXPECTED_DEAD = 3 * 3 + 2
+
+
+@dataclass
+class Run:
+    sent: list
+    results: dict
+    events: list
+    metrics: dict
+    dead: list
+
+
+async def _send_raw(settings, reg, bad) -> None:
+    prod = producer(settings)
+    await prod.start()
+    try:
+        for role, key, value, _ in bad:
+            await prod.send_and_wait(reg.name(role), value, key=key)
+    finally:
+        await prod.stop()
+
+
+async def _dead_letters(settings, reg, expect: int, timeout_s: float = 60.0) -> list[DeadLetter]:
+    cons = consumer(settings, reg.name("dead_letters"), group_id=None)
+    await cons.start()
+    out: list[DeadLetter] = []
+    try:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while len(out) < expect and loop.time() < deadline:
+            for msgs in (await cons.getmany(timeout_ms=200)).values():
+                out += [decode(DeadLetter, m.value) for m in msgs]
+    finally:
+        await cons.stop()
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +153,7 @@ async def baseline_run(kafka_settings, tmp_path_factory, model_dir, traffic):
 
 
 async def test_one_result_per_request(relay_run) -> None:
-    sent, results, _ = relay_run
+    sent, results = relay_run.sent, relay_run.results
     assert set(results) == {r.request_id for r in sent}
     for r in sent:
         res = results[r.request_id]
@@ -104,7 +163,7 @@ async def test_one_result_per_request(relay_run) -> None:
 
 
 async def test_relay_path_is_taken_and_scores_equal_full_inference(relay_run, model_dir, traffic) -> None:
-    sent, results, _ = relay_run
+    sent, results = relay_run.sent, relay_run.results
     behaviours, _ = traffic
     relay = [results[r.request_id] for r in sent if results[r.request_id].path.value.startswith("relay")]
     assert len(relay) >= len(USERS) // 2, {res.path for res in results.values()}
@@ -121,7 +180,7 @@ async def test_relay_path_is_taken_and_scores_equal_full_inference(relay_run, mo
 
 
 async def test_relay_results_ranked_by_the_worker_that_pre_inferred(relay_run) -> None:
-    sent, results, events = relay_run
+    results, events = relay_run.results, relay_run.events
     prefill_by = {e["request_id"]: e["worker_id"] for e in events if e["event"] == "prefill"}
     workers = {res.worker_id for res in results.values()}
     assert len(workers) == 2, "both ranking workers should own partitions"
@@ -134,14 +193,14 @@ async def test_relay_results_ranked_by_the_worker_that_pre_inferred(relay_run) -
 
 
 async def test_unknown_user_is_answered(relay_run) -> None:
-    _, results, _ = relay_run
+    results = relay_run.results
     cold = results["cold-1"]
     assert cold.path.value == "cold_start" and len(cold.items) > 0
 
 
 async def test_baseline_mode_gives_the_same_rankings(relay_run, baseline_run) -> None:
-    _, relay, _ = relay_run
-    sent, base, _ = baseline_run
+    relay = relay_run.results
+    sent, base = baseline_run.sent, baseline_run.results
     assert set(base) == {r.request_id for r in sent}
     assert {res.path.value for res in base.values()} <= {"baseline", "cold_start"}
     compared = 0
@@ -164,3 +223,36 @@ def _ties(a, b) -> bool:
     """Same scores, order differing only among (near-)equal scores."""
     sa, sb = [it.score for it in a.items], [it.score for it in b.items]
     return all(abs(x - y) < 1e-4 for x, y in zip(sa, sb, strict=True))
+
+
+async def test_bad_input_goes_to_dead_letters_and_good_traffic_flows(relay_run) -> None:
+    dead = relay_run.dead
+    assert len(dead) == EXPECTED_DEAD
+    for role, _key, value, needle in BAD:
+        mine = [
+            d
+            for d in dead
+            if d.source_topic.endswith(role.replace("_", "-")) and base64.b64decode(d.value_b64) == value
+        ]
+        stages = {d.stage for d in mine}
+        assert stages == ({"retrieval", "preprocess", "ranking"} if role == "behaviors" else {"retrieval"}), (
+            value,
+            stages,
+        )
+        assert all(needle in d.reason and d.offset >= 0 for d in mine), [d.reason for d in mine]
+    assert len(relay_run.results) == len(relay_run.sent)  # every good request still answered
+
+
+async def test_stages_export_prometheus_metrics(relay_run) -> None:
+    m = relay_run.metrics
+    admitted = m["retrieval"].get('relaygr_trigger_decisions_total{reason="admitted"}', 0)
+    assert admitted >= len(USERS) // 2
+    relay_paths = sum(
+        v for k, v in m["ranker-0"].items() if k.startswith('relaygr_rank_results_total{path="relay')
+    )
+    relay_paths += sum(
+        v for k, v in m["ranker-1"].items() if k.startswith('relaygr_rank_results_total{path="relay')
+    )
+    assert relay_paths >= len(USERS) // 2
+    assert any(k.startswith("relaygr_rank_latency_seconds_bucket") for k in m["ranker-0"])
+    assert any(k.startswith('relaygr_prefix_store{name="hits_device"}') for k in m["ranker-0"])

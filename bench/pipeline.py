@@ -1,0 +1,183 @@
+"""Pipeline benchmark on the real broker: Kafka hop overhead, and relay vs baseline ranking latency.
+
+Both modes run in one invocation, back to back, on the same broker, model and trace:
+1. relay pipeline: short real MovieLens histories at --qps (default 100 req/s): P50/P99 of each
+   Kafka hop (requests -> retrieval, retrieved -> pre-processing, rank-requests -> worker);
+2. relay pipeline, then baseline pipeline: --users users with histories of --history events
+   (MovieLens histories lengthened by time-shifted repetition), ranking-stage latency (rank
+   request produced -> result produced), P50/P99, and the relay/baseline ratio.
+One JSON line per phase and mode, then one line with the headline figures and ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+
+from relaygr.infra.kafka import delete_topics_with_prefix, ensure_topics
+from relaygr.infra.settings import Settings, get_settings
+from relaygr.schemas import TopicRegistry
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print only the JSON lines")
+    parser.add_argument("--qps", type=float, default=100.0, help="request rate of the hop measurement")
+    parser.add_argument("--hop-requests", type=int, default=600, help="requests of the hop measurement")
+    parser.add_argument("--users", type=int, default=48, help="users with long histories")
+    parser.add_argument("--history", type=int, default=2048, help="history length of the long-history phase")
+    parser.add_argument("--long-qps", type=float, default=6.0, help="request rate of the long-history phase")
+    parser.add_argument(
+        "--fetch-ms", type=float, default=25.0, help="emulated feature fetch per upstream stage"
+    )
+    parser.add_argument(
+        "--budget-ms", type=float, default=1000.0, help="ranking budget (no truncation by default)"
+    )
+
+
+def _p(xs: list[float], q: float) -> float:
+    return float(np.percentile(xs, q)) if xs else math.nan
+
+
+class _Say:
+    def __init__(self, quiet: bool) -> None:
+        self.quiet = quiet
+
+    def __call__(self, msg: str) -> None:
+        if not self.quiet:
+            print(f"== {msg}", file=sys.stderr, flush=True)
+
+
+def _phase(
+    settings: Settings, mode: str, env: dict[str, str], traffic: list[tuple[str, list, list, float]], say
+):
+    """Run one pipeline in ``mode`` and replay each (name, behaviours, requests, qps) through it."""
+    from relaygr.streams.traffic import collect_results, publish
+    from relaygr.streams.up import Pipeline
+
+    run = f"bench-{mode}-{uuid.uuid4().hex[:6]}"
+    s = settings.model_copy(
+        update={"topic_prefix": f"{settings.topic_prefix}-{run}", "home": Path(settings.home) / run}
+    )
+    reg = TopicRegistry(s.topic_prefix, s.partitions)
+    asyncio.run(ensure_topics(reg, s))
+    out = {}
+    try:
+        with Pipeline(s, ranking_workers=1, mode=mode, env=env) as pipe:
+            say(f"{mode}: pipeline ready in {asyncio.run(pipe.wait_ready()):.1f} s")
+            for name, behaviours, requests, qps in traffic:
+                say(f"{mode}/{name}: {len(behaviours)} behaviours, {len(requests)} requests at {qps:g}/s")
+                sent = asyncio.run(publish(s, reg, behaviours, requests, qps=qps, settle_s=3.0))
+                res = asyncio.run(collect_results(s, reg, {r.request_id for r in sent}, timeout_s=300))
+                out[name] = (sent, res)
+    finally:
+        asyncio.run(delete_topics_with_prefix(s, s.topic_prefix))
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from relaygr.demo import ensure_broker, ensure_calibration, ensure_model
+    from relaygr.streams.config import PipelineSettings
+    from relaygr.streams.traffic import leave_last_out
+    from relaygr.workers.movielens import load_movielens
+
+    say = _Say(args.json)
+    settings, _ = ensure_broker(get_settings())
+    p = PipelineSettings()
+    ensure_model(p.model_dir)
+    calib = ensure_calibration(p.model_dir)
+    env = {
+        "RELAYGR_MODEL_DIR": str(p.model_dir),
+        "RELAYGR_CALIBRATION_FILE": str(calib),
+        "RELAYGR_BUDGET_MS": str(args.budget_ms),
+        "RELAYGR_FEATURE_FETCH_MS": str(args.fetch_ms),
+        "RELAYGR_THETA": "0.0001",  # the long-history phase is "at risk" by construction
+        "RELAYGR_SHORT_TERM": "64",
+        "RELAYGR_DEVICE_CACHE_MB": "2048",
+    }
+    ml = load_movielens("ml-100k")
+    users = sorted(ml.histories)
+    hop_users = users[: args.hop_requests] if args.hop_requests <= len(users) else users
+    hop_b, hop_r = leave_last_out(ml, hop_users, num_candidates=64)
+    hop_r = (hop_r * math.ceil(args.hop_requests / len(hop_r)))[: args.hop_requests]
+    hop_r = [r.model_copy(update={"request_id": f"{r.request_id}-{i}"}) for i, r in enumerate(hop_r)]
+    long_users = [u for u in users if len(ml.histories[u]) >= 50][: args.users]
+    long_b, long_r = leave_last_out(ml, long_users, target_len=args.history, num_candidates=128)
+    long_b = [b.model_copy(update={"user_id": f"L{b.user_id}"}) for b in long_b]
+    long_r = [
+        r.model_copy(update={"user_id": f"L{r.user_id}", "request_id": f"L{r.request_id}"}) for r in long_r
+    ]
+
+    t0 = time.monotonic()
+    relay = _phase(
+        settings,
+        "relay",
+        env,
+        [("hops", hop_b, hop_r, args.qps), ("long", long_b, long_r, args.long_qps)],
+        say,
+    )
+    base = _phase(settings, "baseline", env, [("long", long_b, long_r, args.long_qps)], say)
+
+    lines = []
+    sent, res = relay["hops"]
+    hops = {
+        h: [r.breakdown_ms[h] for r in res.values() if h in r.breakdown_ms]
+        for h in ("hop_requests", "hop_retrieved", "hop_rank")
+    }
+    hop_line = {
+        "bench": "pipeline",
+        "phase": "kafka_hops",
+        "qps": args.qps,
+        "requests": len(sent),
+        "results": len(res),
+        **{f"{h}_ms_p50": _p(v, 50) for h, v in hops.items()},
+        **{f"{h}_ms_p99": _p(v, 99) for h, v in hops.items()},
+    }
+    hop_line["max_hop_ms_p99"] = max(hop_line[f"{h}_ms_p99"] for h in hops)
+    lines.append(hop_line)
+    per_mode = {}
+    for mode, runs in (("relay", relay), ("baseline", base)):
+        sent, res = runs["long"]
+        ranking = [r.breakdown_ms["ranking"] for r in res.values()]
+        per_mode[mode] = {
+            "bench": "pipeline",
+            "phase": "long_history",
+            "mode": mode,
+            "history": args.history,
+            "requests": len(sent),
+            "results": len(res),
+            "ranking_ms_p50": _p(ranking, 50),
+            "ranking_ms_p99": _p(ranking, 99),
+            "e2e_ms_p99": _p([r.latency_ms for r in res.values()], 99),
+            "paths": dict(Counter(r.path.value for r in res.values())),
+            "tokens_computed_mean": float(np.mean([r.tokens_computed for r in res.values()]))
+            if res
+            else math.nan,
+        }
+        lines.append(per_mode[mode])
+    r, b = per_mode["relay"], per_mode["baseline"]
+    lines.append(
+        {
+            "bench": "pipeline",
+            "summary": True,
+            "kafka_hop_ms_p99": hop_line["max_hop_ms_p99"],
+            "relay_ranking_ms_p99": r["ranking_ms_p99"],
+            "baseline_ranking_ms_p99": b["ranking_ms_p99"],
+            "relay_over_baseline_p99": r["ranking_ms_p99"] / b["ranking_ms_p99"],
+            "relay_over_baseline_p50": r["ranking_ms_p50"] / b["ranking_ms_p50"],
+            "target_hop_p99_ms": 5.0,
+            "target_ratio": 0.25,
+            "seconds": round(time.monotonic() - t0, 1),
+        }
+    )
+    for line in lines:
+        print(json.dumps(line))
+    return 0

@@ -1,0 +1,35 @@
+"""Measure full-ranking latency on this machine and write the latency model the trigger uses.
+
+Times `rank_full` of the trained model (RELAYGR_MODEL_DIR, or --model) at several history
+lengths, fits ms ≈ a + b·n + c·n², and writes it as JSON (default: <model>/calibration.json).
+Point RELAYGR_CALIBRATION_FILE at it; ranking workers otherwise calibrate at start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", type=Path, help="checkpoint folder (default: RELAYGR_MODEL_DIR)")
+    parser.add_argument("--out", type=Path, help="output JSON (default: <model>/calibration.json)")
+    parser.add_argument("--lengths", default="64,256,512,1024,2048", help="history lengths to time")
+    parser.add_argument("--candidates", type=int, default=128)
+    parser.add_argument("--device", help="cpu, cuda[:N] or npu[:N] (default: the checkpoint's)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from relaygr.streams.config import PipelineSettings
+    from relaygr.workers.model import HSTURanker
+    from relaygr.workers.ranker import calibrate
+
+    model_dir = args.model or PipelineSettings().model_dir
+    model = HSTURanker.load(model_dir, device=args.device)
+    lengths = tuple(int(x) for x in args.lengths.split(","))
+    lat, samples = calibrate(model, lengths=lengths, candidates=args.candidates)
+    out = args.out or Path(model_dir) / "calibration.json"
+    lat.save(out, samples=samples, model_version=model.model_version, device=str(model.device))
+    print(json.dumps({"calibration": str(out), "coeffs": lat.coeffs(), "samples": samples}))
+    return 0

@@ -1,0 +1,135 @@
+"""The ranking engine without Kafka: paths, exactness, waiting for in-flight prefixes, truncation."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from relaygr.workers.latency_model import LatencyModel
+from relaygr.workers.model import HSTUConfig, HSTURanker
+from relaygr.workers.prefix_kv import Events
+from relaygr.workers.prefix_store import PrefixStore, PrefixStoreConfig
+from relaygr.workers.ranker import EngineConfig, RankingEngine, kv_bytes_per_token
+from relaygr.workers.scheduler import DeviceScheduler
+
+FAR = 1e12  # a deadline that never passes
+
+
+@pytest.fixture(scope="module")
+def model() -> HSTURanker:
+    torch.manual_seed(3)
+    m = HSTURanker(HSTUConfig(layers=2, heads=2, dim=32, attn_dim=16, linear_dim=16, num_items=500))
+    m.refresh_version()
+    return m
+
+
+def history(n: int, seed: int = 0) -> Events:
+    g = torch.Generator().manual_seed(seed)
+    return Events(
+        torch.randint(1, 500, (n,), generator=g),
+        torch.randint(1, 6, (n,), generator=g),
+        torch.cumsum(torch.rand(n, generator=g, dtype=torch.float64) * 3600, 0) + 1e9,
+    )
+
+
+FLAT = LatencyModel(1.0, 0.0, 0.0)
+
+
+def engine(model, mode="relay", device_budget=1 << 26, latency=FLAT, **kw):
+    store = (
+        PrefixStore(PrefixStoreConfig(device_budget_bytes=device_budget), model.model_version)
+        if mode == "relay"
+        else None
+    )
+    return RankingEngine(model, store, DeviceScheduler("test"), EngineConfig(mode=mode, **kw), latency)
+
+
+async def test_relay_after_prefill_equals_full(model) -> None:
+    e = engine(model, prefill_chunk=64)
+    h = history(300)
+    cands = torch.arange(1, 41)
+    out = await e.prefill("u", h.slice(0, 280), owner="w0")
+    assert out.status == "computed" and out.prefix_len == 280
+    res = await e.rank("u", h, cands, float(h.timestamps[-1]) + 60, FAR)
+    assert (
+        res.path == "relay"
+        and res.prefix_len == 280
+        and res.prefix_tier == "device"
+        and res.prefix_owner == "w0"
+    )
+    assert res.tokens_computed == 20 + 40
+    full = model.rank_full(h, cands, float(h.timestamps[-1]) + 60)
+    torch.testing.assert_close(res.scores, full, rtol=1e-5, atol=1e-5)
+    assert not e.store.is_leased("u")  # ranking consumed the lease
+    e.scheduler.close()
+
+
+async def test_rank_waits_for_an_in_flight_prefix(model) -> None:
+    e = engine(model, prefill_chunk=32)
+    h = history(600, seed=1)
+    cands = torch.arange(1, 17)
+    pre = asyncio.create_task(e.prefill("u", h.slice(0, 590)))
+    while not e.store.in_flight("u"):
+        await asyncio.sleep(0)
+    res = await e.rank("u", h, cands, 2e9, time.time() + 30)
+    await pre
+    assert res.path == "relay_waited" and res.prefix_len == 590 and "prefix_wait" in res.breakdown_ms
+    torch.testing.assert_close(res.scores, model.rank_full(h, cands, 2e9), rtol=1e-5, atol=1e-5)
+    e.scheduler.close()
+
+
+async def test_miss_falls_back_to_full_and_truncates_to_the_budget(model) -> None:
+    # 0.1 ms per token: a 100 ms budget fits about 1000 tokens of the 3000.
+    e = engine(model, latency=LatencyModel(0.0, 0.1, 0.0))
+    h = history(3000, seed=2)
+    cands = torch.arange(1, 9)
+    res = await e.rank("v", h, cands, 2e9, time.time() + 0.1)
+    assert res.path == "full_truncated" and 0 < res.used_len < 1000 and res.history_len == 3000
+    torch.testing.assert_close(
+        res.scores, model.rank_full(h.slice(3000 - res.used_len), cands, 2e9), rtol=1e-5, atol=1e-5
+    )
+    res = await e.rank("v", h.slice(0, 50), cands, 2e9, FAR)
+    assert res.path == "full" and res.used_len == 50
+    e.scheduler.close()
+
+
+async def test_extension_and_promotion_paths(model) -> None:
+    e = engine(model)
+    h = history(400, seed=4)
+    await e.prefill("u", h.slice(0, 200))
+    out = await e.prefill("u", h.slice(0, 350))
+    assert out.status == "extended"
+    res = await e.rank("u", h, torch.arange(1, 9), 2e9, FAR)
+    assert res.path == "relay" and res.prefix_len == 350
+    e.scheduler.close()
+
+
+async def test_refused_lease_means_full_path(model) -> None:
+    e = engine(model, device_budget=1000)  # far below one prefix
+    h = history(500, seed=5)
+    out = await e.prefill("u", h.slice(0, 480))
+    assert out.status == "refused:pinned_budget_exceeded"
+    res = await e.rank("u", h, torch.arange(1, 9), 2e9, FAR)
+    assert res.path == "full"
+    e.scheduler.close()
+
+
+async def test_baseline_and_cold_start(model) -> None:
+    e = engine(model, mode="baseline")
+    h = history(120, seed=6)
+    cands = torch.arange(1, 9)
+    assert (await e.prefill("u", h)).status == "skipped"
+    res = await e.rank("u", h, cands, 2e9, FAR)
+    assert res.path == "baseline"
+    torch.testing.assert_close(res.scores, model.rank_full(h, cands, 2e9), rtol=1e-5, atol=1e-5)
+    cold = await e.rank("nobody", Events.empty(), cands, 2e9, FAR)
+    assert cold.path == "cold_start" and cold.scores.shape == (8,) and torch.isfinite(cold.scores).all()
+    e.scheduler.close()
+
+
+def test_kv_bytes_per_token_matches_a_real_prefix(model) -> None:
+    p = model.prefill(history(100))
+    assert p.nbytes() == 100 * kv_bytes_per_token(model)

@@ -1,0 +1,76 @@
+"""The device scheduler: one thread, ranking before pre-inference, earlier deadline first."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from relaygr.workers.scheduler import DeviceScheduler, Priority, SchedulerClosed
+
+
+async def test_ranking_jumps_the_prefill_queue() -> None:
+    s = DeviceScheduler("t")
+    gate = threading.Event()
+    order: list[str] = []
+    try:
+        blocker = s.submit(lambda: gate.wait(5), priority=Priority.PREFILL)
+        jobs = [
+            s.submit(lambda i=i: order.append(f"prefill{i}"), priority=Priority.PREFILL) for i in range(3)
+        ]
+        jobs.append(s.submit(lambda: order.append("rank-late"), priority=Priority.RANK, deadline=20.0))
+        jobs.append(s.submit(lambda: order.append("rank-early"), priority=Priority.RANK, deadline=10.0))
+        gate.set()
+        await asyncio.gather(blocker, *jobs)
+        assert order == ["rank-early", "rank-late", "prefill0", "prefill1", "prefill2"]
+    finally:
+        s.close()
+
+
+async def test_runs_on_one_thread_and_propagates_errors() -> None:
+    s = DeviceScheduler("t")
+    try:
+        names = await asyncio.gather(
+            *[s.submit(lambda: threading.current_thread().name, priority=Priority.RANK) for _ in range(5)]
+        )
+        assert len(set(names)) == 1 and names[0] != threading.current_thread().name
+
+        def boom() -> None:
+            raise ValueError("bad shapes")
+
+        with pytest.raises(ValueError, match="bad shapes"):
+            await s.submit(boom, priority=Priority.RANK)
+        assert await s.submit(lambda: 7, priority=Priority.RANK) == 7  # still alive
+    finally:
+        s.close()
+
+
+async def test_loop_stays_responsive_while_device_is_busy() -> None:
+    s = DeviceScheduler("t")
+    try:
+        fut = s.submit(lambda: time.sleep(0.3), priority=Priority.PREFILL)
+        t0 = time.perf_counter()
+        await asyncio.sleep(0.01)
+        assert time.perf_counter() - t0 < 0.2
+        await fut
+    finally:
+        s.close()
+
+
+async def test_close_fails_pending_jobs() -> None:
+    s = DeviceScheduler("t")
+    gate, running = threading.Event(), threading.Event()
+    first = s.submit(lambda: (running.set(), gate.wait(5)), priority=Priority.RANK)
+    assert await asyncio.to_thread(running.wait, 5)
+    pending = s.submit(lambda: 1, priority=Priority.PREFILL)
+    closer = asyncio.get_running_loop().run_in_executor(None, s.close)
+    await asyncio.sleep(0.05)
+    gate.set()
+    await closer
+    await first
+    with pytest.raises(SchedulerClosed):
+        await pending
+    with pytest.raises(SchedulerClosed):
+        s.submit(lambda: 1, priority=Priority.RANK)

@@ -1,0 +1,83 @@
+"""The sequence-aware trigger and the latency model it relies on."""
+
+from __future__ import annotations
+
+import pytest
+
+from relaygr.schemas import TriggerReason
+from relaygr.streams.trigger import SequenceAwareTrigger, TokenBucket, TriggerConfig
+from relaygr.workers.latency_model import LatencyModel
+
+LAT = LatencyModel(a=2.0, b=0.01, c=0.0)  # 1000 tokens -> 12 ms, 4000 -> 42 ms
+
+
+def trig(**kw) -> SequenceAwareTrigger:
+    cfg = TriggerConfig(budget_ms=40.0, theta=0.5, short_term=64, bytes_per_token=1000, **kw)
+    return SequenceAwareTrigger(cfg, LAT)
+
+
+def test_admits_only_at_risk_histories() -> None:
+    t = trig()
+    assert t.decide(0, 1000, 0.0).reason is TriggerReason.NOT_AT_RISK  # 12 ms <= 20 ms
+    d = t.decide(0, 4000, 0.0)  # 42 ms > 20 ms
+    assert d.admitted and d.prefix_len == 4000 - 64 and d.est_bytes == (4000 - 64) * 1000
+    assert t.decide(0, 0, 0.0).reason is TriggerReason.NO_HISTORY
+    assert t.counts == {"not_at_risk": 1, "admitted": 1, "no_history": 1}
+
+
+def test_footprint_bound_per_partition_and_expiry() -> None:
+    t = trig(footprint_bound_bytes=10_000_000, lease_ttl_s=5.0)
+    assert t.decide(0, 4064, 0.0).admitted  # 4 MB live
+    assert t.decide(0, 4064, 1.0).admitted  # 8 MB live
+    assert t.decide(0, 4064, 2.0).reason is TriggerReason.FOOTPRINT_BOUND  # would be 12 MB
+    assert t.decide(1, 4064, 2.0).admitted  # another partition has its own bound
+    assert t.decide(0, 4064, 5.5).admitted  # the first lease expired at t=5
+
+
+def test_reported_footprint_is_respected() -> None:
+    t = trig(footprint_bound_bytes=10_000_000)
+    t.report_footprint(3, 9_000_000)
+    assert t.decide(3, 4064, 0.0).reason is TriggerReason.FOOTPRINT_BOUND
+
+
+def test_rate_bound_token_bucket() -> None:
+    t = trig(prefill_rate_per_s=2.0, prefill_burst=2.0, footprint_bound_bytes=1 << 40)
+    reasons = [t.decide(0, 5000, 0.0).reason for _ in range(3)]
+    assert reasons == [TriggerReason.ADMITTED, TriggerReason.ADMITTED, TriggerReason.RATE_BOUND]
+    assert t.decide(0, 5000, 0.5).admitted  # refilled one token in 0.5 s
+
+
+def test_disabled_trigger_never_admits() -> None:
+    t = trig(enabled=False)
+    assert t.decide(0, 100_000, 0.0).reason is TriggerReason.DISABLED
+
+
+def test_token_bucket_caps_at_burst() -> None:
+    b = TokenBucket(rate=100.0, burst=3.0)
+    assert b.take(0.0)
+    assert sum(b.take(1000.0) for _ in range(10)) == 3
+
+
+def test_latency_model_fit_and_inverse() -> None:
+    true = LatencyModel(1.5, 0.004, 2e-6)
+    fit = LatencyModel.fit([(n, true.predict_ms(n)) for n in (64, 256, 1024, 2048, 4096)])
+    for n in (100, 3000):
+        assert fit.predict_ms(n) == pytest.approx(true.predict_ms(n), rel=1e-6)
+    n = fit.max_tokens_within(30.0)
+    assert fit.predict_ms(n) <= 30.0 < fit.predict_ms(n + 1)
+    assert LatencyModel(50.0, 0.1, 0.0).max_tokens_within(10.0) == 0
+
+
+def test_latency_model_never_predicts_shrinking_time() -> None:
+    noisy = [(64, 5.0), (256, 4.0), (1024, 9.0), (2048, 15.0)]
+    m = LatencyModel.fit(noisy)
+    assert min(m.coeffs()) >= 0
+    assert m.predict_ms(4096) >= m.predict_ms(2048) >= m.predict_ms(64)
+
+
+def test_latency_model_file_round_trip(tmp_path) -> None:
+    m = LatencyModel(1.0, 0.02, 3e-6)
+    m.save(tmp_path / "c.json", machine="test")
+    assert LatencyModel.load(tmp_path / "c.json") == m
+    with pytest.raises(ValueError):
+        LatencyModel.from_coeffs([1.0, float("nan"), 0.0])

@@ -1,0 +1,224 @@
+"""On-disk format of a ``PrefixKV``: tensor bytes behind a small self-describing header.
+
+Primitives:
+- ``encode(prefix) -> bytes``: one blob holding every tensor of the prefix.
+- ``decode(blob, expected_model_version=None) -> PrefixKV``: the inverse, on the CPU; raises
+  ``CodecError`` (with a machine-readable ``reason``) for anything that is not a complete,
+  intact blob of a known format version.
+- ``peek_header(blob) -> dict``: the parsed header alone, without touching the payload.
+
+Layout (all integers little-endian)::
+
+    magic  b"RGKV"             4 bytes
+    format version             u16
+    header length H            u32
+    header                     H bytes, UTF-8 JSON: model version, prefix length, fingerprint,
+                               meta, kv dtype, and per tensor its dtype, shape, offset, size
+    payload                    the tensors' raw bytes, each starting at a 64-byte boundary
+    crc32                      u32 over everything above
+
+The checksum is for detecting torn writes and bit rot, not tampering. Decoding copies the payload
+once into a fresh buffer and views every tensor into it, so the result is writable and owns its
+memory. This module imports only the standard library, torch and ``prefix_kv``.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+from typing import Any
+
+import torch
+
+from relaygr.workers.prefix_kv import FINGERPRINT_BYTES, PrefixKV
+
+MAGIC = b"RGKV"
+FORMAT_VERSION = 1
+_PREAMBLE = struct.Struct("<4sHI")  # magic, format version, header length
+_CRC = struct.Struct("<I")
+_ALIGN = 64
+
+# Only these dtypes may appear in a blob; a name outside the table is a corrupt header.
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+class CodecError(ValueError):
+    """A blob that cannot be decoded. ``reason`` is one of: ``truncated``, ``bad_magic``,
+    ``unsupported_version``, ``bad_header``, ``checksum``, ``model_version``."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return _DTYPE_NAMES[dtype]
+    except KeyError:
+        raise ValueError(f"kv_codec: unsupported dtype {dtype}") from None
+
+
+def _tensors(prefix: PrefixKV) -> list[tuple[str, torch.Tensor]]:
+    named = [(f"k{i}", k) for i, k in enumerate(prefix.keys)]
+    named += [(f"v{i}", v) for i, v in enumerate(prefix.values)]
+    named += [("positions", prefix.positions), ("timestamps", prefix.timestamps)]
+    return named
+
+
+def encode(prefix: PrefixKV) -> bytes:
+    """Serialise ``prefix`` (on any device) into one blob."""
+    if len(prefix.fingerprint) != FINGERPRINT_BYTES:
+        raise ValueError(f"kv_codec: fingerprint must be {FINGERPRINT_BYTES} bytes")
+    if len(prefix.keys) != len(prefix.values):
+        raise ValueError("kv_codec: keys and values must have one tensor per layer")
+    parts: list[memoryview | bytes] = []
+    specs: list[dict[str, Any]] = []
+    offset = 0
+    for name, t in _tensors(prefix):
+        raw = t.detach().to("cpu").contiguous()
+        nbytes = raw.numel() * raw.element_size()
+        pad = (-offset) % _ALIGN
+        if pad:
+            parts.append(bytes(pad))
+            offset += pad
+        specs.append(
+            {
+                "name": name,
+                "dtype": _dtype_name(raw.dtype),
+                "shape": list(raw.shape),
+                "offset": offset,
+                "nbytes": nbytes,
+            }
+        )
+        if nbytes:
+            parts.append(memoryview(raw.view(torch.uint8).reshape(-1).numpy()))
+        offset += nbytes
+    header = {
+        "format": FORMAT_VERSION,
+        "model_version": prefix.model_version,
+        "length": int(prefix.length),
+        "fingerprint": prefix.fingerprint.hex(),
+        "num_layers": len(prefix.keys),
+        "kv_dtype": _dtype_name(prefix.dtype),
+        "meta": dict(prefix.meta),
+        "payload_bytes": offset,
+        "tensors": specs,
+        "checksum": "crc32",
+    }
+    hbytes = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
+    blob = b"".join([_PREAMBLE.pack(MAGIC, FORMAT_VERSION, len(hbytes)), hbytes, *parts])
+    return blob + _CRC.pack(zlib.crc32(blob))
+
+
+def _split(blob: bytes | bytearray | memoryview) -> tuple[dict[str, Any], memoryview]:
+    """Checks framing and checksum; returns the header and a view of the payload."""
+    view = memoryview(blob)
+    if len(view) < _PREAMBLE.size + _CRC.size:
+        raise CodecError("truncated", f"{len(view)} bytes is shorter than the fixed framing")
+    magic, version, hlen = _PREAMBLE.unpack_from(view, 0)
+    if magic != MAGIC:
+        raise CodecError("bad_magic", f"magic {bytes(magic)!r}")
+    if version != FORMAT_VERSION:
+        raise CodecError(
+            "unsupported_version", f"format version {version}, this build reads {FORMAT_VERSION}"
+        )
+    hstart = _PREAMBLE.size
+    if hstart + hlen + _CRC.size > len(view):
+        raise CodecError("truncated", f"header of {hlen} bytes does not fit in {len(view)} bytes")
+    try:
+        header = json.loads(bytes(view[hstart : hstart + hlen]))
+        if not isinstance(header, dict):
+            raise TypeError("header is not an object")
+        payload_bytes = int(header["payload_bytes"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise CodecError("bad_header", f"unreadable header ({e})") from None
+    end = hstart + hlen + payload_bytes
+    if end + _CRC.size != len(view):
+        kind = "truncated" if end + _CRC.size > len(view) else "bad_header"
+        raise CodecError(kind, f"expected {end + _CRC.size} bytes, got {len(view)}")
+    (crc,) = _CRC.unpack_from(view, end)
+    if zlib.crc32(view[:end]) != crc:
+        raise CodecError("checksum", "crc32 mismatch")
+    return header, view[hstart + hlen : end]
+
+
+def peek_header(blob: bytes | bytearray | memoryview) -> dict[str, Any]:
+    """The header of ``blob`` after checking framing and checksum."""
+    return _split(blob)[0]
+
+
+def decode(blob: bytes | bytearray | memoryview, expected_model_version: str | None = None) -> PrefixKV:
+    """Rebuild the ``PrefixKV`` in ``blob`` as CPU tensors."""
+    header, payload = _split(blob)
+    if header.get("format") != FORMAT_VERSION:
+        raise CodecError("unsupported_version", f"header format {header.get('format')!r}")
+    try:
+        model_version = str(header["model_version"])
+        length = int(header["length"])
+        fingerprint = bytes.fromhex(header["fingerprint"])
+        num_layers = int(header["num_layers"])
+        meta = {str(k): str(v) for k, v in dict(header["meta"]).items()}
+        specs = list(header["tensors"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise CodecError("bad_header", f"missing or malformed field ({e})") from None
+    if expected_model_version is not None and model_version != expected_model_version:
+        raise CodecError(
+            "model_version", f"blob of model {model_version!r}, wanted {expected_model_version!r}"
+        )
+    if len(fingerprint) != FINGERPRINT_BYTES or len(specs) != 2 * num_layers + 2 or length < 0:
+        raise CodecError("bad_header", "inconsistent layer count, fingerprint or length")
+
+    buf = bytearray(payload)  # the one copy; every tensor views into it
+    tensors: dict[str, torch.Tensor] = {}
+    for spec in specs:
+        try:
+            name = str(spec["name"])
+            dtype = _DTYPES[spec["dtype"]]
+            shape = [int(s) for s in spec["shape"]]
+            offset, nbytes = int(spec["offset"]), int(spec["nbytes"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise CodecError("bad_header", f"tensor spec {spec!r} ({e})") from None
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        count = 1
+        for s in shape:
+            count *= s
+        if (
+            min(shape, default=0) < 0
+            or count * itemsize != nbytes
+            or offset < 0
+            or offset + nbytes > len(buf)
+        ):
+            raise CodecError("bad_header", f"tensor {name} does not fit the payload")
+        if count == 0:
+            tensors[name] = torch.empty(shape, dtype=dtype)
+        else:
+            tensors[name] = torch.frombuffer(buf, dtype=dtype, count=count, offset=offset).reshape(shape)
+    try:
+        keys = [tensors[f"k{i}"] for i in range(num_layers)]
+        values = [tensors[f"v{i}"] for i in range(num_layers)]
+        positions, timestamps = tensors["positions"], tensors["timestamps"]
+    except KeyError as e:
+        raise CodecError("bad_header", f"missing tensor {e}") from None
+    return PrefixKV(
+        keys=keys,
+        values=values,
+        positions=positions,
+        timestamps=timestamps,
+        length=length,
+        fingerprint=fingerprint,
+        model_version=model_version,
+        meta=meta,
+    )

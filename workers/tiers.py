@@ -1,0 +1,315 @@
+"""Storage tiers of the prefix store: byte-budgeted data structures without placement policy.
+
+Primitives:
+- ``MemoryTier``: an LRU-ordered map ``key -> (value, nbytes)`` with a byte budget it refuses to
+  exceed (``TierFullError``). It never chooses victims itself; ``lru_keys`` lets the store's
+  policy walk entries from least to most recently used and skip the ones it must keep.
+- ``DiskTier``: a RocksDB folder (through rocksdict) of encoded blobs with a persistent index
+  (size, prefix length, fingerprint, write sequence) so that validity can be checked and the
+  budget kept without reading any blob. Its LRU order is restored from write sequences on open.
+- ``encode_key`` / ``decode_key``: the byte form of a store key ``(user_id, model_version)``.
+
+Threading contract of ``DiskTier``: ``meta``, ``read``, ``hide`` and ``used_bytes`` may be called
+from any thread; ``write`` and ``delete`` from one thread at a time (the store's disk writer).
+``MemoryTier`` is not thread-safe; the store guards it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import threading
+from collections import OrderedDict
+from collections.abc import Hashable, Iterator
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from rocksdict import DBCompressionType, Options, Rdict, WriteBatch
+
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
+
+StoreKey = tuple[int | str, str]
+"""(user_id, model_version)."""
+
+
+class TierFullError(RuntimeError):
+    """An insertion would take a tier over its byte budget."""
+
+
+class MemoryTier(Generic[K, V]):
+    """An LRU-ordered, byte-budgeted map. Oldest first in ``lru_keys``."""
+
+    def __init__(self, name: str, budget_bytes: int) -> None:
+        if budget_bytes < 0:
+            raise ValueError(f"{name}: budget_bytes must be >= 0")
+        self.name = name
+        self.budget_bytes = int(budget_bytes)
+        self.used_bytes = 0
+        self._items: OrderedDict[K, tuple[V, int]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._items
+
+    @property
+    def free_bytes(self) -> int:
+        return self.budget_bytes - self.used_bytes
+
+    def can_ever_hold(self, nbytes: int) -> bool:
+        """False when ``nbytes`` exceeds the whole budget: such an entry skips this tier."""
+        return nbytes <= self.budget_bytes
+
+    def get(self, key: K, *, touch: bool = True) -> V | None:
+        item = self._items.get(key)
+        if item is None:
+            return None
+        if touch:
+            self._items.move_to_end(key)
+        return item[0]
+
+    def nbytes_of(self, key: K) -> int:
+        item = self._items.get(key)
+        return 0 if item is None else item[1]
+
+    def touch(self, key: K) -> None:
+        if key in self._items:
+            self._items.move_to_end(key)
+
+    def add(self, key: K, value: V, nbytes: int) -> None:
+        """Insert as most recently used. The key must be absent and the bytes must fit."""
+        if key in self._items:
+            raise KeyError(f"{self.name}: {key!r} already present")
+        if nbytes < 0:
+            raise ValueError(f"{self.name}: negative size")
+        if self.used_bytes + nbytes > self.budget_bytes:
+            raise TierFullError(
+                f"{self.name}: {nbytes} bytes do not fit ({self.used_bytes}/{self.budget_bytes} used)"
+            )
+        self._items[key] = (value, nbytes)
+        self.used_bytes += nbytes
+
+    def pop(self, key: K) -> V | None:
+        item = self._items.pop(key, None)
+        if item is None:
+            return None
+        self.used_bytes -= item[1]
+        return item[0]
+
+    def lru_keys(self) -> Iterator[K]:
+        """Keys from least to most recently used. A live view: stop iterating before mutating."""
+        return iter(self._items)
+
+    def keys(self) -> list[K]:
+        return list(self._items)
+
+
+def encode_key(key: StoreKey) -> bytes:
+    user_id, model_version = key
+    if not isinstance(user_id, int | str) or isinstance(user_id, bool):
+        raise TypeError(f"user_id must be int or str, got {type(user_id).__name__}")
+    return json.dumps([model_version, user_id], separators=(",", ":")).encode()
+
+
+def decode_key(raw: bytes) -> StoreKey:
+    model_version, user_id = json.loads(raw)
+    return (user_id, str(model_version))
+
+
+@dataclass(frozen=True)
+class DiskMeta:
+    """What the disk index knows about one stored blob."""
+
+    nbytes: int
+    length: int
+    fingerprint: bytes
+    seq: int
+
+
+VALUE_PREFIX = b"v/"  # value record: seq (u64) + blob
+INDEX_PREFIX = b"i/"  # index record: nbytes, length, seq (u64 each) + fingerprint
+_SEQ = struct.Struct("<Q")
+_META = struct.Struct("<QQQ")
+
+
+class DiskTier:
+    """Encoded prefixes in a local RocksDB folder, LRU-evicted to stay within ``budget_bytes``.
+
+    The budget counts stored value bytes. A write first evicts least recently used entries until
+    the new value fits, so ``used_bytes <= budget_bytes`` holds whenever it is observed.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], budget_bytes: int) -> None:
+        if budget_bytes < 0:
+            raise ValueError("disk: budget_bytes must be >= 0")
+        self.path = os.fspath(path)
+        self.budget_bytes = int(budget_bytes)
+        os.makedirs(self.path, exist_ok=True)
+        opts = Options(raw_mode=True)
+        opts.create_if_missing(True)
+        # Tensor bytes barely compress; large values go to blob files (less rewriting on compaction).
+        opts.set_compression_type(DBCompressionType.none())
+        opts.set_enable_blob_files(True)
+        opts.set_min_blob_size(32 << 10)
+        opts.set_blob_compression_type(DBCompressionType.none())
+        self._db = Rdict(self.path, opts)
+        self._lock = threading.Lock()
+        self._index: dict[StoreKey, DiskMeta] = {}
+        self._lru: OrderedDict[StoreKey, None] = OrderedDict()
+        self._used = 0
+        self._next_seq = 1
+        self._closed = False
+        self._load_index()
+
+    # -- opening -------------------------------------------------------------------------------
+
+    def _load_index(self) -> None:
+        found: list[tuple[StoreKey, DiskMeta]] = []
+        stale: list[bytes] = []
+        it = self._db.iter()
+        it.seek(INDEX_PREFIX)
+        while it.valid():
+            raw_key = it.key()
+            if not raw_key.startswith(INDEX_PREFIX):
+                break
+            raw_val = it.value()
+            try:
+                nbytes, length, seq = _META.unpack_from(raw_val, 0)
+                fingerprint = bytes(raw_val[_META.size :])
+                key = decode_key(raw_key[len(INDEX_PREFIX) :])
+                found.append((key, DiskMeta(nbytes, length, fingerprint, seq)))
+            except (struct.error, ValueError, TypeError):
+                stale.append(raw_key)
+            it.next()
+        del it
+        if stale:
+            wb = WriteBatch(raw_mode=True)
+            for raw_key in stale:
+                wb.delete(raw_key)
+                wb.delete(VALUE_PREFIX + raw_key[len(INDEX_PREFIX) :])
+            self._db.write(wb)
+        found.sort(key=lambda kv: kv[1].seq)
+        for key, meta in found:
+            self._index[key] = meta
+            self._lru[key] = None
+            self._used += meta.nbytes
+            self._next_seq = max(self._next_seq, meta.seq + 1)
+
+    # -- reads (any thread) --------------------------------------------------------------------
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def list_keys(self) -> list[StoreKey]:
+        with self._lock:
+            return list(self._lru)
+
+    def meta(self, key: StoreKey) -> DiskMeta | None:
+        return self._index.get(key)
+
+    def read(self, key: StoreKey) -> tuple[bytes, int] | None:
+        """``(blob, seq)`` of the stored value, or ``None``. Marks the key most recently used."""
+        raw = self._db.get(VALUE_PREFIX + encode_key(key))
+        if raw is None or len(raw) < _SEQ.size:
+            return None
+        with self._lock:
+            if key in self._lru:
+                self._lru.move_to_end(key)
+        (seq,) = _SEQ.unpack_from(raw, 0)
+        return memoryview(raw)[_SEQ.size :], seq
+
+    def hide(self, key: StoreKey, seq: int) -> bool:
+        """Forget ``key`` in the in-memory index if it still holds ``seq`` (the bytes stay until
+        ``delete``). Used when a reader finds an entry corrupt or invalid, so that nobody loads
+        it again before the writer thread deletes it."""
+        with self._lock:
+            meta = self._index.get(key)
+            if meta is None or meta.seq != seq:
+                return False
+            self._forget(key)
+            return True
+
+    def _forget(self, key: StoreKey) -> None:
+        meta = self._index.pop(key, None)
+        self._lru.pop(key, None)
+        if meta is not None:
+            self._used -= meta.nbytes
+
+    # -- mutations (one writer thread) ---------------------------------------------------------
+
+    def write(
+        self, key: StoreKey, blob: bytes, length: int, fingerprint: bytes
+    ) -> tuple[bool, list[StoreKey]]:
+        """Store ``blob`` under ``key``, evicting least recently used other entries first.
+
+        Returns ``(written, evicted_keys)``; a blob larger than the whole budget is not written.
+        """
+        nbytes = len(blob) + _SEQ.size
+        if nbytes > self.budget_bytes:
+            return False, []
+        ek = encode_key(key)
+        evicted: list[StoreKey] = []
+        wb = WriteBatch(raw_mode=True)
+        with self._lock:
+            seq = self._next_seq
+            self._next_seq += 1
+            old = self._index.get(key)
+            need = self._used - (old.nbytes if old else 0) + nbytes
+            for victim in list(self._lru):
+                if need <= self.budget_bytes:
+                    break
+                if victim == key:
+                    continue
+                need -= self._index[victim].nbytes
+                evicted.append(victim)
+            for victim in evicted:
+                self._forget(victim)
+                vk = encode_key(victim)
+                wb.delete(VALUE_PREFIX + vk)
+                wb.delete(INDEX_PREFIX + vk)
+            if old is not None:
+                self._forget(key)
+        wb.put(VALUE_PREFIX + ek, _SEQ.pack(seq) + blob)
+        wb.put(INDEX_PREFIX + ek, _META.pack(nbytes, length, seq) + fingerprint)
+        self._db.write(wb)
+        with self._lock:
+            meta = DiskMeta(nbytes, length, bytes(fingerprint), seq)
+            self._forget(key)  # a hide() may not have raced in, but be exact either way
+            self._index[key] = meta
+            self._lru[key] = None
+            self._used += nbytes
+        return True, evicted
+
+    def delete(self, key: StoreKey, seq: int | None = None) -> bool:
+        """Delete ``key`` (only the stored version ``seq`` when given). True when deleted."""
+        ek = encode_key(key)
+        if seq is not None:
+            raw = self._db.get(INDEX_PREFIX + ek)
+            if raw is None or len(raw) < _META.size or _META.unpack_from(raw, 0)[2] != seq:
+                return False
+        wb = WriteBatch(raw_mode=True)
+        wb.delete(VALUE_PREFIX + ek)
+        wb.delete(INDEX_PREFIX + ek)
+        self._db.write(wb)
+        with self._lock:
+            meta = self._index.get(key)
+            if meta is not None and (seq is None or meta.seq == seq):
+                self._forget(key)
+        return True
+
+    def flush(self) -> None:
+        self._db.flush()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._db.flush()
+        self._db.close()
