@@ -5,6 +5,7 @@ Primitives:
 - ``start(settings)``: format a fresh data directory, start broker+controller in one JVM on free
   loopback ports, wait until it accepts connections, record it in the state file.
 - ``stop(settings)``: SIGTERM, wait, SIGKILL if needed; remove its data directory and state file.
+- ``restart(settings)``: the same broker (ports, data) stopped and started again.
 - ``status(settings)``: the recorded broker and whether it is up.
 - ``resolve_bootstrap(settings)``: ``RELAYGR_BOOTSTRAP`` if set, else the running local broker.
 """
@@ -243,16 +244,7 @@ def start(settings: Settings, *, quiet: bool = False) -> BrokerState:
             "formatting the broker's data directory failed:\n" + (fmt.stdout + fmt.stderr)[-2000:]
         )
 
-    t0 = time.monotonic()
-    with open(log_file, "ab") as log:
-        # Its own session: the broker outlives this command and gets SIGTERM from `stop` directly.
-        proc = subprocess.Popen(
-            _java_cmd(jars, data_dir, settings.broker_heap, ["kafka.Kafka", str(props)]),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+    proc = _launch(jars, data_dir, settings.broker_heap)
     state = BrokerState(
         pid=proc.pid,
         port=port,
@@ -264,18 +256,49 @@ def start(settings: Settings, *, quiet: bool = False) -> BrokerState:
         started_at=time.time(),
     )
     settings.state_file.write_text(json.dumps(asdict(state), indent=2))
-    while not port_open(port):
+    _wait_ready(proc, state, settings)
+    return state
+
+
+def _launch(jars: Path, data_dir: Path, heap: str) -> subprocess.Popen:
+    with open(data_dir / "broker.log", "ab") as log:
+        # Its own session: the broker outlives this command and gets SIGTERM from `stop` directly.
+        return subprocess.Popen(
+            _java_cmd(jars, data_dir, heap, ["kafka.Kafka", str(data_dir / "server.properties")]),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+
+
+def _wait_ready(proc: subprocess.Popen, state: BrokerState, settings: Settings) -> None:
+    t0 = time.monotonic()
+    while not port_open(state.port):
         if proc.poll() is not None:
             _cleanup(state, settings, keep_log=True)
-            raise BrokerError(
-                f"the broker exited with code {proc.returncode}; see {log_file}:\n{_tail(log_file)}"
-            )
+            log = Path(state.log_file)
+            raise BrokerError(f"the broker exited with code {proc.returncode}; see {log}:\n{_tail(log)}")
         if time.monotonic() - t0 > settings.broker_start_timeout_s:
             stop(settings)
             raise BrokerError(
                 f"the broker did not accept connections within {settings.broker_start_timeout_s:.0f} s"
             )
         time.sleep(0.2)
+
+
+def restart(settings: Settings, *, down_s: float = 0.0) -> BrokerState:
+    """Stop the recorded broker and start it again on the same ports and data (its topics and
+    committed offsets survive); ``down_s`` keeps it down that long. For fault-injection tests."""
+    state = read_state(settings)
+    if state is None:
+        raise BrokerError("no broker recorded to restart")
+    _terminate(state.pid)
+    time.sleep(down_s)
+    proc = _launch(jars_dir(settings), Path(state.data_dir), settings.broker_heap)
+    state = BrokerState(**{**asdict(state), "pid": proc.pid, "started_at": time.time()})
+    settings.state_file.write_text(json.dumps(asdict(state), indent=2))
+    _wait_ready(proc, state, settings)
     return state
 
 
@@ -299,20 +322,26 @@ def stop(settings: Settings, *, grace_s: float = 30.0) -> BrokerState | None:
     state = read_state(settings)
     if state is None:
         return None
-    if _alive(state.pid):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(state.pid, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        while _alive(state.pid) and time.monotonic() < deadline:
-            _reap(state.pid)
-            time.sleep(0.2)
-        if _alive(state.pid):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(state.pid, signal.SIGKILL)
-            time.sleep(0.2)
-        _reap(state.pid)
+    _terminate(state.pid, grace_s)
     _cleanup(state, settings)
     return state
+
+
+def _terminate(pid: int, grace_s: float = 30.0) -> None:
+    """SIGTERM (the broker's shutdown hook stops it cleanly), then SIGKILL after ``grace_s``."""
+    if not _alive(pid):
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while _alive(pid) and time.monotonic() < deadline:
+        _reap(pid)
+        time.sleep(0.2)
+    if _alive(pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        time.sleep(0.2)
+    _reap(pid)
 
 
 def _reap(pid: int) -> None:

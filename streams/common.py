@@ -10,11 +10,13 @@ Primitives:
 - ``decode_keyed(event_type, key, value, max_bytes)``: decode and check that the message key
   agrees with the payload's key field.
 - ``guarded(stage, ev, handler, to_dlq)``: per-message isolation of failures.
+- ``deliver(send)``: a produce that retries until the broker acknowledges it.
 - ``serve_metrics(port)``: the Prometheus endpoint of this process, bound to 127.0.0.1.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import logging
 import time
@@ -39,6 +41,27 @@ def decode_keyed(event_type: type[E], key: bytes | None, value: bytes | None, ma
             event_type=event_type.__name__,
         )
     return ev
+
+
+async def deliver(send: Any, *, what: str, attempts: int = 0, max_backoff_s: float = 2.0) -> Any:
+    """Await ``send()`` (a coroutine factory producing a delivery) until the broker acknowledges
+    it, retrying with backoff through broker restarts; ``attempts=0`` retries without limit.
+    Nothing is given up silently: a stage that cannot deliver stops making progress (and its
+    offsets stay uncommitted) rather than losing the message."""
+    from aiokafka.errors import KafkaError
+
+    backoff, n = 0.05, 0
+    while True:
+        try:
+            return await send()
+        except (TimeoutError, KafkaError, OSError) as e:
+            n += 1
+            if attempts and n >= attempts:
+                raise
+            if n == 1 or n % 20 == 0:
+                log.warning("delivering %s failed (%s: %s); retrying", what, type(e).__name__, e)
+            await asyncio.sleep(backoff)
+            backoff = min(max_backoff_s, backoff * 2)
 
 
 async def guarded(stage: str, ev: Any, handler: Any, to_dlq: Any) -> None:
@@ -120,6 +143,11 @@ def _credentials(settings: Settings):
         mechanism=settings.sasl_mechanism,
         ssl_context=kw.get("ssl_context"),
     )
+
+
+async def send_acked(topic: Any, key: bytes, value: bytes) -> Any:
+    """Send on a faust topic and wait for the broker's acknowledgement."""
+    return await (await topic.send(key=key, value=value))
 
 
 def raw_topic(app, name: str):

@@ -25,7 +25,15 @@ from relaygr.schemas import (
     TriggerReason,
     encode,
 )
-from relaygr.streams.common import dead_letter, decode_keyed, guarded, make_app, raw_topic
+from relaygr.streams.common import (
+    dead_letter,
+    decode_keyed,
+    deliver,
+    guarded,
+    make_app,
+    raw_topic,
+    send_acked,
+)
 from relaygr.streams.config import PipelineSettings
 
 STAGE = "preprocess"
@@ -46,7 +54,7 @@ def build(settings: Settings, p: PipelineSettings, worker_id: str = "0"):
         m = ev.message
         DEAD.labels(m.topic).inc()
         dl = dead_letter(STAGE, m.topic, m.partition, m.offset, ev.key, ev.value, reason, limit)
-        await (await dlq.send(key=dl.key(), value=encode(dl)))
+        await deliver(lambda: send_acked(dlq, dl.key(), encode(dl)), what="dead letter")
 
     async def on_behavior(ev) -> None:
         b = decode_keyed(BehaviorEvent, ev.key, ev.value, limit)
@@ -83,7 +91,7 @@ def build(settings: Settings, p: PipelineSettings, worker_id: str = "0"):
             },
             label_item_id=r.label_item_id,
         )
-        await (await out_rank.send(key=out.key(), value=encode(out)))
+        await deliver(lambda: send_acked(out_rank, out.key(), encode(out)), what="rank request")
         RANKREQ.inc()
 
     @app.agent(behaviors)

@@ -45,7 +45,7 @@ from relaygr.schemas import (
     WorkerStats,
     encode,
 )
-from relaygr.streams.common import dead_letter, decode_keyed
+from relaygr.streams.common import dead_letter, decode_keyed, deliver
 from relaygr.streams.config import PipelineSettings, engine_config
 from relaygr.streams.history import HistoryTable
 from relaygr.workers.latency_model import LatencyModel
@@ -67,7 +67,8 @@ E2E = Histogram(
     buckets=(0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2, 5),
 )
 STORE = Gauge("relaygr_prefix_store", "Prefix store counters and gauges", ["name"])
-INFLIGHT = Gauge("relaygr_rank_inflight", "Requests being ranked")
+INFLIGHT = Gauge("relaygr_rank_inflight", "Signals and requests being handled")
+INFLIGHT_PEAK = Gauge("relaygr_rank_inflight_peak", "Most signals and requests handled at once")
 
 
 class OffsetTracker:
@@ -140,6 +141,7 @@ class RankingWorker:
         self.tasks: set[asyncio.Task] = set()
         self.counts: Counter[str] = Counter()
         self.assigned: set[TopicPartition] = set()
+        self.peak_inflight = 0
         self.events_log = open(self.dir / "events.jsonl", "a", buffering=1)  # noqa: SIM115
         self._stop = asyncio.Event()
 
@@ -194,13 +196,14 @@ class RankingWorker:
             self.events_log.close()
 
     async def _loop(self) -> None:
-        beh, sig, rank = self.reg.name("behaviors"), self.reg.name("prefill"), self.reg.name("rank")
+        beh, sig = self.reg.name("behaviors"), self.reg.name("prefill")
         last_commit = time.monotonic()
         while not self._stop.is_set():
-            # Bounded queue: stop fetching signals and requests while too much is in flight.
-            busy = len(self.tasks) >= self.p.max_inflight
+            # Bounded queue: at most max_inflight signals and requests in flight; past that the
+            # work partitions are paused (behaviours keep flowing) and the rest waits in Kafka.
+            room = self.p.max_inflight - len(self.tasks)
             work = [tp for tp in self.consumer.assignment() if tp.topic != beh]
-            if busy:
+            if room <= 0:
                 self.consumer.pause(*work)
             else:
                 self.consumer.resume(*work)
@@ -210,10 +213,14 @@ class RankingWorker:
                 for m in msgs:
                     if tp.topic == beh:
                         self._apply_behavior(tp, m)
-                    elif tp.topic == sig:
-                        self._spawn(tp, m, self._handle_prefill)
-                    elif tp.topic == rank:
-                        self._spawn(tp, m, self._handle_rank)
+                        continue
+                    if room <= 0:  # over the bound: fetch this one again later
+                        self.consumer.seek(tp, m.offset)
+                        break
+                    room -= 1
+                    self._spawn(tp, m, self._handle_prefill if tp.topic == sig else self._handle_rank)
+            self.peak_inflight = max(self.peak_inflight, len(self.tasks))
+            INFLIGHT_PEAK.set(self.peak_inflight)
             if time.monotonic() - last_commit > 0.2:
                 await self._commit()
                 last_commit = time.monotonic()
@@ -267,7 +274,10 @@ class RankingWorker:
         dl = dead_letter(
             STAGE, tp.topic, tp.partition, m.offset, m.key, m.value, reason, self.settings.max_message_bytes
         )
-        await self.producer.send_and_wait(self.reg.name("dead_letters"), encode(dl), key=dl.key())
+        topic = self.reg.name("dead_letters")
+        await deliver(
+            lambda: self.producer.send_and_wait(topic, encode(dl), key=dl.key()), what="dead letter"
+        )
 
     async def _history_caught_up(self, partition: int, timeout_s: float = 0.2) -> None:
         """Wait (briefly) until behaviours of this partition are applied up to the known log end."""
@@ -339,7 +349,8 @@ class RankingWorker:
             prefix_worker_id=oc.prefix_owner if oc else None,
             label_item_id=r.label_item_id,
         )
-        await self.producer.send_and_wait(self.reg.name("results"), encode(res), key=res.key())
+        topic = self.reg.name("results")
+        await deliver(lambda: self.producer.send_and_wait(topic, encode(res), key=res.key()), what="result")
         PATHS.labels(path.value).inc()
         E2E.labels(path.value).observe(now - r.produced_at)
         self.counts[f"path_{path.value}"] += 1

@@ -36,7 +36,15 @@ from relaygr.schemas import (
     decode,
     encode,
 )
-from relaygr.streams.common import dead_letter, decode_keyed, guarded, make_app, raw_topic
+from relaygr.streams.common import (
+    dead_letter,
+    decode_keyed,
+    deliver,
+    guarded,
+    make_app,
+    raw_topic,
+    send_acked,
+)
 from relaygr.streams.config import PipelineSettings, trigger_config
 from relaygr.streams.trigger import SequenceAwareTrigger
 from relaygr.workers.latency_model import LatencyModel
@@ -139,7 +147,7 @@ def build(settings: Settings, p: PipelineSettings, worker_id: str = "0"):
         m = ev.message
         DEAD.labels(STAGE, m.topic).inc()
         dl = dead_letter(STAGE, m.topic, m.partition, m.offset, ev.key, ev.value, reason, limit)
-        await (await dlq.send(key=dl.key(), value=encode(dl)))
+        await deliver(lambda: send_acked(dlq, dl.key(), encode(dl)), what="dead letter")
 
     async def on_behavior(ev) -> None:
         b = decode_keyed(BehaviorEvent, ev.key, ev.value, limit)
@@ -164,7 +172,7 @@ def build(settings: Settings, p: PipelineSettings, worker_id: str = "0"):
                 lease_ttl_s=trigger.config.lease_ttl_s,
                 issued_at=time.time(),
             )
-            await out_prefill.send(key=sig.key(), value=encode(sig))
+            await deliver(lambda: send_acked(out_prefill, sig.key(), encode(sig)), what="prefill signal")
         if p.feature_fetch_ms:
             await asyncio.sleep(p.feature_fetch_ms / 1000)
         cands = gen.candidates(recent, 2 * r.num_candidates)
@@ -181,7 +189,7 @@ def build(settings: Settings, p: PipelineSettings, worker_id: str = "0"):
             retrieved_at=time.time(),
             label_item_id=r.label_item_id,
         )
-        await (await out_retrieved.send(key=out.key(), value=encode(out)))
+        await deliver(lambda: send_acked(out_retrieved, out.key(), encode(out)), what="retrieved request")
         REQS.inc()
         LAT.observe(time.time() - t0)
 
