@@ -29,6 +29,8 @@ from relaygr.schemas import DeadLetter, Event, SchemaError, decode
 
 E = TypeVar("E", bound=Event)
 log = logging.getLogger(__name__)
+# A dead letter keeps at most this much of the original value, so it always fits a Kafka message.
+DEAD_LETTER_VALUE_BYTES = 64 * 1024
 
 
 def decode_keyed(event_type: type[E], key: bytes | None, value: bytes | None, max_bytes: int) -> E:
@@ -84,12 +86,11 @@ def dead_letter(
     key: bytes | None,
     value: bytes | None,
     reason: str,
-    limit: int,
 ) -> DeadLetter:
     raw = value or b""
-    if len(raw) > limit:  # keep the record bounded: the head of an oversized message is enough
-        reason = f"{reason} (value truncated to {limit} of {len(raw)} bytes)"
-        raw = raw[:limit]
+    if len(raw) > DEAD_LETTER_VALUE_BYTES:  # bounded records: the head of a huge message is enough
+        reason = f"{reason} (value truncated to its first {DEAD_LETTER_VALUE_BYTES} of {len(raw)} bytes)"
+        raw = raw[:DEAD_LETTER_VALUE_BYTES]
     return DeadLetter(
         source_topic=topic,
         partition=partition,

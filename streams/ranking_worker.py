@@ -271,9 +271,7 @@ class RankingWorker:
 
     async def _dead_letter(self, tp: TopicPartition, m, reason: str) -> None:
         DEAD.labels(tp.topic).inc()
-        dl = dead_letter(
-            STAGE, tp.topic, tp.partition, m.offset, m.key, m.value, reason, self.settings.max_message_bytes
-        )
+        dl = dead_letter(STAGE, tp.topic, tp.partition, m.offset, m.key, m.value, reason)
         topic = self.reg.name("dead_letters")
         await deliver(
             lambda: self.producer.send_and_wait(topic, encode(dl), key=dl.key()), what="dead letter"

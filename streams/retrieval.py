@@ -146,7 +146,7 @@ def build(settings: Settings, p: PipelineSettings, worker_id: str = "0"):
     async def to_dlq(ev, reason: str) -> None:
         m = ev.message
         DEAD.labels(STAGE, m.topic).inc()
-        dl = dead_letter(STAGE, m.topic, m.partition, m.offset, ev.key, ev.value, reason, limit)
+        dl = dead_letter(STAGE, m.topic, m.partition, m.offset, ev.key, ev.value, reason)
         await deliver(lambda: send_acked(dlq, dl.key(), encode(dl)), what="dead letter")
 
     async def on_behavior(ev) -> None:

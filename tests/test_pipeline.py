@@ -88,7 +88,7 @@ async def _run(kafka_settings, tmp_path_factory, model_dir, traffic, mode: str, 
     events = []
     for f in Path(settings.home, "workers").glob("*/events.jsonl"):
         events += [json.loads(line) for line in f.read_text().splitlines()]
-    return Run(sent, results, events, metrics, dead)
+    return Run(sent, results, events, metrics, dead, reg)
 
 
 # Bad input mixed into the real traffic: (topic role, key, value, what the reason must say).
@@ -103,9 +103,24 @@ BAD = [
         b'{"schema_version": 9, "request_id": "r", "user_id": "6", "ts": 1.0}',
         "schema version",
     ),
+    (
+        "requests",
+        b"7",
+        b'{"request_id": "big", "user_id": "7", "pad": "' + b"x" * 1_100_000 + b'"}',
+        "exceeds",
+    ),
+    ("retrieved", b"8", b'{"request_id": "r8", "user_id": "8", "ts": 1.0}', "candidates"),
+    ("prefill", b"9", b'{"request_id": "r9", "user_id": "9", "ts": -5.0}', "ts"),
+    (
+        "rank",
+        b"10",
+        b'{"request_id": "r10", "user_id": "10", "ts": 1.0, "candidates": [1], "top_k": 0}',
+        "top_k",
+    ),
 ]
-# Behaviours are read by three stages (retrieval, preprocess, ranking), requests by retrieval.
-EXPECTED_DEAD = 3 * 3 + 2
+# Behaviours are read by three stages (retrieval, preprocess, ranking), each other topic by one.
+EXPECTED_DEAD = 3 * 3 + 6
+STAGE_OF = {"requests": "retrieval", "retrieved": "preprocess", "prefill": "ranking", "rank": "ranking"}
 
 
 @dataclass
@@ -115,10 +130,11 @@ class Run:
     events: list
     metrics: dict
     dead: list
+    registry: TopicRegistry
 
 
 async def _send_raw(settings, reg, bad) -> None:
-    prod = producer(settings)
+    prod = producer(settings, max_request_size=4 << 20)
     await prod.start()
     try:
         for role, key, value, _ in bad:
@@ -227,19 +243,20 @@ def _ties(a, b) -> bool:
 
 async def test_bad_input_goes_to_dead_letters_and_good_traffic_flows(relay_run) -> None:
     dead = relay_run.dead
-    assert len(dead) == EXPECTED_DEAD
+    assert len(dead) == EXPECTED_DEAD, sorted((d.source_topic, d.stage, d.reason[:60]) for d in dead)
     for role, _key, value, needle in BAD:
+        topic = relay_run.registry.name(role)
         mine = [
-            d
-            for d in dead
-            if d.source_topic.endswith(role.replace("_", "-")) and base64.b64decode(d.value_b64) == value
+            d for d in dead if d.source_topic == topic and value.startswith(base64.b64decode(d.value_b64))
         ]
         stages = {d.stage for d in mine}
-        assert stages == ({"retrieval", "preprocess", "ranking"} if role == "behaviors" else {"retrieval"}), (
-            value,
-            stages,
-        )
-        assert all(needle in d.reason and d.offset >= 0 for d in mine), [d.reason for d in mine]
+        want = {"retrieval", "preprocess", "ranking"} if role == "behaviors" else {STAGE_OF[role]}
+        assert stages == want, (value[:80], stages)
+        assert all(needle in d.reason and d.offset >= 0 and d.partition >= 0 for d in mine), [
+            d.reason for d in mine
+        ]
+    big = next(d for d in dead if "exceeds" in d.reason)
+    assert len(base64.b64decode(big.value_b64)) == 64 * 1024 and "truncated" in big.reason
     assert len(relay_run.results) == len(relay_run.sent)  # every good request still answered
 
 
