@@ -122,14 +122,14 @@ def make_app(stage: str, settings: Settings, worker_id: str, **overrides: Any):
         "table_cleanup_interval": 3600.0,
         "stream_wait_empty": False,
     }
-    creds = _credentials(settings)
+    creds = faust_credentials(settings)
     if creds is not None:
         conf["broker_credentials"] = creds
     conf.update(overrides)
     return faust.App(f"{settings.topic_prefix}-{stage}", **conf)
 
 
-def _credentials(settings: Settings):
+def faust_credentials(settings: Settings):
     import faust
 
     kw = kafka_client_kwargs(settings)

@@ -8,7 +8,7 @@ import pytest
 
 from relaygr.infra.broker import _server_properties
 from relaygr.infra.settings import Settings, kafka_client_kwargs
-from relaygr.streams.common import _credentials
+from relaygr.streams.common import faust_credentials
 
 
 def test_local_broker_listens_on_loopback_only(tmp_path) -> None:
@@ -21,7 +21,7 @@ def test_local_broker_listens_on_loopback_only(tmp_path) -> None:
 
 def test_plaintext_by_default() -> None:
     assert kafka_client_kwargs(Settings()) == {"security_protocol": "PLAINTEXT"}
-    assert _credentials(Settings()) is None
+    assert faust_credentials(Settings()) is None
 
 
 def test_sasl_ssl_settings_reach_aiokafka_and_faust(monkeypatch) -> None:
@@ -34,7 +34,7 @@ def test_sasl_ssl_settings_reach_aiokafka_and_faust(monkeypatch) -> None:
     assert kw["security_protocol"] == "SASL_SSL" and kw["sasl_mechanism"] == "SCRAM-SHA-512"
     assert kw["sasl_plain_username"] == "ranker" and kw["sasl_plain_password"] == "s3cret"
     assert isinstance(kw["ssl_context"], ssl.SSLContext)
-    creds = _credentials(s)
+    creds = faust_credentials(s)
     assert creds.username == "ranker" and str(creds.mechanism.value) == "SCRAM-SHA-512"
     assert creds.ssl_context is not None
 

@@ -1,0 +1,436 @@
+"""Request traces from real interactions, trace topics, and reading any topic back.
+
+A trace turns a dataset into traffic: every interaction of a user becomes, at its time, a request
+for that user whose ground truth (``label_item_id``) is the interacted item; the user's earlier
+interactions are behaviour events. Requests carry the interaction time as ``event_ts`` (stages
+cut histories strictly before it), so a trace can be replayed at any speed.
+
+Primitives:
+- ``Trace``: requests and behaviours, each in time order, plus what was synthesised.
+- ``build_trace(ml, ...)``: a trace of MovieLens, whole or a window of it. ``min_prior`` keeps
+  only interactions with that many real earlier ones; ``target_len`` lengthens each user's history
+  before their first request to exactly that many events by time-shifted repetition of their real
+  history (``streams.traffic.synthesise``); ``warmup`` adds, per user, a request for their last
+  interaction before the window (``Trace.warmup_ids``).
+- ``TraceTopics(name, partitions)``: the trace topic (requests, key user_id) and its companion
+  ``<name>-behaviors`` (behaviours, key user_id); kept forever (``retention.ms=-1``).
+- ``publish_trace(settings, topics, trace)``: create the topics and write the trace.
+- ``read_topic(settings, topic, event_type, start=...)``: the records of a topic from the
+  beginning, an offset (one for every partition, or per partition) or a timestamp, up to the end
+  seen when reading starts. Undecodable records are counted, not returned.
+- ``load_trace(settings, topics, start=...)``: a trace back from its topics.
+- CLI: ``relaygr trace build --dataset ml-100k [--topic NAME] [--min-prior N] [--synth-len L]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Generic, TypeVar
+
+from relaygr.infra.settings import Settings
+from relaygr.schemas import BehaviorEvent, Event, RecommendationRequest, SchemaError, decode, encode
+from relaygr.schemas.topics import TopicSpec
+from relaygr.workers.movielens import DATASETS, MovieLens
+from relaygr.workers.prefix_kv import Events
+
+E = TypeVar("E", bound=Event)
+
+
+@dataclass
+class Trace:
+    requests: list[RecommendationRequest]
+    behaviours: list[BehaviorEvent]
+    warmup_ids: frozenset[str] = frozenset()
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def users(self) -> list[str]:
+        return sorted({r.user_id for r in self.requests})
+
+
+EPOCH_FLOOR = 86400.0
+"""Synthesised timestamps stay after this (event timestamps must be positive)."""
+
+
+def lengthen(past: Events, target_len: int) -> Events:
+    """Exactly ``target_len`` events (the most recent ones) of ``past`` repeated with time shifts
+    (``streams.traffic.synthesise``). Where the shifted copies would reach back before
+    ``EPOCH_FLOOR``, the synthesised part is compressed linearly in time to end one day (at most a
+    quarter of the time since the epoch) before the first real event (order kept; the real history
+    is untouched)."""
+    from relaygr.streams.traffic import DAY, synthesise
+
+    real = len(past)
+    if real == 0 or target_len <= real:
+        return past.slice(max(0, real - target_len))
+    out = synthesise(past, -(-target_len // real))
+    out = out.slice(len(out) - target_len)
+    ts = out.timestamps.clone()
+    n_syn = target_len - real
+    first_real = float(past.timestamps[0])
+    floor = min(EPOCH_FLOOR, first_real / 4)
+    if float(ts[0]) < floor:
+        lo, top = float(ts[0]), float(ts[n_syn - 1])
+        hi = first_real - min(DAY, first_real / 4)
+        scale = (hi - floor) / (top - lo) if top > lo else 0.0
+        ts[:n_syn] = floor + (ts[:n_syn] - lo) * scale
+        out = Events(out.item_ids, out.action_ids, ts)
+    return out
+
+
+def eligible_interactions(ml: MovieLens, min_prior: int = 0) -> list[tuple[float, int, int]]:
+    """``(ts, user, index in the user's history)`` of every interaction with at least ``min_prior``
+    earlier ones, in time order (ties: user, then index)."""
+    rows = []
+    for u, h in ml.histories.items():
+        ts = h.timestamps.tolist()
+        rows += [(ts[k], u, k) for k in range(min_prior, len(ts))]
+    rows.sort()
+    return rows
+
+
+def build_trace(
+    ml: MovieLens,
+    *,
+    min_prior: int = 0,
+    start: int = 0,
+    count: int | None = None,
+    target_len: int | None = None,
+    warmup: bool = False,
+    users: int | None = None,
+    num_candidates: int = 128,
+    top_k: int = 10,
+) -> Trace:
+    """The trace of interactions ``start .. start+count`` among those with ``min_prior`` real earlier
+    interactions (all of them by default), optionally of the first ``users`` users only."""
+    rows = eligible_interactions(ml, min_prior)
+    if users is not None:
+        keep = set(sorted(ml.histories)[:users])
+        rows = [r for r in rows if r[1] in keep]
+    window = rows[start : None if count is None else start + count]
+    first: dict[int, int] = {}
+    for _, u, k in window:
+        first.setdefault(u, k)
+    if target_len is not None and min(first.values(), default=1) < 1:
+        raise ValueError(
+            "target_len needs every user to have real history before the window (min_prior >= 1)"
+        )
+    name = ml.name
+
+    def request(u: int, k: int) -> RecommendationRequest:
+        h = ml.histories[u]
+        t = float(h.timestamps[k])
+        return RecommendationRequest(
+            request_id=f"{name}-{u}-{k}",
+            user_id=str(u),
+            ts=t,
+            event_ts=t,
+            num_candidates=num_candidates,
+            top_k=top_k,
+            label_item_id=int(h.item_ids[k]),
+        )
+
+    beh: list[tuple[float, int, int, BehaviorEvent]] = []
+    synthesised = 0
+    for u, k0 in first.items():
+        h = ml.histories[u]
+        last_k = max(k for _, uu, k in window if uu == u)
+        past = h.slice(0, k0)
+        if target_len is not None:
+            real = len(past)
+            past = lengthen(past, target_len)
+            synthesised += len(past) - min(real, len(past))
+        seq = [
+            (float(t), int(i), int(a))
+            for i, a, t in zip(
+                past.item_ids.tolist(), past.action_ids.tolist(), past.timestamps.tolist(), strict=True
+            )
+        ]
+        seq += [
+            (float(h.timestamps[k]), int(h.item_ids[k]), int(h.action_ids[k])) for k in range(k0, last_k + 1)
+        ]
+        beh += [
+            (t, u, j, BehaviorEvent(user_id=str(u), item_id=i, ts=t, action=a))
+            for j, (t, i, a) in enumerate(seq)
+        ]
+    beh.sort(key=lambda x: x[:3])
+    requests = [request(u, k) for _, u, k in window]
+    warm: list[RecommendationRequest] = []
+    if warmup:
+        warm = [request(u, k0 - 1) for u, k0 in first.items() if k0 >= 1]
+    reqs = sorted([*warm, *requests], key=lambda r: (r.event_ts, int(r.user_id), r.request_id))
+    meta = {
+        "dataset": name,
+        "min_prior": min_prior,
+        "start": start,
+        "requests": len(requests),
+        "warmup_requests": len(warm),
+        "users": len(first),
+        "behaviours": len(beh),
+        "target_len": target_len,
+        "synthesised_events": synthesised,
+        "span_s": (requests[-1].event_ts - requests[0].event_ts) if requests else 0.0,
+        "synthesis": (
+            "each user's real history before their first request, repeated with time shifts "
+            "(each earlier copy moved back by the history's span plus one day) and cut to the "
+            f"last {target_len} events (synthesised copies compressed in time where they would "
+            "reach back before 1970-01-02)"
+            if target_len
+            else None
+        ),
+    }
+    return Trace(reqs, [b for *_, b in beh], frozenset(r.request_id for r in warm), meta)
+
+
+class TraceTopics:
+    """A trace's two topics: ``name`` (requests) and ``name-behaviors`` (behaviours)."""
+
+    def __init__(self, name: str, partitions: int) -> None:
+        self.requests = TopicSpec(
+            "trace", name, RecommendationRequest, "user_id", partitions, co_partitioned=False, retention_ms=-1
+        )
+        self.behaviours = TopicSpec(
+            "trace_behaviors",
+            f"{name}-behaviors",
+            BehaviorEvent,
+            "user_id",
+            partitions,
+            co_partitioned=False,
+            retention_ms=-1,
+        )
+
+    def __iter__(self):
+        return iter((self.requests, self.behaviours))
+
+    @property
+    def names(self) -> list[str]:
+        return [self.requests.name, self.behaviours.name]
+
+
+def _progress(what: str, every: int = 50_000) -> Callable[[int], None]:
+    def tick(n: int) -> None:
+        if n and n % every == 0:
+            print(f"   {what}: {n}", file=sys.stderr, flush=True)
+
+    return tick
+
+
+async def publish_events(settings: Settings, topic: str, events: list, *, what: str = "events") -> None:
+    """Write ``events`` to ``topic`` in order (keyed by each event's key) and wait for the acks."""
+    from relaygr.infra.kafka import producer
+
+    prod = producer(settings, linger_ms=5)
+    await prod.start()
+    tick = _progress(f"{what} written")
+    try:
+        futs = []
+        for i, e in enumerate(events, 1):
+            futs.append(await prod.send(topic, encode(e), key=e.key()))
+            if len(futs) >= 5000:
+                await asyncio.gather(*futs)
+                futs.clear()
+            tick(i)
+        await asyncio.gather(*futs)
+    finally:
+        await prod.stop()
+
+
+async def publish_trace(settings: Settings, topics: TraceTopics, trace: Trace) -> None:
+    from relaygr.infra.kafka import ensure_topics
+
+    await ensure_topics(topics, settings)  # type: ignore[arg-type]  # any iterable of TopicSpec
+    await publish_events(settings, topics.behaviours.name, trace.behaviours, what="trace behaviours")
+    await publish_events(settings, topics.requests.name, trace.requests, what="trace requests")
+
+
+# ---------------------------------------------------------------------- reading topics back
+
+
+@dataclass(frozen=True)
+class Record(Generic[E]):
+    partition: int
+    offset: int
+    timestamp_ms: int
+    value: E
+
+
+@dataclass(frozen=True)
+class Start:
+    """Where reading starts: the beginning, an offset (all partitions, or per partition), or a time."""
+
+    offset: int | dict[int, int] | None = None
+    timestamp: float | None = None
+
+    @classmethod
+    def parse(cls, offset: str | None = None, timestamp: str | None = None) -> Start:
+        if offset is not None and timestamp is not None:
+            raise ValueError("give an offset or a timestamp, not both")
+        if offset is not None:
+            if ":" in offset:
+                return cls(offset={int(p): int(o) for p, o in (x.split(":") for x in offset.split(","))})
+            return cls(offset=int(offset))
+        if timestamp is not None:
+            try:
+                return cls(timestamp=float(timestamp))
+            except ValueError:
+                return cls(timestamp=datetime.fromisoformat(timestamp).timestamp())
+        return cls()
+
+
+@dataclass
+class TopicRead(Generic[E]):
+    records: list[Record[E]]
+    undecodable: int = 0
+
+
+async def read_topic(
+    settings: Settings,
+    topic: str,
+    event_type: type[E],
+    start: Start | None = None,
+    *,
+    max_records: int | None = None,
+    progress: bool = False,
+) -> TopicRead[E]:
+    """Records of ``topic`` from ``start`` up to the end offsets seen when reading starts."""
+    from aiokafka import TopicPartition
+
+    from relaygr.infra.kafka import consumer, describe_partitions
+
+    start = start or Start()
+    counts = await describe_partitions(settings, [topic])
+    if topic not in counts:
+        raise LookupError(f"topic {topic} does not exist")
+    tps = [TopicPartition(topic, p) for p in range(counts[topic])]
+    cons = consumer(settings, group_id=None, enable_auto_commit=False, max_partition_fetch_bytes=4 << 20)
+    await cons.start()
+    out: list[Record[E]] = []
+    bad = 0
+    tick = _progress(f"{topic} read") if progress else (lambda n: None)
+    try:
+        cons.assign(tps)
+        ends = await cons.end_offsets(tps)
+        begins = await cons.beginning_offsets(tps)
+        firsts: dict[TopicPartition, int] = {}
+        if start.timestamp is not None:
+            found = await cons.offsets_for_times({tp: int(start.timestamp * 1000) for tp in tps})
+            firsts = {tp: (found[tp].offset if found.get(tp) is not None else ends[tp]) for tp in tps}
+        elif isinstance(start.offset, dict):
+            firsts = {tp: start.offset.get(tp.partition, begins[tp]) for tp in tps}
+        elif isinstance(start.offset, int):
+            firsts = {tp: start.offset for tp in tps}
+        else:
+            firsts = dict(begins)
+        for tp in tps:
+            firsts[tp] = min(max(firsts[tp], begins[tp]), ends[tp])
+            cons.seek(tp, firsts[tp])
+        todo = {tp for tp in tps if firsts[tp] < ends[tp]}
+        while todo and (max_records is None or len(out) < max_records):
+            batch = await cons.getmany(*todo, timeout_ms=500, max_records=5000)
+            for tp, msgs in batch.items():
+                for m in msgs:
+                    if m.offset >= ends[tp]:
+                        break
+                    try:
+                        out.append(Record(tp.partition, m.offset, m.timestamp, decode(event_type, m.value)))
+                    except SchemaError:
+                        bad += 1
+                    tick(len(out))
+            for tp in list(todo):
+                if await cons.position(tp) >= ends[tp]:
+                    todo.discard(tp)
+    finally:
+        await cons.stop()
+    if max_records is not None:
+        out = out[:max_records]
+    return TopicRead(out, bad)
+
+
+async def load_trace(settings: Settings, topics: TraceTopics, start: Start | None = None) -> Trace:
+    """The requests of a trace topic from ``start`` (each partition's order kept, merged by time)
+    and all of its behaviours."""
+    from relaygr.streams.replay import merge_by_time
+
+    reqs = await read_topic(settings, topics.requests.name, RecommendationRequest, start)
+    behs = await read_topic(settings, topics.behaviours.name, BehaviorEvent)
+    requests = merge_by_time(reqs.records, lambda r: r.value.model_ts)
+    behaviours = merge_by_time(behs.records, lambda r: r.value.ts)
+    return Trace([r.value for r in requests], [b.value for b in behaviours])
+
+
+# ---------------------------------------------------------------------- CLI
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("action", choices=["build"], help="build: the dataset as a request trace topic")
+    parser.add_argument("--dataset", default="ml-100k", choices=DATASETS)
+    parser.add_argument("--topic", help="trace topic (default <RELAYGR_TOPIC_PREFIX>.trace)")
+    parser.add_argument(
+        "--min-prior",
+        type=int,
+        default=0,
+        help="only interactions with at least this many earlier ones become requests (default 0: all)",
+    )
+    parser.add_argument("--users", type=int, help="only the first N users (by id)")
+    parser.add_argument("--start", type=int, default=0, help="skip the first N requests (in time order)")
+    parser.add_argument("--count", type=int, help="at most N requests")
+    parser.add_argument(
+        "--synth-len",
+        type=int,
+        help="lengthen each user's history before their first request to this many events by "
+        "time-shifted repetition (needs --min-prior >= 1)",
+    )
+    parser.add_argument("--candidates", type=int, default=128, help="num_candidates of each request")
+    parser.add_argument("--top-k", type=int, default=10)
+
+
+def run(args: argparse.Namespace) -> int:
+    import json
+
+    from relaygr.demo import ensure_broker
+    from relaygr.infra.broker import BrokerError
+    from relaygr.infra.kafka import TopicError
+    from relaygr.infra.settings import get_settings
+    from relaygr.workers.movielens import load_movielens
+
+    try:
+        settings, _ = ensure_broker(get_settings())
+        t0 = time.monotonic()
+        trace = build_trace(
+            load_movielens(args.dataset),
+            min_prior=args.min_prior,
+            start=args.start,
+            count=args.count,
+            target_len=args.synth_len,
+            users=args.users,
+            num_candidates=args.candidates,
+            top_k=args.top_k,
+        )
+        topics = TraceTopics(args.topic or f"{settings.topic_prefix}.trace", settings.partitions)
+        print(
+            f"== trace of {args.dataset}: {len(trace.requests)} requests, {len(trace.behaviours)} behaviours, "
+            f"{trace.meta['users']} users -> {topics.requests.name} (+ {topics.behaviours.name})",
+            file=sys.stderr,
+            flush=True,
+        )
+        asyncio.run(publish_trace(settings, topics, trace))
+    except (BrokerError, TopicError, ValueError) as e:
+        print(f"relaygr trace: {e}", file=sys.stderr)
+        return 1
+    print(
+        json.dumps(
+            {
+                "trace": topics.requests.name,
+                "behaviors": topics.behaviours.name,
+                **{k: v for k, v in trace.meta.items() if k != "synthesis"},
+                "seconds": round(time.monotonic() - t0, 1),
+            }
+        )
+    )
+    return 0
