@@ -1,0 +1,280 @@
+"""Relay exactness of the HSTU ranker: cached prefix + suffix == full inference, and friends."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from relaygr.workers.model import HSTUConfig, HSTURanker
+from relaygr.workers.prefix_kv import Events, PrefixKV, history_fingerprint
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny tensors: intra-op threads only add synchronisation (and stall on a busy machine)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# fp32: scores are O(1); the paths differ only in summation order and matmul blocking.
+RTOL32, ATOL32 = 1e-5, 1e-5
+# fp64 model: the paths agree to float64 rounding; the float32 output limits the comparison.
+RTOL64, ATOL64 = 1e-6, 1e-6
+# bf16 keeps 8 mantissa bits: blockings round differently at every layer. Bound: 5e-2 of the
+# score scale (observed differences are a few 1e-3).
+BF16_TOL = 5e-2
+
+NUM_ITEMS = 40
+
+
+def _config(**kw) -> HSTUConfig:
+    base = dict(
+        num_items=NUM_ITEMS,
+        layers=2,
+        heads=2,
+        dim=16,
+        attn_dim=8,
+        linear_dim=8,
+        attn_block=8,
+        candidate_batch=4,
+        dropout=0.0,
+    )
+    return HSTUConfig(**(base | kw))
+
+
+def _randomise(model: HSTURanker, seed: int) -> HSTURanker:
+    """Large random weights (biases included), so that every path through the model matters."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+    model.refresh_version()
+    return model.eval()
+
+
+@functools.cache
+def model32() -> HSTURanker:
+    return _randomise(HSTURanker(_config()), 1)
+
+
+@functools.cache
+def model64() -> HSTURanker:
+    m = _randomise(HSTURanker(_config()), 2).to(torch.float64)
+    m.refresh_version()
+    return m
+
+
+def history(n: int, seed: int) -> Events:
+    gen = torch.Generator().manual_seed(seed)
+    gaps = torch.randint(0, 3, (n,), generator=gen).double() * 10.0 ** torch.randint(
+        0, 6, (n,), generator=gen
+    )
+    return Events(
+        item_ids=torch.randint(-2, NUM_ITEMS + 5, (n,), generator=gen),  # includes unknown ids
+        action_ids=torch.randint(0, 8, (n,), generator=gen),
+        timestamps=8.8e8 + torch.cumsum(gaps, 0),
+    )
+
+
+def candidates(c: int, seed: int) -> torch.Tensor:
+    return torch.randint(-1, NUM_ITEMS + 3, (c,), generator=torch.Generator().manual_seed(seed + 7))
+
+
+def request_time(h: Events, offset: float) -> float:
+    return float(h.timestamps[-1]) + offset if len(h) else 8.8e8 + offset
+
+
+@given(
+    n=st.integers(0, 60),
+    split=st.floats(0, 1),
+    chunk=st.integers(1, 25),
+    c=st.integers(1, 13),
+    offset=st.sampled_from([0.0, 1.0, 37.0, 86400.0, -100.0]),
+    seed=st.integers(0, 10_000),
+)
+@settings(max_examples=100, deadline=None)
+def test_relay_equals_full(n, split, chunk, c, offset, seed) -> None:
+    h, cands = history(n, seed), candidates(c, seed)
+    ts = request_time(h, offset)
+    cut = int(split * n)
+    for model, rtol, atol in ((model32(), RTOL32, ATOL32), (model64(), RTOL64, ATOL64)):
+        full = model.rank_full(h, cands, ts)
+        prefix = model.prefill(h.slice(0, cut), chunk_size=chunk)
+        relay = model.rank(prefix, h.slice(cut), cands, ts)
+        assert relay.dtype == torch.float32 and relay.device.type == "cpu" and relay.shape == (c,)
+        torch.testing.assert_close(relay, full, rtol=rtol, atol=atol)
+    # The dense training path computes the same function.
+    ref = model64().reference_scores(h, cands, ts)
+    torch.testing.assert_close(model64().rank_full(h, cands, ts), ref, rtol=RTOL64, atol=ATOL64)
+    ref32 = model32().reference_scores(h, cands, ts)
+    torch.testing.assert_close(model32().rank_full(h, cands, ts), ref32, rtol=RTOL32, atol=ATOL32)
+
+
+def _assert_prefix_close(a: PrefixKV, b: PrefixKV, rtol: float, atol: float) -> None:
+    assert a.length == b.length and a.fingerprint == b.fingerprint and a.model_version == b.model_version
+    assert torch.equal(a.positions, b.positions) and torch.equal(a.timestamps, b.timestamps)
+    for x, y in zip(a.keys + a.values, b.keys + b.values, strict=True):
+        torch.testing.assert_close(x, y, rtol=rtol, atol=atol)
+
+
+@given(
+    n=st.integers(0, 60),
+    first=st.floats(0, 1),
+    chunk=st.integers(1, 25),
+    extend_chunk=st.one_of(st.none(), st.integers(1, 25)),
+    seed=st.integers(0, 10_000),
+)
+@settings(max_examples=60, deadline=None)
+def test_extend_and_chunked_prefill_equal_one_shot(n, first, chunk, extend_chunk, seed) -> None:
+    h = history(n, seed)
+    cut = int(first * n)
+    for model, rtol, atol in ((model32(), RTOL32, ATOL32), (model64(), 1e-12, 1e-12)):
+        one_shot = model.prefill(h)
+        assert one_shot.fingerprint == history_fingerprint(h)
+        _assert_prefix_close(model.prefill(h, chunk_size=chunk), one_shot, rtol, atol)
+        extended = model.extend(model.prefill(h.slice(0, cut)), h, chunk_size=extend_chunk)
+        _assert_prefix_close(extended, one_shot, rtol, atol)
+        assert extended.matches(h)
+
+
+def test_prefill_steps_yield_between_chunks() -> None:
+    model, h = model32(), history(30, 3)
+    steps = list(model.prefill_steps(h, chunk_size=8))
+    assert steps[:-1] == [None, None, None] and isinstance(steps[-1], PrefixKV)
+    _assert_prefix_close(steps[-1], model.prefill(h), RTOL32, ATOL32)
+
+
+@given(c=st.integers(2, 14), mb=st.integers(1, 6), seed=st.integers(0, 10_000))
+@settings(max_examples=50, deadline=None)
+def test_candidates_are_independent(c, mb, seed) -> None:
+    """Permuting candidates permutes scores; a candidate's score does not depend on the others in
+    its micro-batch (alone, or among other companions, it scores the same)."""
+    model = model32()
+    h, cands = history(20, seed), candidates(c, seed)
+    ts = request_time(h, 60.0)
+    prefix = model.prefill(h.slice(0, 12))
+    suffix = h.slice(12)
+    base = model.rank(prefix, suffix, cands, ts, micro_batch=mb)
+    perm = torch.randperm(c, generator=torch.Generator().manual_seed(seed))
+    torch.testing.assert_close(model.rank(prefix, suffix, cands[perm], ts, micro_batch=mb), base[perm])
+    alone = torch.cat([model.rank(prefix, suffix, cands[i : i + 1], ts) for i in range(c)])
+    torch.testing.assert_close(alone, base, rtol=RTOL32, atol=ATOL32)
+    others = torch.cat([cands[:1], candidates(5, seed + 1)])
+    torch.testing.assert_close(
+        model.rank(prefix, suffix, others, ts, micro_batch=6)[0], base[0], rtol=RTOL32, atol=ATOL32
+    )
+
+
+def test_bf16_relay_close_to_full() -> None:
+    model = _randomise(HSTURanker(_config(dtype="bfloat16")), 3)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.5)
+    model.refresh_version()
+    assert model.dtype == torch.bfloat16
+    worst = 0.0
+    for seed in range(6):
+        h, cands = history(50, seed), candidates(12, seed)
+        ts = request_time(h, 100.0)
+        full = model.rank_full(h, cands, ts)
+        relay = model.rank(model.prefill(h.slice(0, 20 + seed), chunk_size=7), h.slice(20 + seed), cands, ts)
+        scale = full.abs().max().clamp_min(1.0)
+        worst = max(worst, float(((relay - full).abs() / scale).max()))
+    assert worst <= BF16_TOL, worst
+
+
+def test_unknown_ids_and_empty_inputs() -> None:
+    model = model32()
+    h = Events.from_lists([10**9, -4, 3], [1.0, 2.0, 3.0], [9, -1, 2])
+    scores = model.rank_full(h, torch.tensor([0, 10**12, -7, 5]), 4.0)
+    assert torch.isfinite(scores).all()
+    # ids outside the vocabulary share the unknown embedding: same score as id 0
+    assert scores[0] == scores[1] == scores[2]
+    empty = model.prefill(Events.empty())
+    assert empty.length == 0 and empty.nbytes() >= 0
+    torch.testing.assert_close(
+        model.rank(empty, h, torch.tensor([1, 2]), 4.0), model.rank_full(h, torch.tensor([1, 2]), 4.0)
+    )
+    assert model.rank(None, Events.empty(), torch.tensor([], dtype=torch.int64), 0.0).shape == (0,)
+
+
+def test_extend_rejects_a_different_history() -> None:
+    model = model32()
+    h = history(20, 5)
+    prefix = model.prefill(h.slice(0, 10))
+    changed = Events(h.item_ids.clone(), h.action_ids, h.timestamps)
+    changed.item_ids[3] += 1
+    with pytest.raises(ValueError):
+        model.extend(prefix, changed)
+    with pytest.raises(ValueError):
+        model.extend(prefix, h.slice(0, 5))
+
+
+def test_prefix_from_another_model_is_rejected() -> None:
+    prefix = model32().prefill(history(10, 1))
+    other = _randomise(HSTURanker(_config()), 99)
+    with pytest.raises(ValueError):
+        other.rank(prefix, Events.empty(), torch.tensor([1]), 0.0)
+
+
+def test_prefix_size_and_move() -> None:
+    model = model32()
+    cfg = model.config
+    n = 17
+    prefix = model.prefill(history(n, 2))
+    per_layer = n * cfg.heads * (cfg.attn_dim + cfg.linear_dim) * 4
+    assert prefix.nbytes() == cfg.layers * per_layer + n * 8 + n * 8
+    moved = prefix.to("cpu", pin=True)
+    _assert_prefix_close(moved, prefix, 0.0, 0.0)
+
+
+def test_save_load_roundtrip(tmp_path) -> None:
+    model = model32()
+    model.save(tmp_path)
+    loaded = HSTURanker.load(tmp_path)
+    assert loaded.model_version == model.model_version and loaded.config == model.config
+    h, cands = history(25, 4), candidates(6, 4)
+    torch.testing.assert_close(
+        loaded.rank_full(h, cands, 1e9), model.rank_full(h, cands, 1e9), rtol=0, atol=0
+    )
+    prefix = model.prefill(h.slice(0, 9))  # a prefix from the saved model works with the loaded one
+    loaded.rank(prefix, h.slice(9), cands, 1e9)
+    bf16 = HSTURanker.load(tmp_path, dtype="bfloat16")
+    assert bf16.dtype == torch.bfloat16 and bf16.model_version != model.model_version
+    assert loaded.item_embeddings().shape == (NUM_ITEMS + 1, model.config.dim)
+
+
+def test_flops_counts_visible_pairs() -> None:
+    model = model32()
+    cfg = model.config
+    pair = 2 * cfg.heads * (cfg.attn_dim + cfg.linear_dim)
+    # relay work + the prefix's work = full work (the FLOP model is additive like the computation)
+    full = model.flops(0, 30, 5)
+    assert model.flops(0, 20, 0) + model.flops(20, 10, 5) == full
+    assert model.flops(0, 0, 1) == cfg.layers * (model.flops(0, 0, 1) // cfg.layers)
+    assert model.flops(0, 1, 0) - model.flops(0, 0, 0) >= pair
+
+
+def test_device_and_dtype_resolution() -> None:
+    from relaygr.workers.devices import resolve_device, resolve_dtype
+
+    assert resolve_device("cpu").type == "cpu"
+    assert resolve_dtype("bfloat16") is torch.bfloat16 and resolve_dtype("float32") is torch.float32
+    with pytest.raises(ValueError):
+        resolve_dtype("float64")
+    try:
+        import torch_npu  # noqa: F401
+    except ImportError:
+        with pytest.raises(RuntimeError, match="torch_npu"):
+            resolve_device("npu")
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="CUDA"):
+            resolve_device("cuda")
+    with pytest.raises(ValueError):
+        HSTUConfig(device="tpu")

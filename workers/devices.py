@@ -1,0 +1,70 @@
+"""Device and dtype resolution for the model: cpu, cuda and (when ``torch_npu`` imports) npu.
+
+Primitives:
+- ``DTYPES``: config name -> torch dtype (``float32`` default, ``bfloat16``, ``float16``).
+- ``resolve_dtype(name)``, ``resolve_device(name)``: validated torch objects; ``npu`` imports the
+  optional ``torch_npu`` extension and fails with an explanation when it is not installed.
+- ``synchronize(device)``: wait for queued device work (benchmarks time real work, not launches).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        if name not in DTYPES.values():
+            raise ValueError(f"unsupported dtype {name}; use one of {sorted(DTYPES)}")
+        return name
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {name!r}; use one of {sorted(DTYPES)}") from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return next(k for k, v in DTYPES.items() if v == dtype)
+
+
+def _ensure_npu() -> None:
+    try:
+        importlib.import_module("torch_npu")  # registers the "npu" device type with torch
+    except ImportError as exc:
+        raise RuntimeError(
+            "device 'npu' needs the Ascend extension torch_npu (pip install 'relaygr[npu]', with the "
+            "CANN toolkit installed); it could not be imported: " + str(exc)
+        ) from exc
+
+
+def resolve_device(name: str | torch.device) -> torch.device:
+    """``cpu``, ``cuda``, ``cuda:N``, ``npu`` or ``npu:N``, checked to be usable here."""
+    if isinstance(name, str) and name.split(":")[0] == "npu":
+        _ensure_npu()
+    device = torch.device(name)
+    if device.type == "cpu":
+        return device
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"device {str(device)!r} requested but CUDA is not available")
+        return device
+    if device.type == "npu":
+        if not torch.npu.is_available():  # type: ignore[attr-defined]
+            raise RuntimeError(f"device {str(device)!r} requested but no NPU is available")
+        return device
+    raise ValueError(f"unsupported device {str(device)!r}; use cpu, cuda[:N] or npu[:N]")
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "npu":
+        torch.npu.synchronize(device)  # type: ignore[attr-defined]

@@ -1,0 +1,268 @@
+"""HSTU pointwise attention with relative position/time bias: a dense reference and a blockwise path.
+
+Attention of query token ``i`` over key token ``j`` (HSTU style, no softmax)::
+
+    out_i = (1 / N) * sum_j  visible(i, j) * silu(q_i . k_j + bias[bucket(i, j)]) * v_j
+
+with ``N`` a fixed normaliser (never the sequence length) and ``bias`` one learned value per
+(position bucket, time bucket) pair, shared by the heads. Buckets come only from the absolute
+positions and timestamps of the two tokens, so a token's attention never depends on how long the
+sequence is or on where it was cut: that is what makes a cached prefix exact.
+
+Primitives:
+- ``position_bucket(dpos)``: bucket of a position difference ``i - j`` (exact below 16, then four
+  buckets per doubling).
+- ``time_bucket(dt)``: bucket of a time gap ``ts_i - ts_j`` in seconds (two buckets per doubling,
+  gaps under 1.5 s share bucket 0, negative gaps count as 0).
+- ``pair_index(dpos, dt, ...)``: combined bucket index into a layer's bias table.
+- ``dense_attention``: the plain reference; materialises the full score matrix, the bias of every
+  pair and an explicit visibility mask.
+- ``Segment``, ``plan_attention``, ``run_attention``: the optimised path. Keys live in segments of
+  consecutive positions (a cached prefix, then the tokens being computed); ``plan_attention``
+  splits them into blocks, drops the blocks a causal query chunk cannot see, keeps a mask only
+  for blocks that straddle the diagonal and precomputes each block's bias indices, once for all
+  layers; ``run_attention`` executes the plan for one layer. No tensor larger than one block of
+  scores is ever materialised.
+
+Both bucket functions work on the bit pattern of a float32 (exponent and leading mantissa bits),
+so they are exact integer functions of their input: the same token pair gets the same bucket on
+every path, whatever the blocking, vectorisation or device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+EXACT_POSITIONS = 16
+"""Position differences below this get a bucket of their own; beyond, four buckets per doubling."""
+
+_TILE = 65536  # pairs per tile when computing time codes (a float64 tile is 512 KiB)
+
+_F32_EXP_BIAS = 127
+
+
+def position_bucket(dpos: torch.Tensor, num_buckets: int) -> torch.Tensor:
+    """Bucket (int32) of position differences ``i - j``; negative differences map to bucket 0."""
+    d = dpos.clamp_min(0).to(torch.int32)
+    # For d >= 16: 16 + 4 * (floor(log2 d) - 4) + (two mantissa bits after the leading one).
+    log_part = (d.to(torch.float32).view(torch.int32) >> 21) - (((_F32_EXP_BIAS + 4) << 2) - EXACT_POSITIONS)
+    return torch.where(d < EXACT_POSITIONS, d, log_part).clamp_(0, num_buckets - 1)
+
+
+def time_bucket(dt: torch.Tensor, num_buckets: int) -> torch.Tensor:
+    """Bucket (int32) of time gaps in seconds: ``floor(log2 gap)`` doubled, plus one if the gap is
+    at least 1.5 times that power of two. Gaps under 1.5 s (negative ones included) are bucket 0."""
+    g = dt.to(torch.float32).clamp_(min=1.0)
+    return ((g.view(torch.int32) >> 22) - (_F32_EXP_BIAS << 1)).clamp_(0, num_buckets - 1)
+
+
+def pair_index(dpos: torch.Tensor, dt: torch.Tensor, num_pos: int, num_time: int) -> torch.Tensor:
+    """Index (int32) into a flattened ``[num_pos, num_time]`` bias table for each token pair."""
+    return position_bucket(dpos, num_pos) * num_time + time_bucket(dt, num_time)
+
+
+def dense_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    index: torch.Tensor,
+    visible: torch.Tensor,
+    table: torch.Tensor,
+    normaliser: float,
+) -> torch.Tensor:
+    """Reference attention: ``q [..., H, Tq, dqk]``, ``k [..., H, Tk, dqk]``, ``v [..., H, Tk, dv]``;
+    ``index [..., Tq, Tk]`` the pairs' bias indices (``pair_index`` of their position differences
+    and time gaps), ``visible [..., Tq, Tk]`` (bool), both shared by the heads and broadcastable;
+    ``table`` the flattened bias table. Differentiable: the training path and the test oracle."""
+    bias = table[index.long()].unsqueeze(-3)
+    scores = F.silu(torch.matmul(q, k.transpose(-1, -2)) + bias)
+    scores = scores * visible.unsqueeze(-3).to(scores.dtype)
+    return torch.matmul(scores, v) / normaliser
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Keys of consecutive positions ``start, start + 1, ...`` and their timestamps (float64)."""
+
+    start: int
+    timestamps: torch.Tensor
+
+    @property
+    def stop(self) -> int:
+        return self.start + int(self.timestamps.shape[0])
+
+
+@dataclass(frozen=True)
+class BlockTask:
+    """One key block of a plan: keys ``[k0, k1)`` of segment ``segment``; ``index`` the bias index
+    per (query, key), ``[1, Bk]`` when all queries share position and timestamp; ``hidden`` marks
+    the pairs a causal query must not see (``None`` when the whole block is visible)."""
+
+    segment: int
+    k0: int
+    k1: int
+    index: torch.Tensor
+    hidden: torch.Tensor | None
+
+
+def key_block_size(block: int, rows: int) -> int:
+    """Keys per block for ``rows`` queries: ``block`` keys for a full query block; skinny query
+    chunks get wider key blocks so that every score block holds about ``block * block`` values."""
+    return block * max(1, block // max(1, rows))
+
+
+# The blockwise path addresses a wide table: column = the raw float32 code of the clamped gap
+# (``bits >> 22``) minus 254, i.e. the time bucket before its upper clamp; columns past the last
+# bucket repeat it. That saves two passes per score block and gives the very same bias values.
+_CODE0 = _F32_EXP_BIAS << 1
+WIDE_TIME_COLUMNS = 258
+"""Columns per position bucket in ``wide_bias_table``: every code a float32 gap >= 1 can take."""
+
+
+def wide_bias_table(pos_bias: torch.Tensor, time_bias: torch.Tensor) -> torch.Tensor:
+    """``[position_buckets * WIDE_TIME_COLUMNS]`` table for ``run_attention``: entry
+    ``p * WIDE_TIME_COLUMNS + c`` is ``pos_bias[p] + time_bias[min(c, time_buckets - 1)]``."""
+    cols = torch.arange(WIDE_TIME_COLUMNS, device=time_bias.device).clamp_(max=time_bias.shape[0] - 1)
+    return (pos_bias[:, None] + time_bias[cols][None, :]).reshape(-1)
+
+
+def plan_attention(
+    q_start: int,
+    q_ts: torch.Tensor,
+    segments: Sequence[Segment],
+    *,
+    rows: int,
+    causal: bool,
+    block: int,
+    num_pos: int,
+    cache: dict | None = None,
+) -> list[BlockTask]:
+    """Blocks a query chunk attends to, with their indices into ``wide_bias_table`` (layer
+    independent: computed once, used by every layer).
+
+    ``cache`` (a dict kept across the chunks of one pass) remembers the position part of the
+    indices (it depends only on a block's offset, and consecutive chunks meet the same offsets)
+    and holds scratch buffers: the tasks of one call are invalid once the same cache is passed to
+    the next call.
+
+    Causal chunk: queries are at positions ``q_start .. q_start + len(q_ts) - 1`` and see keys at
+    positions up to their own; blocks entirely after the chunk are skipped. Non-causal (candidate
+    tokens): ``rows`` queries all at position ``q_start`` with the one timestamp ``q_ts[0]``, seeing
+    every key of the segments (which must all precede ``q_start``).
+    """
+    device = q_ts.device
+    nq = int(q_ts.shape[0])
+    q_stop = q_start + nq  # exclusive
+    kb = key_block_size(block, rows)
+    # d = q_pos - k_pos = (q_start - ks - kb + 1) + grid[a, b] for query a and key b of a block at ks.
+    cache = {} if cache is None else cache
+    grid = cache.get(("grid", nq, kb))
+    if grid is None:
+        grid = torch.arange(nq, device=device, dtype=torch.int32)[:, None] + (kb - 1)
+        grid = cache[("grid", nq, kb)] = grid - torch.arange(kb, device=device, dtype=torch.int32)[None, :]
+    last_key = max((seg.stop for seg in segments), default=0) - 1
+    d_lo, d_hi = q_start - max(last_key, 0) - kb + 1, q_stop - 1
+    pos_lut = (
+        position_bucket(torch.arange(d_lo, d_hi + 1, device=device), num_pos) * WIDE_TIME_COLUMNS - _CODE0
+    )
+
+    # Time codes are computed tile by tile into reused buffers: the float64 differences of a whole
+    # block row would not stay in cache, and fresh large allocations cost page faults.
+    tile_rows = max(1, min(nq, _TILE // kb))
+    gap64 = _scratch(cache, "gap64", tile_rows * kb, torch.float64, device)
+    gap32 = _scratch(cache, "gap32", tile_rows * kb, torch.float32, device)
+
+    def time_codes(out: torch.Tensor, k_ts: torch.Tensor) -> None:
+        """Raw time codes ``out [nq, width]`` (int32) against keys at times ``k_ts [width]``."""
+        width = k_ts.shape[0]
+        for r0 in range(0, nq, tile_rows):
+            r1 = min(nq, r0 + tile_rows)
+            g64 = gap64[: (r1 - r0) * width].view(r1 - r0, width)
+            g32 = gap32[: (r1 - r0) * width].view(r1 - r0, width)
+            torch.sub(q_ts[r0:r1, None], k_ts[None, :], out=g64)
+            g32.copy_(g64).clamp_(min=1.0)
+            torch.bitwise_right_shift(g32.view(torch.int32), 22, out=out[r0:r1])
+
+    def position_part(d0: int, width: int) -> torch.Tensor:
+        """Position part of the indices of a block whose offset is ``d0`` (Toeplitz in d0)."""
+        key = (d0, nq, kb, width)
+        part = cache.get(key)
+        if part is None:
+            # part[a, b] = pos_lut[d0 - d_lo + kb - 1 + a - b]: a Toeplitz matrix, built from windows.
+            window = pos_lut[d0 - d_lo : d0 - d_lo + nq + kb - 1].flip(0)
+            part = cache[key] = window.unfold(0, kb, 1).flip(0)[:, :width]
+        return part
+
+    total = sum(-(-_visible(seg, q_start, q_stop, causal) // kb) for seg in segments) * nq * kb
+    codes_buf = _scratch(cache, "codes", total, torch.int32, device)
+    used = 0
+    tasks: list[BlockTask] = []
+    for si, seg in enumerate(segments):
+        visible = _visible(seg, q_start, q_stop, causal)
+        for k0 in range(0, visible, kb):
+            k1 = min(k0 + kb, visible)
+            d0 = q_start - (seg.start + k0) - kb + 1
+            index = codes_buf[used : used + nq * (k1 - k0)].view(nq, k1 - k0)
+            used += nq * (k1 - k0)
+            time_codes(index, seg.timestamps[k0:k1])
+            index.add_(position_part(d0, k1 - k0))
+            hidden = None
+            if causal and seg.start + k1 - 1 > q_start:  # straddles the diagonal
+                hidden = grid[:, : k1 - k0] < -d0
+            tasks.append(BlockTask(si, k0, k1, index, hidden))
+    return tasks
+
+
+def _visible(seg: Segment, q_start: int, q_stop: int, causal: bool) -> int:
+    """Keys of ``seg`` a query chunk can see (a prefix of the segment)."""
+    n = seg.stop - seg.start
+    if causal:
+        return max(0, min(n, q_stop - seg.start))  # keys after the last query are skipped
+    if n and seg.stop > q_start:
+        raise ValueError("plan_attention: non-causal queries must follow every key")
+    return n
+
+
+def _scratch(cache: dict, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A reusable flat buffer of at least ``numel`` elements kept in ``cache``."""
+    buf = cache.get(name)
+    if buf is None or buf.numel() < numel or buf.dtype != dtype:
+        buf = cache[name] = torch.empty(max(numel, 1), dtype=dtype, device=device)
+    return buf
+
+
+def run_attention(
+    q: torch.Tensor,
+    tasks: Sequence[BlockTask],
+    kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    table: torch.Tensor,
+    value_dim: int,
+) -> torch.Tensor:
+    """Unnormalised attention sum ``[H, Tq, value_dim]`` of ``q [H, Tq, dqk]`` over the planned
+    blocks; ``kv[s]`` holds segment ``s``'s keys ``[H, n, dqk]`` and values ``[H, n, value_dim]``.
+    Inference only (in-place ops); the caller adds any extra terms and divides by the normaliser."""
+    heads, nq, _ = q.shape
+    acc = q.new_zeros(heads, nq, value_dim)
+    if not tasks:
+        return acc
+    # One score buffer and one bias buffer for every block: no allocation inside the loop.
+    widest = max(t.index.numel() for t in tasks) // max(1, min(t.index.shape[0] for t in tasks))
+    score_buf = q.new_empty(heads * nq * widest)
+    bias_buf = table.new_empty(max(t.index.numel() for t in tasks))
+    for t in tasks:
+        k, v = kv[t.segment]
+        w = t.k1 - t.k0
+        scores = torch.bmm(
+            q, k[:, t.k0 : t.k1].transpose(1, 2), out=score_buf[: heads * nq * w].view(heads, nq, w)
+        )
+        bias = torch.index_select(table, 0, t.index.reshape(-1), out=bias_buf[: t.index.numel()])
+        scores.add_(bias.view(1, *t.index.shape))
+        F.silu(scores, inplace=True)
+        if t.hidden is not None:
+            scores.masked_fill_(t.hidden, 0.0)
+        acc.baddbmm_(scores, v[:, t.k0 : t.k1])
+    return acc

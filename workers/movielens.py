@@ -1,0 +1,78 @@
+"""MovieLens as shipped inside the ``recbole`` wheel, as per-user behaviour sequences.
+
+Primitives:
+- ``read_atomic(dataset, suffix)``: one of RecBole's atomic files (tab separated, typed headers
+  such as ``user_id:token``), read through ``importlib.resources``; nothing is copied anywhere.
+- ``MovieLens``: users' histories as ``Events`` (item id, action = rating 1..5, timestamp),
+  oldest first with a fixed tie-break (timestamp, then item id, then file order).
+- ``load_movielens(name)``: the above for ``ml-100k``.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from relaygr.workers.prefix_kv import Events
+
+DATASETS = ("ml-100k",)
+
+
+def read_atomic(dataset: str, suffix: str) -> tuple[list[str], list[list[str]]]:
+    """Column names (type annotations stripped) and rows of ``<dataset>.<suffix>``."""
+    if dataset not in DATASETS:
+        raise ValueError(f"unknown dataset {dataset!r}; available: {', '.join(DATASETS)}")
+    res = importlib.resources.files("recbole") / "dataset_example" / dataset / f"{dataset}.{suffix}"
+    try:
+        text = res.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        text = res.read_text(encoding="latin-1")
+    except (FileNotFoundError, ModuleNotFoundError) as exc:
+        raise FileNotFoundError(
+            f"{dataset}.{suffix} not found in the recbole package (pip install --no-deps recbole)"
+        ) from exc
+    lines = text.splitlines()
+    header = [h.split(":")[0] for h in lines[0].split("\t")]
+    return header, [line.split("\t") for line in lines[1:] if line.strip()]
+
+
+@dataclass(frozen=True)
+class MovieLens:
+    """Histories of every user, keyed by raw user id, in ascending user id order."""
+
+    name: str
+    num_items: int
+    histories: dict[int, Events]
+
+    @property
+    def num_events(self) -> int:
+        return sum(len(h) for h in self.histories.values())
+
+
+def load_movielens(name: str = "ml-100k") -> MovieLens:
+    header, rows = read_atomic(name, "inter")
+    col = {c: i for i, c in enumerate(header)}
+    data = np.array(
+        [[r[col["user_id"]], r[col["item_id"]], r[col["rating"]], r[col["timestamp"]]] for r in rows]
+    )
+    users = data[:, 0].astype(np.int64)
+    items = data[:, 1].astype(np.int64)
+    ratings = np.rint(data[:, 2].astype(np.float64)).astype(np.int64)
+    ts = data[:, 3].astype(np.float64)
+    # Fixed order: user, timestamp, item id, then file order (lexsort's last key is primary).
+    order = np.lexsort((np.arange(len(rows)), items, ts, users))
+    users, items, ratings, ts = users[order], items[order], ratings[order], ts[order]
+    bounds = np.flatnonzero(np.diff(users)) + 1
+    histories: dict[int, Events] = {}
+    for lo, hi in zip(np.r_[0, bounds], np.r_[bounds, len(users)], strict=True):
+        histories[int(users[lo])] = Events(
+            item_ids=torch.from_numpy(items[lo:hi].copy()),
+            action_ids=torch.from_numpy(ratings[lo:hi].copy()),
+            timestamps=torch.from_numpy(ts[lo:hi].copy()),
+        )
+    _, item_rows = read_atomic(name, "item")
+    num_items = max(int(items.max()), max(int(r[0]) for r in item_rows))
+    return MovieLens(name=name, num_items=num_items, histories=histories)
