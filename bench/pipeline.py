@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import sys
@@ -32,6 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print only the JSON lines")
     parser.add_argument("--qps", type=float, default=100.0, help="request rate of the hop measurement")
     parser.add_argument("--hop-requests", type=int, default=600, help="requests of the hop measurement")
+    parser.add_argument(
+        "--hop-users", type=int, default=100, help="users whose requests repeat in the hop phase"
+    )
     parser.add_argument("--users", type=int, default=48, help="users with long histories")
     parser.add_argument("--history", type=int, default=2048, help="history length of the long-history phase")
     parser.add_argument("--long-qps", type=float, default=6.0, help="request rate of the long-history phase")
@@ -75,7 +79,9 @@ def _phase(
             say(f"{mode}: pipeline ready in {asyncio.run(pipe.wait_ready()):.1f} s")
             for name, behaviours, requests, qps in traffic:
                 say(f"{mode}/{name}: {len(behaviours)} behaviours, {len(requests)} requests at {qps:g}/s")
-                sent = asyncio.run(publish(s, reg, behaviours, requests, qps=qps, settle_s=3.0))
+                sent = asyncio.run(
+                    publish(s, reg, behaviours, requests, qps=qps, settle_s=1.0, wait_for_ingest=True)
+                )
                 res = asyncio.run(collect_results(s, reg, {r.request_id for r in sent}, timeout_s=300))
                 out[name] = (sent, res)
     finally:
@@ -90,10 +96,11 @@ def run(args: argparse.Namespace) -> int:
     from relaygr.workers.movielens import load_movielens
 
     say = _Say(args.json)
-    settings, _ = ensure_broker(get_settings())
-    p = PipelineSettings()
-    ensure_model(p.model_dir)
-    calib = ensure_calibration(p.model_dir)
+    with contextlib.redirect_stdout(sys.stderr):  # stdout carries only the JSON lines
+        settings, _ = ensure_broker(get_settings())
+        p = PipelineSettings()
+        ensure_model(p.model_dir)
+        calib = ensure_calibration(p.model_dir)
     env = {
         "RELAYGR_MODEL_DIR": str(p.model_dir),
         "RELAYGR_CALIBRATION_FILE": str(calib),
@@ -105,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
     }
     ml = load_movielens("ml-100k")
     users = sorted(ml.histories)
-    hop_users = users[: args.hop_requests] if args.hop_requests <= len(users) else users
+    hop_users = users[: args.hop_users]
     hop_b, hop_r = leave_last_out(ml, hop_users, num_candidates=64)
     hop_r = (hop_r * math.ceil(args.hop_requests / len(hop_r)))[: args.hop_requests]
     hop_r = [r.model_copy(update={"request_id": f"{r.request_id}-{i}"}) for i, r in enumerate(hop_r)]

@@ -1,10 +1,13 @@
 """Per-user behaviour histories materialised from ``relaygr.behaviors`` into RocksDB (rocksdict).
 
 Primitives:
-- ``HistoryTable(path)``: ``append(partition, offset, event)`` and ``get(user_id, before_ts)``.
-  Each write stores the event and the partition's last applied offset in one atomic batch, so
-  replaying the topic after a crash applies nothing twice (the behaviours topic is the changelog:
-  after a restart or a rebalance, consumption resumes at ``next_offset(partition)``).
+- ``HistoryTable(path)``: ``append_many(partition, [(offset, event), ...])`` and
+  ``get(user_id, before_ts)``. Each batch writes its events (one small key per event) and the
+  partition's last applied offset atomically, so replaying the topic after a crash applies nothing
+  twice: the behaviours topic is the changelog, and after a restart or a rebalance consumption
+  resumes at ``next_offset(partition)``. Reads come from a byte-bounded in-memory copy (LRU per
+  user) that is rebuilt from RocksDB on a miss, so the ranking path never re-reads a long history
+  from disk and an append costs one record, not a rewrite of the history.
 - ``pack`` / ``unpack``: a history as fixed-width records (item int64, action int16, ts float64).
 
 A history is the order of the partition's log (append-only), which is what keeps a cached prefix
@@ -14,6 +17,8 @@ valid as the history grows. ``get(..., before_ts)`` keeps only events older than
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -32,8 +37,8 @@ def pack(items: np.ndarray, actions: np.ndarray, ts: np.ndarray) -> bytes:
     return rec.tobytes()
 
 
-def unpack(data: bytes) -> np.ndarray:
-    return np.frombuffer(data, dtype=RECORD)
+def unpack(data: bytes | bytearray) -> np.ndarray:
+    return np.frombuffer(bytes(data), dtype=RECORD)
 
 
 def to_events(rec: np.ndarray) -> Events:
@@ -45,56 +50,116 @@ def to_events(rec: np.ndarray) -> Events:
 
 
 class HistoryTable:
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, cache_bytes: int = 256 << 20) -> None:
         Path(path).mkdir(parents=True, exist_ok=True)
         opts = Options(raw_mode=True)
         opts.create_if_missing(True)
         self._db = Rdict(str(path), options=opts)
         self._lock = threading.Lock()
         self._offsets: dict[int, int] = {}
+        self._cache: OrderedDict[str, bytearray] = OrderedDict()
+        self._cache_bytes, self._cache_limit = 0, cache_bytes
 
-    @staticmethod
-    def _hkey(user_id: str) -> bytes:
-        return b"h/" + user_id.encode()
-
+    # Keys: "o/<partition>" -> last applied offset; "n/<user>" -> event count;
+    # "e/<user>\0<seq:012d>" -> one packed record (sorted by seq within the user).
     @staticmethod
     def _okey(partition: int) -> bytes:
         return b"o/" + str(partition).encode()
 
+    @staticmethod
+    def _nkey(user_id: str) -> bytes:
+        return b"n/" + user_id.encode()
+
+    @staticmethod
+    def _ekey(user_id: str, seq: int) -> bytes:
+        return b"e/" + user_id.encode() + b"\x00" + b"%012d" % seq
+
     def next_offset(self, partition: int) -> int:
         """First offset of ``partition`` not yet applied (0 for a new table)."""
         with self._lock:
-            if partition not in self._offsets:
-                raw = self._db.get(self._okey(partition))
-                self._offsets[partition] = int(raw) if raw is not None else -1
-            return self._offsets[partition] + 1
+            return self._next_offset(partition)
+
+    def _next_offset(self, partition: int) -> int:
+        if partition not in self._offsets:
+            raw = self._db.get(self._okey(partition))
+            self._offsets[partition] = int(raw) if raw is not None else -1
+        return self._offsets[partition] + 1
+
+    def _count(self, user_id: str) -> int:
+        raw = self._db.get(self._nkey(user_id))
+        return int(raw) if raw is not None else 0
 
     def append(self, partition: int, offset: int, event: BehaviorEvent) -> bool:
         """Apply one behaviour; False if that offset was applied before."""
-        if offset < self.next_offset(partition):
-            return False
-        rec = pack(np.array([event.item_id]), np.array([event.action]), np.array([event.ts]))
+        return self.append_many(partition, [(offset, event)]) == 1
+
+    def append_many(self, partition: int, batch: Iterable[tuple[int, BehaviorEvent | None]]) -> int:
+        """Apply a batch of one partition in offset order (``None`` = an offset to skip, e.g. a
+        dead-lettered message). Returns how many events were applied."""
         with self._lock:
-            key = self._hkey(event.user_id)
-            old = self._db.get(key)
+            start = self._next_offset(partition)
             wb = WriteBatch(raw_mode=True)
-            wb.put(key, (old or b"") + rec)
-            wb.put(self._okey(partition), str(offset).encode())
+            counts: dict[str, int] = {}
+            new: dict[str, list[bytes]] = {}
+            last, applied = None, 0
+            for offset, ev in batch:
+                if offset < start or (last is not None and offset <= last):
+                    continue
+                last = offset
+                if ev is None:
+                    continue
+                u = ev.user_id
+                if u not in counts:
+                    counts[u] = self._count(u)
+                rec = pack(np.array([ev.item_id]), np.array([ev.action]), np.array([ev.ts]))
+                wb.put(self._ekey(u, counts[u]), rec)
+                counts[u] += 1
+                new.setdefault(u, []).append(rec)
+                applied += 1
+            if last is None:
+                return 0
+            for u, n in counts.items():
+                wb.put(self._nkey(u), str(n).encode())
+            wb.put(self._okey(partition), str(last).encode())
             self._db.write(wb)
-            self._offsets[partition] = offset
-        return True
+            self._offsets[partition] = last
+            for u, recs in new.items():
+                cached = self._cache.get(u)
+                if cached is not None:
+                    added = b"".join(recs)
+                    cached += added
+                    self._cache_bytes += len(added)
+            self._shrink()
+            return applied
 
     def mark(self, partition: int, offset: int) -> None:
         """Record ``offset`` as applied without an event (a dead-lettered message)."""
-        if offset < self.next_offset(partition):
-            return
-        with self._lock:
-            self._db[self._okey(partition)] = str(offset).encode()
-            self._offsets[partition] = offset
+        self.append_many(partition, [(offset, None)])
+
+    def _load(self, user_id: str) -> bytearray:
+        buf = self._cache.get(user_id)
+        if buf is not None:
+            self._cache.move_to_end(user_id)
+            return buf
+        buf = bytearray()
+        prefix = b"e/" + user_id.encode() + b"\x00"
+        for key, value in self._db.items(from_key=prefix):
+            if not key.startswith(prefix):
+                break
+            buf += value
+        self._cache[user_id] = buf
+        self._cache_bytes += len(buf)
+        self._shrink()
+        return buf
+
+    def _shrink(self) -> None:
+        while self._cache_bytes > self._cache_limit and len(self._cache) > 1:
+            _, buf = self._cache.popitem(last=False)
+            self._cache_bytes -= len(buf)
 
     def records(self, user_id: str) -> np.ndarray:
-        raw = self._db.get(self._hkey(user_id))
-        return unpack(raw) if raw else np.empty(0, dtype=RECORD)
+        with self._lock:
+            return unpack(self._load(user_id))
 
     def get(self, user_id: str, before_ts: float | None = None) -> Events:
         rec = self.records(user_id)

@@ -210,10 +210,10 @@ class RankingWorker:
             batch = await self.consumer.getmany(timeout_ms=20, max_records=500)
             # Behaviours first: a request in the same batch sees the events before it.
             for tp, msgs in sorted(batch.items(), key=lambda kv: kv[0].topic != beh):
+                if tp.topic == beh:
+                    self.history.append_many(tp.partition, [(m.offset, self._behavior(tp, m)) for m in msgs])
+                    continue
                 for m in msgs:
-                    if tp.topic == beh:
-                        self._apply_behavior(tp, m)
-                        continue
                     if room <= 0:  # over the bound: fetch this one again later
                         self.consumer.seek(tp, m.offset)
                         break
@@ -245,6 +245,12 @@ class RankingWorker:
 
     async def _commit(self) -> None:
         offsets = self.tracker.committable(self.assigned)
+        # Behaviours are resumed from the history table's own offsets; committing them too lets
+        # operators read this worker's ingestion lag with the usual consumer-group tools.
+        beh = self.reg.name("behaviors")
+        for tp in self.assigned:
+            if tp.topic == beh:
+                offsets[tp] = self.history.next_offset(tp.partition)
         if offsets:
             await self.consumer.commit(offsets)
 
@@ -255,14 +261,12 @@ class RankingWorker:
 
     # ------------------------------------------------------------------ handlers
 
-    def _apply_behavior(self, tp: TopicPartition, m) -> None:
+    def _behavior(self, tp: TopicPartition, m) -> BehaviorEvent | None:
         try:
-            b = decode_keyed(BehaviorEvent, m.key, m.value, self.settings.max_message_bytes)
+            return decode_keyed(BehaviorEvent, m.key, m.value, self.settings.max_message_bytes)
         except SchemaError as e:
-            self.history.mark(tp.partition, m.offset)
             self._spawn_dead_letter(tp, m, str(e))
-            return
-        self.history.append(tp.partition, m.offset, b)
+            return None
 
     def _spawn_dead_letter(self, tp: TopicPartition, m, reason: str) -> None:
         task = asyncio.create_task(self._dead_letter(tp, m, reason))

@@ -207,9 +207,11 @@ class Replayer:
         await asyncio.gather(*futs)
         return len(now)
 
-    async def run(self, plan: ReplayPlan) -> list[RecommendationRequest]:
-        """Send ``plan``'s requests at their offsets, each preceded by the behaviours older than it.
-        Returns the requests as sent (renamed, ``ts`` = send time, ``event_ts`` set)."""
+    async def run(self, plan: ReplayPlan, *, behaviours: bool = True) -> list[RecommendationRequest]:
+        """Send ``plan``'s requests at their offsets, each preceded by the behaviours older than it
+        (none with ``behaviours=False``: a side replay, such as a warm-up, must not publish a later
+        replay's behaviours ahead of their time). Returns the requests as sent (renamed, ``ts`` =
+        send time, ``event_ts`` set)."""
         topic = self.reg.name("requests")
         sent, futs = [], []
         t0 = time.monotonic()
@@ -218,7 +220,8 @@ class Replayer:
             wait = t0 + off - time.monotonic()
             if wait > 0:
                 await asyncio.sleep(wait)
-            await self._behaviours_before(r.model_ts)
+            if behaviours:
+                await self._behaviours_before(r.model_ts)
             out = renamed(r, self.user_prefix).model_copy(update={"ts": time.time(), "event_ts": r.model_ts})
             futs.append(await self.prod.send(topic, encode(out), key=out.key()))
             sent.append(out)

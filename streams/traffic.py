@@ -99,6 +99,49 @@ def history_of(behaviours: list[BehaviorEvent], user_id: str, before_ts: float |
     )
 
 
+STAGE_GROUPS = ("retrieval", "preprocess", "ranking")
+
+
+async def wait_ingested(settings: Settings, reg: TopicRegistry, *, timeout_s: float = 600.0) -> float:
+    """Wait until every stage's consumer group has consumed ``behaviors`` to its end (progress on
+    stderr); returns the seconds waited."""
+    import sys
+
+    from aiokafka import TopicPartition
+
+    from relaygr.infra.kafka import admin
+
+    t0 = time.monotonic()
+    client = admin(settings)
+    cons = consumer(settings, group_id=None)
+    await client.start()
+    await cons.start()
+    try:
+        tps = [TopicPartition(reg.name("behaviors"), p) for p in range(reg.partitions)]
+        end = await cons.end_offsets(tps)
+        total = sum(end.values())
+        while True:
+            lags = {}
+            for stage in STAGE_GROUPS:
+                got = await client.list_consumer_group_offsets(f"{reg.prefix}-{stage}", partitions=tps)
+                lags[stage] = sum(
+                    end[tp] - (got[tp].offset if tp in got and got[tp].offset >= 0 else 0) for tp in tps
+                )
+            if all(v <= 0 for v in lags.values()):
+                return time.monotonic() - t0
+            if time.monotonic() - t0 > timeout_s:
+                raise TimeoutError(f"behaviours not ingested after {timeout_s:.0f} s: lag {lags}")
+            print(
+                "   ingesting behaviours: " + ", ".join(f"{k} {total - v}/{total}" for k, v in lags.items()),
+                file=sys.stderr,
+                flush=True,
+            )
+            await asyncio.sleep(2.0)
+    finally:
+        await cons.stop()
+        await client.close()
+
+
 async def publish(
     settings: Settings,
     reg: TopicRegistry,
@@ -107,14 +150,18 @@ async def publish(
     *,
     qps: float = 50.0,
     settle_s: float = 1.0,
+    wait_for_ingest: bool = False,
 ) -> list[RecommendationRequest]:
-    """Publish, returning the requests as sent (with their send-time ``ts``)."""
+    """Publish behaviours, then requests at ``qps``; returns the requests as sent (with their
+    send-time ``ts``). ``wait_for_ingest`` waits until every stage consumed the behaviours."""
     prod = producer(settings, linger_ms=5)
     await prod.start()
     sent = []
     try:
         futs = [await prod.send(reg.name("behaviors"), encode(b), key=b.key()) for b in behaviours]
         await asyncio.gather(*futs)
+        if wait_for_ingest and behaviours:
+            await wait_ingested(settings, reg)
         await asyncio.sleep(settle_s)
         t0 = time.monotonic()
         for i, r in enumerate(requests):
