@@ -27,6 +27,16 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "measure full-ranking latency here and write the trigger's latency model",
     ),
     "train": ("relaygr.workers.train", "train the HSTU ranker on MovieLens and write a checkpoint"),
+    "trace": ("relaygr.streams.trace", "build a request trace of a dataset and publish it to a trace topic"),
+    "replay": (
+        "relaygr.streams.replay",
+        "re-publish a trace or recorded requests topic into the pipeline at a QPS or a speed",
+    ),
+    "report": ("relaygr.report", "latency, SLO, cache, path and quality report of a results topic"),
+    "experiment": (
+        "relaygr.experiment",
+        "relay vs baseline on the trace: seq-len (longest history) or throughput (highest QPS) under the SLO",
+    ),
 }
 
 GROUPS: dict[str, tuple[str, dict[str, tuple[str, str]]]] = {

@@ -54,7 +54,9 @@ class Events:
         n = len(item_ids)
         return cls(
             item_ids=torch.as_tensor(item_ids, dtype=torch.int64).reshape(n),
-            action_ids=torch.as_tensor(action_ids if action_ids is not None else [0] * n, dtype=torch.int64).reshape(n),
+            action_ids=torch.as_tensor(
+                action_ids if action_ids is not None else [0] * n, dtype=torch.int64
+            ).reshape(n),
             timestamps=torch.as_tensor(timestamps, dtype=torch.float64).reshape(n),
         )
 

@@ -1,0 +1,171 @@
+"""End to end in a few seconds: trace -> trace topic -> replay into the pipeline -> `relaygr report`;
+and the experiment report from hand-made points."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from relaygr.experiment import PointRun, Protocol, best, write_experiment_report
+from relaygr.infra.kafka import delete_topics_with_prefix, ensure_topics
+from relaygr.schemas import TopicRegistry
+from relaygr.streams.replay import Replayer, plan_replay, wait_ingested
+from relaygr.streams.trace import Trace, TraceTopics, build_trace, load_trace, publish_trace
+from relaygr.streams.traffic import collect_results
+from relaygr.streams.up import Pipeline
+from relaygr.workers.latency_model import LatencyModel
+from relaygr.workers.model import HSTUConfig, HSTURanker
+from relaygr.workers.movielens import load_movielens
+
+
+def _point(x: float, mode: str, holds: bool, p99: float) -> PointRun:
+    summary = {
+        "latency_ms": {
+            "ranking": {"p50": p99 / 2, "p99": p99, "p99.9": p99},
+            "end_to_end": {"p99": p99 + 50},
+        },
+        "slo": {
+            "requests": 10,
+            "compliance": 1.0 if holds else 0.5,
+            "holds_slo": holds,
+            "slo_throughput_qps": x,
+        },
+        "history": {"mean_history_len": 100.0, "mean_used_len": 100.0 if holds else 50.0},
+        "trigger": {"admission_rate": 1.0 if mode == "relay" else 0.0},
+        "hit_rates": {"prefill": {"device": 0.5, "computed": 0.5, "hit": 0.5}} if mode == "relay" else {},
+        "quality": {"hr@10": 0.1, "ndcg@10": 0.05, "labelled": 10},
+        "paths": {"relay": {"count": 10, "share": 1.0}},
+    }
+    return PointRun(x, mode, summary, {}, 10, [p99 / 2, p99])
+
+
+def test_experiment_report_from_points(tmp_path) -> None:
+    pts = [
+        _point(512, "relay", True, 10),
+        _point(512, "baseline", True, 12),
+        _point(1024, "relay", True, 11),
+        _point(1024, "baseline", True, 30),
+        _point(2048, "relay", True, 14),
+        _point(2048, "baseline", False, 60),
+        _point(4096, "relay", False, 45),
+    ]
+    assert best(pts, "relay") == 2048 and best(pts, "baseline") == 1024 and best(pts, "nope") is None
+    proto = Protocol(
+        experiment="seq-len", model_dir="m", model={"layers": 2}, model_version="v1", threads=1,
+        ranking_workers=1, partitions=4, latency_model={"text": "1024: 12.0"}, slo_ms=40.0, slo_method="given",
+        upstream_ms=40.0, feature_fetch_ms=20.0, theta=0.25, short_term=64, dataset="ml-100k", min_prior=20,
+        window_start=0, warmup=True, pipeline_warmup=100, arrivals="Poisson", seed=0, points=[512, 1024, 2048, 4096],
+        point_label="history lengths (events)", requests_per_point="10", history="h", synthesis="s", criterion="c",
+    )  # fmt: skip
+    meta = {
+        "requests": 10,
+        "warmup_requests": 2,
+        "users": 2,
+        "behaviours": 100,
+        "synthesised_events": 50,
+        "span_s": 9,
+    }
+    traces = {x: Trace([], [], meta=meta) for x in (512, 1024, 2048, 4096)}
+    doc = write_experiment_report(tmp_path, "seq-len", proto, pts, traces, None)
+    h = doc["headline"]
+    assert h["relay_max_len"] == 2048 and h["baseline_max_len"] == 1024
+    assert h["ratio"] == pytest.approx(2.0) and h["met_target"] is True
+    assert set(h["quality_at_relay_max"]) == {"relay", "baseline"}
+    assert h["plots"] == [
+        "p99_vs_seq_len.png",
+        "served_len_vs_seq_len.png",
+        "latency_cdf.png",
+        "hit_rates.png",
+    ]
+    for p in h["plots"]:
+        assert (tmp_path / p).stat().st_size > 1000
+    md = (tmp_path / "report.md").read_text()
+    assert md.index("## Protocol") < md.index("## Result") < md.index("## Points")
+    assert "B = 40 ms" in md and "Ratio relay / baseline: 2.00×" in md
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    torch.manual_seed(3)
+    d = tmp_path_factory.mktemp("tiny-model")
+    m = HSTURanker(HSTUConfig(layers=2, heads=2, dim=32, attn_dim=16, linear_dim=16))
+    m.refresh_version()
+    m.save(d)
+    LatencyModel(1.0, 0.01, 0.0).save(d / "calibration.json")
+    return d
+
+
+@pytest.mark.broker
+@pytest.mark.slow
+async def test_trace_replay_report_end_to_end(kafka_settings, tmp_path_factory, tiny_model) -> None:
+    prefix = f"smoke-{uuid.uuid4().hex[:8]}"
+    home = tmp_path_factory.mktemp("smoke-home")
+    settings = kafka_settings.model_copy(update={"topic_prefix": prefix, "home": home, "partitions": 4})
+    reg = TopicRegistry(prefix, 4)
+    tt = TraceTopics(f"{prefix}.trace", 4)
+    built = build_trace(load_movielens(), min_prior=20, start=40000, count=40, target_len=128, warmup=True)
+    env = {
+        "RELAYGR_MODEL_DIR": str(tiny_model),
+        "RELAYGR_CALIBRATION_FILE": str(tiny_model / "calibration.json"),
+        "RELAYGR_BUDGET_MS": "2000",
+        "RELAYGR_THETA": "0.0001",  # every history is at risk: the relay path is exercised
+        "RELAYGR_SHORT_TERM": "8",
+        "RELAYGR_FEATURE_FETCH_MS": "5",
+        "RELAYGR_TORCH_THREADS": "1",
+    }
+    await ensure_topics(reg, settings)
+    pipe = Pipeline(settings, ranking_workers=1, mode="relay", env=env, metrics=True)
+    pipe.start()
+    out = home / "report"
+    try:
+        await publish_trace(settings, tt, built)
+        tr = await load_trace(settings, tt)
+        assert len(tr.requests) == 40 + len(built.warmup_ids) and len(tr.behaviours) == len(built.behaviours)
+        await pipe.wait_ready(timeout_s=240)
+        warm = [r for r in tr.requests if r.request_id in built.warmup_ids]
+        window = [r for r in tr.requests if r.request_id not in built.warmup_ids]
+        async with Replayer(settings, reg, tr.behaviours, user_prefix="p0-") as rp:
+            first: dict[str, float] = {}
+            for r in window:
+                first.setdefault(r.user_id, r.model_ts)
+            await rp.preload(first)
+            await wait_ingested(settings, reg, timeout_s=120)
+            sent_w = await rp.run(plan_replay(warm, qps=20), behaviours=False)
+            assert len(
+                await collect_results(settings, reg, {r.request_id for r in sent_w}, timeout_s=60)
+            ) == len(warm)
+            t_window = time.time()
+            sent = await rp.run(plan_replay(window, qps=20, seed=1))
+        got = await collect_results(settings, reg, {r.request_id for r in sent}, timeout_s=60)
+        assert len(got) == 40
+        proc = subprocess.run(
+            [sys.executable, "-m", "relaygr.cli", "report", "--prefix", prefix, "--trace-topic", tt.requests.name,
+             "--user-prefix", "p0-", "--from-timestamp", str(t_window), "--slo-ms", "2000",
+             "--worker-events", str(home / "workers"), "--out", str(out), "--json"],
+            env={**os.environ, "RELAYGR_BOOTSTRAP": settings.bootstrap or "", "RELAYGR_HOME": str(home)},
+            capture_output=True, text=True, timeout=180,
+        )  # fmt: skip
+    finally:
+        pipe.stop()
+        await delete_topics_with_prefix(settings, prefix)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    head = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert head["results"] == head["requests"] == 40
+    assert head["slo_compliance"] == 1.0 and head["slo_ms"] == 2000
+    assert 0.9 <= head["admission_rate"] <= 1.0  # θ ~ 0: every request with history is admitted
+    assert sum(v for k, v in head["paths"].items() if k.startswith("relay")) >= 30
+    assert 0.0 <= head["hr@10"] <= 1.0 and head["ranking_ms_p99"] < 2000
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["summary"]["quality"]["labelled"] == 40
+    assert rep["summary"]["hit_rates"]["prefill"]["n"] >= 30
+    assert rep["summary"]["history"]["mean_history_len"] >= 128  # the synthesised length, then growth
+    for name in ("latency_cdf.png", "p99_vs_qps.png", "p99_vs_seq_len.png", "hit_rates.png", "report.md"):
+        assert (out / name).stat().st_size > 500, name
