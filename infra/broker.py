@@ -233,7 +233,10 @@ def start(settings: Settings, *, quiet: bool = False) -> BrokerState:
 
     fmt = subprocess.run(
         _java_cmd(
-            jars, data_dir, "256m", ["kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(props)]
+            jars,
+            data_dir,
+            "256m",
+            ["kafka.tools.StorageTool", "format", f"--cluster-id={cluster_id}", "--config", str(props)],
         ),
         capture_output=True,
         text=True,

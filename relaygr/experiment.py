@@ -439,6 +439,7 @@ def run_sweep(args, kind: str) -> int:
     ml = load_movielens("ml-100k")
     start = window_start(args, ml)
     deps: list[Deployment] = []
+    done = False
     try:
         ref = build_and_publish(
             settings, ml, args, start, max(args.slo_requests, args.pipeline_warmup), args.slo_tokens,
@@ -570,12 +571,16 @@ def run_sweep(args, kind: str) -> int:
                 if args.patience and fails[d.mode] >= args.patience:
                     active[d.mode] = False
         doc = write_experiment_report(out, kind, proto, points, traces, args)
+        done = True
     finally:
         for d in deps:
             d.pipe.stop()
         if not args.keep:
             asyncio.run(delete_topics_with_prefix(settings, run_id))
-            shutil.rmtree(root, ignore_errors=True)
+            if done:  # after a failure the pipelines' logs and state stay for inspection
+                shutil.rmtree(root, ignore_errors=True)
+            else:
+                _say(f"logs and state kept in {root}")
     doc["headline"]["seconds"] = round(time.monotonic() - t_start, 1)
     (out / "report.json").write_text(json.dumps(json_safe(doc), indent=2))
     _print_tables(doc)

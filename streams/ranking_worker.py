@@ -23,7 +23,7 @@ import json
 import logging
 import signal
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from pathlib import Path
 
 import torch
@@ -142,6 +142,7 @@ class RankingWorker:
         self.counts: Counter[str] = Counter()
         self.assigned: set[TopicPartition] = set()
         self.peak_inflight = 0
+        self.signals_seen: OrderedDict[str, asyncio.Event] = OrderedDict()
         self.events_log = open(self.dir / "events.jsonl", "a", buffering=1)  # noqa: SIM115
         self._stop = asyncio.Event()
 
@@ -294,9 +295,15 @@ class RankingWorker:
     async def _handle_prefill(self, tp: TopicPartition, m) -> None:
         s = decode_keyed(PrefillSignal, m.key, m.value, self.settings.max_message_bytes)
         await self._history_caught_up(tp.partition)
+        done = self.signals_seen[s.request_id] = asyncio.Event()
+        while len(self.signals_seen) > 100_000:
+            self.signals_seen.popitem(last=False)
         hist = self.history.get(s.user_id, s.model_ts)
         n = min(s.prefix_len, len(hist))
-        out = await self.engine.prefill(s.user_id, hist.slice(0, n), s.lease_ttl_s, owner=self.worker_id)
+        try:
+            out = await self.engine.prefill(s.user_id, hist.slice(0, n), s.lease_ttl_s, owner=self.worker_id)
+        finally:
+            done.set()
         PREFILLS.labels(out.status.split(":")[0]).inc()
         self.counts[f"prefill_{out.status}"] += 1
         self._note(
@@ -309,12 +316,30 @@ class RankingWorker:
             ms=round(out.ms, 3),
         )
 
+    async def _await_signal(self, r: RankRequest, n: int) -> None:
+        """The prefill signal of this request travels on its own topic and may be fetched after
+        the rank request. Wait for it while full ranking would still meet the deadline, then for
+        its pre-inference while ranking the suffix would (the engine decides the path after)."""
+        lat = self.engine.latency
+        until_full = time.monotonic() + r.deadline_ts - time.time() - lat.predict_ms(n) / 1000
+        while r.request_id not in self.signals_seen and time.monotonic() < until_full:
+            await asyncio.sleep(0.002)
+        done = self.signals_seen.get(r.request_id)
+        if done is not None:
+            room_s = (
+                r.deadline_ts - time.time() - lat.predict_ms(self.p.short_term + len(r.candidates)) / 1000
+            )
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(done.wait(), max(0.0, room_s))
+
     async def _handle_rank(self, tp: TopicPartition, m) -> None:
         r = decode_keyed(RankRequest, m.key, m.value, self.settings.max_message_bytes)
         t_in = time.time()
         await self._history_caught_up(tp.partition)
         hist = self.history.get(r.user_id, r.model_ts)
         cands = torch.tensor(r.candidates, dtype=torch.int64)
+        if r.prefill_expected and self.p.mode == "relay":
+            await self._await_signal(r, len(hist))
         if t_in >= r.deadline_ts:
             path, items, oc = (
                 RankPath.TIMEOUT,

@@ -58,7 +58,7 @@ def _env(model_dir: Path, mode: str) -> dict[str, str]:
         "RELAYGR_CALIBRATION_FILE": str(model_dir / "calibration.json"),
         "RELAYGR_MODE": mode,
         "RELAYGR_BUDGET_MS": "30000",  # generous: no timeouts on a loaded machine; truncation is tested elsewhere
-        "RELAYGR_THETA": "0.0001",  # every history with a prefix is "at risk": exercise the relay path
+        "RELAYGR_THETA": "0.000001",  # every history with a prefix is "at risk": exercise the relay path
         "RELAYGR_SHORT_TERM": "8",
         "RELAYGR_DISK_CACHE_MB": "64",
     }
