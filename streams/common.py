@@ -23,9 +23,11 @@ import time
 from pathlib import Path
 from typing import Any, TypeVar
 
+from prometheus_client import Counter as PCounter
+
 from relaygr.infra.broker import resolve_bootstrap
 from relaygr.infra.settings import Settings, kafka_client_kwargs
-from relaygr.schemas import DeadLetter, Event, SchemaError, decode
+from relaygr.schemas import DeadLetter, Event, SchemaError, decode, encode
 
 E = TypeVar("E", bound=Event)
 log = logging.getLogger(__name__)
@@ -149,6 +151,23 @@ def faust_credentials(settings: Settings):
 async def send_acked(topic: Any, key: bytes, value: bytes) -> Any:
     """Send on a faust topic and wait for the broker's acknowledgement."""
     return await (await topic.send(key=key, value=value))
+
+
+DEAD_LETTERS = PCounter(
+    "relaygr_dead_letters_total", "Messages sent to the dead-letter topic", ["stage", "topic"]
+)
+
+
+def faust_dead_letterer(stage: str, dlq_topic: Any):
+    """``to_dlq(event, reason)`` for a faust stage: counted, delivered with retries."""
+
+    async def to_dlq(ev: Any, reason: str) -> None:
+        m = ev.message
+        DEAD_LETTERS.labels(stage, m.topic).inc()
+        dl = dead_letter(stage, m.topic, m.partition, m.offset, ev.key, ev.value, reason)
+        await deliver(lambda: send_acked(dlq_topic, dl.key(), encode(dl)), what="dead letter")
+
+    return to_dlq
 
 
 def raw_topic(app, name: str):

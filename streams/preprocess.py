@@ -26,9 +26,9 @@ from relaygr.schemas import (
     encode,
 )
 from relaygr.streams.common import (
-    dead_letter,
     decode_keyed,
     deliver,
+    faust_dead_letterer,
     guarded,
     make_app,
     raw_topic,
@@ -37,7 +37,6 @@ from relaygr.streams.common import (
 from relaygr.streams.config import PipelineSettings
 
 STAGE = "preprocess"
-DEAD = PCounter("relaygr_preprocess_dead_letters_total", "Messages sent to the dead-letter topic", ["topic"])
 RANKREQ = PCounter("relaygr_preprocess_requests_total", "Rank requests emitted")
 DROPPED = PCounter("relaygr_preprocess_seen_dropped_total", "Candidates dropped as already seen")
 
@@ -50,11 +49,7 @@ def build(settings: Settings, p: PipelineSettings, worker_id: str = "0"):
     seen = app.Table("seen-v1", default=None, partitions=settings.partitions)
     limit = settings.max_message_bytes
 
-    async def to_dlq(ev, reason: str) -> None:
-        m = ev.message
-        DEAD.labels(m.topic).inc()
-        dl = dead_letter(STAGE, m.topic, m.partition, m.offset, ev.key, ev.value, reason)
-        await deliver(lambda: send_acked(dlq, dl.key(), encode(dl)), what="dead letter")
+    to_dlq = faust_dead_letterer(STAGE, dlq)
 
     async def on_behavior(ev) -> None:
         b = decode_keyed(BehaviorEvent, ev.key, ev.value, limit)

@@ -45,7 +45,7 @@ from relaygr.schemas import (
     WorkerStats,
     encode,
 )
-from relaygr.streams.common import dead_letter, decode_keyed, deliver
+from relaygr.streams.common import DEAD_LETTERS, dead_letter, decode_keyed, deliver
 from relaygr.streams.config import PipelineSettings, engine_config
 from relaygr.streams.history import HistoryTable
 from relaygr.workers.latency_model import LatencyModel
@@ -59,7 +59,6 @@ STAGE = "ranking"
 
 PATHS = PCounter("relaygr_rank_results_total", "Ranked results by path", ["path"])
 PREFILLS = PCounter("relaygr_prefill_outcomes_total", "Prefill signal outcomes", ["status"])
-DEAD = PCounter("relaygr_ranking_dead_letters_total", "Messages sent to the dead-letter topic", ["topic"])
 E2E = Histogram(
     "relaygr_rank_latency_seconds",
     "Ranking-stage latency (rank request produced -> result produced)",
@@ -275,7 +274,7 @@ class RankingWorker:
         task.add_done_callback(self.tasks.discard)
 
     async def _dead_letter(self, tp: TopicPartition, m, reason: str) -> None:
-        DEAD.labels(tp.topic).inc()
+        DEAD_LETTERS.labels(STAGE, tp.topic).inc()
         dl = dead_letter(STAGE, tp.topic, tp.partition, m.offset, m.key, m.value, reason)
         topic = self.reg.name("dead_letters")
         await deliver(

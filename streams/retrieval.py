@@ -37,9 +37,9 @@ from relaygr.schemas import (
     encode,
 )
 from relaygr.streams.common import (
-    dead_letter,
     decode_keyed,
     deliver,
+    faust_dead_letterer,
     guarded,
     make_app,
     raw_topic,
@@ -55,7 +55,6 @@ STAGE = "retrieval"
 RECENT = 32
 
 TRIGGER = PCounter("relaygr_trigger_decisions_total", "Sequence-aware trigger decisions", ["reason"])
-DEAD = PCounter("relaygr_dead_letters_total", "Messages sent to the dead-letter topic", ["stage", "topic"])
 REQS = PCounter("relaygr_retrieval_requests_total", "Requests retrieved")
 HOP = Histogram(
     "relaygr_retrieval_hop_seconds",
@@ -143,11 +142,7 @@ def build(settings: Settings, p: PipelineSettings, worker_id: str = "0"):
     app.relaygr_trigger = trigger  # for inspection
     limit = settings.max_message_bytes
 
-    async def to_dlq(ev, reason: str) -> None:
-        m = ev.message
-        DEAD.labels(STAGE, m.topic).inc()
-        dl = dead_letter(STAGE, m.topic, m.partition, m.offset, ev.key, ev.value, reason)
-        await deliver(lambda: send_acked(dlq, dl.key(), encode(dl)), what="dead letter")
+    to_dlq = faust_dead_letterer(STAGE, dlq)
 
     async def on_behavior(ev) -> None:
         b = decode_keyed(BehaviorEvent, ev.key, ev.value, limit)

@@ -57,5 +57,23 @@ async def registry(kafka_settings: Settings, topic_prefix: str) -> AsyncIterator
         await client.close()
 
 
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory):
+    """A tiny untrained ranker for pipeline tests, with a fixed latency model beside it (workers
+    skip start-up calibration; the trigger needs no stats)."""
+    import torch
+
+    from relaygr.workers.latency_model import LatencyModel
+    from relaygr.workers.model import HSTUConfig, HSTURanker
+
+    torch.manual_seed(7)
+    d = tmp_path_factory.mktemp("model")
+    m = HSTURanker(HSTUConfig(layers=2, heads=2, dim=32, attn_dim=16, linear_dim=16))
+    m.refresh_version()
+    m.save(d)
+    LatencyModel(1.0, 0.01, 0.0).save(d / "calibration.json")
+    return d
+
+
 def pytest_report_header(config: pytest.Config) -> str:
     return f"relaygr: RELAYGR_BOOTSTRAP={os.environ.get('RELAYGR_BOOTSTRAP', '(local broker)')}"

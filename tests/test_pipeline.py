@@ -21,25 +21,12 @@ from relaygr.infra.kafka import consumer, delete_topics_with_prefix, ensure_topi
 from relaygr.schemas import DeadLetter, RecommendationRequest, TopicRegistry, decode
 from relaygr.streams.traffic import collect_results, history_of, leave_last_out, publish
 from relaygr.streams.up import Pipeline
-from relaygr.workers.latency_model import LatencyModel
-from relaygr.workers.model import HSTUConfig, HSTURanker
+from relaygr.workers.model import HSTURanker
 from relaygr.workers.movielens import load_movielens
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
 
 USERS = list(range(1, 41))  # 40 real users, 20..700 events each
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    torch.manual_seed(7)
-    d = tmp_path_factory.mktemp("model")
-    m = HSTURanker(HSTUConfig(layers=2, heads=2, dim=32, attn_dim=16, linear_dim=16))
-    m.refresh_version()
-    m.save(d)
-    # A fixed latency model: workers skip start-up calibration, the trigger needs no stats.
-    LatencyModel(1.0, 0.01, 0.0).save(d / "calibration.json")
-    return d
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-import torch
 
 from relaygr.infra import broker
 from relaygr.infra.kafka import delete_topics_with_prefix, ensure_topics
@@ -18,21 +17,9 @@ from relaygr.schemas import TopicRegistry
 from relaygr.streams.traffic import collect_results, leave_last_out, publish
 from relaygr.streams.up import Pipeline
 from relaygr.workers.latency_model import LatencyModel
-from relaygr.workers.model import HSTUConfig, HSTURanker
 from relaygr.workers.movielens import load_movielens
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    torch.manual_seed(11)
-    d = tmp_path_factory.mktemp("model")
-    m = HSTURanker(HSTUConfig(layers=2, heads=2, dim=32, attn_dim=16, linear_dim=16))
-    m.refresh_version()
-    m.save(d)
-    LatencyModel(1.0, 0.01, 0.0).save(d / "calibration.json")
-    return d
 
 
 @pytest.fixture(scope="module")
