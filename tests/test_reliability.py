@@ -104,9 +104,9 @@ async def test_rebalance_join_and_leave_falls_back_cleanly(kafka_settings, tmp_p
         await pipe.wait_ready(timeout_s=240)
         await publish(s, reg, behaviours, [])
         sending = asyncio.create_task(publish(s, reg, [], requests, qps=20, settle_s=0.0))
-        await asyncio.sleep(2.5)
+        await _results_by(s, "ranker-0", at_least=5)
         pipe.start_worker(1)  # joins: half of the partitions move to it
-        await asyncio.sleep(4.0)
+        await _results_by(s, "ranker-1", at_least=5)
         pipe.stop_worker(0)  # leaves cleanly: everything moves to worker 1
         sent = await sending
         results = await collect_results(s, reg, {r.request_id for r in sent}, timeout_s=180)
@@ -168,6 +168,18 @@ async def test_overload_sheds_prefill_truncates_and_times_out(
     )  # pre-inference shed first
     assert m_rank["relaygr_rank_inflight_peak"] <= 4 + 1  # the bounded queue (+1 dead-letter slot)
     assert m_rank.get('relaygr_rank_results_total{path="timeout"}', 0) == paths["timeout"]
+
+
+async def _results_by(s: Settings, worker: str, at_least: int, timeout_s: float = 120.0) -> None:
+    """Wait until ``worker`` has published ``at_least`` results (from its own event log)."""
+    log = Path(s.home) / "workers" / worker / "events.jsonl"
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while loop.time() < deadline:
+        if log.exists() and log.read_text().count('"event": "result"') >= at_least:
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"{worker} published fewer than {at_least} results in {timeout_s:.0f} s")
 
 
 def _slow_calibration(tmp_path: Path) -> Path:
