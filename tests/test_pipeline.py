@@ -64,7 +64,9 @@ async def _run(kafka_settings, tmp_path_factory, model_dir, traffic, mode: str, 
     try:
         await pipe.wait_ready(timeout_s=240)
         await _send_raw(settings, reg, BAD)
-        sent = await publish(settings, reg, behaviours, requests, qps=40)
+        # Every stage has all behaviours before the first request: candidates are then the same in
+        # both modes, whatever the timing, so rankings can be compared.
+        sent = await publish(settings, reg, behaviours, requests, qps=40, wait_for_ingest=True)
         results = await collect_results(settings, reg, {r.request_id for r in sent}, timeout_s=120)
         pipe.check()
         metrics = {name: pipe.scrape(name) for name in pipe.procs}
