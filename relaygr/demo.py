@@ -33,12 +33,15 @@ from relaygr.schemas import RankedResult, TopicRegistry
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--users", type=int, default=300, help="MovieLens users to replay (default 300)")
+    parser.add_argument("--users", type=int, default=100, help="MovieLens users to replay (default 100)")
     parser.add_argument("--qps", type=float, default=20.0, help="request rate of the replay")
     parser.add_argument("--ranking-workers", type=int, default=2)
     parser.add_argument("--mode", choices=["relay", "baseline"], default="relay")
     parser.add_argument(
-        "--synth-factor", type=int, default=1, help="lengthen histories by time-shifted repetition"
+        "--synth-factor",
+        type=int,
+        default=16,
+        help="lengthen histories by time-shifted repetition (1 = real lengths)",
     )
     parser.add_argument("--json", action="store_true", help="also print the summary as one JSON line")
     parser.add_argument("--stop-broker", action="store_true", help="stop the local broker at the end")
@@ -158,7 +161,9 @@ def run(args: argparse.Namespace) -> int:
                 f"then {len(requests)} requests at {args.qps:g}/s"
             )
             t0 = time.monotonic()
-            sent = asyncio.run(publish(settings, reg, behaviours, requests, qps=args.qps))
+            sent = asyncio.run(
+                publish(settings, reg, behaviours, requests, qps=args.qps, wait_for_ingest=True)
+            )
             want = {r.request_id for r in sent}
             results = asyncio.run(collect_results(settings, reg, want, timeout_s=120))
             print(f"   {len(results)}/{len(sent)} results in {time.monotonic() - t0:.1f} s")
