@@ -144,7 +144,13 @@ def run(args: argparse.Namespace) -> int:
         reg = TopicRegistry(settings.topic_prefix, settings.partitions)
         _step(f"creating topics {settings.topic_prefix}.* ({settings.partitions} partitions each)")
         asyncio.run(ensure_topics(reg, settings))
-        env = {"RELAYGR_MODEL_DIR": str(p.model_dir), "RELAYGR_CALIBRATION_FILE": str(calib)}
+        env = {
+            "RELAYGR_MODEL_DIR": str(p.model_dir),
+            "RELAYGR_CALIBRATION_FILE": str(calib),
+            # Production's upstream stages take time (feature fetching): emulate W = the ranking
+            # budget, split over retrieval and pre-processing, unless configured otherwise.
+            "RELAYGR_FEATURE_FETCH_MS": str(p.feature_fetch_ms or p.budget_ms / 2),
+        }
         _step(
             f"starting the pipeline: retrieval, preprocess, {args.ranking_workers} ranking worker(s), mode {args.mode}"
         )
