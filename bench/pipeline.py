@@ -45,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--budget-ms", type=float, default=1000.0, help="ranking budget (no truncation by default)"
     )
+    parser.add_argument(
+        "--results", type=Path, default=None, help="also write every result as JSON lines to this file"
+    )
 
 
 def _p(xs: list[float], q: float) -> float:
@@ -185,6 +188,15 @@ def run(args: argparse.Namespace) -> int:
             "seconds": round(time.monotonic() - t0, 1),
         }
     )
+    if args.results is not None:
+        args.results.parent.mkdir(parents=True, exist_ok=True)
+        with args.results.open("w") as f:
+            for mode, runs in (("relay", relay), ("baseline", base)):
+                for phase, (_, res) in runs.items():
+                    for r in res.values():
+                        f.write(
+                            json.dumps({"mode": mode, "phase": phase, **r.model_dump(mode="json")}) + "\n"
+                        )
     for line in lines:
         print(json.dumps(line))
     return 0

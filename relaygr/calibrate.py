@@ -18,6 +18,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lengths", default="64,256,512,1024,2048", help="history lengths to time")
     parser.add_argument("--candidates", type=int, default=128)
     parser.add_argument("--device", help="cpu, cuda[:N] or npu[:N] (default: the checkpoint's)")
+    parser.add_argument(
+        "--threads", type=int, help="torch CPU threads to time with (default: RELAYGR_TORCH_THREADS)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -28,8 +31,11 @@ def run(args: argparse.Namespace) -> int:
     model_dir = args.model or PipelineSettings().model_dir
     model = HSTURanker.load(model_dir, device=args.device)
     lengths = tuple(int(x) for x in args.lengths.split(","))
-    lat, samples = calibrate(model, lengths=lengths, candidates=args.candidates)
+    threads = args.threads if args.threads is not None else PipelineSettings().torch_threads
+    lat, samples = calibrate(model, lengths=lengths, candidates=args.candidates, threads=threads)
     out = args.out or Path(model_dir) / "calibration.json"
-    lat.save(out, samples=samples, model_version=model.model_version, device=str(model.device))
+    lat.save(
+        out, samples=samples, model_version=model.model_version, device=str(model.device), threads=threads
+    )
     print(json.dumps({"calibration": str(out), "coeffs": lat.coeffs(), "samples": samples}))
     return 0

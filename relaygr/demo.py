@@ -43,6 +43,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=16,
         help="lengthen histories by time-shifted repetition (1 = real lengths)",
     )
+    parser.add_argument(
+        "--max-history",
+        type=int,
+        default=2560,
+        help="keep at most this many most recent events per user (serving systems cap sequences too)",
+    )
     parser.add_argument("--json", action="store_true", help="also print the summary as one JSON line")
     parser.add_argument("--stop-broker", action="store_true", help="stop the local broker at the end")
 
@@ -81,9 +87,12 @@ def ensure_calibration(model_dir: Path) -> Path:
 
     path = model_dir / "calibration.json"
     _step("calibrating full-ranking latency on this machine")
+    from relaygr.streams.config import PipelineSettings
+
     model = HSTURanker.load(model_dir)
-    lat, samples = calibrate(model)
-    lat.save(path, samples=samples, model_version=model.model_version)
+    threads = PipelineSettings().torch_threads  # time it as the workers will run it
+    lat, samples = calibrate(model, threads=threads)
+    lat.save(path, samples=samples, model_version=model.model_version, threads=threads)
     print("   " + ", ".join(f"{n} tokens {ms:.1f} ms" for n, ms in samples))
     return path
 
@@ -156,7 +165,9 @@ def run(args: argparse.Namespace) -> int:
         )
         ml = load_movielens("ml-100k")
         users = sorted(ml.histories)[: args.users]
-        behaviours, requests = leave_last_out(ml, users, synth_factor=args.synth_factor)
+        behaviours, requests = leave_last_out(
+            ml, users, synth_factor=args.synth_factor, max_len=args.max_history
+        )
         with Pipeline(
             settings, ranking_workers=args.ranking_workers, mode=args.mode, env=env, metrics=True
         ) as pipe:

@@ -289,18 +289,11 @@ def _model_info(model_dir: Path) -> tuple[dict, str]:
 
 
 def calibrate_latency(model_dir: Path, threads: int, out: Path):
-    import torch
-
     from relaygr.workers.model import HSTURanker
     from relaygr.workers.ranker import calibrate
 
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        model = HSTURanker.load(model_dir)
-        lat, samples = calibrate(model, lengths=(64, 256, 512, 1024, 2048), repeats=5)
-    finally:
-        torch.set_num_threads(old)
+    model = HSTURanker.load(model_dir)
+    lat, samples = calibrate(model, lengths=(64, 256, 512, 1024, 2048), repeats=5, threads=threads)
     lat.save(out, samples=samples, model_version=model.model_version, threads=threads)
     return lat, samples
 

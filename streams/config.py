@@ -8,6 +8,7 @@ Primitives:
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -20,7 +21,8 @@ from relaygr.workers.ranker import EngineConfig
 
 
 def _default_model_dir() -> Path:
-    return _default_home() / "model"
+    home = os.environ.get("RELAYGR_HOME")
+    return (Path(home) if home else _default_home()) / "model"
 
 
 class PipelineSettings(BaseSettings):
@@ -72,7 +74,17 @@ class PipelineSettings(BaseSettings):
     )
     stats_interval_s: float = Field(default=2.0, gt=0, description="Ranking worker: WorkerStats period.")
     torch_threads: int = Field(
-        default=0, ge=0, description="Ranking worker: torch CPU threads (0 = torch's default)."
+        default=1,
+        ge=0,
+        description="Ranking worker: torch CPU threads (0 = torch's default). On CPU a worker shares "
+        "cores with its Kafka client and the other stages; one thread keeps its tail steady.",
+    )
+    switch_interval_ms: float = Field(
+        default=0.5,
+        gt=0,
+        description="Python's thread switch interval in every stage process. Each stage runs its "
+        "Kafka loop next to another thread (the device thread; faust's consumer thread), and the "
+        "default 5 ms would let that thread hold the loop up for 5 ms at a time.",
     )
     concurrency: int = Field(
         default=16, ge=1, description="Retrieval/pre-processing: requests processed concurrently."

@@ -298,7 +298,9 @@ class RankingWorker:
         while len(self.signals_seen) > 100_000:
             self.signals_seen.popitem(last=False)
         hist = self.history.get(s.user_id, s.model_ts)
-        n = min(s.prefix_len, len(hist))
+        # Retrieval counted the history from its own table; keep the short-term suffix out of the
+        # prefix by this worker's count too (it may have ingested fewer events so far).
+        n = min(s.prefix_len, len(hist) - min(self.p.short_term, len(hist)))
         try:
             out = await self.engine.prefill(s.user_id, hist.slice(0, n), s.lease_ttl_s, owner=self.worker_id)
         finally:

@@ -38,6 +38,7 @@ def run(args: argparse.Namespace) -> int:
     p = PipelineSettings()
     if args.mode:
         p = p.model_copy(update={"mode": args.mode})
+    sys.setswitchinterval(p.switch_interval_ms / 1000)
     if not (p.model_dir / "config.json").exists():
         print(
             f"relaygr stage: no trained model in {p.model_dir}: run `relaygr train --out {p.model_dir}`",

@@ -50,12 +50,13 @@ def leave_last_out(
     *,
     synth_factor: int = 1,
     target_len: int | None = None,
+    max_len: int | None = None,
     num_candidates: int = 128,
     top_k: int = 10,
 ) -> tuple[list[BehaviorEvent], list[RecommendationRequest]]:
     """Per user: the history before the last interaction as behaviours (lengthened by
-    ``synth_factor`` repetitions, or to exactly ``target_len`` events by as many as needed) and a
-    request for the last interaction."""
+    ``synth_factor`` repetitions, or to exactly ``target_len`` events by as many as needed; then
+    at most the ``max_len`` most recent) and a request for the last interaction."""
     behaviours: list[BehaviorEvent] = []
     requests: list[RecommendationRequest] = []
     for u in users:
@@ -68,6 +69,8 @@ def leave_last_out(
             past = past.slice(max(0, len(past) - target_len))
         else:
             past = synthesise(past, synth_factor)
+        if max_len is not None and len(past) > max_len:
+            past = past.slice(len(past) - max_len)
         uid = str(u)
         behaviours += [
             BehaviorEvent(user_id=uid, item_id=int(i), ts=float(t), action=int(a))
@@ -154,7 +157,8 @@ async def publish(
 ) -> list[RecommendationRequest]:
     """Publish behaviours, then requests at ``qps``; returns the requests as sent (with their
     send-time ``ts``). ``wait_for_ingest`` waits until every stage consumed the behaviours."""
-    prod = producer(settings, linger_ms=5)
+    # No lingering: a request's send time is its timestamp, so batching would count as latency.
+    prod = producer(settings, linger_ms=0)
     await prod.start()
     sent = []
     try:

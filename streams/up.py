@@ -19,6 +19,7 @@ from pathlib import Path
 
 from relaygr.infra.broker import BrokerError, free_port
 from relaygr.infra.settings import Settings, get_settings
+from relaygr.streams.config import PipelineSettings
 
 
 class Pipeline:
@@ -39,16 +40,14 @@ class Pipeline:
         self.n = ranking_workers
         self.mode = mode
         self.env = {**os.environ, **(env or {})}
+        # The model is this process's (resolved before RELAYGR_HOME is pointed at the deployment).
+        self.env.setdefault("RELAYGR_MODEL_DIR", str(PipelineSettings().model_dir))
         if settings.bootstrap:
             self.env["RELAYGR_BOOTSTRAP"] = settings.bootstrap
         self.env["RELAYGR_TOPIC_PREFIX"] = settings.topic_prefix
         self.env["RELAYGR_PARTITIONS"] = str(settings.partitions)
         self.env["RELAYGR_HOME"] = str(settings.home)
         self.env.setdefault("PYTHONUNBUFFERED", "1")
-        # Share the cores among the ranking workers instead of oversubscribing them.
-        self.env.setdefault(
-            "RELAYGR_TORCH_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, ranking_workers)))
-        )
         self.log_dir = log_dir or Path(settings.home) / "logs"
         self.metrics_base_port = metrics_base_port
         self.metrics = metrics

@@ -81,6 +81,35 @@ async def test_rank_waits_for_an_in_flight_prefix(model) -> None:
     e.scheduler.close()
 
 
+async def test_a_waiting_request_lends_its_priority_to_the_prefix_it_waits_for(model) -> None:
+    # Other users' full rankings (queued first, later deadlines) would starve a pre-inference that
+    # runs at prefill priority; the request waiting for it lends it ranking priority instead.
+    e = engine(model, prefill_chunk=32)
+    h = history(600, seed=1)
+    cands = torch.arange(1, 17)
+    done: list[str] = []
+    pre = asyncio.create_task(e.prefill("u", h.slice(0, 590)))
+    while not e.store.in_flight("u"):
+        await asyncio.sleep(0)
+
+    async def rank(user: str, hist: Events, deadline: float):
+        res = await e.rank(user, hist, cands, 2e9, deadline)
+        done.append(user)
+        return res
+
+    others = [
+        asyncio.create_task(rank(f"o{i}", history(600, seed=10 + i), time.time() + 60)) for i in range(4)
+    ]
+    await asyncio.sleep(0)
+    res = await rank("u", h, time.time() + 30)
+    await asyncio.gather(pre, *others)
+    assert res.path == "relay_waited" and res.prefix_len == 590
+    assert done.index("u") < 3, done  # not behind every full ranking queued before it
+    torch.testing.assert_close(res.scores, model.rank_full(h, cands, 2e9), rtol=1e-5, atol=1e-5)
+    assert not e._urgent  # the loan ends with the pre-inference
+    e.scheduler.close()
+
+
 async def test_miss_falls_back_to_full_and_truncates_to_the_budget(model) -> None:
     # 0.1 ms per token: a 100 ms budget fits about 1000 tokens of the 3000.
     e = engine(model, latency=LatencyModel(0.0, 0.1, 0.0))

@@ -29,6 +29,52 @@ async def test_ranking_jumps_the_prefill_queue() -> None:
         s.close()
 
 
+async def test_promote_lends_a_queued_job_ranking_priority() -> None:
+    s = DeviceScheduler("t")
+    gate = threading.Event()
+    order: list[str] = []
+    try:
+        blocker = s.submit(lambda: gate.wait(5), priority=Priority.RANK)
+        jobs = [s.submit(lambda: order.append("rank"), priority=Priority.RANK, deadline=50.0)]
+        jobs.append(s.submit(lambda: order.append("other-prefill"), priority=Priority.PREFILL, tag="v"))
+        jobs.append(s.submit(lambda: order.append("prefill"), priority=Priority.PREFILL, tag="u"))
+        assert s.promote("u", Priority.RANK, deadline=10.0) == 1
+        assert s.promote("nobody", Priority.RANK, deadline=1.0) == 0
+        assert s.queue_depth(Priority.PREFILL) == 1
+        gate.set()
+        await asyncio.gather(blocker, *jobs)
+        assert order == ["prefill", "rank", "other-prefill"]
+    finally:
+        s.close()
+
+
+async def test_chunked_job_yields_between_steps_but_keeps_its_turn() -> None:
+    s = DeviceScheduler("t")
+    gate, started = threading.Event(), threading.Event()
+    order: list[str] = []
+
+    def steps(name: str, n: int):
+        for i in range(n):
+            if name == "a" and i == 0:
+                started.set()
+                gate.wait(5)
+            order.append(f"{name}{i}")
+            yield None if i < n - 1 else name
+
+    try:
+        a = s.submit_steps(steps("a", 3), priority=Priority.PREFILL)
+        assert await asyncio.to_thread(started.wait, 5)
+        b = s.submit_steps(steps("b", 2), priority=Priority.PREFILL)
+        r = s.submit(lambda: order.append("rank"), priority=Priority.RANK)
+        gate.set()
+        assert await asyncio.gather(a, b, r) == ["a", "b", None]
+        # The ranking job waits for one chunk only; b (queued later) never cuts into a.
+        assert order == ["a0", "rank", "a1", "a2", "b0", "b1"]
+        assert s.jobs_done[Priority.PREFILL] == 2
+    finally:
+        s.close()
+
+
 async def test_runs_on_one_thread_and_propagates_errors() -> None:
     s = DeviceScheduler("t")
     try:

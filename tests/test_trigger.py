@@ -81,3 +81,14 @@ def test_latency_model_file_round_trip(tmp_path) -> None:
     assert LatencyModel.load(tmp_path / "c.json") == m
     with pytest.raises(ValueError):
         LatencyModel.from_coeffs([1.0, float("nan"), 0.0])
+
+
+def test_pipeline_settings_defaults_follow_relaygr_home(monkeypatch, tmp_path) -> None:
+    from relaygr.streams.config import PipelineSettings
+
+    monkeypatch.delenv("RELAYGR_MODEL_DIR", raising=False)
+    monkeypatch.setenv("RELAYGR_HOME", str(tmp_path))
+    assert PipelineSettings().model_dir == tmp_path / "model"
+    monkeypatch.setenv("RELAYGR_MODEL_DIR", str(tmp_path / "elsewhere"))
+    assert PipelineSettings().model_dir == tmp_path / "elsewhere"
+    assert PipelineSettings().torch_threads == 1

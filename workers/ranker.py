@@ -7,14 +7,17 @@ Primitives:
   waits for at most one chunk). Returns a ``PrefillOutcome``.
 - ``RankingEngine.rank(user_id, history, candidates, request_ts, deadline)``: a ``RankOutcome``.
   Relay path when a valid cached prefix exists; wait for an in-flight prefix only while that
-  still meets the deadline; otherwise full inference, truncated to what the latency model says
-  fits the remaining budget. Baseline mode is full inference on the same code.
+  still meets the deadline — and lend it the request's priority and deadline meanwhile, so that
+  other requests' full rankings cannot starve it; otherwise full inference, truncated to what
+  the latency model says fits the remaining budget. Baseline mode is full inference on the same
+  code.
 - ``calibrate(model, ...)``: measure full ranking at a few history lengths and fit the
   ``LatencyModel`` the trigger and the truncation use.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections import deque
@@ -86,6 +89,8 @@ class RankingEngine:
         # Recent (tokens, ms) of full-path compute: the worker refits its latency model from them.
         self.samples: deque[tuple[int, float]] = deque(maxlen=512)
         self.bytes_per_token = kv_bytes_per_token(model)
+        # Users whose in-flight pre-inference a waiting ranking job has promoted: (priority, deadline).
+        self._urgent: dict[str, tuple[Priority, float]] = {}
 
     # ------------------------------------------------------------------ pre-inference
 
@@ -107,15 +112,27 @@ class RankingEngine:
 
         async def compute(best: PrefixKV | None) -> PrefixKV:
             steps = self.model.prefill_steps(history, self.config.prefill_chunk, prefix=best)
-            while True:
-                out = await self.scheduler.submit(lambda: next(steps), priority=Priority.PREFILL)
-                if out is not None:
-                    if owner is not None:
-                        out.meta["worker_id"] = owner
-                    return out
+            # A request may already wait for this prefix (its lookup found it in flight).
+            prio, deadline = self._urgent.get(user_id, (Priority.PREFILL, math.inf))
+            out = await self.scheduler.submit_steps(
+                steps, priority=prio, deadline=deadline, tag=("prefill", user_id)
+            )
+            if owner is not None:
+                out.meta["worker_id"] = owner
+            return out
 
-        _, source = await self.store.get_or_compute(user_id, history, compute)
+        try:
+            _, source = await self.store.get_or_compute(user_id, history, compute)
+        finally:
+            self._urgent.pop(user_id, None)
         return PrefillOutcome(source, len(history), (time.perf_counter() - t0) * 1000)
+
+    def _lend_priority(self, user_id: str, deadline: float) -> None:
+        """A ranking job waits for ``user_id``'s pre-inference: its remaining chunks run at ranking
+        priority with the job's deadline (priority inheritance)."""
+        _, before = self._urgent.get(user_id, (Priority.RANK, math.inf))
+        self._urgent[user_id] = (Priority.RANK, min(before, deadline))
+        self.scheduler.promote(("prefill", user_id), Priority.RANK, deadline)
 
     # ------------------------------------------------------------------ ranking
 
@@ -145,6 +162,7 @@ class RankingEngine:
                 est = self.latency.predict_ms(min(n, self.config.prefill_chunk)) + self.config.wait_margin_ms
                 room_s = deadline - time.time() - est / 1000
                 if room_s > 0:
+                    self._lend_priority(user_id, deadline)
                     t1 = time.perf_counter()
                     waited = await self.store.wait_in_flight(user_id, room_s)
                     bd["prefix_wait"] = (time.perf_counter() - t1) * 1000
@@ -219,8 +237,17 @@ def calibrate(
     lengths: tuple[int, ...] = (64, 256, 512, 1024, 2048),
     candidates: int = 128,
     repeats: int = 3,
+    threads: int = 0,
 ) -> tuple[LatencyModel, list[tuple[int, float]]]:
-    """Median time of ``rank_full`` per history length on this machine, and the fitted model."""
+    """Median time of ``rank_full`` per history length on this machine, and the fitted model.
+    ``threads`` (0 = leave as is): the torch CPU threads to time with — the worker's own count."""
+    if threads:
+        old = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            return calibrate(model, lengths, candidates, repeats)
+        finally:
+            torch.set_num_threads(old)
     gen = torch.Generator().manual_seed(0)
     cands = torch.randint(1, model.config.num_items + 1, (candidates,), generator=gen)
     samples = []
