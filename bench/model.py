@@ -22,7 +22,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from relaygr.workers.devices import resolve_device, synchronize
+from relaygr.workers.devices import keep_host_pages, resolve_device, synchronize
 from relaygr.workers.model import HSTUConfig, HSTURanker
 from relaygr.workers.prefix_kv import Events
 
@@ -85,6 +85,7 @@ def _stats(secs: list[float]) -> tuple[float, float]:
 
 
 def run(args: argparse.Namespace) -> int:
+    keep_host_pages()  # as a serving worker runs
     if args.threads:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)

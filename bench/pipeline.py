@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import json
 import math
+import shutil
 import sys
 import time
 import uuid
@@ -89,6 +90,7 @@ def _phase(
                 out[name] = (sent, res)
     finally:
         asyncio.run(delete_topics_with_prefix(s, s.topic_prefix))
+        shutil.rmtree(s.home, ignore_errors=True)
     return out
 
 

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from relaygr.workers import prefix_store as prefix_store_module
+from relaygr.workers.devices import keep_host_pages
 from relaygr.workers.prefix_kv import Events, PrefixKV, history_fingerprint
 from relaygr.workers.prefix_store import PrefixStore, PrefixStoreConfig
 
@@ -252,6 +253,7 @@ def run(args: argparse.Namespace) -> int:
     from relaygr.workers.model import HSTUConfig, HSTURanker  # only the recompute baseline needs it
 
     lengths = [int(x) for x in str(args.lengths).split(",") if x.strip()]
+    keep_host_pages()  # as a serving worker runs
     torch.manual_seed(args.seed)
     cfg = HSTUConfig(layers=args.layers, dim=args.dim, heads=args.heads, dropout=0.0, device=args.device)
     model = HSTURanker(cfg).eval()

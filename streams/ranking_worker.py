@@ -48,6 +48,7 @@ from relaygr.schemas import (
 from relaygr.streams.common import DEAD_LETTERS, dead_letter, decode_keyed, deliver
 from relaygr.streams.config import PipelineSettings, engine_config
 from relaygr.streams.history import HistoryTable
+from relaygr.workers.devices import keep_host_pages
 from relaygr.workers.latency_model import LatencyModel
 from relaygr.workers.model import HSTURanker
 from relaygr.workers.prefix_store import PrefixStore, PrefixStoreConfig
@@ -444,6 +445,7 @@ class _Rebalance(ConsumerRebalanceListener):
 def main(settings: Settings, p: PipelineSettings, worker_id: str, metrics_port: int = 0) -> int:
     from relaygr.streams.common import serve_metrics
 
+    keep_host_pages()  # scratch tensors reuse heap pages instead of faulting in fresh ones
     if p.torch_threads:
         torch.set_num_threads(p.torch_threads)
     serve_metrics(metrics_port)

@@ -27,6 +27,7 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, Field
 
+from relaygr.workers.devices import keep_host_pages
 from relaygr.workers.latency_model import LatencyModel
 from relaygr.workers.model import HSTURanker
 from relaygr.workers.prefix_kv import Events, PrefixKV
@@ -241,6 +242,7 @@ def calibrate(
 ) -> tuple[LatencyModel, list[tuple[int, float]]]:
     """Median time of ``rank_full`` per history length on this machine, and the fitted model.
     ``threads`` (0 = leave as is): the torch CPU threads to time with — the worker's own count."""
+    keep_host_pages()  # time it the way a worker runs it
     if threads:
         old = torch.get_num_threads()
         torch.set_num_threads(threads)
