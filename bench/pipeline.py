@@ -37,9 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--hop-users", type=int, default=100, help="users whose requests repeat in the hop phase"
     )
-    parser.add_argument("--users", type=int, default=48, help="users with long histories")
+    parser.add_argument("--users", type=int, default=200, help="users with long histories (one request each)")
     parser.add_argument("--history", type=int, default=2048, help="history length of the long-history phase")
-    parser.add_argument("--long-qps", type=float, default=6.0, help="request rate of the long-history phase")
+    parser.add_argument("--long-qps", type=float, default=8.0, help="request rate of the long-history phase")
     parser.add_argument(
         "--fetch-ms", type=float, default=25.0, help="emulated feature fetch per upstream stage"
     )

@@ -68,6 +68,36 @@ async def deliver(send: Any, *, what: str, attempts: int = 0, max_backoff_s: flo
             backoff = min(max_backoff_s, backoff * 2)
 
 
+# Behaviours are applied in batches: one table write (one changelog record) per user per batch
+# instead of one per event, which is what limits a faust stage's ingestion rate.
+INGEST_BATCH = 1000
+INGEST_WITHIN_S = 0.02
+
+
+async def ingest_batches(stage: str, stream: Any, decode_one: Any, apply: Any, to_dlq: Any) -> None:
+    """Consume ``stream`` in batches: ``decode_one(ev)`` per event (bad ones go to the dead-letter
+    topic with their reason), then ``apply(pairs, as_event)`` once with the batch's good
+    ``(event, decoded)`` pairs, in order. A table write must follow ``as_event(ev)`` for an event
+    of the written key: faust takes the changelog partition from the current event."""
+    async for events in stream.take_events(INGEST_BATCH, within=INGEST_WITHIN_S):
+        good = []
+        for ev in events:
+            try:
+                good.append((ev, decode_one(ev)))
+            except SchemaError as e:
+                await to_dlq(ev, str(e))
+        if not good:
+            continue
+        try:
+            await apply(good, stream._set_current_event)
+        except Exception as e:  # as in ``guarded``: reported with the events, the stage goes on
+            log.exception("%s: applying %d behaviours failed", stage, len(good))
+            for ev, _ in good:
+                await to_dlq(ev, f"internal error in {stage}: {type(e).__name__}: {e}")
+        finally:
+            stream._set_current_event(None)
+
+
 async def guarded(stage: str, ev: Any, handler: Any, to_dlq: Any) -> None:
     """Run ``handler(ev)``; bad input and unexpected failures go to the dead-letter topic with
     their reason instead of crashing the stage (and so stopping every good message behind it)."""

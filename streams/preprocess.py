@@ -30,6 +30,7 @@ from relaygr.streams.common import (
     deliver,
     faust_dead_letterer,
     guarded,
+    ingest_batches,
     make_app,
     raw_topic,
     send_acked,
@@ -51,13 +52,20 @@ def build(settings: Settings, p: PipelineSettings, worker_id: str = "0"):
 
     to_dlq = faust_dead_letterer(STAGE, dlq)
 
-    async def on_behavior(ev) -> None:
-        b = decode_keyed(BehaviorEvent, ev.key, ev.value, limit)
-        s = seen.get(b.user_id) or {}
-        key = str(b.item_id)  # JSON object keys are strings
-        if key not in s or b.ts < s[key]:
-            s[key] = b.ts  # when the user first saw the item
-            seen[b.user_id] = s
+    def decode_behavior(ev) -> BehaviorEvent:
+        return decode_keyed(BehaviorEvent, ev.key, ev.value, limit)
+
+    async def on_behaviors(batch: list, as_event) -> None:
+        changed: dict[str, tuple] = {}  # user -> (an event of the user, items first seen when)
+        for ev, b in batch:
+            s = changed[b.user_id][1] if b.user_id in changed else (seen.get(b.user_id) or {})
+            key = str(b.item_id)  # JSON object keys are strings
+            if key not in s or b.ts < s[key]:
+                s[key] = b.ts  # when the user first saw the item
+                changed[b.user_id] = (ev, s)
+        for user, (ev, s) in changed.items():
+            as_event(ev)
+            seen[user] = s
 
     async def on_retrieved(ev) -> None:
         r = decode_keyed(RetrievedRequest, ev.key, ev.value, limit)
@@ -91,8 +99,7 @@ def build(settings: Settings, p: PipelineSettings, worker_id: str = "0"):
 
     @app.agent(behaviors)
     async def ingest(stream):
-        async for ev in stream.events():
-            await guarded(STAGE, ev, on_behavior, to_dlq)
+        await ingest_batches(STAGE, stream, decode_behavior, on_behaviors, to_dlq)
 
     @app.agent(retrieved, concurrency=p.concurrency)
     async def preprocess(stream):

@@ -327,7 +327,7 @@ class RankingWorker:
         while r.request_id not in self.signals_seen and time.monotonic() < until_full:
             await asyncio.sleep(0.002)
         done = self.signals_seen.get(r.request_id)
-        if done is not None:
+        if done is not None and not done.is_set():
             room_s = (
                 r.deadline_ts - time.time() - lat.predict_ms(self.p.short_term + len(r.candidates)) / 1000
             )
@@ -340,8 +340,11 @@ class RankingWorker:
         await self._history_caught_up(tp.partition)
         hist = self.history.get(r.user_id, r.model_ts)
         cands = torch.tensor(r.candidates, dtype=torch.int64)
+        signal_wait = 0.0
         if r.prefill_expected and self.p.mode == "relay":
+            t_sig = time.time()
             await self._await_signal(r, len(hist))
+            signal_wait = (time.time() - t_sig) * 1000
         if t_in >= r.deadline_ts:
             path, items, oc = (
                 RankPath.TIMEOUT,
@@ -349,7 +352,12 @@ class RankingWorker:
                 None,
             )
         else:
+            t_engine = time.time()
             oc = await self.engine.rank(r.user_id, hist, cands, r.model_ts, r.deadline_ts)
+            # Before the engine: reading the history, and waiting for the request's prefill signal.
+            oc.breakdown_ms["worker_prep"] = (t_engine - t_in) * 1000 - signal_wait
+            if signal_wait:
+                oc.breakdown_ms["signal_wait"] = signal_wait
             order = torch.argsort(oc.scores, descending=True, stable=True)[: r.top_k].tolist()
             items = [ScoredItem(item_id=r.candidates[i], score=float(oc.scores[i])) for i in order]
             path = RankPath(oc.path)

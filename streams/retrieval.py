@@ -41,6 +41,7 @@ from relaygr.streams.common import (
     deliver,
     faust_dead_letterer,
     guarded,
+    ingest_batches,
     make_app,
     raw_topic,
     send_acked,
@@ -144,10 +145,18 @@ def build(settings: Settings, p: PipelineSettings, worker_id: str = "0"):
 
     to_dlq = faust_dead_letterer(STAGE, dlq)
 
-    async def on_behavior(ev) -> None:
-        b = decode_keyed(BehaviorEvent, ev.key, ev.value, limit)
-        histories[b.user_id] = summary_add(histories.get(b.user_id), b.item_id, b.ts)
-        gen.observe(b.item_id)
+    def decode_behavior(ev) -> BehaviorEvent:
+        return decode_keyed(BehaviorEvent, ev.key, ev.value, limit)
+
+    async def on_behaviors(batch: list, as_event) -> None:
+        summaries: dict[str, tuple] = {}  # user -> (its last event, summary)
+        for ev, b in batch:
+            s = summaries[b.user_id][1] if b.user_id in summaries else histories.get(b.user_id)
+            summaries[b.user_id] = (ev, summary_add(s, b.item_id, b.ts))
+            gen.observe(b.item_id)
+        for user, (ev, s) in summaries.items():
+            as_event(ev)
+            histories[user] = s
 
     async def on_request(ev) -> None:
         r = decode_keyed(RecommendationRequest, ev.key, ev.value, limit)
@@ -190,8 +199,7 @@ def build(settings: Settings, p: PipelineSettings, worker_id: str = "0"):
 
     @app.agent(behaviors)
     async def ingest(stream):
-        async for ev in stream.events():
-            await guarded(STAGE, ev, on_behavior, to_dlq)
+        await ingest_batches(STAGE, stream, decode_behavior, on_behaviors, to_dlq)
 
     @app.agent(requests, concurrency=p.concurrency)
     async def retrieve(stream):

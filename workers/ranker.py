@@ -149,8 +149,7 @@ class RankingEngine:
         n = len(history)
         bd: dict[str, float] = {}
         if n == 0:
-            scores, ms = await self._run(None, history, candidates, request_ts, deadline)
-            bd["compute"] = ms
+            scores = await self._run(None, history, candidates, request_ts, deadline, bd)
             return RankOutcome(scores, "cold_start", bd, 0, 0, len(candidates))
 
         if self.config.mode == "relay" and self.store is not None:
@@ -171,8 +170,7 @@ class RankingEngine:
                         prefix, tier, path = waited, "inflight", "relay_waited"
             if prefix is not None:
                 suffix = history.slice(prefix.length)
-                scores, ms = await self._run(prefix, suffix, candidates, request_ts, deadline)
-                bd["compute"] = ms
+                scores = await self._run(prefix, suffix, candidates, request_ts, deadline, bd)
                 self.store.release(user_id)
                 return RankOutcome(
                     scores,
@@ -195,9 +193,8 @@ class RankingEngine:
             if fit < n:
                 used = history.slice(n - fit)
                 path = "full_truncated"
-        scores, ms = await self._run(None, used, candidates, request_ts, deadline)
-        bd["compute"] = ms
-        self.samples.append((len(used), ms))
+        scores = await self._run(None, used, candidates, request_ts, deadline, bd)
+        self.samples.append((len(used), bd["compute"]))
         return RankOutcome(scores, path, bd, n, len(used), len(used) + len(candidates), 0, "miss")
 
     async def _run(
@@ -207,17 +204,23 @@ class RankingEngine:
         candidates: torch.Tensor,
         request_ts: float,
         deadline: float,
-    ) -> tuple[torch.Tensor, float]:
+        bd: dict[str, float],
+    ) -> torch.Tensor:
+        """Rank on the device thread; ``bd`` gets ``device_queue`` (waiting for the device) and
+        ``compute`` (the model call) in ms."""
         timing: list[float] = []
+        t_submit = time.perf_counter()
 
         def job() -> torch.Tensor:
             t0 = time.perf_counter()
             out = self.model.rank(prefix, events, candidates, request_ts)
-            timing.append((time.perf_counter() - t0) * 1000)
+            timing.extend((t0, time.perf_counter()))
             return out
 
         scores = await self.scheduler.submit(job, priority=Priority.RANK, deadline=deadline)
-        return scores, timing[0]
+        bd["device_queue"] = (timing[0] - t_submit) * 1000
+        bd["compute"] = (timing[1] - timing[0]) * 1000
+        return scores
 
     def refit_latency(self) -> LatencyModel:
         """Refit the latency model from recent full-path measurements when they span enough lengths."""
