@@ -176,6 +176,17 @@ def run(args: argparse.Namespace) -> int:
         }
         lines.append(per_mode[mode])
     r, b = per_mode["relay"], per_mode["baseline"]
+    # The model's own bound on the ratio: FLOPs of ranking the suffix and the candidates against
+    # the cached prefix over FLOPs of full inference, at this history length.
+    from relaygr.workers.model import HSTURanker
+
+    m = HSTURanker.load(p.model_dir, device="cpu")
+    st = int(env["RELAYGR_SHORT_TERM"])
+    flop_ratio = m.flops(args.history - st, st, 128) / m.flops(0, args.history, 128)
+    compute = {
+        mode: _p([x.breakdown_ms.get("compute", math.nan) for x in runs["long"][1].values()], 50)
+        for mode, runs in (("relay", relay), ("baseline", base))
+    }
     lines.append(
         {
             "bench": "pipeline",
@@ -185,6 +196,8 @@ def run(args: argparse.Namespace) -> int:
             "baseline_ranking_ms_p99": b["ranking_ms_p99"],
             "relay_over_baseline_p99": r["ranking_ms_p99"] / b["ranking_ms_p99"],
             "relay_over_baseline_p50": r["ranking_ms_p50"] / b["ranking_ms_p50"],
+            "relay_over_baseline_compute_p50": compute["relay"] / compute["baseline"],
+            "relay_over_baseline_flops": flop_ratio,
             "target_hop_p99_ms": 5.0,
             "target_ratio": 0.25,
             "seconds": round(time.monotonic() - t0, 1),

@@ -10,6 +10,8 @@ Primitives:
 - ``decode_keyed(event_type, key, value, max_bytes)``: decode and check that the message key
   agrees with the payload's key field.
 - ``guarded(stage, ev, handler, to_dlq)``: per-message isolation of failures.
+- ``ingest_batches(stage, stream, decode_one, apply, to_dlq)``: behaviours applied a batch at a
+  time (bad events to the dead-letter topic, one table write per user per batch).
 - ``deliver(send)``: a produce that retries until the broker acknowledges it.
 - ``serve_metrics(port)``: the Prometheus endpoint of this process, bound to 127.0.0.1.
 """

@@ -1,7 +1,8 @@
 """Pre-processing stage (faust app): drop what the user has seen, cap, emit the rank request.
 
 Topology:
-  behaviors (key user_id) ──> table ``seen``: item -> first seen (RocksDB via rocksdict, changelog)
+  behaviors (key user_id) ──> table ``seen``: item -> first seen (RocksDB via rocksdict, changelog;
+                              applied in batches, one write per user per batch)
   retrieved (key user_id) ──> unseen candidates, capped ──> rank-requests (key user_id)
   bad input ──> dead-letters
 

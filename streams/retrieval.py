@@ -2,7 +2,7 @@
 
 Topology:
   behaviors (key user_id) ──> table ``histories``: length + recent items (RocksDB via rocksdict,
-                              changelog in Kafka)
+                              changelog in Kafka; applied in batches, one write per user per batch)
   requests  (key user_id) ──> trigger ──> prefill-signals (key user_id, same partition number)
                           └─> candidates ──> retrieved (key user_id)
   worker-stats ──> the trigger's latency model and measured footprints

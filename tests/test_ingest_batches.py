@@ -1,0 +1,70 @@
+"""Batched behaviour ingestion of the faust stages, on a stand-in stream (no broker needed)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from relaygr.schemas import BehaviorEvent, encode
+from relaygr.streams.common import decode_keyed, ingest_batches
+
+
+class _Stream:
+    """What ``ingest_batches`` uses of a faust stream: ``take_events`` and the current event."""
+
+    def __init__(self, batches: list[list]) -> None:
+        self.batches = batches
+        self.current: list = []
+
+    async def take_events(self, max_: int, within: float):
+        for b in self.batches:
+            yield b
+
+    def _set_current_event(self, ev=None) -> None:
+        self.current.append(ev)
+
+
+def _ev(user: str, item: int, *, key: str | None = None, raw: bytes | None = None):
+    value = raw if raw is not None else encode(BehaviorEvent(user_id=user, item_id=item, ts=float(item)))
+    return SimpleNamespace(key=(key or user).encode(), value=value, message=SimpleNamespace(partition=0))
+
+
+def _decode(ev) -> BehaviorEvent:
+    return decode_keyed(BehaviorEvent, ev.key, ev.value, 1 << 20)
+
+
+async def test_bad_events_are_dead_lettered_and_the_rest_applied_in_order() -> None:
+    bad_json, wrong_key = _ev("u1", 9, raw=b"{not json"), _ev("u2", 5, key="u3")
+    stream = _Stream([[_ev("u1", 1), bad_json, _ev("u2", 2)], [wrong_key, _ev("u1", 3)], [bad_json]])
+    applied, dead = [], []
+
+    async def apply(pairs, as_event) -> None:
+        for ev, b in pairs:
+            as_event(ev)
+            applied.append((b.user_id, b.item_id))
+
+    async def to_dlq(ev, reason: str) -> None:
+        dead.append((ev, reason))
+
+    await ingest_batches("test", stream, _decode, apply, to_dlq)
+    assert applied == [("u1", 1), ("u2", 2), ("u1", 3)]
+    assert [ev for ev, _ in dead] == [bad_json, wrong_key, bad_json]
+    assert "user_id" in dead[1][1]  # the reason names the field that disagrees with the key
+    assert stream.current[-1] is None  # no event context leaks past a batch
+
+
+async def test_a_failing_apply_dead_letters_its_batch_and_ingestion_goes_on() -> None:
+    first, second = [_ev("u1", 1), _ev("u2", 2)], [_ev("u1", 3)]
+    applied, dead = [], []
+
+    async def apply(pairs, as_event) -> None:
+        if any(b.item_id == 2 for _, b in pairs):
+            raise RuntimeError("table unavailable")
+        applied.extend(b.item_id for _, b in pairs)
+
+    async def to_dlq(ev, reason: str) -> None:
+        dead.append((ev, reason))
+
+    await ingest_batches("test", _Stream([first, second]), _decode, apply, to_dlq)
+    assert applied == [3]
+    assert [ev for ev, _ in dead] == first
+    assert all("internal error in test: RuntimeError: table unavailable" in r for _, r in dead)
