@@ -1,11 +1,13 @@
 """Pipeline benchmark on the real broker: Kafka hop overhead, and relay vs baseline ranking latency.
 
 Both modes run in one invocation, back to back, on the same broker, model and trace:
+0. each pipeline (relay, then baseline) first ranks --warmup-requests unmeasured requests at --qps;
 1. relay pipeline: short real MovieLens histories at --qps (default 100 req/s): P50/P99 of each
    Kafka hop (requests -> retrieval, retrieved -> pre-processing, rank-requests -> worker);
 2. relay pipeline, then baseline pipeline: --users users with histories of --history events
    (MovieLens histories lengthened by time-shifted repetition), ranking-stage latency (rank
-   request produced -> result produced), P50/P99, and the relay/baseline ratio.
+   request produced -> result produced), P50/P99, and the relay/baseline ratio, next to the
+   model's FLOP bound on that ratio (suffix + candidates against the cached prefix over full).
 One JSON line per phase and mode, then one line with the headline figures and ratios.
 """
 
@@ -34,6 +36,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print only the JSON lines")
     parser.add_argument("--qps", type=float, default=100.0, help="request rate of the hop measurement")
     parser.add_argument("--hop-requests", type=int, default=600, help="requests of the hop measurement")
+    parser.add_argument(
+        "--warmup-requests",
+        type=int,
+        default=300,
+        help="unmeasured requests at --qps first (a fresh broker and fresh stages run slow for a while)",
+    )
     parser.add_argument(
         "--hop-users", type=int, default=100, help="users whose requests repeat in the hop phase"
     )
@@ -119,8 +127,10 @@ def run(args: argparse.Namespace) -> int:
     users = sorted(ml.histories)
     hop_users = users[: args.hop_users]
     hop_b, hop_r = leave_last_out(ml, hop_users, num_candidates=64)
-    hop_r = (hop_r * math.ceil(args.hop_requests / len(hop_r)))[: args.hop_requests]
+    n_hop = args.warmup_requests + args.hop_requests
+    hop_r = (hop_r * math.ceil(n_hop / len(hop_r)))[:n_hop]
     hop_r = [r.model_copy(update={"request_id": f"{r.request_id}-{i}"}) for i, r in enumerate(hop_r)]
+    warm_r, hop_r = hop_r[: args.warmup_requests], hop_r[args.warmup_requests :]
     long_users = [u for u in users if len(ml.histories[u]) >= 50][: args.users]
     long_b, long_r = leave_last_out(ml, long_users, target_len=args.history, num_candidates=128)
     long_b = [b.model_copy(update={"user_id": f"L{b.user_id}"}) for b in long_b]
@@ -133,10 +143,21 @@ def run(args: argparse.Namespace) -> int:
         settings,
         "relay",
         env,
-        [("hops", hop_b, hop_r, args.qps), ("long", long_b, long_r, args.long_qps)],
+        [
+            ("warmup", hop_b, warm_r, args.qps),
+            ("hops", [], hop_r, args.qps),
+            ("long", long_b, long_r, args.long_qps),
+        ],
         say,
     )
-    base = _phase(settings, "baseline", env, [("long", long_b, long_r, args.long_qps)], say)
+    # The baseline pipeline gets the same warm-up as the relay one before its long-history phase.
+    base = _phase(
+        settings,
+        "baseline",
+        env,
+        [("warmup", hop_b, warm_r, args.qps), ("long", long_b, long_r, args.long_qps)],
+        say,
+    )
 
     lines = []
     sent, res = relay["hops"]

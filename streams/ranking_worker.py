@@ -119,7 +119,10 @@ class RankingWorker:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.model = HSTURanker.load(p.model_dir, device=p.device)
         self.latency = self._latency_model()
-        self.scheduler = DeviceScheduler(worker_id)
+        threads = p.torch_threads
+        self.scheduler = DeviceScheduler(
+            worker_id, on_start=(lambda: torch.set_num_threads(threads)) if threads else None
+        )
         self.store: PrefixStore | None = None
         if p.mode == "relay":
             mib = 1 << 20

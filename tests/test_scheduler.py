@@ -75,6 +75,17 @@ async def test_chunked_job_yields_between_steps_but_keeps_its_turn() -> None:
         s.close()
 
 
+async def test_on_start_sets_up_the_device_thread_before_any_job() -> None:
+    local = threading.local()
+    s = DeviceScheduler("t", on_start=lambda: setattr(local, "ready", threading.current_thread().name))
+    try:
+        seen = await s.submit(lambda: getattr(local, "ready", None), priority=Priority.RANK)
+        assert seen == "relaygr-t"  # set on the device thread itself, not on the caller's
+        assert getattr(local, "ready", None) is None
+    finally:
+        s.close()
+
+
 async def test_runs_on_one_thread_and_propagates_errors() -> None:
     s = DeviceScheduler("t")
     try:

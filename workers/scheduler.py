@@ -52,7 +52,11 @@ class _Job:
 
 
 class DeviceScheduler:
-    def __init__(self, name: str = "device") -> None:
+    def __init__(self, name: str = "device", on_start: Callable[[], Any] | None = None) -> None:
+        """``on_start`` runs first on the device thread: per-thread set-up such as
+        ``torch.set_num_threads`` (torch's CPU thread count is per OS thread, so setting it on the
+        main thread leaves this one at every core)."""
+        self._on_start = on_start
         self._heap: list[tuple[int, float, int, _Job]] = []
         self._cv = threading.Condition()
         self._seq = itertools.count()
@@ -111,6 +115,8 @@ class DeviceScheduler:
             return hit
 
     def _run(self) -> None:
+        if self._on_start is not None:
+            self._on_start()
         while True:
             with self._cv:
                 while not self._heap and not self._closed:
