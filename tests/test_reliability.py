@@ -146,7 +146,8 @@ async def test_overload_sheds_prefill_truncates_and_times_out(
     pipe.start()
     try:
         await pipe.wait_ready(timeout_s=240)
-        sent = await publish(s, reg, behaviours, requests, qps=240)
+        # The overload is the requests' alone: they go out once every stage has the behaviours.
+        sent = await publish(s, reg, behaviours, requests, qps=240, wait_for_ingest=True)
         results = await collect_results(s, reg, {r.request_id for r in sent}, timeout_s=180)
         m_ret, m_rank = pipe.scrape("retrieval"), pipe.scrape("ranker-0")
         pipe.check()
