@@ -60,12 +60,15 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from relaygr.report import (
+    _plt,
     fmt,
     json_safe,
     percentile,
     plot_hit_rates,
     plot_latency_cdf,
+    plot_lines,
     ranking_ms,
+    save_plot,
     summarize,
     table,
 )
@@ -635,8 +638,6 @@ ROW_HEADER = [
 def _plot_sweep(
     points: list[PointRun], slo_ms: float, path: Path, *, xlabel: str, title: str, logx: bool
 ) -> Path:
-    from relaygr.report import _plt
-
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for mode, color in zip(MODES, ("tab:blue", "tab:orange"), strict=True):
@@ -661,41 +662,7 @@ def _plot_sweep(
     ax.yaxis.set_major_formatter(ScalarFormatter())
     ax.yaxis.set_minor_formatter(ScalarFormatter())
     ax.set_title(title + "\n(filled: ≥ 99 % of requests within B with their whole history)", fontsize=10)
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-def _plot_lines(
-    series: dict[str, list[tuple[float, float]]],
-    path: Path,
-    *,
-    xlabel: str,
-    ylabel: str,
-    title: str,
-    logx: bool,
-) -> Path:
-    from relaygr.report import _plt
-
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for name, pts in series.items():
-        pts = sorted(pts)
-        ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=name)
-    if logx:
-        ax.set_xscale("log", base=2)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_plot(plt, fig, ax, path, which="both")
 
 
 def write_experiment_report(
@@ -719,7 +686,7 @@ def write_experiment_report(
             )
         )
         plots.append(
-            _plot_lines(
+            plot_lines(
                 {
                     m: [(p.x, p.summary["history"]["mean_used_len"]) for p in points if p.mode == m]
                     for m in MODES
@@ -743,7 +710,7 @@ def write_experiment_report(
             )
         )
         plots.append(
-            _plot_lines(
+            plot_lines(
                 {
                     m: [(p.x, p.summary["slo"]["slo_throughput_qps"]) for p in points if p.mode == m]
                     for m in MODES

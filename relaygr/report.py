@@ -263,6 +263,17 @@ def _plt():
     return plt
 
 
+def save_plot(plt, fig, ax, path: Path, *, legend: bool = True, **grid: str) -> Path:
+    """The common finish of every plot: a light grid, a small legend, a PNG at 110 dpi."""
+    ax.grid(alpha=0.3, **grid)
+    if legend:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot_latency_cdf(
     series: Mapping[str, Sequence[float]], slo_ms: float | None, path: Path, title: str
 ) -> Path:
@@ -277,23 +288,20 @@ def plot_latency_cdf(
     ax.set_xlabel("latency (ms)")
     ax.set_ylabel("fraction of requests")
     ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_plot(plt, fig, ax, path)
 
 
-def plot_p99_vs(
+def plot_lines(
     series: Mapping[str, Sequence[tuple[float, float]]],
-    slo_ms: float | None,
     path: Path,
     *,
     xlabel: str,
+    ylabel: str,
     title: str,
     logx: bool = False,
+    slo_ms: float | None = None,
 ) -> Path:
+    """One line per series of (x, y) points (non-finite y left as gaps), and the SLO if given."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for name, pts in series.items():
@@ -306,14 +314,29 @@ def plot_p99_vs(
     if logx:
         ax.set_xscale("log", base=2)
     ax.set_xlabel(xlabel)
-    ax.set_ylabel("P99 ranking latency (ms)")
+    ax.set_ylabel(ylabel)
     ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_plot(plt, fig, ax, path)
+
+
+def plot_p99_vs(
+    series: Mapping[str, Sequence[tuple[float, float]]],
+    slo_ms: float | None,
+    path: Path,
+    *,
+    xlabel: str,
+    title: str,
+    logx: bool = False,
+) -> Path:
+    return plot_lines(
+        series,
+        path,
+        xlabel=xlabel,
+        ylabel="P99 ranking latency (ms)",
+        title=title,
+        logx=logx,
+        slo_ms=slo_ms,
+    )
 
 
 def plot_hit_rates(rates: Mapping[str, Mapping[str, float]], path: Path, title: str) -> Path:
@@ -329,13 +352,7 @@ def plot_hit_rates(rates: Mapping[str, Mapping[str, float]], path: Path, title: 
     ax.set_ylim(0, 1)
     ax.set_ylabel("share")
     ax.set_title(title)
-    ax.grid(alpha=0.3, axis="y")
-    if rates:
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_plot(plt, fig, ax, path, legend=bool(rates), axis="y")
 
 
 def run_plots(results: Sequence[RankedResult], summary: dict, out: Path, slo_ms: float) -> list[str]:
