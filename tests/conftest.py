@@ -77,3 +77,14 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory):
 
 def pytest_report_header(config: pytest.Config) -> str:
     return f"relaygr: RELAYGR_BOOTSTRAP={os.environ.get('RELAYGR_BOOTSTRAP', '(local broker)')}"
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Small tensors: intra-op threads only add synchronisation (and stall on a busy machine)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

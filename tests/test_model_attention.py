@@ -21,14 +21,7 @@ from relaygr.workers.hstu_attention import (
     wide_bias_table,
 )
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: intra-op threads only add synchronisation (and stall on a busy machine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 F64_TOL = 1e-10  # blockwise vs dense in float64: only summation order differs

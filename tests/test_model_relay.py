@@ -12,14 +12,7 @@ from hypothesis import strategies as st
 from relaygr.workers.model import HSTUConfig, HSTURanker
 from relaygr.workers.prefix_kv import Events, PrefixKV, history_fingerprint
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: intra-op threads only add synchronisation (and stall on a busy machine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # fp32: scores are O(1); the paths differ only in summation order and matmul blocking.
