@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from relaygr.cli import int_at_least
 from relaygr.infra.kafka import delete_topics_with_prefix, ensure_topics
 from relaygr.infra.settings import Settings, get_settings
 from relaygr.schemas import TopicRegistry
@@ -35,18 +36,24 @@ from relaygr.schemas import TopicRegistry
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print only the JSON lines")
     parser.add_argument("--qps", type=float, default=100.0, help="request rate of the hop measurement")
-    parser.add_argument("--hop-requests", type=int, default=600, help="requests of the hop measurement")
+    parser.add_argument(
+        "--hop-requests", type=int_at_least(1), default=600, help="requests of the hop measurement"
+    )
     parser.add_argument(
         "--warmup-requests",
-        type=int,
+        type=int_at_least(0),
         default=300,
         help="unmeasured requests at --qps first (a fresh broker and fresh stages run slow for a while)",
     )
     parser.add_argument(
-        "--hop-users", type=int, default=100, help="users whose requests repeat in the hop phase"
+        "--hop-users", type=int_at_least(1), default=100, help="users whose requests repeat in the hop phase"
     )
-    parser.add_argument("--users", type=int, default=200, help="users with long histories (one request each)")
-    parser.add_argument("--history", type=int, default=2048, help="history length of the long-history phase")
+    parser.add_argument(
+        "--users", type=int_at_least(1), default=200, help="users with long histories (one request each)"
+    )
+    parser.add_argument(
+        "--history", type=int_at_least(1), default=2048, help="history length of the long-history phase"
+    )
     parser.add_argument("--long-qps", type=float, default=8.0, help="request rate of the long-history phase")
     parser.add_argument(
         "--fetch-ms", type=float, default=25.0, help="emulated feature fetch per upstream stage"
@@ -109,6 +116,9 @@ def run(args: argparse.Namespace) -> int:
     from relaygr.workers.movielens import load_movielens
 
     say = _Say(args.json)
+    if args.results is not None:  # fail now, not after minutes of measuring
+        args.results.parent.mkdir(parents=True, exist_ok=True)
+        args.results.touch()
     with contextlib.redirect_stdout(sys.stderr):  # stdout carries only the JSON lines
         settings, _ = ensure_broker(get_settings())
         p = PipelineSettings()

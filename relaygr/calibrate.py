@@ -11,6 +11,8 @@ import argparse
 import json
 from pathlib import Path
 
+from relaygr.cli import int_at_least
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", type=Path, help="checkpoint folder (default: RELAYGR_MODEL_DIR)")
@@ -19,7 +21,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--candidates", type=int, default=128)
     parser.add_argument("--device", help="cpu, cuda[:N] or npu[:N] (default: the checkpoint's)")
     parser.add_argument(
-        "--threads", type=int, help="torch CPU threads to time with (default: RELAYGR_TORCH_THREADS)"
+        "--threads",
+        type=int_at_least(0),
+        help="torch CPU threads to time with, 0 = torch's default (default: RELAYGR_TORCH_THREADS)",
     )
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from relaygr.cli import int_at_least
 from relaygr.infra import broker
 from relaygr.infra.kafka import TopicError, delete_topics_with_prefix, ensure_topics
 from relaygr.infra.settings import Settings, get_settings
@@ -45,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--max-history",
-        type=int,
+        type=int_at_least(1),
         default=2560,
         help="keep at most this many most recent events per user (serving systems cap sequences too)",
     )

@@ -1,0 +1,34 @@
+"""The command line rejects bad numbers with a usage error that names the flag and the rule."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from relaygr.cli import int_at_least, main
+
+
+def test_int_at_least() -> None:
+    parse = int_at_least(1)
+    assert parse("3") == 3
+    with pytest.raises(argparse.ArgumentTypeError, match="must be at least 1, got 0"):
+        parse("0")
+    with pytest.raises(argparse.ArgumentTypeError, match="'x' is not an integer"):
+        parse("x")
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["demo", "--max-history", "0"], "--max-history: must be at least 1, got 0"),
+        (["calibrate", "--threads", "-2"], "--threads: must be at least 0, got -2"),
+        (["bench", "pipeline", "--users", "0"], "--users: must be at least 1, got 0"),
+        (["bench", "pipeline", "--warmup-requests", "many"], "--warmup-requests: 'many' is not an integer"),
+    ],
+)
+def test_bad_numbers_are_usage_errors(argv: list[str], message: str, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
