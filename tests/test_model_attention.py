@@ -156,3 +156,17 @@ def test_non_causal_plan_rejects_keys_after_queries() -> None:
     ts = torch.zeros(5, dtype=torch.float64)
     with pytest.raises(ValueError):
         plan_attention(3, ts[:1], [Segment(0, ts)], rows=2, causal=False, block=8, num_pos=8)
+
+
+def test_skinny_chunks_plan_no_wider_than_their_keys() -> None:
+    # A one-token chunk after 1000 cached keys: its key blocks (and the plan's scratch tables)
+    # span those 1000 keys, not block * block of them.
+    ts = torch.arange(1001, dtype=torch.float64) * 60.0
+    cache: dict = {}
+    tasks = plan_attention(
+        1000, ts[1000:], [Segment(0, ts[:1000]), Segment(1000, ts[1000:])],
+        rows=1, causal=True, block=512, num_pos=64, cache=cache,
+    )  # fmt: skip
+    assert [(t.segment, t.k0, t.k1) for t in tasks] == [(0, 0, 1000), (1, 0, 1)]
+    held = sum(t.numel() for t in cache.values() if isinstance(t, torch.Tensor))
+    assert held <= 8 * 1001, held

@@ -157,7 +157,10 @@ def plan_attention(
     device = q_ts.device
     nq = int(q_ts.shape[0])
     q_stop = q_start + nq  # exclusive
-    kb = key_block_size(block, rows)
+    # Never wider than the keys a segment shows: a one-token chunk would otherwise build (and flip)
+    # position tables for block * block keys to read a thousand of them.
+    widest = max((_visible(seg, q_start, q_stop, causal) for seg in segments), default=0)
+    kb = max(1, min(key_block_size(block, rows), widest))
     # d = q_pos - k_pos = (q_start - ks - kb + 1) + grid[a, b] for query a and key b of a block at ks.
     cache = {} if cache is None else cache
     grid = cache.get(("grid", nq, kb))
