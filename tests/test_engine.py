@@ -136,6 +136,40 @@ async def test_extension_and_promotion_paths(model) -> None:
     e.scheduler.close()
 
 
+async def test_a_ranking_keeps_its_suffix_for_the_users_next_request(model) -> None:
+    e = engine(model, prefill_chunk=64)
+    h = history(330, seed=7)
+    cands = torch.arange(1, 33)
+    first = h.slice(0, 300)  # the first request; 30 more events arrive before the second
+    assert (await e.prefill("u", first, prefix_len=236)).status == "computed"
+    res = await e.rank("u", first, cands, 2e9, FAR)
+    assert res.path == "relay" and res.prefix_len == 236 and res.tokens_computed == 64 + 32
+    assert (await e.store.lookup("u", first)).length == 300  # grown by the ranked suffix
+    # The second request's pre-inference (all but its last 64 events) finds them already cached.
+    jobs = dict(e.scheduler.jobs_done)
+    out = await e.prefill("u", h, prefix_len=266)
+    assert out.status == "device" and out.prefix_len == 300
+    assert e.scheduler.jobs_done == jobs  # no device work
+    res = await e.rank("u", h, cands, 2e9 + 60, FAR)
+    assert res.path == "relay" and res.prefix_len == 300 and res.tokens_computed == 30 + 32
+    torch.testing.assert_close(res.scores, model.rank_full(h, cands, 2e9 + 60), rtol=1e-5, atol=1e-5)
+    e.scheduler.close()
+
+    kept = engine(model, prefill_chunk=64, retain_suffix=False)
+    await kept.prefill("u", first, prefix_len=236)
+    await kept.rank("u", first, cands, 2e9, FAR)
+    assert (await kept.store.lookup("u", first)).length == 236
+    assert (await kept.prefill("u", h, prefix_len=266)).status == "extended"
+    kept.scheduler.close()
+
+
+async def test_prefill_rejects_a_prefix_longer_than_the_history(model) -> None:
+    e = engine(model)
+    with pytest.raises(ValueError, match="prefix_len"):
+        await e.prefill("u", history(10), prefix_len=11)
+    e.scheduler.close()
+
+
 async def test_refused_lease_means_full_path(model) -> None:
     e = engine(model, device_budget=1000)  # far below one prefix
     h = history(500, seed=5)

@@ -136,6 +136,58 @@ def test_extend_and_chunked_prefill_equal_one_shot(n, first, chunk, extend_chunk
         assert extended.matches(h)
 
 
+@given(
+    n=st.integers(0, 60),
+    split=st.floats(0, 1),
+    c=st.integers(1, 9),
+    seed=st.integers(0, 10_000),
+)
+@settings(max_examples=60, deadline=None)
+def test_rank_and_extend_scores_like_rank_and_returns_the_whole_prefix(n, split, c, seed) -> None:
+    h, cands = history(n, seed), candidates(c, seed)
+    ts = request_time(h, 60.0)
+    cut = int(split * n)
+    for model, rtol, atol in ((model32(), RTOL32, ATOL32), (model64(), 1e-12, 1e-12)):
+        for prefix in (model.prefill(h.slice(0, cut)), None):
+            scores, grown = model.rank_and_extend(prefix, h, cands, ts)
+            torch.testing.assert_close(scores, model.rank_full(h, cands, ts), rtol=max(rtol, 1e-6), atol=atol)
+            _assert_prefix_close(grown, model.prefill(h), rtol, atol)
+            # The grown prefix serves a later, longer history like a fresh pre-inference.
+            later = h.concat(history(5, seed + 1))
+            after = model.rank(grown, later.slice(n), cands, ts + 60)
+            torch.testing.assert_close(after, model.rank_full(later, cands, ts + 60), rtol=rtol, atol=atol)
+
+
+@given(
+    n=st.integers(0, 60),
+    split=st.floats(0, 1),
+    c=st.integers(1, 13),
+    mb=st.integers(1, 6),
+    seed=st.integers(0, 10_000),
+)
+@settings(max_examples=60, deadline=None)
+def test_fused_candidate_scoring_equals_the_python_path(n, split, c, mb, seed) -> None:
+    h, cands = history(n, seed), candidates(c, seed)
+    ts = request_time(h, 37.0)
+    cut = int(split * n)
+    for model, rtol, atol in ((model32(), RTOL32, ATOL32), (model64(), 1e-12, 1e-12)):
+        prefix = model.prefill(h.slice(0, cut))
+        try:
+            model.fused_scoring = False
+            want = model.rank(prefix, h.slice(cut), cands, ts, micro_batch=mb)
+        finally:
+            model.fused_scoring = True
+        got = model.rank(prefix, h.slice(cut), cands, ts, micro_batch=mb)
+        torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
+
+
+def test_rank_and_extend_rejects_a_prefix_of_another_history() -> None:
+    model = model32()
+    prefix = model.prefill(history(10, 1))
+    with pytest.raises(ValueError, match="not the start"):
+        model.rank_and_extend(prefix, history(20, 2), candidates(3, 0), 9e8)
+
+
 def test_prefill_steps_yield_between_chunks() -> None:
     model, h = model32(), history(30, 3)
     steps = list(model.prefill_steps(h, chunk_size=8))

@@ -370,6 +370,58 @@ async def test_get_or_compute_extends_the_longest_valid_prefix() -> None:
     store.close()
 
 
+async def test_get_or_compute_at_least_takes_a_longer_cached_prefix_and_keeps_it() -> None:
+    store = make_store()
+    h = history(3, 20)
+    long = prefix_for(h, 18)
+    store.put(3, long)
+    calls: list[PrefixKV | None] = []
+
+    async def compute(base: PrefixKV | None) -> PrefixKV:
+        calls.append(base)
+        return prefix_for(h, 12)
+
+    p, src = await store.get_or_compute(3, h, compute, at_least=12)
+    assert src == "device" and p is long and calls == []
+    # A compute that finishes after a longer prefix of the same history was stored: the longer stays.
+    store2 = make_store()
+    short = prefix_for(h, 8)
+    store2.put(3, short)
+
+    async def slow(base: PrefixKV | None) -> PrefixKV:
+        store2.put(3, long)  # e.g. a ranking that grew the prefix meanwhile
+        return prefix_for(h, 12)
+
+    p, src = await store2.get_or_compute(3, h, slow, at_least=12)
+    assert src == "extended" and p.length == 12
+    assert (await store2.lookup(3, h)).prefix is long
+    with pytest.raises(ValueError, match="at_least"):
+        await store.get_or_compute(3, h, compute, at_least=21)
+
+    async def too_short(base: PrefixKV | None) -> PrefixKV:
+        return prefix_for(h, 10)
+
+    store.close()
+    store3 = make_store()
+    with pytest.raises(ValueError, match="does not match"):
+        await store3.get_or_compute(3, h, too_short, at_least=12)
+    store2.close()
+    store3.close()
+
+
+def test_cached_length_reads_without_touching() -> None:
+    store = make_store()
+    h = history(4, 20)
+    assert store.cached_length(4, h) == 0
+    store.put(4, prefix_for(h, 15))
+    before = store.metrics()
+    assert store.cached_length(4, h) == 15
+    assert store.cached_length(4, h.slice(0, 14)) == 0  # the cached prefix is longer than this history
+    assert store.cached_length(4, history(4, 20, salt=1)) == 0  # another history
+    assert store.metrics() == before and store.where(4) == "device"
+    store.close()
+
+
 async def test_compute_failure_reaches_waiters_and_a_later_call_retries() -> None:
     store = make_store()
     h = history(4, 10)

@@ -47,9 +47,11 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from relaygr.workers.devices import resolve_device, resolve_dtype
+from relaygr.workers.fused_scoring import layer_weights, score_candidates
 from relaygr.workers.hstu_attention import (
     Segment,
     dense_attention,
+    key_block_size,
     pair_index,
     plan_attention,
     run_attention,
@@ -197,6 +199,9 @@ class HSTURanker(nn.Module):
         self.to(device=resolve_device(config.device), dtype=resolve_dtype(config.dtype))
         self.model_version = ""
         self.refresh_version()
+        # Candidates are scored by one TorchScript call (fused_scoring); False: op by op in Python,
+        # the reference the fused path is tested against.
+        self.fused_scoring = True
 
     # ----------------------------------------------------------------------------- basics
     @property
@@ -310,6 +315,36 @@ class HSTURanker(nn.Module):
             num_pos=cfg.position_buckets,
         )
         cand_action = self.action_emb.weight[self.candidate_action]
+        if self.fused_scoring:
+            n_seg = len(ctx.segments)
+            empty = torch.empty(0, dtype=torch.int64, device=self.device)
+            seg_index = [
+                torch.cat([t.index.reshape(-1) for t in tasks if t.segment == si] or [empty]).long()
+                for si in range(n_seg)
+            ]
+            weights = [w for layer in self.layers for w in layer_weights(layer)]
+            first = self.layers[0]
+            for c0 in range(0, ids.shape[0], mb):
+                e = self.item_emb(ids[c0 : c0 + mb])
+                out[c0 : c0 + mb] = score_candidates(
+                    e + cand_action,
+                    e,
+                    [kv[0] for layer_kv in ctx.kv for kv in layer_kv],
+                    [kv[1] for layer_kv in ctx.kv for kv in layer_kv],
+                    seg_index,
+                    tables,
+                    weights,
+                    self.final_norm.weight,
+                    self.final_norm.bias,
+                    cfg.heads,
+                    cfg.attn_dim,
+                    cfg.linear_dim,
+                    first.scale,
+                    cfg.attn_normaliser,
+                    first.norm.eps,
+                    key_block_size(cfg.attn_block, min(mb, max(1, ids.shape[0]))),
+                )
+            return out.cpu()
         for c0 in range(0, ids.shape[0], mb):
             e = self.item_emb(ids[c0 : c0 + mb])
             x = x0 = e + cand_action
@@ -373,20 +408,27 @@ class HSTURanker(nn.Module):
             self._advance(ctx, pending, c0, c1, step, tables)
             if c1 < n - start:
                 yield None
+        yield self._prefix_kv(ctx, pending, prefix, history)
+
+    def _prefix_kv(
+        self, ctx: _Context, pending: _Pending, prefix: PrefixKV | None, history: Events
+    ) -> PrefixKV:
+        """The ``PrefixKV`` of all of ``history``: ``prefix``'s keys and values, then the pending
+        segment's (which must hold ``history``'s events after the prefix, all computed)."""
         keys, values = [], []
         for li, (k, v) in enumerate(pending.kv):
-            if prefix is None or n == start:  # nothing cached, or nothing new: no copy
-                k, v = (k, v) if prefix is None else ctx.kv[li][0]
-            else:
-                k, v = torch.cat([ctx.kv[li][0][0], k], dim=1), torch.cat([ctx.kv[li][0][1], v], dim=1)
+            if prefix is not None:
+                pk, pv = ctx.kv[li][0]
+                grown = len(history) > prefix.length  # else nothing new: no copy
+                k, v = (torch.cat([pk, k], dim=1), torch.cat([pv, v], dim=1)) if grown else (pk, pv)
             keys.append(k)
             values.append(v)
-        yield PrefixKV(
+        return PrefixKV(
             keys=keys,
             values=values,
-            positions=torch.arange(n, device=self.device),
+            positions=torch.arange(len(history), device=self.device),
             timestamps=history.timestamps.to(self.device, torch.float64).clone(),
-            length=n,
+            length=len(history),
             fingerprint=history_fingerprint(history),
             model_version=self.model_version,
         )
@@ -431,6 +473,34 @@ class HSTURanker(nn.Module):
             pending = self._open(ctx, suffix)
             self._advance(ctx, pending, 0, len(suffix), self.config.attn_block, tables)
         return self._score(ctx, candidates, request_ts, micro_batch, tables)
+
+    @torch.inference_mode()
+    def rank_and_extend(
+        self,
+        prefix: PrefixKV | None,
+        history: Events,
+        candidates: torch.Tensor,
+        request_ts: float,
+        *,
+        micro_batch: int | None = None,
+    ) -> tuple[torch.Tensor, PrefixKV]:
+        """``rank(prefix, history[prefix.length:], ...)``, plus the ``PrefixKV`` of all of
+        ``history``: ranking computes the suffix's keys and values anyway, and keeping them lets
+        the user's next request compute only what is new. ``prefix`` must be a prefix of
+        ``history`` (``ValueError`` otherwise)."""
+        self.eval()
+        start = 0
+        if prefix is not None:
+            if not prefix.matches(history):
+                raise ValueError("rank_and_extend: the prefix is not the start of this history")
+            start = prefix.length
+        ctx = self._context(prefix)
+        tables = self._tables()
+        pending = self._open(ctx, history.slice(start))
+        if len(history) > start:
+            self._advance(ctx, pending, 0, len(history) - start, self.config.attn_block, tables)
+        scores = self._score(ctx, candidates, request_ts, micro_batch, tables)
+        return scores, self._prefix_kv(ctx, pending, prefix, history)
 
     def rank_full(
         self, history: Events, candidates: torch.Tensor, request_ts: float, *, micro_batch: int | None = None

@@ -10,10 +10,10 @@ Primitives:
   - ``lease(user_id, ttl_s, expected_bytes) -> LeaseResult`` / ``release(user_id)``: pin a key
     from pre-inference until ranking consumes it; admission reserves device bytes and is refused
     (``pinned_budget_exceeded``) when pins would exceed the device budget.
-  - ``await get_or_compute(user_id, history, compute) -> (PrefixKV, source)``: cached, else one
-    computation per key however many callers ask at once (``compute`` gets the best valid shorter
-    prefix to extend, or ``None``).
-  - ``put``, ``in_flight``, ``wait_in_flight``, ``where``, ``expire_leases``, ``metrics``,
+  - ``await get_or_compute(user_id, history, compute, at_least=n) -> (PrefixKV, source)``: a
+    cached prefix of ``history`` at least ``n`` long, else one computation per key however many
+    callers ask at once (``compute`` gets the best valid shorter prefix to extend, or ``None``).
+  - ``put``, ``cached_length``, ``in_flight``, ``wait_in_flight``, ``where``, ``expire_leases``, ``metrics``,
     ``flush``, ``close``.
 - ``Lookup``, ``LeaseResult``: results.
 
@@ -697,19 +697,23 @@ class PrefixStore:
     # ------------------------------------------------------------------ compute, single-flight
 
     async def get_or_compute(
-        self, user_id: UserId, history: Events, compute: Compute
+        self, user_id: UserId, history: Events, compute: Compute, *, at_least: int | None = None
     ) -> tuple[PrefixKV, Source]:
-        """The prefix of all of ``history``: from the cache when some tier holds it, else from
-        ``compute(best valid shorter prefix or None)``, stored and returned.
+        """A prefix of ``history`` at least ``at_least`` events long (all of it by default): from
+        the cache when some tier holds one, else from ``compute(best valid shorter prefix or
+        None)``, stored and returned.
 
         However many callers ask for one key at once, one computation runs; the others await it
         (source "merged") and re-check that it matches their history. ``compute`` must return a
-        prefix valid for ``history`` (``prefix.matches(history)``); the store places it (leased
-        keys pinned on the device). Source: "device", "host", "disk", "computed", "extended" or
-        "merged". An exception from ``compute`` reaches every caller waiting on it."""
+        prefix valid for ``history`` (``prefix.matches(history)``) of at least ``at_least`` events;
+        the store places it (leased keys pinned on the device) unless a longer valid one arrived
+        meanwhile. Source: "device", "host", "disk", "computed", "extended" or "merged". An
+        exception from ``compute`` reaches every caller waiting on it."""
         self._check_open()
         key = self._key(user_id)
-        n = len(history)
+        n = len(history) if at_least is None else at_least
+        if not 0 <= n <= len(history):
+            raise ValueError(f"get_or_compute: at_least={at_least} outside [0, {len(history)}]")
         while True:
             fut = self._computes.get(key)
             if fut is not None:
@@ -720,11 +724,11 @@ class PrefixStore:
                     if fut.cancelled():  # the computing caller was cancelled, not this one: retry
                         continue
                     raise
-                if prefix.length == n and history_fingerprint(history) == prefix.fingerprint:
+                if prefix.length >= n and prefix.matches(history):
                     return prefix, "merged"
                 continue
             found = await self.lookup(user_id, history)
-            if found.prefix is not None and found.prefix.length == n:
+            if found.prefix is not None and found.prefix.length >= n:
                 return found.prefix, found.tier  # type: ignore[return-value]
             if key in self._computes:  # someone started while we looked
                 continue
@@ -732,9 +736,18 @@ class PrefixStore:
             self._computes[key] = fut
             try:
                 result = await compute(found.prefix)
-                if not isinstance(result, PrefixKV) or not result.matches(history):
+                if not isinstance(result, PrefixKV) or result.length < n or not result.matches(history):
                     raise ValueError("compute returned a prefix that does not match the history")
-                self.put(user_id, result)
+                with self._lock:
+                    entry = self._entries.get(key)
+                    # A ranking may have stored a longer prefix of this history meanwhile: keep it.
+                    newer = (
+                        entry is not None
+                        and entry.prefix.length > result.length
+                        and entry.prefix.matches(history)
+                    )
+                if not newer:
+                    self.put(user_id, result)
                 source: Source = "extended" if found.prefix is not None else "computed"
                 with self._lock:
                     self._m["computations"] += 1
@@ -753,6 +766,15 @@ class PrefixStore:
             finally:
                 if self._computes.get(key) is fut:
                     del self._computes[key]
+
+    def cached_length(self, user_id: UserId, history: Events) -> int:
+        """Length of the prefix of ``history`` that the device or host tier holds for
+        ``user_id`` (0 if none). Loads, promotes and counts nothing."""
+        with self._lock:
+            entry = self._entries.get(self._key(user_id))
+            if entry is None or not entry.prefix.matches(history):
+                return 0
+            return entry.prefix.length
 
     def in_flight(self, user_id: UserId) -> bool:
         """True while a computation of ``user_id``'s prefix runs in ``get_or_compute``."""

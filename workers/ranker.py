@@ -2,15 +2,17 @@
 
 Primitives:
 - ``EngineConfig``: mode (``relay`` or ``baseline``), the ranking budget, chunking, leases.
-- ``RankingEngine.prefill(user_id, history, ttl_s)``: pre-inference on a prefill signal — lease,
-  then promote, extend or compute the prefix (chunked on the device scheduler, so a ranking job
-  waits for at most one chunk). Returns a ``PrefillOutcome``.
+- ``RankingEngine.prefill(user_id, history, ttl_s, prefix_len=n)``: pre-inference on a prefill
+  signal — lease, then promote, extend or compute the first ``n`` events' prefix (chunked on the
+  device scheduler, so a ranking job waits for at most one chunk); a cached prefix that already
+  covers them is a hit. Returns a ``PrefillOutcome``.
 - ``RankingEngine.rank(user_id, history, candidates, request_ts, deadline)``: a ``RankOutcome``.
   Relay path when a valid cached prefix exists; wait for an in-flight prefix only while that
   still meets the deadline — and lend it the request's priority and deadline meanwhile, so that
   other requests' full rankings cannot starve it; otherwise full inference, truncated to what
-  the latency model says fits the remaining budget. Baseline mode is full inference on the same
-  code.
+  the latency model says fits the remaining budget. A relay ranking stores the prefix it grew by
+  the suffix (``retain_suffix``): the user's next request then computes only its new events.
+  Baseline mode is full inference on the same code.
 - ``calibrate(model, ...)``: measure full ranking at a few history lengths and fit the
   ``LatencyModel`` the trigger and the truncation use.
 """
@@ -21,8 +23,9 @@ import math
 import statistics
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, TypeVar
 
 import torch
 from pydantic import BaseModel, Field
@@ -33,6 +36,8 @@ from relaygr.workers.model import HSTURanker
 from relaygr.workers.prefix_kv import Events, PrefixKV
 from relaygr.workers.prefix_store import PrefixStore
 from relaygr.workers.scheduler import DeviceScheduler, Priority
+
+T = TypeVar("T")
 
 
 class EngineConfig(BaseModel):
@@ -48,6 +53,14 @@ class EngineConfig(BaseModel):
     min_truncated_len: int = Field(default=16, ge=0, description="Never truncate below this many events.")
     wait_margin_ms: float = Field(
         default=2.0, ge=0, description="Slack kept when deciding to wait for an in-flight prefix."
+    )
+    retain_suffix: bool = Field(
+        default=True,
+        description=(
+            "A relay ranking keeps the keys and values it computed for the suffix: the cached "
+            "prefix grows to the whole ranked history, so the user's next pre-inference is a hit "
+            "and its ranking computes only the events that are new since."
+        ),
     )
 
 
@@ -96,23 +109,33 @@ class RankingEngine:
     # ------------------------------------------------------------------ pre-inference
 
     async def prefill(
-        self, user_id: str, history: Events, ttl_s: float | None = None, *, owner: str | None = None
+        self,
+        user_id: str,
+        history: Events,
+        ttl_s: float | None = None,
+        *,
+        prefix_len: int | None = None,
+        owner: str | None = None,
     ) -> PrefillOutcome:
-        """Lease and pre-infer ``history`` (the prefix part of the user's history). ``owner`` is
-        recorded in the prefix's metadata, so a later ranking can tell who computed it."""
+        """Lease and pre-infer the first ``prefix_len`` events of ``history`` (all by default: the
+        part of the user's history that precedes the short-term suffix). A cached prefix of
+        ``history`` that is already at least that long (kept from an earlier ranking) is used as
+        it is. ``owner`` is recorded in the prefix's metadata, so a later ranking can tell who
+        computed it."""
         if self.config.mode != "relay" or self.store is None:
             return PrefillOutcome("skipped")
-        if len(history) == 0:
+        n = len(history) if prefix_len is None else prefix_len
+        if not 0 <= n <= len(history):
+            raise ValueError(f"prefill: prefix_len={prefix_len} outside [0, {len(history)}]")
+        if n == 0:
             return PrefillOutcome("skipped")
         t0 = time.perf_counter()
-        lease = self.store.lease(
-            user_id, ttl_s or self.config.lease_ttl_s, len(history) * self.bytes_per_token
-        )
+        lease = self.store.lease(user_id, ttl_s or self.config.lease_ttl_s, n * self.bytes_per_token)
         if not lease:
-            return PrefillOutcome(f"refused:{lease.reason}", len(history))
+            return PrefillOutcome(f"refused:{lease.reason}", n)
 
         async def compute(best: PrefixKV | None) -> PrefixKV:
-            steps = self.model.prefill_steps(history, self.config.prefill_chunk, prefix=best)
+            steps = self.model.prefill_steps(history.slice(0, n), self.config.prefill_chunk, prefix=best)
             # A request may already wait for this prefix (its lookup found it in flight).
             prio, deadline = self._urgent.get(user_id, (Priority.PREFILL, math.inf))
             out = await self.scheduler.submit_steps(
@@ -123,10 +146,10 @@ class RankingEngine:
             return out
 
         try:
-            _, source = await self.store.get_or_compute(user_id, history, compute)
+            got, source = await self.store.get_or_compute(user_id, history, compute, at_least=n)
         finally:
             self._urgent.pop(user_id, None)
-        return PrefillOutcome(source, len(history), (time.perf_counter() - t0) * 1000)
+        return PrefillOutcome(source, got.length, (time.perf_counter() - t0) * 1000)
 
     def _lend_priority(self, user_id: str, deadline: float) -> None:
         """A ranking job waits for ``user_id``'s pre-inference: its remaining chunks run at ranking
@@ -170,8 +193,20 @@ class RankingEngine:
                         prefix, tier, path = waited, "inflight", "relay_waited"
             if prefix is not None:
                 suffix = history.slice(prefix.length)
-                scores = await self._run(prefix, suffix, candidates, request_ts, deadline, bd)
+                if self.config.retain_suffix:
+                    scores, grown = await self._on_device(
+                        lambda: self.model.rank_and_extend(prefix, history, candidates, request_ts),
+                        deadline,
+                        bd,
+                    )
+                else:
+                    scores, grown = (
+                        await self._run(prefix, suffix, candidates, request_ts, deadline, bd),
+                        prefix,
+                    )
                 self.store.release(user_id)
+                if grown.length > prefix.length:
+                    self.store.put(user_id, grown)
                 return RankOutcome(
                     scores,
                     path,
@@ -206,21 +241,27 @@ class RankingEngine:
         deadline: float,
         bd: dict[str, float],
     ) -> torch.Tensor:
-        """Rank on the device thread; ``bd`` gets ``device_queue`` (waiting for the device) and
-        ``compute`` (the model call) in ms."""
+        """Rank on the device thread (``bd`` as in ``_on_device``)."""
+        return await self._on_device(
+            lambda: self.model.rank(prefix, events, candidates, request_ts), deadline, bd
+        )
+
+    async def _on_device(self, fn: Callable[[], T], deadline: float, bd: dict[str, float]) -> T:
+        """``fn()`` as a ranking job on the device thread; ``bd`` gets ``device_queue`` (waiting
+        for the device) and ``compute`` (the call) in ms."""
         timing: list[float] = []
         t_submit = time.perf_counter()
 
-        def job() -> torch.Tensor:
+        def job() -> T:
             t0 = time.perf_counter()
-            out = self.model.rank(prefix, events, candidates, request_ts)
+            out = fn()
             timing.extend((t0, time.perf_counter()))
             return out
 
-        scores = await self.scheduler.submit(job, priority=Priority.RANK, deadline=deadline)
+        out = await self.scheduler.submit(job, priority=Priority.RANK, deadline=deadline)
         bd["device_queue"] = (timing[0] - t_submit) * 1000
         bd["compute"] = (timing[1] - timing[0]) * 1000
-        return scores
+        return out
 
     def refit_latency(self) -> LatencyModel:
         """Refit the latency model from recent full-path measurements when they span enough lengths."""
