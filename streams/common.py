@@ -14,12 +14,14 @@ Primitives:
   time (bad events to the dead-letter topic, one table write per user per batch).
 - ``deliver(send)``: a produce that retries until the broker acknowledges it.
 - ``serve_metrics(port)``: the Prometheus endpoint of this process, bound to 127.0.0.1.
+- ``freeze_heap()``: exempt what a stage set up at start from Python's full collections.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import gc
 import logging
 import time
 from pathlib import Path
@@ -79,8 +81,9 @@ INGEST_WITHIN_S = 0.02
 async def ingest_batches(stage: str, stream: Any, decode_one: Any, apply: Any, to_dlq: Any) -> None:
     """Consume ``stream`` in batches: ``decode_one(ev)`` per event (bad ones go to the dead-letter
     topic with their reason), then ``apply(pairs, as_event)`` once with the batch's good
-    ``(event, decoded)`` pairs, in order. A table write must follow ``as_event(ev)`` for an event
-    of the written key: faust takes the changelog partition from the current event."""
+    ``(event, decoded)`` pairs, in order. ``apply`` is a plain function (it must not await). A
+    table write must follow ``as_event(ev)`` for an event of the written key: faust takes the
+    changelog partition from the current event."""
     async for events in stream.take_events(INGEST_BATCH, within=INGEST_WITHIN_S):
         good = []
         for ev in events:
@@ -90,14 +93,20 @@ async def ingest_batches(stage: str, stream: Any, decode_one: Any, apply: Any, t
                 await to_dlq(ev, str(e))
         if not good:
             continue
+        # The stream's drainer may have set the next event as current and be waiting to buffer
+        # it: put that event back before anything awaits (faust's take buffer reads it then).
+        current = stream.current_event
         try:
-            await apply(good, stream._set_current_event)
+            apply(good, stream._set_current_event)
+            failed = None
         except Exception as e:  # as in ``guarded``: reported with the events, the stage goes on
-            log.exception("%s: applying %d behaviours failed", stage, len(good))
-            for ev, _ in good:
-                await to_dlq(ev, f"internal error in {stage}: {type(e).__name__}: {e}")
+            failed = e
         finally:
-            stream._set_current_event(None)
+            stream._set_current_event(current)
+        if failed is not None:
+            log.error("%s: applying %d behaviours failed", stage, len(good), exc_info=failed)
+            for ev, _ in good:
+                await to_dlq(ev, f"internal error in {stage}: {type(failed).__name__}: {failed}")
 
 
 async def guarded(stage: str, ev: Any, handler: Any, to_dlq: Any) -> None:
@@ -212,3 +221,14 @@ def serve_metrics(port: int) -> None:
         from prometheus_client import start_http_server
 
         start_http_server(port, addr="127.0.0.1")
+
+
+def freeze_heap() -> None:
+    """Collect once, then move every surviving object to the collector's permanent generation.
+
+    torch, faust, aiokafka and pydantic leave about a million tracked objects at import. Each
+    full collection scans them all: a 100–200 ms pause of the whole stage, every few seconds
+    under load, which is the stage's tail latency. Frozen, they are never scanned again, and a
+    full collection only visits what was created since. Call it once set-up is done."""
+    gc.collect()
+    gc.freeze()

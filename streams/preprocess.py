@@ -56,7 +56,7 @@ def build(settings: Settings, p: PipelineSettings, worker_id: str = "0"):
     def decode_behavior(ev) -> BehaviorEvent:
         return decode_keyed(BehaviorEvent, ev.key, ev.value, limit)
 
-    async def on_behaviors(batch: list, as_event) -> None:
+    def on_behaviors(batch: list, as_event) -> None:
         changed: dict[str, tuple] = {}  # user -> (an event of the user, items first seen when)
         for ev, b in batch:
             s = changed[b.user_id][1] if b.user_id in changed else (seen.get(b.user_id) or {})

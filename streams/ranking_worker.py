@@ -51,6 +51,7 @@ from relaygr.streams.history import HistoryTable
 from relaygr.workers.devices import keep_host_pages
 from relaygr.workers.latency_model import LatencyModel
 from relaygr.workers.model import HSTURanker
+from relaygr.workers.prefix_kv import Events
 from relaygr.workers.prefix_store import PrefixStore, PrefixStoreConfig
 from relaygr.workers.ranker import RankingEngine, calibrate
 from relaygr.workers.scheduler import DeviceScheduler, Priority
@@ -306,7 +307,9 @@ class RankingWorker:
         # prefix by this worker's count too (it may have ingested fewer events so far).
         n = min(s.prefix_len, len(hist) - min(self.p.short_term, len(hist)))
         try:
-            out = await self.engine.prefill(s.user_id, hist.slice(0, n), s.lease_ttl_s, owner=self.worker_id)
+            out = await self.engine.prefill(
+                s.user_id, hist, s.lease_ttl_s, prefix_len=n, owner=self.worker_id
+            )
         finally:
             done.set()
         PREFILLS.labels(out.status.split(":")[0]).inc()
@@ -321,10 +324,16 @@ class RankingWorker:
             ms=round(out.ms, 3),
         )
 
-    async def _await_signal(self, r: RankRequest, n: int) -> None:
+    async def _await_signal(self, r: RankRequest, hist: Events) -> None:
         """The prefill signal of this request travels on its own topic and may be fetched after
         the rank request. Wait for it while full ranking would still meet the deadline, then for
-        its pre-inference while ranking the suffix would (the engine decides the path after)."""
+        its pre-inference while ranking the suffix would (the engine decides the path after).
+        No wait when the store already holds what that pre-inference would compute (an earlier
+        ranking of this user kept it)."""
+        n = len(hist)
+        store = self.engine.store
+        if store is not None and store.cached_length(r.user_id, hist) >= n - min(self.p.short_term, n):
+            return
         lat = self.engine.latency
         until_full = time.monotonic() + r.deadline_ts - time.time() - lat.predict_ms(n) / 1000
         while r.request_id not in self.signals_seen and time.monotonic() < until_full:
@@ -346,7 +355,7 @@ class RankingWorker:
         signal_wait = 0.0
         if r.prefill_expected and self.p.mode == "relay":
             t_sig = time.time()
-            await self._await_signal(r, len(hist))
+            await self._await_signal(r, hist)
             signal_wait = (time.time() - t_sig) * 1000
         if t_in >= r.deadline_ts:
             path, items, oc = (
@@ -454,13 +463,14 @@ class _Rebalance(ConsumerRebalanceListener):
 
 
 def main(settings: Settings, p: PipelineSettings, worker_id: str, metrics_port: int = 0) -> int:
-    from relaygr.streams.common import serve_metrics
+    from relaygr.streams.common import freeze_heap, serve_metrics
 
     keep_host_pages()  # scratch tensors reuse heap pages instead of faulting in fresh ones
     if p.torch_threads:
         torch.set_num_threads(p.torch_threads)
     serve_metrics(metrics_port)
     worker = RankingWorker(settings, p, worker_id)
+    freeze_heap()  # the model, torch and aiokafka: out of every later full collection
 
     async def go() -> None:
         loop = asyncio.get_running_loop()

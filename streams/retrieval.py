@@ -148,7 +148,7 @@ def build(settings: Settings, p: PipelineSettings, worker_id: str = "0"):
     def decode_behavior(ev) -> BehaviorEvent:
         return decode_keyed(BehaviorEvent, ev.key, ev.value, limit)
 
-    async def on_behaviors(batch: list, as_event) -> None:
+    def on_behaviors(batch: list, as_event) -> None:
         summaries: dict[str, tuple] = {}  # user -> (its last event, summary)
         for ev, b in batch:
             s = summaries[b.user_id][1] if b.user_id in summaries else histories.get(b.user_id)

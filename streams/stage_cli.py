@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
                 f"ranker-{args.worker_id}" if args.worker_id.isdigit() else args.worker_id,
                 args.metrics_port,
             )
-        from relaygr.streams.common import serve_metrics
+        from relaygr.streams.common import freeze_heap, serve_metrics
 
         if args.stage == "retrieval":
             from relaygr.streams.retrieval import build
@@ -63,11 +63,21 @@ def run(args: argparse.Namespace) -> int:
             from relaygr.streams.preprocess import build
         app = build(settings, p, args.worker_id)
         serve_metrics(args.metrics_port)
-        from faust.worker import Worker
-
-        level = {"warning": "warn", "critical": "crit"}.get(args.log_level.lower(), args.log_level.lower())
-        Worker(app, loglevel=level, quiet=True, redirect_stdouts=False).execute_from_commandline()
+        freeze_heap()
+        faust_worker(app, args.log_level).execute_from_commandline()
         return 0
     except BrokerError as e:
         print(f"relaygr stage {args.stage}: {e}", file=sys.stderr)
         return 1
+
+
+def faust_worker(app, log_level: str):
+    """The faust worker of a stage, logging at ``log_level`` and without its terminal spinner:
+    the spinner puts the root logger at DEBUG, so every debug call of faust and aiokafka (several
+    per message) would build and handle a record that no handler prints."""
+    from faust.worker import Worker
+
+    level = {"warning": "warn", "critical": "crit"}.get(log_level.lower(), log_level.lower())
+    worker = Worker(app, loglevel=level, quiet=True, redirect_stdouts=False)
+    worker.spinner = None
+    return worker

@@ -9,18 +9,26 @@ from relaygr.streams.common import decode_keyed, ingest_batches
 
 
 class _Stream:
-    """What ``ingest_batches`` uses of a faust stream: ``take_events`` and the current event."""
+    """What ``ingest_batches`` uses of a faust stream: ``take_events`` and the current event.
+
+    Like faust's drainer, it makes the next message current while a batch is being handled, and
+    (like faust's take buffer) reads that event back once the batch is done."""
 
     def __init__(self, batches: list[list]) -> None:
         self.batches = batches
-        self.current: list = []
+        self.current_event = None
+        self.set_to: list = []
+        self.buffered: list = []
 
     async def take_events(self, max_: int, within: float):
-        for b in self.batches:
+        for i, b in enumerate(self.batches):
+            self.current_event = following = SimpleNamespace(name=f"after batch {i}")
             yield b
+            self.buffered.append(self.current_event is following)
 
     def _set_current_event(self, ev=None) -> None:
-        self.current.append(ev)
+        self.set_to.append(ev)
+        self.current_event = ev
 
 
 def _ev(user: str, item: int, *, key: str | None = None, raw: bytes | None = None):
@@ -37,7 +45,7 @@ async def test_bad_events_are_dead_lettered_and_the_rest_applied_in_order() -> N
     stream = _Stream([[_ev("u1", 1), bad_json, _ev("u2", 2)], [wrong_key, _ev("u1", 3)], [bad_json]])
     applied, dead = [], []
 
-    async def apply(pairs, as_event) -> None:
+    def apply(pairs, as_event) -> None:
         for ev, b in pairs:
             as_event(ev)
             applied.append((b.user_id, b.item_id))
@@ -49,14 +57,20 @@ async def test_bad_events_are_dead_lettered_and_the_rest_applied_in_order() -> N
     assert applied == [("u1", 1), ("u2", 2), ("u1", 3)]
     assert [ev for ev, _ in dead] == [bad_json, wrong_key, bad_json]
     assert "user_id" in dead[1][1]  # the reason names the field that disagrees with the key
-    assert stream.current[-1] is None  # no event context leaks past a batch
+    # Each batch's events were current while applied; then the drainer's event is current again.
+    assert [ev for ev in stream.set_to if any(ev is x for b in stream.batches for x in b)] == [
+        stream.batches[0][0],
+        stream.batches[0][2],
+        stream.batches[1][1],
+    ]
+    assert stream.buffered == [True, True, True]
 
 
 async def test_a_failing_apply_dead_letters_its_batch_and_ingestion_goes_on() -> None:
     first, second = [_ev("u1", 1), _ev("u2", 2)], [_ev("u1", 3)]
     applied, dead = [], []
 
-    async def apply(pairs, as_event) -> None:
+    def apply(pairs, as_event) -> None:
         if any(b.item_id == 2 for _, b in pairs):
             raise RuntimeError("table unavailable")
         applied.extend(b.item_id for _, b in pairs)
@@ -64,7 +78,9 @@ async def test_a_failing_apply_dead_letters_its_batch_and_ingestion_goes_on() ->
     async def to_dlq(ev, reason: str) -> None:
         dead.append((ev, reason))
 
-    await ingest_batches("test", _Stream([first, second]), _decode, apply, to_dlq)
+    stream = _Stream([first, second])
+    await ingest_batches("test", stream, _decode, apply, to_dlq)
     assert applied == [3]
+    assert stream.buffered == [True, True]
     assert [ev for ev, _ in dead] == first
     assert all("internal error in test: RuntimeError: table unavailable" in r for _, r in dead)
