@@ -47,6 +47,11 @@ class PipelineSettings(BaseSettings):
     short_term: int = Field(
         default=64, ge=0, description="Most recent events computed at ranking time (the suffix)."
     )
+    retain_suffix: bool = Field(
+        default=True,
+        description="Relay: a ranking keeps the suffix it computed in the prefix store, so the user's "
+        "next ranking computes only the events new since.",
+    )
     num_candidates: int = Field(default=128, ge=1, le=2000, description="Candidates retrieval returns.")
     max_rank_candidates: int = Field(default=128, ge=1, le=2000, description="Cap after pre-processing.")
     feature_fetch_ms: float = Field(
@@ -106,5 +111,9 @@ def trigger_config(p: PipelineSettings, bytes_per_token: int) -> TriggerConfig:
 
 def engine_config(p: PipelineSettings) -> EngineConfig:
     return EngineConfig(
-        mode=p.mode, budget_ms=p.budget_ms, prefill_chunk=p.prefill_chunk, lease_ttl_s=p.lease_ttl_s
+        mode=p.mode,
+        budget_ms=p.budget_ms,
+        prefill_chunk=p.prefill_chunk,
+        lease_ttl_s=p.lease_ttl_s,
+        retain_suffix=p.retain_suffix,
     )
