@@ -194,6 +194,8 @@ class RankingWorker:
                 await self._commit()
             await self.consumer.stop()
             await self.producer.stop()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.engine.drain(), 10)  # ranked suffixes, before the store persists
             self.scheduler.close()
             if self.store is not None:
                 self.store.close()

@@ -144,6 +144,7 @@ async def test_a_ranking_keeps_its_suffix_for_the_users_next_request(model) -> N
     assert (await e.prefill("u", first, prefix_len=236)).status == "computed"
     res = await e.rank("u", first, cands, 2e9, FAR)
     assert res.path == "relay" and res.prefix_len == 236 and res.tokens_computed == 64 + 32
+    await e.drain()  # the grown prefix is stored in the background
     assert (await e.store.lookup("u", first)).length == 300  # grown by the ranked suffix
     # The second request's pre-inference (all but its last 64 events) finds them already cached.
     jobs = dict(e.scheduler.jobs_done)
@@ -158,6 +159,7 @@ async def test_a_ranking_keeps_its_suffix_for_the_users_next_request(model) -> N
     kept = engine(model, prefill_chunk=64, retain_suffix=False)
     await kept.prefill("u", first, prefix_len=236)
     await kept.rank("u", first, cands, 2e9, FAR)
+    await kept.drain()
     assert (await kept.store.lookup("u", first)).length == 236
     assert (await kept.prefill("u", h, prefix_len=266)).status == "extended"
     kept.scheduler.close()

@@ -149,7 +149,8 @@ def test_rank_and_extend_scores_like_rank_and_returns_the_whole_prefix(n, split,
     cut = int(split * n)
     for model, rtol, atol in ((model32(), RTOL32, ATOL32), (model64(), 1e-12, 1e-12)):
         for prefix in (model.prefill(h.slice(0, cut)), None):
-            scores, grown = model.rank_and_extend(prefix, h, cands, ts)
+            scores, grow = model.rank_and_extend(prefix, h, cands, ts)
+            grown = grow()
             torch.testing.assert_close(scores, model.rank_full(h, cands, ts), rtol=max(rtol, 1e-6), atol=atol)
             _assert_prefix_close(grown, model.prefill(h), rtol, atol)
             # The grown prefix serves a later, longer history like a fresh pre-inference.

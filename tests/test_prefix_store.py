@@ -409,6 +409,17 @@ async def test_get_or_compute_at_least_takes_a_longer_cached_prefix_and_keeps_it
     store3.close()
 
 
+def test_put_keep_longer_leaves_a_longer_entry_in_place() -> None:
+    store = make_store()
+    h = history(5, 30)
+    long, short = prefix_for(h, 25), prefix_for(h, 20)
+    store.put(5, long)
+    assert store.put(5, short, keep_longer=True) == "kept" and store.cached_length(5, h) == 25
+    assert store.put(5, prefix_for(h, 28), keep_longer=True) == "device" and store.cached_length(5, h) == 28
+    assert store.put(5, short) == "device" and store.cached_length(5, h) == 20  # the default replaces
+    store.close()
+
+
 def test_cached_length_reads_without_touching() -> None:
     store = make_store()
     h = history(4, 20)

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -483,11 +483,12 @@ class HSTURanker(nn.Module):
         request_ts: float,
         *,
         micro_batch: int | None = None,
-    ) -> tuple[torch.Tensor, PrefixKV]:
-        """``rank(prefix, history[prefix.length:], ...)``, plus the ``PrefixKV`` of all of
-        ``history``: ranking computes the suffix's keys and values anyway, and keeping them lets
-        the user's next request compute only what is new. ``prefix`` must be a prefix of
-        ``history`` (``ValueError`` otherwise)."""
+    ) -> tuple[torch.Tensor, Callable[[], PrefixKV]]:
+        """``rank(prefix, history[prefix.length:], ...)``, plus ``grown()``, which returns the
+        ``PrefixKV`` of all of ``history``: ranking computes the suffix's keys and values anyway,
+        and keeping them lets the user's next request compute only what is new. ``grown`` copies
+        the prefix's keys and values, so a caller runs it after the scores are out. ``prefix`` must
+        be a prefix of ``history`` (``ValueError`` otherwise)."""
         self.eval()
         start = 0
         if prefix is not None:
@@ -500,7 +501,12 @@ class HSTURanker(nn.Module):
         if len(history) > start:
             self._advance(ctx, pending, 0, len(history) - start, self.config.attn_block, tables)
         scores = self._score(ctx, candidates, request_ts, micro_batch, tables)
-        return scores, self._prefix_kv(ctx, pending, prefix, history)
+
+        def grown() -> PrefixKV:
+            with torch.inference_mode():
+                return self._prefix_kv(ctx, pending, prefix, history)
+
+        return scores, grown
 
     def rank_full(
         self, history: Events, candidates: torch.Tensor, request_ts: float, *, micro_batch: int | None = None

@@ -500,9 +500,11 @@ class PrefixStore:
 
     # ------------------------------------------------------------------ put / lookup
 
-    def put(self, user_id: UserId, prefix: PrefixKV) -> str:
+    def put(self, user_id: UserId, prefix: PrefixKV, *, keep_longer: bool = False) -> str:
         """Store ``prefix`` as ``user_id``'s entry (replacing any older one). Returns the tier it
         went to: "device", "host", "disk" (queued for the disk writer) or "none" (fits nowhere).
+        With ``keep_longer``, a memory-tier entry at least as long stays and "kept" is returned
+        (histories only grow: the longer one comes from a later request).
 
         A leased key goes to the device within its reservation (a prefix larger than the pinned
         budget allows revokes the lease, counted). On a CPU device no tensor is copied."""
@@ -514,6 +516,9 @@ class PrefixStore:
         key = self._key(user_id)
         with self._lock:
             self._maybe_expire(self._clock())
+            entry = self._entries.get(key)
+            if keep_longer and entry is not None and entry.prefix.length >= prefix.length:
+                return "kept"
             self._remove(key)
             gen = next(self._gen)
             tier = self._place(key, prefix, gen, on_disk=False)

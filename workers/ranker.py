@@ -11,7 +11,8 @@ Primitives:
   still meets the deadline — and lend it the request's priority and deadline meanwhile, so that
   other requests' full rankings cannot starve it; otherwise full inference, truncated to what
   the latency model says fits the remaining budget. A relay ranking stores the prefix it grew by
-  the suffix (``retain_suffix``): the user's next request then computes only its new events.
+  the suffix (``retain_suffix``; in the background, behind other rankings): the user's next
+  request then computes only its new events. ``drain()`` waits for those stores.
   Baseline mode is full inference on the same code.
 - ``calibrate(model, ...)``: measure full ranking at a few history lengths and fit the
   ``LatencyModel`` the trigger and the truncation use.
@@ -19,6 +20,8 @@ Primitives:
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import math
 import statistics
 import time
@@ -35,9 +38,10 @@ from relaygr.workers.latency_model import LatencyModel
 from relaygr.workers.model import HSTURanker
 from relaygr.workers.prefix_kv import Events, PrefixKV
 from relaygr.workers.prefix_store import PrefixStore
-from relaygr.workers.scheduler import DeviceScheduler, Priority
+from relaygr.workers.scheduler import DeviceScheduler, Priority, SchedulerClosed
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 class EngineConfig(BaseModel):
@@ -105,6 +109,8 @@ class RankingEngine:
         self.bytes_per_token = kv_bytes_per_token(model)
         # Users whose in-flight pre-inference a waiting ranking job has promoted: (priority, deadline).
         self._urgent: dict[str, tuple[Priority, float]] = {}
+        # Background tasks storing the prefixes that rankings grew (``retain_suffix``).
+        self._keeping: set[asyncio.Task] = set()
 
     # ------------------------------------------------------------------ pre-inference
 
@@ -193,20 +199,16 @@ class RankingEngine:
                         prefix, tier, path = waited, "inflight", "relay_waited"
             if prefix is not None:
                 suffix = history.slice(prefix.length)
-                if self.config.retain_suffix:
-                    scores, grown = await self._on_device(
+                if self.config.retain_suffix and len(suffix):
+                    scores, grow = await self._on_device(
                         lambda: self.model.rank_and_extend(prefix, history, candidates, request_ts),
                         deadline,
                         bd,
                     )
+                    self._keep(user_id, grow)
                 else:
-                    scores, grown = (
-                        await self._run(prefix, suffix, candidates, request_ts, deadline, bd),
-                        prefix,
-                    )
+                    scores = await self._run(prefix, suffix, candidates, request_ts, deadline, bd)
                 self.store.release(user_id)
-                if grown.length > prefix.length:
-                    self.store.put(user_id, grown)
                 return RankOutcome(
                     scores,
                     path,
@@ -231,6 +233,29 @@ class RankingEngine:
         scores = await self._run(None, used, candidates, request_ts, deadline, bd)
         self.samples.append((len(used), bd["compute"]))
         return RankOutcome(scores, path, bd, n, len(used), len(used) + len(candidates), 0, "miss")
+
+    def _keep(self, user_id: str, grow: Callable[[], PrefixKV]) -> None:
+        """Store the prefix a ranking grew, off the ranking's path: building it copies the cached
+        keys and values, so it runs on the device after the scores are out, behind any ranking."""
+
+        async def keep() -> None:
+            assert self.store is not None
+            try:
+                grown = await self.scheduler.submit(grow, priority=Priority.PREFILL)
+                self.store.put(user_id, grown, keep_longer=True)
+            except SchedulerClosed:  # shutting down: the next request recomputes the suffix
+                pass
+            except Exception:
+                log.exception("keeping the ranked suffix of %s failed", user_id)
+
+        task = asyncio.get_running_loop().create_task(keep())
+        self._keeping.add(task)
+        task.add_done_callback(self._keeping.discard)
+
+    async def drain(self) -> None:
+        """Wait until the suffixes of finished rankings are stored."""
+        while self._keeping:
+            await asyncio.gather(*list(self._keeping), return_exceptions=True)
 
     async def _run(
         self,
