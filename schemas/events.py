@@ -39,6 +39,7 @@ ItemId = Annotated[int, Field(ge=0, le=MAX_ITEM_ID)]
 Timestamp = Annotated[float, Field(ge=0.0, le=TS_MAX, allow_inf_nan=False)]
 Millis = Annotated[float, Field(ge=0.0, le=1e9, allow_inf_nan=False)]
 Count = Annotated[int, Field(ge=0, le=10_000_000)]
+Bytes = Annotated[int, Field(ge=0, le=1 << 50)]
 
 
 class Event(BaseModel):
@@ -241,8 +242,8 @@ class WorkerStats(Event):
     worker_id: Id
     ts: Timestamp
     partitions: list[int] = Field(default_factory=list, max_length=4096)
-    cache_bytes: dict[str, Count] = Field(default_factory=dict, max_length=8)
-    pinned_bytes: Count = 0
+    cache_bytes: dict[str, Bytes] = Field(default_factory=dict, max_length=8)
+    pinned_bytes: Bytes = 0
     queue_depth: Count = 0
     prefill_inflight: Count = 0
     # Latency model of full ranking: ms ≈ a + b·n + c·n² for a history of n tokens.

@@ -71,7 +71,8 @@ def examples(ts: float = 1_700_000_000.0) -> list[Event]:
             worker_id="worker-0",
             ts=ts,
             partitions=[0, 1],
-            cache_bytes={"device": 1 << 20, "host": 0, "disk": 0},
+            cache_bytes={"device": 3 << 30, "host": 0, "disk": 0},
+            pinned_bytes=17 << 20,
             latency_coeffs=[0.5, 0.001, 1e-7],
         ),
     ]

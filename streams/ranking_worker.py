@@ -175,6 +175,9 @@ class RankingWorker:
             self.settings,
             group_id=f"{self.settings.topic_prefix}-ranking",
             max_poll_records=500,
+            # Paused work partitions (the bounded queue) are fetched again only once the fetch in
+            # flight returns: a short broker-side wait bounds that stall (default: 500 ms).
+            fetch_max_wait_ms=20,
             session_timeout_ms=10000,
             heartbeat_interval_ms=1000,
             max_poll_interval_ms=300000,

@@ -133,3 +133,13 @@ def test_request_round_trip_property(
         request_id=request_id, user_id=user_id, ts=ts, num_candidates=n, label_item_id=label
     )
     assert decode(RecommendationRequest, encode(ev)) == ev
+
+
+def test_worker_stats_carry_real_cache_sizes() -> None:
+    # Byte counts of a prefix store pass millions quickly: stats must not be rejected for that.
+    from relaygr.schemas import WorkerStats, decode, encode
+
+    st = WorkerStats(worker_id="w", ts=1.7e9, cache_bytes={"device": 40 << 30}, pinned_bytes=17 << 20)
+    assert decode(WorkerStats, encode(st)) == st
+    with pytest.raises(ValueError):
+        WorkerStats(worker_id="w", ts=1.7e9, pinned_bytes=-1)
