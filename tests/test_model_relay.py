@@ -167,17 +167,20 @@ def test_rank_and_extend_scores_like_rank_and_returns_the_whole_prefix(n, split,
     seed=st.integers(0, 10_000),
 )
 @settings(max_examples=60, deadline=None)
-def test_fused_candidate_scoring_equals_the_python_path(n, split, c, mb, seed) -> None:
+def test_fused_paths_equal_the_python_path(n, split, c, mb, seed) -> None:
+    """Fused candidate scoring and fused short history chunks against the op-by-op reference."""
     h, cands = history(n, seed), candidates(c, seed)
     ts = request_time(h, 37.0)
     cut = int(split * n)
     for model, rtol, atol in ((model32(), RTOL32, ATOL32), (model64(), 1e-12, 1e-12)):
-        prefix = model.prefill(h.slice(0, cut))
         try:
-            model.fused_scoring = False
-            want = model.rank(prefix, h.slice(cut), cands, ts, micro_batch=mb)
+            model.fused = False
+            ref_prefix = model.prefill(h.slice(0, cut), chunk_size=mb * 3)
+            want = model.rank(ref_prefix, h.slice(cut), cands, ts, micro_batch=mb)
         finally:
-            model.fused_scoring = True
+            model.fused = True
+        prefix = model.prefill(h.slice(0, cut), chunk_size=mb * 3)
+        _assert_prefix_close(prefix, ref_prefix, rtol, atol)
         got = model.rank(prefix, h.slice(cut), cands, ts, micro_batch=mb)
         torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
 

@@ -47,7 +47,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from relaygr.workers.devices import resolve_device, resolve_dtype
-from relaygr.workers.fused_scoring import layer_weights, score_candidates
+from relaygr.workers.fused_scoring import advance_tokens, layer_weights, score_candidates, unspecialised
 from relaygr.workers.hstu_attention import (
     Segment,
     dense_attention,
@@ -62,6 +62,8 @@ from relaygr.workers.prefix_kv import Events, PrefixKV, history_fingerprint
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 SELF_BIAS_INDEX = 0
+FUSED_MAX_ROWS = 64
+"""History chunks up to this many tokens run fused; longer ones are matmul-bound anyway."""
 """Bias index of a token with itself: position bucket 0 and time bucket 0."""
 
 
@@ -199,9 +201,10 @@ class HSTURanker(nn.Module):
         self.to(device=resolve_device(config.device), dtype=resolve_dtype(config.dtype))
         self.model_version = ""
         self.refresh_version()
-        # Candidates are scored by one TorchScript call (fused_scoring); False: op by op in Python,
-        # the reference the fused path is tested against.
-        self.fused_scoring = True
+        # Candidates, and history chunks of at most FUSED_MAX_ROWS tokens (a ranking's new events),
+        # run as single TorchScript calls (fused_scoring); False: op by op in Python, the reference
+        # the fused paths are tested against.
+        self.fused = True
 
     # ----------------------------------------------------------------------------- basics
     @property
@@ -267,6 +270,7 @@ class HSTURanker(nn.Module):
         most ``step`` tokens, filling their keys and values (earlier ones must be filled)."""
         cfg = self.config
         last = len(self.layers) - 1
+        no_mask = torch.empty(0, dtype=torch.bool, device=self.device)
         for q0 in range(c0, c1, step):
             q1 = min(c1, q0 + step)
             x = self.item_emb(pending.items[q0:q1]) + self.action_emb(pending.actions[q0:q1])
@@ -280,6 +284,31 @@ class HSTURanker(nn.Module):
                 num_pos=cfg.position_buckets,
                 cache=pending.plan_cache,
             )
+            if self.fused and q1 - q0 <= FUSED_MAX_ROWS:
+                first = self.layers[0]
+                with unspecialised():
+                    advance_tokens(
+                        x,
+                        [kv[0] for layer_kv in ctx.kv for kv in layer_kv],
+                        [kv[1] for layer_kv in ctx.kv for kv in layer_kv],
+                        [t.segment for t in tasks],
+                        [t.k0 for t in tasks],
+                        [t.k1 for t in tasks],
+                        [t.index for t in tasks],
+                        [no_mask if t.hidden is None else t.hidden for t in tasks],
+                        tables,
+                        [w for layer in self.layers for w in layer_weights(layer)],
+                        [kv[0] for kv in pending.kv],
+                        [kv[1] for kv in pending.kv],
+                        q0,
+                        cfg.heads,
+                        cfg.attn_dim,
+                        cfg.linear_dim,
+                        first.scale,
+                        cfg.attn_normaliser,
+                        first.norm.eps,
+                    )
+                continue
             for li, layer in enumerate(self.layers):
                 kbuf, vbuf = pending.kv[li]
                 if li == last:
@@ -315,7 +344,7 @@ class HSTURanker(nn.Module):
             num_pos=cfg.position_buckets,
         )
         cand_action = self.action_emb.weight[self.candidate_action]
-        if self.fused_scoring:
+        if self.fused:
             n_seg = len(ctx.segments)
             empty = torch.empty(0, dtype=torch.int64, device=self.device)
             seg_index = [
@@ -326,24 +355,25 @@ class HSTURanker(nn.Module):
             first = self.layers[0]
             for c0 in range(0, ids.shape[0], mb):
                 e = self.item_emb(ids[c0 : c0 + mb])
-                out[c0 : c0 + mb] = score_candidates(
-                    e + cand_action,
-                    e,
-                    [kv[0] for layer_kv in ctx.kv for kv in layer_kv],
-                    [kv[1] for layer_kv in ctx.kv for kv in layer_kv],
-                    seg_index,
-                    tables,
-                    weights,
-                    self.final_norm.weight,
-                    self.final_norm.bias,
-                    cfg.heads,
-                    cfg.attn_dim,
-                    cfg.linear_dim,
-                    first.scale,
-                    cfg.attn_normaliser,
-                    first.norm.eps,
-                    key_block_size(cfg.attn_block, min(mb, max(1, ids.shape[0]))),
-                )
+                with unspecialised():
+                    out[c0 : c0 + mb] = score_candidates(
+                        e + cand_action,
+                        e,
+                        [kv[0] for layer_kv in ctx.kv for kv in layer_kv],
+                        [kv[1] for layer_kv in ctx.kv for kv in layer_kv],
+                        seg_index,
+                        tables,
+                        weights,
+                        self.final_norm.weight,
+                        self.final_norm.bias,
+                        cfg.heads,
+                        cfg.attn_dim,
+                        cfg.linear_dim,
+                        first.scale,
+                        cfg.attn_normaliser,
+                        first.norm.eps,
+                        key_block_size(cfg.attn_block, min(mb, max(1, ids.shape[0]))),
+                    )
             return out.cpu()
         for c0 in range(0, ids.shape[0], mb):
             e = self.item_emb(ids[c0 : c0 + mb])
