@@ -347,7 +347,7 @@ def test_keep_host_pages_stops_page_faults_of_repeated_ranking() -> None:
         torch.arange(n, dtype=torch.float64) * 60.0,
     )
     cands = torch.arange(1, 129)
-    for _ in range(3):  # the heap grows to its working size
+    for _ in range(5):  # the heap grows to its working size (a few hundred faults still on the third call)
         m.rank_full(h, cands, n * 60.0)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for _ in range(3):

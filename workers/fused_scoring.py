@@ -40,12 +40,8 @@ def _score_candidates(
     weights: list[Tensor],
     final_w: Tensor,
     final_b: Tensor,
-    heads: int,
-    dqk: int,
-    dv: int,
-    scale: float,
-    normaliser: float,
-    eps: float,
+    dims: tuple[int, int, int],
+    consts: tuple[float, float, float],
     block: int,
 ) -> Tensor:
     """``x0 [C, dim]``: candidate tokens (item + candidate-action embedding); ``e [C, dim]``: their
@@ -53,8 +49,11 @@ def _score_candidates(
     ``seg_values[l * S + s] [H, n_s, dv]``; ``seg_index[s] [n_s]`` (int64) indexes each key's bias in
     the layer's wide bias table ``tables[l]`` (all candidates share a position and a timestamp,
     so one row serves them all). ``weights[8 l : 8 l + 8]``: layer ``l``'s norm, U/Q/K/V
-    projection, attention norm and output projection (weight, bias each). Keys are visited in
-    blocks of ``block``. Returns float32 scores ``[C]``."""
+    projection, attention norm and output projection (weight, bias each); ``dims``: heads, query/
+    key dim, value dim; ``consts``: query scale, attention normaliser, layer-norm epsilon. Keys
+    are visited in blocks of ``block``. Returns float32 scores ``[C]``."""
+    heads, dqk, dv = dims
+    scale, normaliser, eps = consts
     c, dim = x0.shape
     hv, hk = heads * dv, heads * dqk
     n_seg = len(seg_index)
@@ -95,12 +94,8 @@ def _advance_tokens(
     kbufs: list[Tensor],
     vbufs: list[Tensor],
     q0: int,
-    heads: int,
-    dqk: int,
-    dv: int,
-    scale: float,
-    normaliser: float,
-    eps: float,
+    dims: tuple[int, int, int],
+    consts: tuple[float, float, float],
 ) -> None:
     """History tokens ``x [nq, dim]`` through every layer, writing their keys and values into
     rows ``q0 .. q0 + nq`` of ``kbufs[l]`` / ``vbufs[l]`` (the pending segment, which is also the
@@ -108,6 +103,8 @@ def _advance_tokens(
     causal plan (``hstu_attention.plan_attention``): task ``t`` covers keys ``task_k0[t] ..
     task_k1[t]`` of segment ``task_seg[t]`` with bias indices ``task_index[t]`` and, if not empty,
     the mask ``task_hidden[t]``. The last layer computes only keys and values."""
+    heads, dqk, dv = dims
+    scale, normaliser, eps = consts
     nq, dim = x.shape
     hv, hk = heads * dv, heads * dqk
     n_seg = len(seg_keys) // len(tables)

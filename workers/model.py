@@ -285,7 +285,7 @@ class HSTURanker(nn.Module):
                 cache=pending.plan_cache,
             )
             if self.fused and q1 - q0 <= FUSED_MAX_ROWS:
-                first = self.layers[0]
+                weights = [w for layer in self.layers for w in layer_weights(layer)]
                 with unspecialised():
                     advance_tokens(
                         x,
@@ -297,16 +297,11 @@ class HSTURanker(nn.Module):
                         [t.index for t in tasks],
                         [no_mask if t.hidden is None else t.hidden for t in tasks],
                         tables,
-                        [w for layer in self.layers for w in layer_weights(layer)],
+                        weights,
                         [kv[0] for kv in pending.kv],
                         [kv[1] for kv in pending.kv],
                         q0,
-                        cfg.heads,
-                        cfg.attn_dim,
-                        cfg.linear_dim,
-                        first.scale,
-                        cfg.attn_normaliser,
-                        first.norm.eps,
+                        *self._fused_shape(),
                     )
                 continue
             for li, layer in enumerate(self.layers):
@@ -352,7 +347,6 @@ class HSTURanker(nn.Module):
                 for si in range(n_seg)
             ]
             weights = [w for layer in self.layers for w in layer_weights(layer)]
-            first = self.layers[0]
             for c0 in range(0, ids.shape[0], mb):
                 e = self.item_emb(ids[c0 : c0 + mb])
                 with unspecialised():
@@ -366,12 +360,7 @@ class HSTURanker(nn.Module):
                         weights,
                         self.final_norm.weight,
                         self.final_norm.bias,
-                        cfg.heads,
-                        cfg.attn_dim,
-                        cfg.linear_dim,
-                        first.scale,
-                        cfg.attn_normaliser,
-                        first.norm.eps,
+                        *self._fused_shape(),
                         key_block_size(cfg.attn_block, min(mb, max(1, ids.shape[0]))),
                     )
             return out.cpu()
@@ -385,6 +374,11 @@ class HSTURanker(nn.Module):
                 x = layer.finish(x, u, attn.add_(own * v).div_(cfg.attn_normaliser))
             out[c0 : c0 + mb] = (self.final_norm(x - x0) * e).sum(-1).float()
         return out.cpu()
+
+    def _fused_shape(self) -> tuple[tuple[int, int, int], tuple[float, float, float]]:
+        """``dims`` and ``consts`` of the fused functions."""
+        cfg, first = self.config, self.layers[0]
+        return (cfg.heads, cfg.attn_dim, cfg.linear_dim), (first.scale, cfg.attn_normaliser, first.norm.eps)
 
     def _context(self, prefix: PrefixKV | None) -> _Context:
         ctx = _Context(kv=[[] for _ in self.layers])
