@@ -271,6 +271,7 @@ class HSTURanker(nn.Module):
         cfg = self.config
         last = len(self.layers) - 1
         no_mask = torch.empty(0, dtype=torch.bool, device=self.device)
+        weights = self._fused_weights() if self.fused else []
         for q0 in range(c0, c1, step):
             q1 = min(c1, q0 + step)
             x = self.item_emb(pending.items[q0:q1]) + self.action_emb(pending.actions[q0:q1])
@@ -285,7 +286,6 @@ class HSTURanker(nn.Module):
                 cache=pending.plan_cache,
             )
             if self.fused and q1 - q0 <= FUSED_MAX_ROWS:
-                weights = [w for layer in self.layers for w in layer_weights(layer)]
                 with unspecialised():
                     advance_tokens(
                         x,
@@ -346,7 +346,7 @@ class HSTURanker(nn.Module):
                 torch.cat([t.index.reshape(-1) for t in tasks if t.segment == si] or [empty]).long()
                 for si in range(n_seg)
             ]
-            weights = [w for layer in self.layers for w in layer_weights(layer)]
+            weights = self._fused_weights()
             for c0 in range(0, ids.shape[0], mb):
                 e = self.item_emb(ids[c0 : c0 + mb])
                 with unspecialised():
@@ -374,6 +374,10 @@ class HSTURanker(nn.Module):
                 x = layer.finish(x, u, attn.add_(own * v).div_(cfg.attn_normaliser))
             out[c0 : c0 + mb] = (self.final_norm(x - x0) * e).sum(-1).float()
         return out.cpu()
+
+    def _fused_weights(self) -> list[torch.Tensor]:
+        """Every layer's eight tensors, in the fused functions' order."""
+        return [w for layer in self.layers for w in layer_weights(layer)]
 
     def _fused_shape(self) -> tuple[tuple[int, int, int], tuple[float, float, float]]:
         """``dims`` and ``consts`` of the fused functions."""
