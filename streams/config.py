@@ -52,6 +52,12 @@ class PipelineSettings(BaseSettings):
         description="Relay: a ranking keeps the suffix it computed in the prefix store, so the user's "
         "next ranking computes only the events new since.",
     )
+    burst_batch: int = Field(
+        default=8,
+        ge=1,
+        description="Relay: one user's rankings that wait for the device together run as one job "
+        "of at most this many (their new events computed once); 1 = never.",
+    )
     num_candidates: int = Field(default=128, ge=1, le=2000, description="Candidates retrieval returns.")
     max_rank_candidates: int = Field(default=128, ge=1, le=2000, description="Cap after pre-processing.")
     feature_fetch_ms: float = Field(
@@ -116,4 +122,5 @@ def engine_config(p: PipelineSettings) -> EngineConfig:
         prefill_chunk=p.prefill_chunk,
         lease_ttl_s=p.lease_ttl_s,
         retain_suffix=p.retain_suffix,
+        burst_batch=p.burst_batch,
     )

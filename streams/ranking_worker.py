@@ -333,18 +333,21 @@ class RankingWorker:
         """The prefill signal of this request travels on its own topic and may be fetched after
         the rank request. Wait for it while full ranking would still meet the deadline, then for
         its pre-inference while ranking the suffix would (the engine decides the path after).
-        No wait when the store already holds what that pre-inference would compute (an earlier
-        ranking of this user kept it)."""
-        n = len(hist)
+        No wait when the store already holds nearly what that pre-inference would compute (an
+        earlier ranking of this user kept it): see ``worth_waiting``."""
         store = self.engine.store
-        if store is not None and store.cached_length(r.user_id, hist) >= n - min(self.p.short_term, n):
+        cached = store.cached_length(r.user_id, hist) if store is not None else 0
+        if not worth_waiting(len(hist), cached, self.p.short_term):
             return
+        n = len(hist)
         lat = self.engine.latency
         until_full = time.monotonic() + r.deadline_ts - time.time() - lat.predict_ms(n) / 1000
         while r.request_id not in self.signals_seen and time.monotonic() < until_full:
             await asyncio.sleep(0.002)
         done = self.signals_seen.get(r.request_id)
         if done is not None and not done.is_set():
+            # Its pre-inference is under way: it must not wait behind rankings now.
+            self.engine.expedite_prefill(r.user_id, r.deadline_ts)
             room_s = (
                 r.deadline_ts - time.time() - lat.predict_ms(self.p.short_term + len(r.candidates)) / 1000
             )
@@ -440,6 +443,14 @@ class RankingWorker:
                 await self.producer.send_and_wait(self.reg.name("worker_stats"), encode(st), key=st.key())
             except Exception:
                 log.exception("publishing worker stats failed")
+
+
+def worth_waiting(history_len: int, cached_len: int, short_term: int) -> bool:
+    """Whether a rank request should wait for its pre-inference, given the prefix the store
+    already holds. Ranking computes whatever the cached prefix lacks; while that is at most two
+    short-term suffixes (a fraction of a millisecond fused), computing it beats waiting: under
+    load the pre-inference can queue behind rankings for tens of milliseconds."""
+    return cached_len < history_len - min(2 * short_term, history_len)
 
 
 class _Rebalance(ConsumerRebalanceListener):

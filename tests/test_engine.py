@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -13,7 +14,7 @@ from relaygr.workers.model import HSTUConfig, HSTURanker
 from relaygr.workers.prefix_kv import Events
 from relaygr.workers.prefix_store import PrefixStore, PrefixStoreConfig
 from relaygr.workers.ranker import EngineConfig, RankingEngine, kv_bytes_per_token
-from relaygr.workers.scheduler import DeviceScheduler
+from relaygr.workers.scheduler import DeviceScheduler, Priority
 
 FAR = 1e12  # a deadline that never passes
 
@@ -67,6 +68,36 @@ async def test_relay_after_prefill_equals_full(model) -> None:
     e.scheduler.close()
 
 
+async def test_a_burst_of_one_users_rankings_shares_a_device_job(model) -> None:
+    # Five requests of one user queue behind a slow job; they run as one batch against the cached
+    # prefix, each scored on its own history, and the longest history's prefix is kept.
+    e = engine(model, prefill_chunk=64)
+    h = history(330, seed=4)
+    await e.prefill("u", h.slice(0, 300))
+    gate = threading.Event()
+    blocker = e.scheduler.submit(lambda: gate.wait(5), priority=Priority.RANK)
+    lengths = [305, 312, 330, 301, 320]
+    ranks = [
+        asyncio.create_task(
+            e.rank("u", h.slice(0, n), torch.arange(1 + i, 20 + i), 2e9 + i, time.time() + 30)
+        )
+        for i, n in enumerate(lengths)
+    ]
+    while e.scheduler.queue_depth() < len(lengths):
+        await asyncio.sleep(0.001)
+    gate.set()
+    await blocker
+    results = await asyncio.gather(*ranks)
+    await e.drain()
+    assert e.batched_rankings == len(lengths) and e.scheduler.batches_run == 1
+    for i, (n, res) in enumerate(zip(lengths, results, strict=True)):
+        assert res.path == "relay" and res.prefix_len == 300 and res.tokens_computed == n - 300 + 19
+        want = model.rank_full(h.slice(0, n), torch.arange(1 + i, 20 + i), 2e9 + i)
+        torch.testing.assert_close(res.scores, want, rtol=1e-5, atol=1e-5)
+    assert e.store.cached_length("u", h) == 330
+    e.scheduler.close()
+
+
 async def test_rank_waits_for_an_in_flight_prefix(model) -> None:
     e = engine(model, prefill_chunk=32)
     h = history(600, seed=1)
@@ -108,6 +139,41 @@ async def test_a_waiting_request_lends_its_priority_to_the_prefix_it_waits_for(m
     torch.testing.assert_close(res.scores, model.rank_full(h, cands, 2e9), rtol=1e-5, atol=1e-5)
     assert not e._urgent  # the loan ends with the pre-inference
     e.scheduler.close()
+
+
+async def test_expedite_prefill_moves_a_pre_inference_ahead_of_queued_rankings(model) -> None:
+    # What the worker does when a rank request waits on its prefill signal's pre-inference.
+    e = engine(model, prefill_chunk=32)
+    done: list[str] = []
+
+    async def prefill() -> None:
+        await e.prefill("u", history(600, seed=1))
+        done.append("u")
+
+    async def rank(user: str) -> None:
+        await e.rank(user, history(600, seed=10 + int(user[1:])), torch.arange(1, 17), 2e9, time.time() + 60)
+        done.append(user)
+
+    pre = asyncio.create_task(prefill())
+    while not e.store.in_flight("u"):
+        await asyncio.sleep(0)
+    others = [asyncio.create_task(rank(f"o{i}")) for i in range(4)]
+    await asyncio.sleep(0)
+    e.expedite_prefill("u", time.time() + 30)
+    await asyncio.gather(pre, *others)
+    assert done.index("u") < 3, done
+    assert not e._urgent
+    e.scheduler.close()
+
+
+def test_a_rank_request_waits_only_for_a_prefix_worth_waiting_for() -> None:
+    from relaygr.streams.ranking_worker import worth_waiting
+
+    assert worth_waiting(history_len=1024, cached_len=0, short_term=64)
+    assert worth_waiting(history_len=1024, cached_len=895, short_term=64)  # 129 events to compute
+    assert not worth_waiting(history_len=1024, cached_len=896, short_term=64)  # at most 128
+    assert not worth_waiting(history_len=1024, cached_len=1024, short_term=64)
+    assert not worth_waiting(history_len=100, cached_len=0, short_term=64)  # full ranking is as short
 
 
 async def test_miss_falls_back_to_full_and_truncates_to_the_budget(model) -> None:

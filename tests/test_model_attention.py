@@ -9,8 +9,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from relaygr.workers.fused_scoring import bias_index
 from relaygr.workers.hstu_attention import (
+    WIDE_TIME_COLUMNS,
     Segment,
+    candidate_index,
     dense_attention,
     key_block_size,
     pair_index,
@@ -150,6 +153,62 @@ def test_blockwise_candidates_match_dense(heads, d, history, rows, block, gap, s
     )
     got = run_attention(q, tasks, [(k, v)], wide_bias_table(pos_b, time_b), d) / 3.0
     torch.testing.assert_close(got, want, rtol=F64_TOL, atol=F64_TOL)
+
+
+@given(
+    sizes=st.lists(st.integers(0, 700), min_size=1, max_size=3),
+    gap=st.floats(-1e4, 1e9),
+    after=st.integers(0, 3),
+    rows=st.integers(1, 130),
+    seed=st.integers(0, 2**16),
+)
+@settings(max_examples=60, deadline=None)
+def test_candidate_index_equals_the_plans_indices(sizes, gap, after, rows, seed) -> None:
+    """The fused scoring pass reads ``candidate_index``; the blockwise path reads the plan."""
+    gen = torch.Generator().manual_seed(seed)
+    ts = _random_ts(sum(sizes), gen, True)
+    segments, start = [], 0
+    for n in sizes:
+        segments.append(Segment(start, ts[start : start + n]))
+        start += n
+    when = (ts[-1] if start else torch.tensor(8.8e8, dtype=torch.float64)) + gap
+    q_pos = start + after
+    tasks = plan_attention(q_pos, when.reshape(1), segments, rows=rows, causal=False, block=512, num_pos=64)
+    got = candidate_index(q_pos, when.reshape(1), segments, num_pos=64)
+    assert len(got) == len(segments)
+    for si, seg in enumerate(segments):
+        want = [t.index.reshape(-1) for t in tasks if t.segment == si]
+        want = torch.cat(want) if want else torch.empty(0, dtype=torch.int32)
+        assert got[si].shape == (seg.stop - seg.start,)
+        assert torch.equal(got[si], want.long())
+
+
+_GAPS = st.one_of(st.floats(-1e4, 1e12, allow_nan=False), st.sampled_from([0.0, 1.0, 1.5, 2.0, 3.0]))
+
+
+@given(
+    pairs=st.lists(st.tuples(st.integers(-50, 3_000_000), _GAPS), min_size=1, max_size=40),
+    num_pos=st.integers(1, 80),
+)
+@settings(max_examples=80, deadline=None)
+def test_fused_bias_index_equals_the_bit_pattern_index(pairs, num_pos) -> None:
+    """The scripted relay ranking computes bias indices with frexp; the planner from float bits."""
+    q_pos = torch.tensor([10_000_000], dtype=torch.int64)
+    k_pos = q_pos - torch.tensor([d for d, _ in pairs], dtype=torch.int64)
+    q_ts = torch.tensor([1.7e9], dtype=torch.float64)
+    k_ts = q_ts - torch.tensor([g for _, g in pairs], dtype=torch.float64)
+    got = bias_index(q_pos, q_ts, k_pos, k_ts, num_pos)[0]
+    # The planner's index of a pair: its position part, plus the raw float32 code of the gap.
+    pos = position_bucket(q_pos - k_pos, num_pos).long()
+    gap32 = (q_ts - k_ts).to(torch.float32).clamp(min=1.0)
+    code = (gap32.view(torch.int32) >> 22).long() - 254
+    assert torch.equal(got.long(), pos * WIDE_TIME_COLUMNS + code)
+
+
+def test_candidate_index_rejects_keys_after_queries() -> None:
+    ts = torch.zeros(5, dtype=torch.float64)
+    with pytest.raises(ValueError):
+        candidate_index(3, ts[:1], [Segment(0, ts)], num_pos=8)
 
 
 def test_non_causal_plan_rejects_keys_after_queries() -> None:

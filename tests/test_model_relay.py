@@ -160,6 +160,50 @@ def test_rank_and_extend_scores_like_rank_and_returns_the_whole_prefix(n, split,
 
 
 @given(
+    n=st.integers(1, 60),
+    cut=st.floats(0, 1),
+    ends=st.lists(st.floats(0, 1), min_size=1, max_size=5),
+    c=st.integers(1, 9),
+    fused=st.booleans(),
+    seed=st.integers(0, 10_000),
+)
+@settings(max_examples=50, deadline=None)
+def test_rank_many_ranks_a_burst_like_one_request_at_a_time(n, cut, ends, c, fused, seed) -> None:
+    """A burst of one user's requests: nested histories, each with its own candidates and time."""
+    h = history(n, seed)
+    start = int(cut * n)
+    lengths = [start + int(e * (n - start)) for e in ends]
+    lengths[seed % len(lengths)] = n  # one request sees the whole history
+    requests = [
+        (h.slice(0, m), candidates(c + i, seed + i), request_time(h.slice(0, m), 30.0 + i))
+        for i, m in enumerate(lengths)
+    ]
+    for model, rtol, atol in ((model32(), RTOL32, ATOL32), (model64(), 1e-12, 1e-12)):
+        prefix = model.prefill(h.slice(0, start))
+        try:
+            model.fused = fused
+            scores, grow = model.rank_many(prefix, requests)
+        finally:
+            model.fused = True
+        assert len(scores) == len(requests)
+        for got, (hi, ci, ti) in zip(scores, requests, strict=True):
+            torch.testing.assert_close(got, model.rank_full(hi, ci, ti), rtol=max(rtol, 1e-6), atol=atol)
+        _assert_prefix_close(grow(), model.prefill(h), rtol, atol)
+
+
+def test_rank_many_rejects_histories_that_do_not_nest() -> None:
+    model = model32()
+    h = history(30, 1)
+    other = h.slice(0, 20).concat(history(5, 2))
+    prefix = model.prefill(h.slice(0, 10))
+    cands = candidates(3, 1)
+    with pytest.raises(ValueError, match="do not nest"):
+        model.rank_many(prefix, [(h, cands, 2e9), (other, cands, 2e9)])
+    with pytest.raises(ValueError, match="prefix"):
+        model.rank_many(model.prefill(history(10, 9)), [(h, cands, 2e9)])
+
+
+@given(
     n=st.integers(0, 60),
     split=st.floats(0, 1),
     c=st.integers(1, 13),
@@ -183,6 +227,26 @@ def test_fused_paths_equal_the_python_path(n, split, c, mb, seed) -> None:
         _assert_prefix_close(prefix, ref_prefix, rtol, atol)
         got = model.rank(prefix, h.slice(cut), cands, ts, micro_batch=mb)
         torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
+
+
+def test_serving_state_follows_weight_changes() -> None:
+    """Serving builds its bias tables and fused weights once per set of weights: a weight changed
+    in place (a training step, a load) or a model moved to another dtype is seen at once."""
+    model = _randomise(HSTURanker(_config()), 5)
+    h, cands = history(20, 3), candidates(5, 3)
+    ts = request_time(h, 37.0)
+    before = model.rank(None, h, cands, ts)
+    with torch.no_grad():
+        model.layers[0].pos_bias.add_(1.0)
+        model.layers[1].uqkv.weight.mul_(1.5)
+        model.action_emb.weight.add_(0.3)
+    after = model.rank(None, h, cands, ts)
+    assert not torch.allclose(after, before, rtol=RTOL32, atol=ATOL32)
+    torch.testing.assert_close(after, model.reference_scores(h, cands, ts), rtol=RTOL32, atol=ATOL32)
+    model.to(torch.float64)
+    torch.testing.assert_close(
+        model.rank(None, h, cands, ts), model.reference_scores(h, cands, ts), rtol=RTOL64, atol=ATOL64
+    )
 
 
 def test_rank_and_extend_rejects_a_prefix_of_another_history() -> None:

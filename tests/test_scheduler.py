@@ -131,3 +131,50 @@ async def test_close_fails_pending_jobs() -> None:
         await pending
     with pytest.raises(SchedulerClosed):
         s.submit(lambda: 1, priority=Priority.RANK)
+
+
+async def test_queued_jobs_with_one_key_run_as_one_batch() -> None:
+    s = DeviceScheduler("t")
+    gate = threading.Event()
+    calls: list[list[str]] = []
+
+    def run(items: list[str]) -> list[str]:
+        calls.append(list(items))
+        return [f"done-{i}" for i in items]
+
+    try:
+        blocker = s.submit(lambda: gate.wait(5), priority=Priority.RANK)
+        a = [
+            s.submit_batched(f"a{i}", run, key="a", priority=Priority.RANK, deadline=10.0 + i, limit=3)
+            for i in range(4)
+        ]
+        b = s.submit_batched("b0", run, key="b", priority=Priority.RANK, deadline=11.5)
+        gate.set()
+        results = await asyncio.gather(blocker, *a, b)
+        assert results[1:] == ["done-a0", "done-a1", "done-a2", "done-a3", "done-b0"]
+        # a0 (earliest deadline) takes two more a's, b runs alone, the fourth a after it.
+        assert calls == [["a0", "a1", "a2"], ["b0"], ["a3"]]
+        assert s.batches_run == 1 and s.queue_depth() == 0
+    finally:
+        s.close()
+
+
+async def test_a_failing_batch_fails_every_job_in_it() -> None:
+    s = DeviceScheduler("t")
+    gate = threading.Event()
+
+    def run(items: list[int]) -> list[int]:
+        raise RuntimeError(f"device lost ({len(items)} items)")
+
+    try:
+        blocker = s.submit(lambda: gate.wait(5), priority=Priority.RANK)
+        jobs = [s.submit_batched(i, run, key="u", priority=Priority.RANK) for i in range(3)]
+        after = s.submit(lambda: "still serving", priority=Priority.RANK)
+        gate.set()
+        await blocker
+        for j in jobs:
+            with pytest.raises(RuntimeError, match="3 items"):
+                await j
+        assert await after == "still serving"
+    finally:
+        s.close()

@@ -13,6 +13,12 @@ Primitives:
   segments, layer by layer; the same arithmetic as the Python path (tests hold them equal).
 - ``advance_tokens(...)``: one causal chunk of history tokens through every layer, filling their
   keys and values; the same arithmetic as ``HSTURanker._advance`` (tests hold them equal).
+- ``rank_relay(...)``: whole relay rankings in one call: the events after the cached prefix
+  (their bias indices and causal masks planned in the call), then the candidates. A ranking then
+  takes the GIL twice, not once per tensor op. Several requests of one user whose histories
+  nest (a burst) share the call: the new events are computed once, for the longest history.
+- ``bias_index(...)``: wide bias-table indices of token pairs, the integers ``hstu_attention``
+  computes from float bit patterns, here from ``frexp`` (tests hold them equal).
 - ``layer_weights(layer)``: the eight tensors of one ``HSTULayer`` in the order they expect.
 - ``unspecialised()``: the context to call them in (no shape specialisation).
 """
@@ -25,6 +31,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from relaygr.workers.hstu_attention import EXACT_POSITIONS, WIDE_TIME_COLUMNS, key_block_size
 
 if TYPE_CHECKING:
     from relaygr.workers.model import HSTULayer
@@ -138,12 +146,181 @@ def _advance_tokens(
         x = x + F.linear(F.layer_norm(attn, [hv], w[4], w[5], eps) * u, w[6], w[7])
 
 
+# TorchScript reads no module globals: _bias_index spells these out, and this holds them equal.
+assert (EXACT_POSITIONS, WIDE_TIME_COLUMNS) == (16, 258), "update _bias_index's constants"
+
+
+def _bias_index(q_pos: Tensor, q_ts: Tensor, k_pos: Tensor, k_ts: Tensor, num_pos: int) -> Tensor:
+    """Wide bias-table index (int32) of queries at positions ``q_pos [nq]`` (int64) and times
+    ``q_ts [nq]`` (float64) against keys at ``k_pos [nk]`` / ``k_ts [nk]``: ``[nq, nk]``.
+
+    Position bucket of ``d = q - k >= 16``: ``4 floor(log2 d) + (two bits after the leading one)``;
+    time code of a gap ``g >= 1`` (float32): ``2 floor(log2 g) + (g >= 1.5 * 2^floor(log2 g))``.
+    ``frexp`` gives both exactly, so they equal ``hstu_attention``'s bit-pattern versions. Gaps
+    that are NaN or past the float32 range take the largest code (the last time bucket, as there)."""
+    exact_positions, wide_columns, f32_max = 16, 258, 3.4028234663852886e38
+    d = (q_pos[:, None] - k_pos[None, :]).clamp(min=0)
+    m, e = torch.frexp(d.to(torch.float32))
+    log_part = 4 * (e.to(torch.int64) - 1) + (m * 8.0).floor().to(torch.int64) - 4
+    pos = torch.where(d < exact_positions, d, log_part).clamp(0, num_pos - 1)
+    gap = (q_ts[:, None] - k_ts[None, :]).to(torch.float32)
+    gap = torch.nan_to_num(gap, nan=f32_max, posinf=f32_max).clamp(min=1.0)
+    gm, ge = torch.frexp(gap)
+    code = 2 * (ge.to(torch.int64) - 1) + (gm >= 0.75).to(torch.int64)
+    return (pos * wide_columns + code).to(torch.int32)
+
+
+def _rank_relay(
+    raw_items: Tensor,
+    raw_actions: Tensor,
+    raw_ts: Tensor,
+    raw_cands: list[Tensor],
+    request_ts: list[float],
+    ends: list[int],
+    seg_keys: list[Tensor],
+    seg_values: list[Tensor],
+    seg_start: list[int],
+    seg_ts: list[Tensor],
+    embeddings: list[Tensor],
+    tables: list[Tensor],
+    weights: list[Tensor],
+    dims: tuple[int, int, int],
+    consts: tuple[float, float, float],
+    vocab: tuple[int, int, int],
+    sizes: tuple[int, int, int],
+) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
+    """Rankings of one or more requests of a user against the cached segments (``seg_keys[l * S +
+    s]``, ``seg_values``, positions from ``seg_start[s]``, float64 times ``seg_ts[s]``; contiguous
+    from 0) and the events ``raw_items``, ``raw_actions``, ``raw_ts [n]`` after them, computed
+    once: request ``r`` sees the first ``ends[r]`` of those events and scores the raw item ids
+    ``raw_cands[r]`` at time ``request_ts[r]``. ``embeddings``: item and action tables, final norm
+    weight and bias; ``vocab``: number of items, number of actions, the candidate action (ids out
+    of range map to row 0, as ``HSTURanker.vocab_items`` does); ``sizes``: position buckets,
+    attention block, candidate micro-batch. Returns the scores (float32, one tensor per request)
+    and the events' keys and values per layer (``[H, n, d]``), which extend the cache."""
+    heads, dqk, dv = dims
+    num_items, num_actions, cand_act = vocab
+    num_pos, block, mb = sizes
+    item_table, action_table, final_w, final_b = embeddings[0], embeddings[1], embeddings[2], embeddings[3]
+    device = item_table.device
+    items = raw_items.to(device, torch.int64)
+    items = torch.where((items >= 1) & (items <= num_items), items, 0)
+    actions = raw_actions.to(device, torch.int64)
+    actions = torch.where((actions >= 1) & (actions <= num_actions), actions, 0)
+    ts = raw_ts.to(device, torch.float64)
+    cand_action = action_table[cand_act]
+    n_layers = len(tables)
+    n_seg = len(seg_start)
+    n = items.shape[0]
+    start = seg_start[n_seg - 1] + seg_ts[n_seg - 1].shape[0] if n_seg > 0 else 0
+    kbufs = [torch.empty(heads, n, dqk, dtype=item_table.dtype, device=device) for _ in range(n_layers)]
+    vbufs = [torch.empty(heads, n, dv, dtype=item_table.dtype, device=device) for _ in range(n_layers)]
+    keys: list[Tensor] = []
+    values: list[Tensor] = []
+    for li in range(n_layers):
+        for si in range(n_seg):
+            keys.append(seg_keys[li * n_seg + si])
+            values.append(seg_values[li * n_seg + si])
+        keys.append(kbufs[li])
+        values.append(vbufs[li])
+    starts = seg_start + [start]  # noqa: RUF005 (TorchScript has no starred lists)
+    times = seg_ts + [ts]  # noqa: RUF005
+    if n > 0:
+        # One causal chunk: every key block it sees, with its bias indices and, where the block
+        # reaches past the first query, the mask of the keys after each query.
+        q_pos = torch.arange(start, start + n, device=device)
+        kb = key_block_size(block, n)
+        t_seg: list[int] = []
+        t_k0: list[int] = []
+        t_k1: list[int] = []
+        t_index: list[Tensor] = []
+        t_hidden: list[Tensor] = []
+        no_mask = torch.empty(0, dtype=torch.bool, device=device)
+        for si in range(n_seg + 1):
+            visible = min(times[si].shape[0], start + n - starts[si])
+            for k0 in range(0, visible, kb):
+                k1 = min(k0 + kb, visible)
+                k_pos = torch.arange(starts[si] + k0, starts[si] + k1, device=device)
+                t_seg.append(si)
+                t_k0.append(k0)
+                t_k1.append(k1)
+                t_index.append(_bias_index(q_pos, ts, k_pos, times[si][k0:k1], num_pos))
+                if starts[si] + k1 - 1 > start:
+                    t_hidden.append(k_pos[None, :] > q_pos[:, None])
+                else:
+                    t_hidden.append(no_mask)
+        x = F.embedding(items, item_table) + F.embedding(actions, action_table)
+        _advance_tokens(
+            x,
+            keys,
+            values,
+            t_seg,
+            t_k0,
+            t_k1,
+            t_index,
+            t_hidden,
+            tables,
+            weights,
+            kbufs,
+            vbufs,
+            0,
+            dims,
+            consts,
+        )
+    outs: list[Tensor] = []
+    for r in range(len(raw_cands)):
+        m = ends[r]
+        if m < 0 or m > n:
+            raise ValueError("rank_relay: a request sees more events than there are")
+        keys_r, values_r = keys, values
+        if m < n:  # an earlier request: the same keys, less of the new events
+            keys_r, values_r = [], []
+            for li in range(n_layers):
+                for si in range(n_seg):
+                    keys_r.append(seg_keys[li * n_seg + si])
+                    values_r.append(seg_values[li * n_seg + si])
+                keys_r.append(kbufs[li][:, :m])
+                values_r.append(vbufs[li][:, :m])
+        when = torch.full([1], request_ts[r], dtype=torch.float64, device=device)
+        last = torch.full([1], start + m, dtype=torch.int64, device=device)
+        seg_index: list[Tensor] = []
+        for si in range(n_seg + 1):
+            k_ts = times[si] if si < n_seg else ts[:m]
+            k_pos = torch.arange(starts[si], starts[si] + k_ts.shape[0], device=device)
+            seg_index.append(_bias_index(last, when, k_pos, k_ts, num_pos).reshape(-1).long())
+        cands = raw_cands[r].to(device, torch.int64)
+        cands = torch.where((cands >= 1) & (cands <= num_items), cands, 0)
+        c = cands.shape[0]
+        out = torch.empty(c, dtype=torch.float32, device=device)
+        cb = key_block_size(block, min(mb, max(1, c)))
+        for c0 in range(0, c, mb):
+            e = F.embedding(cands[c0 : c0 + mb], item_table)
+            out[c0 : c0 + mb] = _score_candidates(
+                e + cand_action,
+                e,
+                keys_r,
+                values_r,
+                seg_index,
+                tables,
+                weights,
+                final_w,
+                final_b,
+                dims,
+                consts,
+                cb,
+            )
+        outs.append(out)
+    return outs, kbufs, vbufs
+
+
 with warnings.catch_warnings():
     # TorchScript is deprecated in favour of torch.compile, which needs a C++ toolchain at run time
     # and recompiles per shape; a scripted function needs neither.
     warnings.simplefilter("ignore", FutureWarning)
     score_candidates = torch.jit.script(_score_candidates)
     advance_tokens = torch.jit.script(_advance_tokens)
+    rank_relay = torch.jit.script(_rank_relay)
+    bias_index = torch.jit.script(_bias_index)
 
 
 def unspecialised():

@@ -16,7 +16,9 @@ Primitives:
   Inference API (all under ``torch.inference_mode``, on the config's device and dtype):
   ``prefill`` / ``prefill_steps`` (history -> ``PrefixKV``, optionally chunk by chunk),
   ``extend`` (``PrefixKV`` + longer history -> ``PrefixKV``), ``rank`` (cached prefix + suffix +
-  candidates -> scores), ``rank_full`` (the no-cache baseline, same code and same care),
+  candidates -> scores), ``rank_and_extend`` (the same, plus the prefix grown by the suffix),
+  ``rank_many`` (a burst of one user's requests against one prefix, the new events computed
+  once), ``rank_full`` (the no-cache baseline, same code and same care),
   ``item_embeddings``, ``save`` / ``load``, ``flops`` (what one call computes).
   Training: ``train_scores`` scores candidates at many cut points of a padded batch with the
   dense reference attention; it is the same function as the serving path (tests hold them equal).
@@ -35,7 +37,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -47,9 +49,16 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from relaygr.workers.devices import resolve_device, resolve_dtype
-from relaygr.workers.fused_scoring import advance_tokens, layer_weights, score_candidates, unspecialised
+from relaygr.workers.fused_scoring import (
+    advance_tokens,
+    layer_weights,
+    rank_relay,
+    score_candidates,
+    unspecialised,
+)
 from relaygr.workers.hstu_attention import (
     Segment,
+    candidate_index,
     dense_attention,
     key_block_size,
     pair_index,
@@ -62,9 +71,11 @@ from relaygr.workers.prefix_kv import Events, PrefixKV, history_fingerprint
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 SELF_BIAS_INDEX = 0
-FUSED_MAX_ROWS = 64
-"""History chunks up to this many tokens run fused; longer ones are matmul-bound anyway."""
 """Bias index of a token with itself: position bucket 0 and time bucket 0."""
+FUSED_MAX_ROWS = 256
+"""History chunks up to this many tokens run fused: a ranking's short-term suffix and the events
+new since its prefix. Pre-inference chunks are longer, run off the ranking path and are
+matmul-bound anyway."""
 
 
 class HSTUConfig(BaseModel):
@@ -172,6 +183,19 @@ class _Context:
         return self.segments[-1].stop if self.segments else 0
 
 
+@dataclass(frozen=True)
+class _Serving:
+    """What the serving paths derive from the weights, built once per set of weights."""
+
+    key: tuple
+    tables: list[torch.Tensor]  # per layer: wide_bias_table
+    weights: list[torch.Tensor]  # the fused functions' layer weights
+    dims: tuple[int, int, int]
+    consts: tuple[float, float, float]
+    cand_action: torch.Tensor  # the candidate action's embedding
+    embeddings: list[torch.Tensor]  # item and action tables, final norm weight and bias
+
+
 @dataclass
 class _Pending:
     """A segment being computed: its events (vocabulary ids), K/V buffers and index cache."""
@@ -201,6 +225,8 @@ class HSTURanker(nn.Module):
         self.to(device=resolve_device(config.device), dtype=resolve_dtype(config.dtype))
         self.model_version = ""
         self.refresh_version()
+        self._params = list(self.parameters())
+        self._serving_cache: _Serving | None = None
         # Candidates, and history chunks of at most FUSED_MAX_ROWS tokens (a ranking's new events),
         # run as single TorchScript calls (fused_scoring); False: op by op in Python, the reference
         # the fused paths are tested against.
@@ -263,15 +289,12 @@ class HSTURanker(nn.Module):
             pending.kv.append((kbuf, vbuf))
         return pending
 
-    def _advance(
-        self, ctx: _Context, pending: _Pending, c0: int, c1: int, step: int, tables: list[torch.Tensor]
-    ) -> None:
+    def _advance(self, ctx: _Context, pending: _Pending, c0: int, c1: int, step: int, sv: _Serving) -> None:
         """Run the pending segment's events ``[c0, c1)`` through every layer in query chunks of at
         most ``step`` tokens, filling their keys and values (earlier ones must be filled)."""
         cfg = self.config
         last = len(self.layers) - 1
         no_mask = torch.empty(0, dtype=torch.bool, device=self.device)
-        weights = self._fused_weights() if self.fused else []
         for q0 in range(c0, c1, step):
             q1 = min(c1, q0 + step)
             x = self.item_emb(pending.items[q0:q1]) + self.action_emb(pending.actions[q0:q1])
@@ -296,12 +319,13 @@ class HSTURanker(nn.Module):
                         [t.k1 for t in tasks],
                         [t.index for t in tasks],
                         [no_mask if t.hidden is None else t.hidden for t in tasks],
-                        tables,
-                        weights,
+                        sv.tables,
+                        sv.weights,
                         [kv[0] for kv in pending.kv],
                         [kv[1] for kv in pending.kv],
                         q0,
-                        *self._fused_shape(),
+                        sv.dims,
+                        sv.consts,
                     )
                 continue
             for li, layer in enumerate(self.layers):
@@ -312,7 +336,7 @@ class HSTURanker(nn.Module):
                     break
                 u, q, k, v = layer.project(x)
                 kbuf[:, q0:q1], vbuf[:, q0:q1] = k, v
-                attn = run_attention(q, tasks, ctx.kv[li], tables[li], cfg.linear_dim)
+                attn = run_attention(q, tasks, ctx.kv[li], sv.tables[li], cfg.linear_dim)
                 x = layer.finish(x, u, attn.div_(cfg.attn_normaliser))
 
     def _score(
@@ -321,7 +345,7 @@ class HSTURanker(nn.Module):
         candidates: torch.Tensor,
         request_ts: float,
         micro_batch: int | None,
-        tables: list[torch.Tensor],
+        sv: _Serving,
     ) -> torch.Tensor:
         """Scores of candidate tokens at position ``ctx.length`` and time ``request_ts``."""
         cfg = self.config
@@ -329,24 +353,9 @@ class HSTURanker(nn.Module):
         out = torch.empty(ids.shape[0], dtype=torch.float32, device=self.device)
         mb = micro_batch or cfg.candidate_batch
         when = torch.tensor([float(request_ts)], dtype=torch.float64, device=self.device)
-        tasks = plan_attention(
-            ctx.length,
-            when,
-            ctx.segments,
-            rows=min(mb, max(1, ids.shape[0])),
-            causal=False,
-            block=cfg.attn_block,
-            num_pos=cfg.position_buckets,
-        )
-        cand_action = self.action_emb.weight[self.candidate_action]
+        cand_action = sv.cand_action
         if self.fused:
-            n_seg = len(ctx.segments)
-            empty = torch.empty(0, dtype=torch.int64, device=self.device)
-            seg_index = [
-                torch.cat([t.index.reshape(-1) for t in tasks if t.segment == si] or [empty]).long()
-                for si in range(n_seg)
-            ]
-            weights = self._fused_weights()
+            seg_index = candidate_index(ctx.length, when, ctx.segments, num_pos=cfg.position_buckets)
             for c0 in range(0, ids.shape[0], mb):
                 e = self.item_emb(ids[c0 : c0 + mb])
                 with unspecialised():
@@ -356,33 +365,101 @@ class HSTURanker(nn.Module):
                         [kv[0] for layer_kv in ctx.kv for kv in layer_kv],
                         [kv[1] for layer_kv in ctx.kv for kv in layer_kv],
                         seg_index,
-                        tables,
-                        weights,
+                        sv.tables,
+                        sv.weights,
                         self.final_norm.weight,
                         self.final_norm.bias,
-                        *self._fused_shape(),
+                        sv.dims,
+                        sv.consts,
                         key_block_size(cfg.attn_block, min(mb, max(1, ids.shape[0]))),
                     )
             return out.cpu()
+        tasks = plan_attention(
+            ctx.length,
+            when,
+            ctx.segments,
+            rows=min(mb, max(1, ids.shape[0])),
+            causal=False,
+            block=cfg.attn_block,
+            num_pos=cfg.position_buckets,
+        )
         for c0 in range(0, ids.shape[0], mb):
             e = self.item_emb(ids[c0 : c0 + mb])
             x = x0 = e + cand_action
             for li, layer in enumerate(self.layers):
                 u, q, k, v = layer.project(x)
-                attn = run_attention(q, tasks, ctx.kv[li], tables[li], cfg.linear_dim)
-                own = F.silu((q * k).sum(-1, keepdim=True) + tables[li][SELF_BIAS_INDEX])
+                attn = run_attention(q, tasks, ctx.kv[li], sv.tables[li], cfg.linear_dim)
+                own = F.silu((q * k).sum(-1, keepdim=True) + sv.tables[li][SELF_BIAS_INDEX])
                 x = layer.finish(x, u, attn.add_(own * v).div_(cfg.attn_normaliser))
             out[c0 : c0 + mb] = (self.final_norm(x - x0) * e).sum(-1).float()
         return out.cpu()
 
-    def _fused_weights(self) -> list[torch.Tensor]:
-        """Every layer's eight tensors, in the fused functions' order."""
-        return [w for layer in self.layers for w in layer_weights(layer)]
+    def _rank_fused(
+        self,
+        ctx: _Context,
+        events: Events,
+        requests: Sequence[tuple[torch.Tensor, float, int]],
+        micro_batch: int | None,
+        sv: _Serving,
+    ) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
+        """``events`` after the context's segments, then each request's candidates, in one
+        scripted call (``fused_scoring.rank_relay``); a request ``(candidates, request_ts, m)``
+        sees the first ``m`` events. Returns each request's scores (float32, CPU) and the events'
+        keys and values per layer."""
+        cfg = self.config
+        with unspecialised():
+            scores, keys, values = rank_relay(
+                events.item_ids,
+                events.action_ids,
+                events.timestamps,
+                [torch.as_tensor(c).reshape(-1) for c, _, _ in requests],
+                [float(ts) for _, ts, _ in requests],
+                [m for _, _, m in requests],
+                [kv[0] for layer_kv in ctx.kv for kv in layer_kv],
+                [kv[1] for layer_kv in ctx.kv for kv in layer_kv],
+                [seg.start for seg in ctx.segments],
+                [seg.timestamps for seg in ctx.segments],
+                sv.embeddings,
+                sv.tables,
+                sv.weights,
+                sv.dims,
+                sv.consts,
+                (cfg.num_items, cfg.num_actions, self.candidate_action),
+                (cfg.position_buckets, cfg.attn_block, micro_batch or cfg.candidate_batch),
+            )
+        return [x.cpu() for x in scores], list(zip(keys, values, strict=True))
 
-    def _fused_shape(self) -> tuple[tuple[int, int, int], tuple[float, float, float]]:
-        """``dims`` and ``consts`` of the fused functions."""
+    def _serving(self) -> _Serving:
+        """Bias tables, fused weights and shapes for the current weights. Rebuilt only when a
+        parameter changes (its storage or version), so a ranking does not rebuild them."""
+        params = self._params
+        key = tuple((p.data_ptr(), p._version) for p in params)
+        cached = self._serving_cache
+        if cached is not None and cached.key == key:
+            return cached
         cfg, first = self.config, self.layers[0]
-        return (cfg.heads, cfg.attn_dim, cfg.linear_dim), (first.scale, cfg.attn_normaliser, first.norm.eps)
+        with torch.inference_mode():
+            built = _Serving(
+                key=key,
+                tables=[layer.wide_bias_table() for layer in self.layers],
+                weights=[w.detach() for layer in self.layers for w in layer_weights(layer)],
+                dims=(cfg.heads, cfg.attn_dim, cfg.linear_dim),
+                consts=(first.scale, cfg.attn_normaliser, first.norm.eps),
+                cand_action=self.action_emb.weight[self.candidate_action].detach(),
+                embeddings=[
+                    self.item_emb.weight.detach(),
+                    self.action_emb.weight.detach(),
+                    self.final_norm.weight.detach(),
+                    self.final_norm.bias.detach(),
+                ],
+            )
+        self._serving_cache = built
+        return built
+
+    def _for_serving(self) -> None:
+        """Serving runs in eval mode; switching walks every module, so only when needed."""
+        if self.training:
+            self.eval()
 
     def _context(self, prefix: PrefixKV | None) -> _Context:
         ctx = _Context(kv=[[] for _ in self.layers])
@@ -406,9 +483,6 @@ class HSTURanker(nn.Module):
             raise ValueError(f"chunk_size must be positive, got {chunk_size}")
         return min(chunk_size or self.config.attn_block, self.config.attn_block)
 
-    def _tables(self) -> list[torch.Tensor]:
-        return [layer.wide_bias_table() for layer in self.layers]
-
     @torch.inference_mode()
     def prefill_steps(
         self, history: Events, chunk_size: int, prefix: PrefixKV | None = None
@@ -417,7 +491,7 @@ class HSTURanker(nn.Module):
         but the last, then the finished ``PrefixKV`` of the whole ``history``. Between two steps
         the device is free for other work (a ranking job waits at most one chunk). With
         ``prefix``, it extends that prefix (see ``extend``). Results equal one-shot ``prefill``."""
-        self.eval()
+        self._for_serving()
         start = 0
         if prefix is not None:
             if not prefix.matches(history):
@@ -427,24 +501,28 @@ class HSTURanker(nn.Module):
                 )
             start = prefix.length
         ctx = self._context(prefix)
-        tables = self._tables()
+        sv = self._serving()
         n = len(history)
         pending = self._open(ctx, history.slice(start))
         step = self._step(chunk_size)
         for c0 in range(0, n - start, chunk_size):
             c1 = min(n - start, c0 + chunk_size)
-            self._advance(ctx, pending, c0, c1, step, tables)
+            self._advance(ctx, pending, c0, c1, step, sv)
             if c1 < n - start:
                 yield None
-        yield self._prefix_kv(ctx, pending, prefix, history)
+        yield self._prefix_kv(ctx, pending.kv, prefix, history)
 
     def _prefix_kv(
-        self, ctx: _Context, pending: _Pending, prefix: PrefixKV | None, history: Events
+        self,
+        ctx: _Context,
+        new_kv: list[tuple[torch.Tensor, torch.Tensor]],
+        prefix: PrefixKV | None,
+        history: Events,
     ) -> PrefixKV:
         """The ``PrefixKV`` of all of ``history``: ``prefix``'s keys and values, then the pending
         segment's (which must hold ``history``'s events after the prefix, all computed)."""
         keys, values = [], []
-        for li, (k, v) in enumerate(pending.kv):
+        for li, (k, v) in enumerate(new_kv):
             if prefix is not None:
                 pk, pv = ctx.kv[li][0]
                 grown = len(history) > prefix.length  # else nothing new: no copy
@@ -494,13 +572,17 @@ class HSTURanker(nn.Module):
         ``prefix events + suffix`` at time ``request_ts``. Only the suffix and the candidates are
         computed; ``prefix=None`` means the suffix is the whole history. A prefix on another
         device is moved to the model's."""
-        self.eval()
+        self._for_serving()
         ctx = self._context(prefix)
-        tables = self._tables()
+        sv = self._serving()
+        if self.fused and len(suffix) <= FUSED_MAX_ROWS:
+            return self._rank_fused(ctx, suffix, [(candidates, request_ts, len(suffix))], micro_batch, sv)[0][
+                0
+            ]
         if len(suffix):
             pending = self._open(ctx, suffix)
-            self._advance(ctx, pending, 0, len(suffix), self.config.attn_block, tables)
-        return self._score(ctx, candidates, request_ts, micro_batch, tables)
+            self._advance(ctx, pending, 0, len(suffix), self.config.attn_block, sv)
+        return self._score(ctx, candidates, request_ts, micro_batch, sv)
 
     @torch.inference_mode()
     def rank_and_extend(
@@ -517,22 +599,77 @@ class HSTURanker(nn.Module):
         and keeping them lets the user's next request compute only what is new. ``grown`` copies
         the prefix's keys and values, so a caller runs it after the scores are out. ``prefix`` must
         be a prefix of ``history`` (``ValueError`` otherwise)."""
-        self.eval()
+        self._for_serving()
         start = 0
         if prefix is not None:
             if not prefix.matches(history):
                 raise ValueError("rank_and_extend: the prefix is not the start of this history")
             start = prefix.length
         ctx = self._context(prefix)
-        tables = self._tables()
-        pending = self._open(ctx, history.slice(start))
-        if len(history) > start:
-            self._advance(ctx, pending, 0, len(history) - start, self.config.attn_block, tables)
-        scores = self._score(ctx, candidates, request_ts, micro_batch, tables)
+        sv = self._serving()
+        suffix = history.slice(start)
+        if self.fused and len(suffix) <= FUSED_MAX_ROWS:
+            (scores,), kv = self._rank_fused(
+                ctx, suffix, [(candidates, request_ts, len(suffix))], micro_batch, sv
+            )
+        else:
+            pending = self._open(ctx, suffix)
+            if len(suffix):
+                self._advance(ctx, pending, 0, len(suffix), self.config.attn_block, sv)
+            scores, kv = self._score(ctx, candidates, request_ts, micro_batch, sv), pending.kv
 
         def grown() -> PrefixKV:
             with torch.inference_mode():
-                return self._prefix_kv(ctx, pending, prefix, history)
+                return self._prefix_kv(ctx, kv, prefix, history)
+
+        return scores, grown
+
+    @torch.inference_mode()
+    def rank_many(
+        self,
+        prefix: PrefixKV,
+        requests: Sequence[tuple[Events, torch.Tensor, float]],
+        *,
+        micro_batch: int | None = None,
+    ) -> tuple[list[torch.Tensor], Callable[[], PrefixKV]]:
+        """``rank_and_extend`` for several requests ``(history, candidates, request_ts)`` of one
+        user at once. Each history must start with ``prefix`` and be a prefix of the longest one,
+        as a user's histories are when requests come in a burst (``ValueError`` otherwise). The
+        events after ``prefix`` are computed once, for the longest history, and each request
+        scores its candidates against its own part of them. Returns the scores in request order
+        and ``grown()`` for the longest history."""
+        if not requests:
+            raise ValueError("rank_many: no requests")
+        longest = max((h for h, _, _ in requests), key=len)
+        start = prefix.length
+        if not prefix.matches(longest):
+            raise ValueError("rank_many: the prefix is not the start of the histories")
+        for h, _, _ in requests:
+            n = len(h)
+            if n < start or not all(
+                torch.equal(a[start:], b[start:n])
+                for a, b in (
+                    (h.item_ids, longest.item_ids),
+                    (h.action_ids, longest.action_ids),
+                    (h.timestamps, longest.timestamps),
+                )
+            ):
+                raise ValueError("rank_many: the histories do not nest (one is not a prefix of the longest)")
+        suffix = longest.slice(start)
+        if not (self.fused and len(suffix) <= FUSED_MAX_ROWS):
+            # Long suffixes: one request at a time (each computes its own events).
+            done = [self.rank_and_extend(prefix, h, c, ts, micro_batch=micro_batch) for h, c, ts in requests]
+            widest = max(range(len(requests)), key=lambda k: len(requests[k][0]))
+            return [scores for scores, _ in done], done[widest][1]
+        self._for_serving()
+        ctx = self._context(prefix)
+        sv = self._serving()
+        todo = [(c, ts, len(h) - start) for h, c, ts in requests]
+        scores, kv = self._rank_fused(ctx, suffix, todo, micro_batch, sv)
+
+        def grown() -> PrefixKV:
+            with torch.inference_mode():
+                return self._prefix_kv(ctx, kv, prefix, longest)
 
         return scores, grown
 

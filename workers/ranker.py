@@ -12,7 +12,9 @@ Primitives:
   other requests' full rankings cannot starve it; otherwise full inference, truncated to what
   the latency model says fits the remaining budget. A relay ranking stores the prefix it grew by
   the suffix (``retain_suffix``; in the background, behind other rankings): the user's next
-  request then computes only its new events. ``drain()`` waits for those stores.
+  request then computes only its new events. A user's relay rankings that wait for the device
+  together (a burst) run as one job against their shared prefix (``burst_batch``). ``drain()``
+  waits for the stores.
   Baseline mode is full inference on the same code.
 - ``calibrate(model, ...)``: measure full ranking at a few history lengths and fit the
   ``LatencyModel`` the trigger and the truncation use.
@@ -66,6 +68,15 @@ class EngineConfig(BaseModel):
             "and its ranking computes only the events that are new since."
         ),
     )
+    burst_batch: int = Field(
+        default=8,
+        ge=1,
+        description=(
+            "Relay rankings of one user that wait for the device together (a burst of requests) "
+            "run as one job of at most this many: the events new since the cached prefix are "
+            "computed once. 1 = never."
+        ),
+    )
 
 
 @dataclass
@@ -86,6 +97,17 @@ class PrefillOutcome:
     status: str  # computed | extended | device | host | disk | merged | refused:<reason> | skipped
     prefix_len: int = 0
     ms: float = 0.0
+
+
+@dataclass
+class _BurstItem:
+    history: Events
+    candidates: torch.Tensor
+    request_ts: float
+    submitted: float
+    started: float = 0.0
+    finished: float = 0.0
+    batch: int = 1
 
 
 class RankingEngine:
@@ -111,6 +133,7 @@ class RankingEngine:
         self._urgent: dict[str, tuple[Priority, float]] = {}
         # Background tasks storing the prefixes that rankings grew (``retain_suffix``).
         self._keeping: set[asyncio.Task] = set()
+        self.batched_rankings = 0  # rankings that shared their device job with others of a burst
 
     # ------------------------------------------------------------------ pre-inference
 
@@ -157,9 +180,9 @@ class RankingEngine:
             self._urgent.pop(user_id, None)
         return PrefillOutcome(source, got.length, (time.perf_counter() - t0) * 1000)
 
-    def _lend_priority(self, user_id: str, deadline: float) -> None:
-        """A ranking job waits for ``user_id``'s pre-inference: its remaining chunks run at ranking
-        priority with the job's deadline (priority inheritance)."""
+    def expedite_prefill(self, user_id: str, deadline: float) -> None:
+        """A ranking waits for ``user_id``'s pre-inference: its remaining chunks run at ranking
+        priority with the ranking's deadline (priority inheritance)."""
         _, before = self._urgent.get(user_id, (Priority.RANK, math.inf))
         self._urgent[user_id] = (Priority.RANK, min(before, deadline))
         self.scheduler.promote(("prefill", user_id), Priority.RANK, deadline)
@@ -191,7 +214,7 @@ class RankingEngine:
                 est = self.latency.predict_ms(min(n, self.config.prefill_chunk)) + self.config.wait_margin_ms
                 room_s = deadline - time.time() - est / 1000
                 if room_s > 0:
-                    self._lend_priority(user_id, deadline)
+                    self.expedite_prefill(user_id, deadline)
                     t1 = time.perf_counter()
                     waited = await self.store.wait_in_flight(user_id, room_s)
                     bd["prefix_wait"] = (time.perf_counter() - t1) * 1000
@@ -200,12 +223,11 @@ class RankingEngine:
             if prefix is not None:
                 suffix = history.slice(prefix.length)
                 if self.config.retain_suffix and len(suffix):
-                    scores, grow = await self._on_device(
-                        lambda: self.model.rank_and_extend(prefix, history, candidates, request_ts),
-                        deadline,
-                        bd,
+                    scores, grow = await self._rank_in_burst(
+                        user_id, prefix, history, candidates, request_ts, deadline, bd
                     )
-                    self._keep(user_id, grow)
+                    if grow is not None:
+                        self._keep(user_id, grow)
                 else:
                     scores = await self._run(prefix, suffix, candidates, request_ts, deadline, bd)
                 self.store.release(user_id)
@@ -233,6 +255,53 @@ class RankingEngine:
         scores = await self._run(None, used, candidates, request_ts, deadline, bd)
         self.samples.append((len(used), bd["compute"]))
         return RankOutcome(scores, path, bd, n, len(used), len(used) + len(candidates), 0, "miss")
+
+    async def _rank_in_burst(
+        self,
+        user_id: str,
+        prefix: PrefixKV,
+        history: Events,
+        candidates: torch.Tensor,
+        request_ts: float,
+        deadline: float,
+        bd: dict[str, float],
+    ) -> tuple[torch.Tensor, Callable[[], PrefixKV] | None]:
+        """``rank_and_extend`` on the device, batched with this user's other rankings that wait
+        for the device against the same cached prefix (``HSTURanker.rank_many``). Returns the
+        scores, and ``grown`` for the ranking that saw the longest history (``None`` for the others
+        of its batch: one grown prefix per batch is stored)."""
+        item = _BurstItem(history, candidates, request_ts, time.perf_counter())
+
+        def run(items: list[_BurstItem]) -> list[tuple[torch.Tensor, Callable[[], PrefixKV] | None]]:
+            t0 = time.perf_counter()
+            if len(items) == 1:
+                one = items[0]
+                scores, grow = self.model.rank_and_extend(prefix, one.history, one.candidates, one.request_ts)
+                out: list[tuple[torch.Tensor, Callable[[], PrefixKV] | None]] = [(scores, grow)]
+            else:
+                many, grow = self.model.rank_many(
+                    prefix, [(i.history, i.candidates, i.request_ts) for i in items]
+                )
+                widest = max(range(len(items)), key=lambda k: len(items[k].history))
+                out = [(sc, grow if k == widest else None) for k, sc in enumerate(many)]
+            t1 = time.perf_counter()
+            for i in items:
+                i.started, i.finished, i.batch = t0, t1, len(items)
+            return out
+
+        result = await self.scheduler.submit_batched(
+            item,
+            run,
+            key=("burst", user_id, id(prefix)),
+            priority=Priority.RANK,
+            deadline=deadline,
+            limit=self.config.burst_batch,
+        )
+        bd["device_queue"] = (item.started - item.submitted) * 1000
+        bd["compute"] = (item.finished - item.started) * 1000
+        if item.batch > 1:
+            self.batched_rankings += 1
+        return result
 
     def _keep(self, user_id: str, grow: Callable[[], PrefixKV]) -> None:
         """Store the prefix a ranking grew, off the ranking's path: building it copies the cached

@@ -12,6 +12,10 @@ Primitives:
 - ``DeviceScheduler.promote(tag, priority, deadline)``: raise the jobs carrying ``tag``, queued or
   running chunked (priority inheritance: a ranking job that waits for a pre-inference lends it
   its urgency).
+- ``DeviceScheduler.submit_batched(item, run_batch, key, ...)``: a job that may share its turn.
+  When it runs, the queued jobs with the same ``key`` (up to ``limit`` in all) run with it as one
+  call ``run_batch([items])``, which returns one result per item (dynamic batching: it happens
+  only when such jobs wait, i.e. under load).
 """
 
 from __future__ import annotations
@@ -49,6 +53,10 @@ class _Job:
     tag: Any = None
     steps: bool = False  # fn() returning None means "not finished: run me again"
     seq: int = 0  # submission order: ties go to the older job, whatever step it is at
+    batch_key: Any = None  # jobs with one key may run together (submit_batched)
+    item: Any = None
+    run_batch: Callable[[list[Any]], list[Any]] | None = None
+    limit: int = 1
 
 
 class DeviceScheduler:
@@ -64,6 +72,7 @@ class DeviceScheduler:
         self._running: _Job | None = None
         self.busy_s = {Priority.RANK: 0.0, Priority.PREFILL: 0.0}
         self.jobs_done = {Priority.RANK: 0, Priority.PREFILL: 0}
+        self.batches_run = 0  # turns that ran more than one batched job
         self._thread = threading.Thread(target=self._run, name=f"relaygr-{name}", daemon=True)
         self._thread.start()
 
@@ -81,9 +90,45 @@ class DeviceScheduler:
     ) -> asyncio.Future[T]:
         return self._submit(lambda: next(steps), priority, deadline, tag, steps=True)
 
-    def _submit(self, fn: Callable[[], Any], priority: Priority, deadline: float, tag: Any, *, steps: bool):
+    def submit_batched(
+        self,
+        item: Any,
+        run_batch: Callable[[list[Any]], list[T]],
+        *,
+        key: Any,
+        priority: Priority,
+        deadline: float = math.inf,
+        limit: int = 8,
+    ) -> asyncio.Future[T]:
+        """Awaitable result for ``item``: ``run_batch(items)[i]`` where ``items`` holds this job's
+        item and those of the other queued jobs with the same ``key`` (at most ``limit``), run in
+        one turn of the device. The batch runs the ``run_batch`` of the job picked first; an
+        exception it raises goes to every job of the batch."""
+        if key is None or limit < 1:
+            raise ValueError("submit_batched needs a key and a positive limit")
+        return self._submit(
+            lambda: run_batch([item])[0],
+            priority,
+            deadline,
+            None,
+            steps=False,
+            batch=(key, item, run_batch, limit),
+        )
+
+    def _submit(
+        self,
+        fn: Callable[[], Any],
+        priority: Priority,
+        deadline: float,
+        tag: Any,
+        *,
+        steps: bool,
+        batch: tuple[Any, Any, Callable[[list[Any]], list[Any]], int] | None = None,
+    ):
         loop = asyncio.get_running_loop()
         job = _Job(int(priority), deadline, fn, loop.create_future(), loop, tag, steps, next(self._seq))
+        if batch is not None:
+            job.batch_key, job.item, job.run_batch, job.limit = batch
         with self._cv:
             if self._closed:
                 raise SchedulerClosed("device scheduler is closed")
@@ -125,6 +170,10 @@ class DeviceScheduler:
                     return
                 *_, job = heapq.heappop(self._heap)
                 self._running = job
+                mates = self._take_batch(job) if job.batch_key is not None else []
+            if mates:
+                self._run_batch([job, *mates])
+                continue
             if job.fut.cancelled():
                 continue
             prio = Priority(job.priority)
@@ -141,6 +190,42 @@ class DeviceScheduler:
                     continue
             self.jobs_done[prio] += 1
             job.loop.call_soon_threadsafe(_settle, job.fut, result, exc)
+
+    def _take_batch(self, job: _Job) -> list[_Job]:
+        """Remove and return the queued jobs that share ``job``'s batch key (oldest first, at most
+        ``job.limit - 1``). Called with the lock held."""
+        mates = sorted(
+            (j for *_, j in self._heap if j.batch_key == job.batch_key and not j.fut.cancelled()),
+            key=lambda j: j.seq,
+        )[: job.limit - 1]
+        if mates:
+            taken = {id(j) for j in mates}
+            self._heap = [e for e in self._heap if id(e[3]) not in taken]
+            heapq.heapify(self._heap)
+        return mates
+
+    def _run_batch(self, jobs: list[_Job]) -> None:
+        jobs = [j for j in jobs if not j.fut.cancelled()]
+        if not jobs:
+            with self._cv:
+                self._running = None
+            return
+        prio = Priority(min(j.priority for j in jobs))
+        t0 = time.perf_counter()
+        assert jobs[0].run_batch is not None
+        try:
+            results, exc = jobs[0].run_batch([j.item for j in jobs]), None
+            if len(results) != len(jobs):
+                raise RuntimeError(f"run_batch returned {len(results)} results for {len(jobs)} items")
+        except BaseException as e:
+            results, exc = [None] * len(jobs), e
+        self.busy_s[prio] += time.perf_counter() - t0
+        with self._cv:
+            self._running = None
+        self.jobs_done[prio] += len(jobs)
+        self.batches_run += 1
+        for j, r in zip(jobs, results, strict=True):
+            j.loop.call_soon_threadsafe(_settle, j.fut, r, exc)
 
     def close(self) -> None:
         with self._cv:
