@@ -129,7 +129,7 @@ class Protocol(BaseModel):
                 "trigger",
                 f"θ = {self.theta:g}, short-term suffix {self.short_term} events (relay: a ranking keeps "
                 "the suffix it computed cached, so a returning user's ranking computes only the events "
-                "new since)",
+                "new since; a user's rankings that wait for the device together share one job)",
             ],
             [
                 "trace",
@@ -885,7 +885,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--requests", type=int, default=150, help="measured requests per point")
     g = parser.add_argument_group("throughput")
     g.add_argument("--history", type=int, default=1024, help="history length (events)")
-    g.add_argument("--qps-list", default="10,15,20,25,30,40,50,60,80,100", help="offered QPS of the points")
+    g.add_argument(
+        "--qps-list",
+        default="10,15,20,25,30,35,40,50,60,70,80,90,100,110,120,140",
+        help="offered QPS of the points (steps of at most 25 %% past 20, so a ratio is read to that)",
+    )
     g.add_argument("--duration", type=float, default=8.0, help="seconds of traffic per point")
     g.add_argument("--min-requests", type=int, default=150)
     g.add_argument("--max-requests", type=int, default=1200)
