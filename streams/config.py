@@ -58,6 +58,12 @@ class PipelineSettings(BaseSettings):
         description="Relay: one user's rankings that wait for the device together run as one job "
         "of at most this many (their new events computed once); 1 = never.",
     )
+    burst_batch_events: int = Field(
+        default=8192,
+        ge=1,
+        description="Relay: a burst batch holds at most this many cached events over its rankings "
+        "(batching pays for short prefixes; with long ones the first ranking would wait for the rest).",
+    )
     num_candidates: int = Field(default=128, ge=1, le=2000, description="Candidates retrieval returns.")
     max_rank_candidates: int = Field(default=128, ge=1, le=2000, description="Cap after pre-processing.")
     feature_fetch_ms: float = Field(
@@ -123,4 +129,5 @@ def engine_config(p: PipelineSettings) -> EngineConfig:
         lease_ttl_s=p.lease_ttl_s,
         retain_suffix=p.retain_suffix,
         burst_batch=p.burst_batch,
+        burst_batch_events=p.burst_batch_events,
     )

@@ -98,6 +98,31 @@ async def test_a_burst_of_one_users_rankings_shares_a_device_job(model) -> None:
     e.scheduler.close()
 
 
+async def test_burst_batches_hold_a_bounded_number_of_cached_events(model) -> None:
+    # 600 cached events per ranking and a 1,300-event bound: batches of two, never five at once
+    # (a batch of long prefixes would make its first ranking wait for all the others).
+    e = engine(model, prefill_chunk=64, burst_batch_events=1300)
+    h = history(610, seed=5)
+    await e.prefill("u", h.slice(0, 600))
+    gate = threading.Event()
+    blocker = e.scheduler.submit(lambda: gate.wait(5), priority=Priority.RANK)
+    ranks = [
+        asyncio.create_task(e.rank("u", h.slice(0, 601 + i), torch.arange(1, 9), 2e9, time.time() + 30))
+        for i in range(5)
+    ]
+    while e.scheduler.queue_depth() < 5:
+        await asyncio.sleep(0.001)
+    gate.set()
+    await blocker
+    results = await asyncio.gather(*ranks)
+    await e.drain()
+    assert e.scheduler.batches_run == 2 and e.batched_rankings == 4  # 2 + 2 + 1
+    for i, res in enumerate(results):
+        want = model.rank_full(h.slice(0, 601 + i), torch.arange(1, 9), 2e9)
+        torch.testing.assert_close(res.scores, want, rtol=1e-5, atol=1e-5)
+    e.scheduler.close()
+
+
 async def test_rank_waits_for_an_in_flight_prefix(model) -> None:
     e = engine(model, prefill_chunk=32)
     h = history(600, seed=1)
