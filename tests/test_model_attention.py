@@ -9,11 +9,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from relaygr.workers.fused_scoring import bias_index
+from relaygr.workers.fused_scoring import bias_index, candidate_index
 from relaygr.workers.hstu_attention import (
     WIDE_TIME_COLUMNS,
     Segment,
-    candidate_index,
     dense_attention,
     key_block_size,
     pair_index,

@@ -19,6 +19,8 @@ Primitives:
   nest (a burst) share the call: the new events are computed once, for the longest history.
 - ``bias_index(...)``: wide bias-table indices of token pairs, the integers ``hstu_attention``
   computes from float bit patterns, here from ``frexp`` (tests hold them equal).
+- ``candidate_index(q_pos, q_ts, segments)``: those indices for candidate tokens (one position
+  and timestamp, every key visible), one flat tensor per segment, without a plan.
 - ``layer_weights(layer)``: the eight tensors of one ``HSTULayer`` in the order they expect.
 - ``unspecialised()``: the context to call them in (no shape specialisation).
 """
@@ -26,13 +28,14 @@ Primitives:
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from relaygr.workers.hstu_attention import EXACT_POSITIONS, WIDE_TIME_COLUMNS, key_block_size
+from relaygr.workers.hstu_attention import EXACT_POSITIONS, WIDE_TIME_COLUMNS, Segment, key_block_size
 
 if TYPE_CHECKING:
     from relaygr.workers.model import HSTULayer
@@ -321,6 +324,20 @@ with warnings.catch_warnings():
     advance_tokens = torch.jit.script(_advance_tokens)
     rank_relay = torch.jit.script(_rank_relay)
     bias_index = torch.jit.script(_bias_index)
+
+
+def candidate_index(q_pos: int, q_ts: Tensor, segments: Sequence[Segment], *, num_pos: int) -> list[Tensor]:
+    """Indices into the wide bias table (int64, one ``[n_s]`` tensor per segment) of queries at
+    position ``q_pos`` and time ``q_ts`` (a one-element float64 tensor) against every key: the
+    indices ``plan_attention(..., causal=False)`` spreads over its blocks (tests hold them equal)."""
+    last = torch.tensor([q_pos], dtype=torch.int64, device=q_ts.device)
+    out = []
+    for seg in segments:
+        if seg.stop > q_pos:
+            raise ValueError("candidate_index: candidates must follow every key")
+        k_pos = torch.arange(seg.start, seg.stop, device=q_ts.device)
+        out.append(bias_index(last, q_ts, k_pos, seg.timestamps, num_pos).reshape(-1).long())
+    return out
 
 
 def unspecialised():

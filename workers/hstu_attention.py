@@ -23,8 +23,6 @@ Primitives:
   for blocks that straddle the diagonal and precomputes each block's bias indices, once for all
   layers; ``run_attention`` executes the plan for one layer. No tensor larger than one block of
   scores is ever materialised.
-- ``candidate_index``: the same indices for candidate tokens (one position and timestamp, every
-  key visible), one flat tensor per segment: what a fused scoring pass needs, without a plan.
 
 Both bucket functions work on the bit pattern of a float32 (exponent and leading mantissa bits),
 so they are exact integer functions of their input: the same token pair gets the same bucket on
@@ -220,24 +218,6 @@ def plan_attention(
                 hidden = grid[:, : k1 - k0] < -d0
             tasks.append(BlockTask(si, k0, k1, index, hidden))
     return tasks
-
-
-def candidate_index(
-    q_pos: int, q_ts: torch.Tensor, segments: Sequence[Segment], *, num_pos: int
-) -> list[torch.Tensor]:
-    """Indices into ``wide_bias_table`` (int64, one ``[n_s]`` tensor per segment) of queries at
-    position ``q_pos`` and time ``q_ts`` (a one-element float64 tensor) against every key: the
-    indices ``plan_attention(..., causal=False)`` spreads over its blocks (tests hold them equal),
-    in a few vector ops per segment."""
-    out = []
-    for seg in segments:
-        if seg.stop > q_pos:
-            raise ValueError("candidate_index: candidates must follow every key")
-        d = q_pos - torch.arange(seg.start, seg.stop, device=q_ts.device)
-        gap = (q_ts - seg.timestamps).to(torch.float32).clamp_(min=1.0)
-        codes = (gap.view(torch.int32) >> 22) - _CODE0
-        out.append((position_bucket(d, num_pos) * WIDE_TIME_COLUMNS + codes).long())
-    return out
 
 
 def _visible(seg: Segment, q_start: int, q_stop: int, causal: bool) -> int:

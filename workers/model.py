@@ -51,6 +51,7 @@ from torch import nn
 from relaygr.workers.devices import resolve_device, resolve_dtype
 from relaygr.workers.fused_scoring import (
     advance_tokens,
+    candidate_index,
     layer_weights,
     rank_relay,
     score_candidates,
@@ -58,7 +59,6 @@ from relaygr.workers.fused_scoring import (
 )
 from relaygr.workers.hstu_attention import (
     Segment,
-    candidate_index,
     dense_attention,
     key_block_size,
     pair_index,
