@@ -7,6 +7,9 @@ Primitives:
   (idempotent); an existing topic with another partition count is an error, since co-partitioning
   (hence affinity) depends on it.
 - ``describe_partitions(settings, names)``: partition counts of existing topics.
+- ``group_lag(client, cons, group, topic)``: records of ``topic`` a consumer group has not committed.
+- ``partition_for(key, partitions)``: the cascade's one partitioner (murmur2, as Java's and
+  aiokafka's default for a keyed record) for everything it writes to co-partitioned topics.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.partitioner import murmur2
 
 from relaygr.infra.broker import resolve_bootstrap
 from relaygr.infra.settings import Settings, kafka_client_kwargs
@@ -26,6 +30,32 @@ TOPIC_ALREADY_EXISTS = 36
 
 class TopicError(RuntimeError):
     """Topics exist with a layout that breaks co-partitioning, or could not be created."""
+
+
+def partition_for(key: bytes, partitions: int) -> int:
+    """The partition of ``key`` among ``partitions`` on every co-partitioned topic. The cascade
+    passes it explicitly on every send, so co-location never depends on a client's default."""
+    return (murmur2(key) & 0x7FFFFFFF) % partitions
+
+
+async def group_lag(client: AIOKafkaAdminClient, cons: AIOKafkaConsumer, group: str, topic: str) -> int:
+    """Records of ``topic`` (end offsets now) that ``group`` has not committed; -1 while the
+    group or the topic is unknown."""
+    from aiokafka import TopicPartition
+
+    counts = await _partition_counts(client, [topic])
+    if not counts.get(topic):
+        return -1
+    parts = range(counts[topic])
+    tps = [TopicPartition(topic, p) for p in sorted(parts)]
+    try:
+        ends = await cons.end_offsets(tps)
+        got = await client.list_consumer_group_offsets(group, partitions=tps)
+    except Exception:
+        return -1
+    return sum(
+        max(0, end - (got[tp].offset if tp in got and got[tp].offset >= 0 else 0)) for tp, end in ends.items()
+    )
 
 
 def _common(settings: Settings) -> dict[str, Any]:
@@ -86,7 +116,7 @@ async def ensure_topics(
         names = registry.names
         have = await _partition_counts(client, names)
         for spec in registry:
-            if spec.name in have and have[spec.name] != spec.partitions:
+            if spec.co_partitioned and spec.name in have and have[spec.name] != spec.partitions:
                 raise TopicError(
                     f"topic {spec.name} has {have[spec.name]} partitions, the registry wants {spec.partitions}; "
                     "co-partitioned topics must match (delete it, or set RELAYGR_PARTITIONS to match)"
@@ -110,7 +140,10 @@ async def ensure_topics(
         deadline = asyncio.get_running_loop().time() + timeout_s
         while True:
             have = await _partition_counts(client, names, with_leader=True)
-            if all(have.get(s.name) == s.partitions for s in registry):
+            if all(
+                have.get(s.name) == s.partitions or (s.name in have and not s.co_partitioned)
+                for s in registry
+            ):
                 return status
             if asyncio.get_running_loop().time() > deadline:
                 raise TopicError(f"topics not ready after {timeout_s:.0f} s: {have}")

@@ -115,8 +115,15 @@ class RetrievedRequest(Event):
     history_len: Count = 0
     trigger: Annotated[TriggerReason, Strict(False)] = TriggerReason.DISABLED
     received_at: Timestamp | None = Field(default=None, description="when retrieval read the request")
+    routed_at: Timestamp | None = Field(default=None, description="when the ingress forwarded the request")
     retrieved_at: Timestamp
     label_item_id: ItemId | None = None
+    behaviors_needed: dict[str, Count] | None = Field(
+        default=None,
+        max_length=4096,
+        description="public behaviours partition -> end offset when the ingress read the request: "
+        "the history is complete once the routed behaviours cover it",
+    )
 
     @property
     def model_ts(self) -> float:
@@ -140,6 +147,12 @@ class PrefillSignal(Event):
     )
     lease_ttl_s: float = Field(default=30.0, gt=0.0, le=3600.0, allow_inf_nan=False)
     issued_at: Timestamp
+    behaviors_needed: dict[str, Count] | None = Field(
+        default=None,
+        max_length=4096,
+        description="public behaviours partition -> end offset when the ingress read the request: "
+        "the history is complete once the routed behaviours cover it",
+    )
 
     @property
     def model_ts(self) -> float:
@@ -164,6 +177,12 @@ class RankRequest(Event):
     produced_at: Timestamp
     upstream_ms: dict[str, Millis] = Field(default_factory=dict, max_length=16)
     label_item_id: ItemId | None = None
+    behaviors_needed: dict[str, Count] | None = Field(
+        default=None,
+        max_length=4096,
+        description="public behaviours partition -> end offset when the ingress read the request: "
+        "the history is complete once the routed behaviours cover it",
+    )
 
     @property
     def model_ts(self) -> float:
@@ -213,6 +232,11 @@ class RankedResult(Event):
     )
     prefix_worker_id: Id | None = Field(
         default=None, description="the worker that computed the cached prefix"
+    )
+    history_complete: bool = Field(
+        default=True,
+        description="False when the wait for behaviours produced before the request ran out: the "
+        "history may lack some of them",
     )
     label_item_id: ItemId | None = None
 

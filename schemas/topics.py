@@ -3,9 +3,12 @@
 Primitives:
 - ``TopicSpec``: one topic.
 - ``TopicRegistry(prefix, partitions)``: the topics of one deployment. Every topic that meets
-  at a ranking worker has the same partition count and is keyed by ``user_id``, so Kafka's
-  default partitioner sends a user's behaviours, prefill signal and rank request to the same
-  partition number, hence the same worker (the affinity-aware router).
+  at a ranking worker (``co_partitioned``) has the same partition count and is keyed by
+  ``user_id``, and the cascade writes it with one partitioner, so a user's behaviours, prefill
+  signal and rank request land on the same partition number, hence the same worker (the
+  affinity-aware router). The public inputs are not trusted to be partitioned that way: the
+  ingress stage re-keys them onto ``routed-behaviors`` and ``routed-requests`` first (see
+  ``relaygr.schemas.routing``), so they may have any partition count and any partitioner.
 
 Public contract: ``<prefix>.behaviors``, ``<prefix>.requests``, ``<prefix>.results`` and
 ``<prefix>.dead-letters`` keep their names, keys and JSON encoding.
@@ -58,8 +61,22 @@ class TopicRegistry:
         p = partitions
         day = 24 * 3600 * 1000
         specs = [
-            TopicSpec("behaviors", f"{prefix}.behaviors", BehaviorEvent, "user_id", p),
-            TopicSpec("requests", f"{prefix}.requests", RecommendationRequest, "user_id", p),
+            # Public inputs: any producer, any partitioner, so not co-partitioned.
+            TopicSpec("behaviors", f"{prefix}.behaviors", BehaviorEvent, "user_id", p, co_partitioned=False),
+            TopicSpec(
+                "requests", f"{prefix}.requests", RecommendationRequest, "user_id", p, co_partitioned=False
+            ),
+            # The cascade's own copies of them, partitioned by user id with one partitioner. The
+            # routed behaviours are every stage's history source, so they are kept like the input.
+            TopicSpec("routed_behaviors", f"{prefix}.routed-behaviors", BehaviorEvent, "user_id", p),
+            TopicSpec(
+                "routed_requests",
+                f"{prefix}.routed-requests",
+                RecommendationRequest,
+                "user_id",
+                p,
+                retention_ms=day,
+            ),
             TopicSpec("retrieved", f"{prefix}.retrieved", RetrievedRequest, "user_id", p, retention_ms=day),
             TopicSpec("prefill", f"{prefix}.prefill-signals", PrefillSignal, "user_id", p, retention_ms=day),
             TopicSpec("rank", f"{prefix}.rank-requests", RankRequest, "user_id", p, retention_ms=day),

@@ -9,9 +9,11 @@ Primitives:
 - ``dead_letter(...)``: the ``DeadLetter`` record of a message a stage could not use.
 - ``decode_keyed(event_type, key, value, max_bytes)``: decode and check that the message key
   agrees with the payload's key field.
+- ``routing_headers(headers)``: the behaviours a routed request must see, and when it was routed.
 - ``guarded(stage, ev, handler, to_dlq)``: per-message isolation of failures.
 - ``ingest_batches(stage, stream, decode_one, apply, to_dlq)``: behaviours applied a batch at a
-  time (bad events to the dead-letter topic, one table write per user per batch).
+  time (bad events to the dead-letter topic, one table write per user per batch; the ingress's progress
+  records skipped).
 - ``deliver(send)``: a produce that retries until the broker acknowledges it.
 - ``serve_metrics(port)``: the Prometheus endpoint of this process, bound to 127.0.0.1.
 - ``freeze_heap()``: exempt what a stage set up at start from Python's full collections.
@@ -32,6 +34,7 @@ from prometheus_client import Counter as PCounter
 from relaygr.infra.broker import resolve_bootstrap
 from relaygr.infra.settings import Settings, kafka_client_kwargs
 from relaygr.schemas import DeadLetter, Event, SchemaError, decode, encode
+from relaygr.schemas.routing import HEADER_PROGRESS, HEADER_ROUTED_AT, decode_positions
 
 E = TypeVar("E", bound=Event)
 log = logging.getLogger(__name__)
@@ -87,6 +90,8 @@ async def ingest_batches(stage: str, stream: Any, decode_one: Any, apply: Any, t
     async for events in stream.take_events(INGEST_BATCH, within=INGEST_WITHIN_S):
         good = []
         for ev in events:
+            if HEADER_PROGRESS in ev.headers:  # the ingress's progress record: no event
+                continue
             try:
                 good.append((ev, decode_one(ev)))
             except SchemaError as e:
@@ -119,6 +124,23 @@ async def guarded(stage: str, ev: Any, handler: Any, to_dlq: Any) -> None:
     except Exception as e:
         log.exception("%s: handling %s@%s failed", stage, ev.message.topic, ev.message.offset)
         await to_dlq(ev, f"internal error in {stage}: {type(e).__name__}: {e}")
+
+
+def routing_headers(headers: Any) -> tuple[dict[str, int] | None, float | None]:
+    """What the ingress put on a routed request: the behaviours it must see (as the events'
+    ``behaviors_needed``) and when it forwarded it. Absent or unreadable headers give None."""
+    from relaygr.schemas.routing import HEADER_NEEDS
+
+    h = dict(headers or ())
+    needs = routed = None
+    try:
+        if HEADER_NEEDS in h:
+            needs = {str(q): end for q, end in decode_positions(h[HEADER_NEEDS]).items()}
+        if HEADER_ROUTED_AT in h:
+            routed = float(h[HEADER_ROUTED_AT])
+    except ValueError:
+        log.warning("unreadable routing headers ignored: %r", h)
+    return needs, routed
 
 
 def dead_letter(

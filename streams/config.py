@@ -89,6 +89,13 @@ class PipelineSettings(BaseSettings):
     max_inflight: int = Field(
         default=256, ge=1, description="Ranking worker: requests in flight before it pauses fetching."
     )
+    max_task_idle_ms: float = Field(
+        default=2000.0,
+        ge=0,
+        description="Ranking worker: longest wait for the behaviours produced before a request to be "
+        "applied (as Kafka Streams' max.task.idle.ms); a rank request also stops waiting once full "
+        "ranking would miss its deadline. Past it, the result says history_complete: false.",
+    )
     stats_interval_s: float = Field(default=2.0, gt=0, description="Ranking worker: WorkerStats period.")
     torch_threads: int = Field(
         default=1,

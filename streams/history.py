@@ -9,6 +9,14 @@ Primitives:
   user) that is rebuilt from RocksDB on a miss, so the ranking path never re-reads a long history
   from disk and an append costs one record, not a rewrite of the history.
 - ``pack`` / ``unpack``: a history as fixed-width records (item int64, action int16, ts float64).
+- ``HistoryAlignment(table)``: ``await wait(partition, needed, until)`` until the partition's
+  progress covers ``needed`` (event-time alignment of a request with its user's behaviours), woken
+  by ``notify()`` after each applied batch.
+- Routed input (``relaygr.schemas.routing``): a batch entry may name the public record it was
+  forwarded from, ``(offset, event, (source partition, source offset))``, and a copy of a record
+  already applied is dropped; ``progress=`` merges the ingress's progress records of the batch,
+  and ``progress(partition)`` says which public behaviours every applied user history covers.
+  Both are written in the batch's atomic write, like the offset.
 
 A history is the order of the partition's log (append-only), which is what keeps a cached prefix
 valid as the history grows. ``get(..., before_ts)`` keeps only events older than the request.
@@ -16,7 +24,11 @@ valid as the history grows. ``get(..., before_ts)`` keeps only events older than
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import struct
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Iterable
 from pathlib import Path
@@ -26,9 +38,13 @@ import torch
 from rocksdict import Options, Rdict, WriteBatch
 
 from relaygr.schemas import BehaviorEvent
+from relaygr.schemas.routing import Positions, covers, decode_positions, encode_positions
 from relaygr.workers.prefix_kv import Events
 
 RECORD = np.dtype([("item", "<i8"), ("action", "<i2"), ("ts", "<f8")])
+# One record packed without numpy (the ingestion hot path): the same 18 bytes as RECORD.
+_RECORD_STRUCT = struct.Struct("<qhd")
+assert _RECORD_STRUCT.size == RECORD.itemsize
 
 
 def pack(items: np.ndarray, actions: np.ndarray, ts: np.ndarray) -> bytes:
@@ -57,11 +73,15 @@ class HistoryTable:
         self._db = Rdict(str(path), options=opts)
         self._lock = threading.Lock()
         self._offsets: dict[int, int] = {}
+        self._sources: dict[int, Positions] = {}  # routed partition -> source partition -> last applied
+        self._progress: dict[int, Positions] = {}  # routed partition -> the ingress's progress
         self._cache: OrderedDict[str, bytearray] = OrderedDict()
         self._cache_bytes, self._cache_limit = 0, cache_bytes
 
     # Keys: "o/<partition>" -> last applied offset; "n/<user>" -> event count;
-    # "e/<user>\0<seq:012d>" -> one packed record (sorted by seq within the user).
+    # "e/<user>\0<seq:012d>" -> one packed record (sorted by seq within the user);
+    # "s/<partition>" -> last applied source offset per source partition (JSON);
+    # "m/<partition>" -> the ingress's progress as of the last applied progress record (JSON).
     @staticmethod
     def _okey(partition: int) -> bytes:
         return b"o/" + str(partition).encode()
@@ -85,6 +105,19 @@ class HistoryTable:
             self._offsets[partition] = int(raw) if raw is not None else -1
         return self._offsets[partition] + 1
 
+    def _positions(self, cache: dict[int, Positions], tag: bytes, partition: int) -> Positions:
+        if partition not in cache:
+            raw = self._db.get(tag + str(partition).encode())
+            cache[partition] = decode_positions(raw) if raw is not None else {}
+        return cache[partition]
+
+    def progress(self, partition: int) -> Positions:
+        """How far the ingress had forwarded each public behaviours partition, as of the last
+        progress record applied from ``partition``: every such behaviour of this partition's users
+        is in the table."""
+        with self._lock:
+            return dict(self._positions(self._progress, b"m/", partition))
+
     def _count(self, user_id: str) -> int:
         raw = self._db.get(self._nkey(user_id))
         return int(raw) if raw is not None else 0
@@ -93,25 +126,41 @@ class HistoryTable:
         """Apply one behaviour; False if that offset was applied before."""
         return self.append_many(partition, [(offset, event)]) == 1
 
-    def append_many(self, partition: int, batch: Iterable[tuple[int, BehaviorEvent | None]]) -> int:
-        """Apply a batch of one partition in offset order (``None`` = an offset to skip, e.g. a
-        dead-lettered message). Returns how many events were applied."""
+    def append_many(
+        self,
+        partition: int,
+        batch: Iterable[tuple],
+        *,
+        progress: Positions | None = None,
+    ) -> int:
+        """Apply a batch of one partition in offset order: ``(offset, event)`` or ``(offset,
+        event, (source partition, source offset))``; ``None`` as the event is an offset to skip
+        (a dead-lettered message, a progress record). ``progress`` is the newest progress record
+        of the batch. Returns how many events were applied."""
         with self._lock:
             start = self._next_offset(partition)
+            sources = self._positions(self._sources, b"s/", partition)
+            marks = self._positions(self._progress, b"m/", partition)
             wb = WriteBatch(raw_mode=True)
             counts: dict[str, int] = {}
             new: dict[str, list[bytes]] = {}
-            last, applied = None, 0
-            for offset, ev in batch:
+            last, applied, moved = None, 0, False
+            for offset, ev, *src in batch:
                 if offset < start or (last is not None and offset <= last):
                     continue
                 last = offset
                 if ev is None:
                     continue
+                if src and src[0] is not None:
+                    q, src_offset = src[0]
+                    if src_offset <= sources.get(q, -1):
+                        continue  # forwarded twice (the ingress restarted before committing)
+                    sources[q] = src_offset
+                    moved = True
                 u = ev.user_id
                 if u not in counts:
                     counts[u] = self._count(u)
-                rec = pack(np.array([ev.item_id]), np.array([ev.action]), np.array([ev.ts]))
+                rec = _RECORD_STRUCT.pack(ev.item_id, ev.action, ev.ts)
                 wb.put(self._ekey(u, counts[u]), rec)
                 counts[u] += 1
                 new.setdefault(u, []).append(rec)
@@ -120,6 +169,12 @@ class HistoryTable:
                 return 0
             for u, n in counts.items():
                 wb.put(self._nkey(u), str(n).encode())
+            if moved:
+                wb.put(b"s/" + str(partition).encode(), encode_positions(sources))
+            if progress:
+                for q, pos in progress.items():
+                    marks[q] = max(marks.get(q, 0), pos)
+                wb.put(b"m/" + str(partition).encode(), encode_positions(marks))
             wb.put(self._okey(partition), str(last).encode())
             self._db.write(wb)
             self._offsets[partition] = last
@@ -169,3 +224,28 @@ class HistoryTable:
 
     def close(self) -> None:
         self._db.close()
+
+
+class HistoryAlignment:
+    """Waits for a history table to cover the behaviours a request must see."""
+
+    def __init__(self, table: HistoryTable) -> None:
+        self.table = table
+        self._moved = asyncio.Event()
+
+    def notify(self) -> None:
+        """A batch was applied: wake every waiter to check again."""
+        self._moved.set()
+        self._moved = asyncio.Event()
+
+    async def wait(self, partition: int, needed: dict[str, int] | dict[int, int], until: float) -> bool:
+        """Wait until ``partition``'s progress covers ``needed`` (public partition -> end offset),
+        at most until ``until`` (``time.monotonic()``). Returns whether it does."""
+        want = {int(q): end for q, end in needed.items()}
+        while not covers(self.table.progress(partition), want):
+            left = until - time.monotonic()
+            if left <= 0:
+                return False
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._moved.wait(), left)
+        return True

@@ -1,8 +1,10 @@
 """Pre-processing stage (faust app): drop what the user has seen, cap, emit the rank request.
 
-Topology:
-  behaviors (key user_id) ──> table ``seen``: item -> first seen (RocksDB via rocksdict, changelog;
-                              applied in batches, one write per user per batch)
+Topology (behaviours from the routed topic, re-keyed by user id by the ingress stage):
+  routed-behaviors (key user_id) ──> table ``seen``: item -> first seen, in chunks of at most
+                              SEEN_CHUNK items per user (RocksDB via rocksdict, changelog; applied
+                              in batches: per user per batch only its newest chunk is rewritten,
+                              never the whole history)
   retrieved (key user_id) ──> unseen candidates, capped ──> rank-requests (key user_id)
   bad input ──> dead-letters
 
@@ -39,6 +41,45 @@ from relaygr.streams.common import (
 from relaygr.streams.config import PipelineSettings
 
 STAGE = "preprocess"
+# Items per chunk of a user's seen items: a write costs at most this, whatever the history's length.
+SEEN_CHUNK = 512
+
+
+def _chunk_key(user_id: str, i: int) -> str:
+    return f"{user_id}\x00{i}"
+
+
+def seen_add(get, put, user_id: str, items: list[tuple[int, float]]) -> None:
+    """Append ``(item, ts)`` behaviours of one user: ``get(key)``/``put(key, value)`` read and
+    write the table. Key ``user_id`` holds the chunk count, ``user_id\0i`` chunk ``i`` (item ->
+    first seen within that chunk). Only the newest chunk is read and rewritten."""
+    chunks = get(user_id) or 0
+    i = max(0, chunks - 1)
+    cur = (get(_chunk_key(user_id, i)) or {}) if chunks else {}
+    dirty = False
+    for item, ts in items:
+        key = str(item)  # JSON object keys are strings
+        if key in cur and cur[key] <= ts:
+            continue
+        if key not in cur and len(cur) >= SEEN_CHUNK:
+            put(_chunk_key(user_id, i), cur)
+            i, cur = i + 1, {}
+        cur[key] = ts
+        dirty = True
+    if dirty:
+        put(_chunk_key(user_id, i), cur)
+        if i + 1 != chunks:
+            put(user_id, i + 1)
+
+
+def seen_before(get, user_id: str, ts: float) -> set[int]:
+    """Items ``user_id`` interacted with strictly before ``ts``."""
+    out: set[int] = set()
+    for i in range(get(user_id) or 0):
+        out.update(int(k) for k, t in (get(_chunk_key(user_id, i)) or {}).items() if t < ts)
+    return out
+
+
 RANKREQ = PCounter("relaygr_preprocess_requests_total", "Rank requests emitted")
 DROPPED = PCounter("relaygr_preprocess_seen_dropped_total", "Candidates dropped as already seen")
 
@@ -46,9 +87,11 @@ DROPPED = PCounter("relaygr_preprocess_seen_dropped_total", "Candidates dropped 
 def build(settings: Settings, p: PipelineSettings, worker_id: str = "0"):
     app = make_app(STAGE, settings, worker_id)
     reg = TopicRegistry(settings.topic_prefix, settings.partitions)
-    behaviors, retrieved = raw_topic(app, reg.name("behaviors")), raw_topic(app, reg.name("retrieved"))
+    behaviors = raw_topic(app, reg.name("routed_behaviors"))
+    retrieved = raw_topic(app, reg.name("retrieved"))
     out_rank, dlq = raw_topic(app, reg.name("rank")), raw_topic(app, reg.name("dead_letters"))
-    seen = app.Table("seen-v1", default=None, partitions=settings.partitions)
+    # The value format is part of the table's name: a format change starts a fresh table.
+    seen = app.Table("seen-v2", default=None, partitions=settings.partitions)
     limit = settings.max_message_bytes
 
     to_dlq = faust_dead_letterer(STAGE, dlq)
@@ -57,21 +100,17 @@ def build(settings: Settings, p: PipelineSettings, worker_id: str = "0"):
         return decode_keyed(BehaviorEvent, ev.key, ev.value, limit)
 
     def on_behaviors(batch: list, as_event) -> None:
-        changed: dict[str, tuple] = {}  # user -> (an event of the user, items first seen when)
+        by_user: dict[str, tuple] = {}  # user -> (an event of the user, its (item, ts) in order)
         for ev, b in batch:
-            s = changed[b.user_id][1] if b.user_id in changed else (seen.get(b.user_id) or {})
-            key = str(b.item_id)  # JSON object keys are strings
-            if key not in s or b.ts < s[key]:
-                s[key] = b.ts  # when the user first saw the item
-                changed[b.user_id] = (ev, s)
-        for user, (ev, s) in changed.items():
-            as_event(ev)
-            seen[user] = s
+            by_user.setdefault(b.user_id, (ev, []))[1].append((b.item_id, b.ts))
+        for user, (ev, items) in by_user.items():
+            as_event(ev)  # every write of this user goes to its partition's changelog
+            seen_add(seen.get, seen.__setitem__, user, items)
 
     async def on_retrieved(ev) -> None:
         r = decode_keyed(RetrievedRequest, ev.key, ev.value, limit)
         t0 = time.time()
-        before = {int(i) for i, ts in (seen.get(r.user_id) or {}).items() if ts < r.model_ts}
+        before = seen_before(seen.get, r.user_id, r.model_ts)
         if p.feature_fetch_ms:
             await asyncio.sleep(p.feature_fetch_ms / 1000)
         cands = [c for c in r.candidates if c not in before]
@@ -89,11 +128,14 @@ def build(settings: Settings, p: PipelineSettings, worker_id: str = "0"):
             produced_at=now,
             upstream_ms={
                 "hop_requests": max(0.0, ((r.received_at or r.ts) - r.ts) * 1000),
+                # The ingress's share of hop_requests: produced -> re-keyed onto routed-requests.
+                **({"routing": max(0.0, (r.routed_at - r.ts) * 1000)} if r.routed_at else {}),
                 "retrieval": max(0.0, (r.retrieved_at - (r.received_at or r.ts)) * 1000),
                 "hop_retrieved": max(0.0, (t0 - r.retrieved_at) * 1000),
                 "preprocess": (now - t0) * 1000,
             },
             label_item_id=r.label_item_id,
+            behaviors_needed=r.behaviors_needed,
         )
         await deliver(lambda: send_acked(out_rank, out.key(), encode(out)), what="rank request")
         RANKREQ.inc()

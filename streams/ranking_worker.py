@@ -1,8 +1,10 @@
 """Ranking worker: one process per device, a consumer-group member over the co-partitioned topics.
 
-Topology (all keyed by user_id, same partition count, so the range assignor hands partition p of
-every topic to the same member — the worker that pre-infers a user's prefix ranks its request):
-  behaviors       ──> HistoryTable (RocksDB; the topic is its changelog: resumes at its own offset)
+Topology (all keyed by user_id, same partition count, written with the cascade's one partitioner,
+so the range assignor hands partition p of every topic to the same member — the worker that
+pre-infers a user's prefix ranks its request):
+  routed-behaviors ──> HistoryTable (RocksDB; the topic is its changelog: resumes at its own offset;
+                       copies forwarded twice dropped; the ingress's progress records kept)
   prefill-signals ──> RankingEngine.prefill (lease; promote, extend or compute the prefix)
   rank-requests   ──> RankingEngine.rank ──> results (key request_id)
   bad input       ──> dead-letters;   every few seconds ──> worker-stats
@@ -11,6 +13,11 @@ Delivery: offsets of signals and requests are committed only up to the first one
 not finished — for a request, whose result the broker has acknowledged (acks=all, idempotent
 producer). A crash therefore re-ranks at most the unfinished requests; results are keyed by
 request_id, so a consumer that keeps the last result per key sees each request once.
+
+Event-time alignment: a signal or request waits (boundedly: ``max_task_idle_ms``, and never past
+the point where full ranking would miss the deadline) until its partition's history covers every
+behaviour produced before the request (``relaygr.schemas.routing``). If the wait runs out the
+result says ``history_complete: false`` and ``relaygr_rank_history_incomplete_total`` counts it.
 
 Model work runs on the engine's device thread; this loop only fetches, schedules and publishes.
 """
@@ -45,9 +52,10 @@ from relaygr.schemas import (
     WorkerStats,
     encode,
 )
+from relaygr.schemas.routing import HEADER_PROGRESS, HEADER_SOURCE, Positions, decode_positions
 from relaygr.streams.common import DEAD_LETTERS, dead_letter, decode_keyed, deliver
 from relaygr.streams.config import PipelineSettings, engine_config
-from relaygr.streams.history import HistoryTable
+from relaygr.streams.history import HistoryAlignment, HistoryTable
 from relaygr.workers.devices import keep_host_pages
 from relaygr.workers.latency_model import LatencyModel
 from relaygr.workers.model import HSTURanker
@@ -70,6 +78,11 @@ E2E = Histogram(
 STORE = Gauge("relaygr_prefix_store", "Prefix store counters and gauges", ["name"])
 INFLIGHT = Gauge("relaygr_rank_inflight", "Signals and requests being handled")
 INFLIGHT_PEAK = Gauge("relaygr_rank_inflight_peak", "Most signals and requests handled at once")
+INCOMPLETE = PCounter(
+    "relaygr_rank_history_incomplete_total",
+    "Requests ranked before their history covered every behaviour produced before them",
+)
+DUPLICATES = PCounter("relaygr_history_duplicates_total", "Routed behaviours applied once already, dropped")
 
 
 class OffsetTracker:
@@ -141,12 +154,14 @@ class RankingWorker:
             )
         self.engine = RankingEngine(self.model, self.store, self.scheduler, engine_config(p), self.latency)
         self.history = HistoryTable(self.dir / "history")
+        self.alignment = HistoryAlignment(self.history)
         self.tracker = OffsetTracker()
         self.tasks: set[asyncio.Task] = set()
         self.counts: Counter[str] = Counter()
         self.assigned: set[TopicPartition] = set()
         self.peak_inflight = 0
         self.signals_seen: OrderedDict[str, asyncio.Event] = OrderedDict()
+
         self.events_log = open(self.dir / "events.jsonl", "a", buffering=1)  # noqa: SIM115
         self._stop = asyncio.Event()
 
@@ -167,7 +182,7 @@ class RankingWorker:
         self._stop.set()
 
     async def run(self) -> None:
-        topics = [self.reg.name("behaviors"), self.reg.name("prefill"), self.reg.name("rank")]
+        topics = [self.reg.name("routed_behaviors"), self.reg.name("prefill"), self.reg.name("rank")]
         kw = {}
         if self.static_membership:
             kw["group_instance_id"] = self.worker_id
@@ -206,7 +221,7 @@ class RankingWorker:
             self.events_log.close()
 
     async def _loop(self) -> None:
-        beh, sig = self.reg.name("behaviors"), self.reg.name("prefill")
+        beh, sig = self.reg.name("routed_behaviors"), self.reg.name("prefill")
         last_commit = time.monotonic()
         while not self._stop.is_set():
             # Bounded queue: at most max_inflight signals and requests in flight; past that the
@@ -221,7 +236,7 @@ class RankingWorker:
             # Behaviours first: a request in the same batch sees the events before it.
             for tp, msgs in sorted(batch.items(), key=lambda kv: kv[0].topic != beh):
                 if tp.topic == beh:
-                    self.history.append_many(tp.partition, [(m.offset, self._behavior(tp, m)) for m in msgs])
+                    self._apply_behaviours(tp, msgs)
                     continue
                 for m in msgs:
                     if room <= 0:  # over the bound: fetch this one again later
@@ -257,7 +272,7 @@ class RankingWorker:
         offsets = self.tracker.committable(self.assigned)
         # Behaviours are resumed from the history table's own offsets; committing them too lets
         # operators read this worker's ingestion lag with the usual consumer-group tools.
-        beh = self.reg.name("behaviors")
+        beh = self.reg.name("routed_behaviors")
         for tp in self.assigned:
             if tp.topic == beh:
                 offsets[tp] = self.history.next_offset(tp.partition)
@@ -270,6 +285,44 @@ class RankingWorker:
             await asyncio.sleep(0.01)
 
     # ------------------------------------------------------------------ handlers
+
+    def _apply_behaviours(self, tp: TopicPartition, msgs: list) -> None:
+        """One fetched batch of a routed-behaviours partition into the history table: events
+        with their source position, progress records merged into the partition's progress."""
+        batch: list[tuple] = []
+        progress: Positions = {}
+        for m in msgs:
+            headers = dict(m.headers or ())
+            if HEADER_PROGRESS in headers:
+                try:
+                    for q, pos in decode_positions(m.value).items():
+                        progress[q] = max(progress.get(q, 0), pos)
+                except ValueError as e:
+                    self._spawn_dead_letter(tp, m, f"unreadable progress record: {e}")
+                batch.append((m.offset, None))
+                continue
+            src = None
+            raw = headers.get(HEADER_SOURCE)
+            if raw is not None:
+                q, _, off = raw.partition(b":")
+                with contextlib.suppress(ValueError):
+                    src = (int(q), int(off))
+            batch.append((m.offset, self._behavior(tp, m), src))
+        applied = self.history.append_many(tp.partition, batch, progress=progress or None)
+        events = sum(1 for b in batch if b[1] is not None)
+        if applied < events:
+            DUPLICATES.inc(events - applied)
+        self.alignment.notify()
+
+    async def _await_history(self, partition: int, needed: dict[str, int] | None, until: float) -> bool:
+        """Wait until ``partition``'s history covers the behaviours ``needed`` (public partition
+        -> end offset when the ingress read the request), at most until ``until`` (monotonic).
+        Returns whether it does. Without ``needed`` (not routed by the ingress), the partition's
+        known log end stands in for it, as a short best effort."""
+        if needed is None:
+            await self._history_caught_up(partition)
+            return True
+        return await self.alignment.wait(partition, needed, until)
 
     def _behavior(self, tp: TopicPartition, m) -> BehaviorEvent | None:
         try:
@@ -293,7 +346,7 @@ class RankingWorker:
 
     async def _history_caught_up(self, partition: int, timeout_s: float = 0.2) -> None:
         """Wait (briefly) until behaviours of this partition are applied up to the known log end."""
-        tp = TopicPartition(self.reg.name("behaviors"), partition)
+        tp = TopicPartition(self.reg.name("routed_behaviors"), partition)
         end = self.consumer.highwater(tp)
         if end is None:
             return
@@ -303,7 +356,10 @@ class RankingWorker:
 
     async def _handle_prefill(self, tp: TopicPartition, m) -> None:
         s = decode_keyed(PrefillSignal, m.key, m.value, self.settings.max_message_bytes)
-        await self._history_caught_up(tp.partition)
+        # A prefix of a partial history is still a valid prefix (histories only grow): a bounded wait.
+        await self._await_history(
+            tp.partition, s.behaviors_needed, time.monotonic() + self.p.max_task_idle_ms / 1000
+        )
         done = self.signals_seen[s.request_id] = asyncio.Event()
         while len(self.signals_seen) > 100_000:
             self.signals_seen.popitem(last=False)
@@ -357,8 +413,18 @@ class RankingWorker:
     async def _handle_rank(self, tp: TopicPartition, m) -> None:
         r = decode_keyed(RankRequest, m.key, m.value, self.settings.max_message_bytes)
         t_in = time.time()
-        await self._history_caught_up(tp.partition)
+        # Wait for the behaviours produced before the request while full ranking of what is
+        # there would still meet the deadline, and at most max_task_idle_ms.
         hist = self.history.get(r.user_id, r.model_ts)
+        room_s = r.deadline_ts - t_in - self.engine.latency.predict_ms(len(hist)) / 1000
+        until = time.monotonic() + max(0.0, min(room_s, self.p.max_task_idle_ms / 1000))
+        t_hist = time.time()
+        complete = await self._await_history(tp.partition, r.behaviors_needed, until)
+        history_wait = (time.time() - t_hist) * 1000
+        if history_wait > 0.05:  # behaviours were applied meanwhile
+            hist = self.history.get(r.user_id, r.model_ts)
+        if not complete:
+            INCOMPLETE.inc()
         cands = torch.tensor(r.candidates, dtype=torch.int64)
         signal_wait = 0.0
         if r.prefill_expected and self.p.mode == "relay":
@@ -374,8 +440,9 @@ class RankingWorker:
         else:
             t_engine = time.time()
             oc = await self.engine.rank(r.user_id, hist, cands, r.model_ts, r.deadline_ts)
-            # Before the engine: reading the history, and waiting for the request's prefill signal.
-            oc.breakdown_ms["worker_prep"] = (t_engine - t_in) * 1000 - signal_wait
+            # Before the engine: reading the history, and waiting for its behaviours and for the
+            # request's prefill signal.
+            oc.breakdown_ms["worker_prep"] = (t_engine - t_in) * 1000 - signal_wait - history_wait
             if signal_wait:
                 oc.breakdown_ms["signal_wait"] = signal_wait
             order = torch.argsort(oc.scores, descending=True, stable=True)[: r.top_k].tolist()
@@ -387,6 +454,8 @@ class RankingWorker:
             "ranking": (now - r.produced_at) * 1000,
         }
         breakdown.update({k: float(v) for k, v in r.upstream_ms.items()})
+        if history_wait > 0.05:
+            breakdown["history_wait"] = history_wait
         if oc is not None:
             breakdown.update(oc.breakdown_ms)
         res = RankedResult(
@@ -404,6 +473,7 @@ class RankingWorker:
             prefix_len=oc.prefix_len if oc else 0,
             prefix_tier=oc.prefix_tier if oc else None,
             prefix_worker_id=oc.prefix_owner if oc else None,
+            history_complete=complete,
             label_item_id=r.label_item_id,
         )
         topic = self.reg.name("results")
@@ -470,7 +540,7 @@ class _Rebalance(ConsumerRebalanceListener):
 
     async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
         self.w.assigned |= set(assigned)
-        beh = self.w.reg.name("behaviors")
+        beh = self.w.reg.name("routed_behaviors")
         for tp in assigned:
             if tp.topic == beh:
                 # The history table knows how far it got: resume there, not at the group offset.

@@ -41,6 +41,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from relaygr.infra.kafka import partition_for
 from relaygr.infra.settings import Settings
 from relaygr.schemas import (
     BehaviorEvent,
@@ -50,6 +51,7 @@ from relaygr.schemas import (
     decode,
     encode,
 )
+from relaygr.streams.traffic import ingest_lags
 
 T = TypeVar("T")
 
@@ -235,37 +237,15 @@ class Replayer:
 # ---------------------------------------------------------------------- ingestion barrier
 
 
-def partition_of(key: bytes, partitions: int) -> int:
-    """The partition Kafka's default partitioner (murmur2, as the producers use) picks for ``key``."""
-    from aiokafka.partitioner import DefaultPartitioner
-
-    every = list(range(partitions))
-    return DefaultPartitioner()(key, every, every)
-
-
 def sentinel_users(partitions: int, nonce: str) -> dict[int, str]:
     """One user id per partition."""
     out: dict[int, str] = {}
     i = 0
     while len(out) < partitions:
         uid = f"~sentinel-{nonce}-{i}"
-        out.setdefault(partition_of(uid.encode(), partitions), uid)
+        out.setdefault(partition_for(uid.encode(), partitions), uid)
         i += 1
     return out
-
-
-async def _group_lag(client, groups: Sequence[str], ends: dict) -> int:
-    """Behaviours that ``groups`` have not committed yet (-1: a group is not known yet)."""
-    lag = 0
-    for g in groups:
-        try:
-            offs = await client.list_consumer_group_offsets(g, partitions=list(ends))
-        except Exception:
-            return -1
-        for tp, end in ends.items():
-            got = offs.get(tp)
-            lag += max(0, end - (got.offset if got is not None and got.offset >= 0 else 0))
-    return lag
 
 
 async def wait_ingested(
@@ -273,16 +253,14 @@ async def wait_ingested(
     reg: TopicRegistry,
     *,
     timeout_s: float = 300.0,
-    groups: Sequence[str] | None = None,
+    stages: Sequence[str] | None = None,
     progress: bool = False,
 ) -> float:
     """Block until every behaviour published so far is applied by the stages; seconds waited."""
-    from aiokafka import TopicPartition
-
     from relaygr.infra.kafka import admin, consumer, producer
 
     t0 = time.monotonic()
-    groups = list(groups if groups is not None else (f"{reg.prefix}-retrieval", f"{reg.prefix}-preprocess"))
+    stages = list(stages if stages is not None else ("retrieval", "preprocess"))
     nonce = uuid.uuid4().hex[:8]
     sentinels = sentinel_users(reg.partitions, nonce)
     prod = producer(settings)
@@ -296,15 +274,14 @@ async def wait_ingested(
         for p, uid in sentinels.items():
             b = BehaviorEvent(user_id=uid, item_id=1, ts=1.0, action=1)
             await prod.send_and_wait(reg.name("behaviors"), encode(b), key=b.key(), partition=p)
-        tps = [TopicPartition(reg.name("behaviors"), p) for p in range(reg.partitions)]
-        ends = await results.end_offsets(tps)
         pending = dict(sentinels)
         probes: dict[str, int] = {}
         last_probe = last_note = 0.0
         lag = -1
         while time.monotonic() - t0 < timeout_s:
-            if groups and lag != 0:
-                lag = await _group_lag(client, groups, ends)
+            if stages and lag != 0:
+                lags = await ingest_lags(client, results, reg, stages)
+                lag = -1 if -1 in lags.values() else sum(lags.values())
             if pending and time.monotonic() - last_probe > 1.0:
                 for p, uid in pending.items():
                     rid = f"{uid}-{len(probes)}"
@@ -318,7 +295,7 @@ async def wait_ingested(
                     p = probes.get(res.request_id)
                     if p is not None and res.history_len >= 1:
                         pending.pop(p, None)
-            if not pending and (not groups or lag == 0):
+            if not pending and (not stages or lag == 0):
                 return time.monotonic() - t0
             if progress and time.monotonic() - last_note > 5:
                 last_note = time.monotonic()

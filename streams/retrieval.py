@@ -1,10 +1,10 @@
 """Retrieval stage (faust app): candidates for each request, and the sequence-aware trigger.
 
-Topology:
-  behaviors (key user_id) ──> table ``histories``: length + recent items (RocksDB via rocksdict,
+Topology (the routed topics: the ingress stage re-keyed the public ones by user id):
+  routed-behaviors (key user_id) ──> table ``histories``: length + recent items (RocksDB via rocksdict,
                               changelog in Kafka; applied in batches, one write per user per batch)
-  requests  (key user_id) ──> trigger ──> prefill-signals (key user_id, same partition number)
-                          └─> candidates ──> retrieved (key user_id)
+  routed-requests  (key user_id) ──> trigger ──> prefill-signals (key user_id, same partition number)
+                                 └─> candidates ──> retrieved (key user_id)
   worker-stats ──> the trigger's latency model and measured footprints
   bad input ──> dead-letters
 
@@ -44,6 +44,7 @@ from relaygr.streams.common import (
     ingest_batches,
     make_app,
     raw_topic,
+    routing_headers,
     send_acked,
 )
 from relaygr.streams.config import PipelineSettings, trigger_config
@@ -132,7 +133,8 @@ def load_latency(p: PipelineSettings) -> LatencyModel:
 def build(settings: Settings, p: PipelineSettings, worker_id: str = "0"):
     app = make_app(STAGE, settings, worker_id)
     reg = TopicRegistry(settings.topic_prefix, settings.partitions)
-    behaviors, requests = raw_topic(app, reg.name("behaviors")), raw_topic(app, reg.name("requests"))
+    behaviors = raw_topic(app, reg.name("routed_behaviors"))
+    requests = raw_topic(app, reg.name("routed_requests"))
     out_prefill, out_retrieved = raw_topic(app, reg.name("prefill")), raw_topic(app, reg.name("retrieved"))
     dlq = raw_topic(app, reg.name("dead_letters"))
     # The value format is part of the table's name: a format change starts a fresh table.
@@ -161,6 +163,7 @@ def build(settings: Settings, p: PipelineSettings, worker_id: str = "0"):
     async def on_request(ev) -> None:
         r = decode_keyed(RecommendationRequest, ev.key, ev.value, limit)
         t0 = time.time()
+        needs, routed_at = routing_headers(ev.headers)
         HOP.observe(max(0.0, t0 - r.ts))
         n, recent = summary_before(histories.get(r.user_id), r.model_ts)
         decision = trigger.decide(ev.message.partition, n, t0)
@@ -175,6 +178,7 @@ def build(settings: Settings, p: PipelineSettings, worker_id: str = "0"):
                 prefix_len=decision.prefix_len,
                 lease_ttl_s=trigger.config.lease_ttl_s,
                 issued_at=time.time(),
+                behaviors_needed=needs,
             )
             await deliver(lambda: send_acked(out_prefill, sig.key(), encode(sig)), what="prefill signal")
         if p.feature_fetch_ms:
@@ -190,8 +194,10 @@ def build(settings: Settings, p: PipelineSettings, worker_id: str = "0"):
             history_len=n,
             trigger=decision.reason,
             received_at=t0,
+            routed_at=routed_at,
             retrieved_at=time.time(),
             label_item_id=r.label_item_id,
+            behaviors_needed=needs,
         )
         await deliver(lambda: send_acked(out_retrieved, out.key(), encode(out)), what="retrieved request")
         REQS.inc()

@@ -1,8 +1,9 @@
-"""Run one stage of the cascade in this process: retrieval, preprocess or ranking.
+"""Run one stage of the cascade in this process: ingress, retrieval, preprocess or ranking.
 
 Every stage reads the broker, topic and pipeline settings from RELAYGR_* environment variables
 (see README). Run several `ranking` processes with different --worker-id to scale out: Kafka's
 consumer group gives each a share of the partitions, the same share of every co-partitioned topic.
+The ingress stage needs no model: it re-keys the public input topics onto the routed ones.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from relaygr.infra.settings import get_settings
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("stage", choices=["retrieval", "preprocess", "ranking"], help="which stage")
+    parser.add_argument(
+        "stage", choices=["ingress", "retrieval", "preprocess", "ranking"], help="which stage"
+    )
     parser.add_argument(
         "--worker-id", default="0", help="this process's id (ranking: also its static group member id)"
     )
@@ -39,6 +42,14 @@ def run(args: argparse.Namespace) -> int:
     if args.mode:
         p = p.model_copy(update={"mode": args.mode})
     sys.setswitchinterval(p.switch_interval_ms / 1000)
+    if args.stage == "ingress":
+        from relaygr.streams.ingress import main as ingress_main
+
+        try:
+            return ingress_main(settings, args.worker_id, args.metrics_port)
+        except BrokerError as e:
+            print(f"relaygr stage ingress: {e}", file=sys.stderr)
+            return 1
     if not (p.model_dir / "config.json").exists():
         print(
             f"relaygr stage: no trained model in {p.model_dir}: run `relaygr train --out {p.model_dir}`",

@@ -18,10 +18,11 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 
-from relaygr.infra.kafka import consumer, producer
+from relaygr.infra.kafka import consumer, group_lag, producer
 from relaygr.infra.settings import Settings
 from relaygr.schemas import BehaviorEvent, RankedResult, RecommendationRequest, TopicRegistry, decode, encode
 from relaygr.workers.movielens import MovieLens
@@ -105,12 +106,24 @@ def history_of(behaviours: list[BehaviorEvent], user_id: str, before_ts: float |
 STAGE_GROUPS = ("retrieval", "preprocess", "ranking")
 
 
+async def ingest_lags(
+    client: Any, cons: Any, reg: TopicRegistry, stages: Iterable[str] = STAGE_GROUPS
+) -> dict[str, int]:
+    """Behaviours not yet applied, per stage: the ingress's lag on the public topic, then each
+    stage's on the routed one (measured after the ingress's, so a 0 everywhere means that every
+    behaviour published before the call is applied). -1: a group not known yet."""
+    lags = {
+        "ingress": await group_lag(client, cons, f"{reg.prefix}-ingress-behaviors", reg.name("behaviors"))
+    }
+    for stage in stages:
+        lags[stage] = await group_lag(client, cons, f"{reg.prefix}-{stage}", reg.name("routed_behaviors"))
+    return lags
+
+
 async def wait_ingested(settings: Settings, reg: TopicRegistry, *, timeout_s: float = 600.0) -> float:
-    """Wait until every stage's consumer group has consumed ``behaviors`` to its end (progress on
+    """Wait until every stage has applied every behaviour published so far (progress on
     stderr); returns the seconds waited."""
     import sys
-
-    from aiokafka import TopicPartition
 
     from relaygr.infra.kafka import admin
 
@@ -120,26 +133,18 @@ async def wait_ingested(settings: Settings, reg: TopicRegistry, *, timeout_s: fl
     await client.start()
     await cons.start()
     try:
-        tps = [TopicPartition(reg.name("behaviors"), p) for p in range(reg.partitions)]
-        end = await cons.end_offsets(tps)
-        total = sum(end.values())
         while True:
-            lags = {}
-            for stage in STAGE_GROUPS:
-                got = await client.list_consumer_group_offsets(f"{reg.prefix}-{stage}", partitions=tps)
-                lags[stage] = sum(
-                    end[tp] - (got[tp].offset if tp in got and got[tp].offset >= 0 else 0) for tp in tps
-                )
-            if all(v <= 0 for v in lags.values()):
+            lags = await ingest_lags(client, cons, reg)
+            if all(v == 0 for v in lags.values()):
                 return time.monotonic() - t0
             if time.monotonic() - t0 > timeout_s:
                 raise TimeoutError(f"behaviours not ingested after {timeout_s:.0f} s: lag {lags}")
             print(
-                "   ingesting behaviours: " + ", ".join(f"{k} {total - v}/{total}" for k, v in lags.items()),
+                "   ingesting behaviours, still to apply: " + ", ".join(f"{k} {v}" for k, v in lags.items()),
                 file=sys.stderr,
                 flush=True,
             )
-            await asyncio.sleep(2.0)
+            await asyncio.sleep(1.0)
     finally:
         await cons.stop()
         await client.close()

@@ -1,6 +1,6 @@
 """Run every stage of the cascade locally, one process each, against the configured broker.
 
-`relaygr up` starts retrieval, pre-processing and N ranking workers, waits until a probe request
+`relaygr up` starts the ingress, retrieval, pre-processing and N ranking workers, waits until a probe request
 comes back ranked, then runs until Ctrl-C (or SIGTERM), which stops them all. Logs go to
 $RELAYGR_HOME/logs/<stage>.log.
 """
@@ -68,14 +68,15 @@ class Pipeline:
         log.close()
 
     def start(self) -> Pipeline:
-        self._spawn("retrieval", ["retrieval"], 0)
-        self._spawn("preprocess", ["preprocess"], 1)
+        self._spawn("ingress", ["ingress"], 0)
+        self._spawn("retrieval", ["retrieval"], 1)
+        self._spawn("preprocess", ["preprocess"], 2)
         for i in range(self.n):
             self.start_worker(i)
         return self
 
     def start_worker(self, i: int) -> None:
-        self._spawn(f"ranker-{i}", ["ranking", "--worker-id", f"ranker-{i}"], 2 + i)
+        self._spawn(f"ranker-{i}", ["ranking", "--worker-id", f"ranker-{i}"], 3 + i)
 
     def stop_worker(self, i: int, *, kill: bool = False) -> None:
         p = self.procs.pop(f"ranker-{i}")
@@ -189,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
         ) as pipe:
             waited = asyncio.run(pipe.wait_ready())
             print(
-                f"pipeline up in {waited:.1f} s: retrieval, preprocess, {args.ranking_workers} ranking worker(s); "
+                f"pipeline up in {waited:.1f} s: ingress, retrieval, preprocess, {args.ranking_workers} ranking worker(s); "
                 f"logs in {pipe.log_dir}. Ctrl-C stops.",
                 flush=True,
             )

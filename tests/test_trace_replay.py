@@ -10,11 +10,11 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from relaygr.infra.kafka import partition_for
 from relaygr.schemas import BehaviorEvent, RecommendationRequest
 from relaygr.streams.replay import (
     Replayer,
     merge_by_time,
-    partition_of,
     plan_replay,
     poisson_offsets,
     scaled_offsets,
@@ -139,7 +139,7 @@ def test_merge_keeps_each_partitions_order() -> None:
 def test_sentinels_cover_every_partition() -> None:
     s = sentinel_users(6, "x")
     assert sorted(s) == list(range(6))
-    assert all(partition_of(uid.encode(), 6) == p for p, uid in s.items())
+    assert all(partition_for(uid.encode(), 6) == p for p, uid in s.items())
 
 
 # ---------------------------------------------------------------------- against the broker

@@ -1,0 +1,319 @@
+"""Ingress stage: the cascade's own co-partitioning of whatever the producers wrote.
+
+Topology (plain aiokafka; two consumer groups, so requests never queue behind behaviours):
+  behaviors (any partitioner) ──> validate ──> routed-behaviors (partition = partition_for(user_id))
+                                          └──> a progress record in every routed partition
+  requests  (any partitioner) ──> validate ──> routed-requests  (partition = partition_for(user_id)),
+                                               with the behaviours' end offsets it must see
+  bad input ──> dead-letters (reason, original bytes)
+
+Producers keep their own clients and partitioners (librdkafka's CRC32, murmur2, FNV-1a,
+round-robin, explicit partitions): every later stage reads only the routed topics, which the
+cascade writes with one partitioner, so a user's behaviours, prefill signal and rank request
+meet on one worker whatever the producer did (see ``relaygr.schemas.routing`` for the headers).
+
+Event-time alignment: a routed request carries the public behaviours' end offsets as they were
+when the ingress read it; a progress record in a routed partition says how far each public
+partition has been forwarded. The ranking worker ranks a request once its partition's progress
+covers those offsets, or when its bounded wait runs out (then the result says the history may
+be partial). Requests are forwarded at once, never behind a behaviour backlog.
+
+Behaviours go out as one produce batch per routed partition per fetch (each ending with its
+progress record, which therefore follows every behaviour it covers), and their offsets are
+committed once the batches are acknowledged: at least once, and a re-forwarded copy carries its
+source offset so that readers drop it.
+
+Primitives: ``Ingress(settings, worker_id)`` with ``run()`` / ``stop()``; ``main(...)``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+from typing import Any
+
+from aiokafka import TopicPartition
+from prometheus_client import Counter as PCounter
+from prometheus_client import Histogram
+
+from relaygr.infra.kafka import consumer, partition_for, producer
+from relaygr.infra.settings import Settings
+from relaygr.schemas import BehaviorEvent, RecommendationRequest, SchemaError, TopicRegistry, encode
+from relaygr.schemas.routing import (
+    HEADER_NEEDS,
+    HEADER_PROGRESS,
+    HEADER_ROUTED_AT,
+    HEADER_SOURCE,
+    Positions,
+    encode_positions,
+)
+from relaygr.streams.common import DEAD_LETTERS, dead_letter, decode_keyed, deliver
+
+log = logging.getLogger(__name__)
+STAGE = "ingress"
+
+ROUTED = PCounter("relaygr_ingress_routed_total", "Events re-keyed onto the routed topics", ["topic"])
+MISROUTED = PCounter(
+    "relaygr_ingress_misrouted_total",
+    "Events that arrived on a partition other than the cascade's own for their key",
+    ["topic"],
+)
+PROGRESS = PCounter("relaygr_ingress_progress_records_total", "Progress records written")
+HOP = Histogram(
+    "relaygr_ingress_request_seconds",
+    "Request produced -> forwarded onto routed-requests",
+    buckets=(0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 1),
+)
+
+# A progress record per routed partition at most this often while behaviours flow (and always
+# when the backlog is drained): alignment waits at most this long for one.
+PROGRESS_EVERY_S = 0.01
+BEHAVIOUR_FETCH = 5000
+COMMIT_EVERY_S = 0.2
+
+
+class Ingress:
+    def __init__(self, settings: Settings, worker_id: str = "0") -> None:
+        self.settings, self.worker_id = settings, worker_id
+        self.reg = TopicRegistry(settings.topic_prefix, settings.partitions)
+        self.limit = settings.max_message_bytes
+        self._stop = asyncio.Event()
+        self._misrouted_seen: set[str] = set()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    async def run(self) -> None:
+        prefix = self.settings.topic_prefix
+        common = {"session_timeout_ms": 10000, "heartbeat_interval_ms": 1000, "fetch_max_wait_ms": 20}
+        self.req_consumer = consumer(
+            self.settings, self.reg.name("requests"), group_id=f"{prefix}-ingress-requests", **common
+        )
+        self.beh_consumer = consumer(
+            self.settings,
+            self.reg.name("behaviors"),
+            group_id=f"{prefix}-ingress-behaviors",
+            max_partition_fetch_bytes=4 << 20,
+            **common,
+        )
+        # Its own connection for the end-offset look-ups of requests: on the behaviours consumer's
+        # connection they would queue behind a large fetch (a broker answers a connection in order).
+        self.offsets = consumer(self.settings, group_id=None)
+        # Two producers (two connections): a request's produce never waits behind a large
+        # behaviour batch on the wire.
+        self.req_producer = producer(self.settings, linger_ms=0)
+        self.beh_producer = producer(self.settings, linger_ms=0, max_batch_size=1 << 20)
+        clients = (self.req_producer, self.beh_producer, self.req_consumer, self.beh_consumer, self.offsets)
+        for c in clients:
+            await c.start()
+        try:
+            tasks = [asyncio.create_task(self._requests()), asyncio.create_task(self._behaviours())]
+            stop = asyncio.create_task(self._stop.wait())
+            done, _ = await asyncio.wait([*tasks, stop], return_when=asyncio.FIRST_COMPLETED)
+            for t in tasks:
+                t.cancel()
+            for t in tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await t
+            for t in done:
+                if t is not stop and t.exception() is not None:
+                    raise t.exception()
+        finally:
+            for c in clients:
+                with contextlib.suppress(Exception):
+                    await c.stop()
+
+    # ------------------------------------------------------------------ checks
+
+    def _check_partition(self, topic: str, partition: int, key: bytes, count: int) -> None:
+        """Count (and log once per topic) a record that the producer put on another partition
+        than the cascade's own for its key: harmless here, but it says the producer's
+        partitioner differs, which is why the cascade routes everything itself."""
+        if partition_for(key, count) == partition:
+            return
+        MISROUTED.labels(topic).inc()
+        if topic not in self._misrouted_seen:
+            self._misrouted_seen.add(topic)
+            log.warning(
+                "%s: key %r arrived on partition %d, the cascade's partitioner says %d: the producer "
+                "uses another partitioner (e.g. librdkafka's CRC32); the ingress re-keys every record, "
+                "so this costs nothing, and relaygr_ingress_misrouted_total counts them",
+                topic,
+                key[:64].decode("utf-8", "replace"),
+                partition,
+                partition_for(key, count),
+            )
+
+    async def _dead_letter(self, m: Any, reason: str) -> None:
+        DEAD_LETTERS.labels(STAGE, m.topic).inc()
+        dl = dead_letter(STAGE, m.topic, m.partition, m.offset, m.key, m.value, reason)
+        topic = self.reg.name("dead_letters")
+        await deliver(
+            lambda: self.req_producer.send_and_wait(topic, encode(dl), key=dl.key()), what="dead letter"
+        )
+
+    # ------------------------------------------------------------------ requests
+
+    async def _requests(self) -> None:
+        src, dst = self.reg.name("requests"), self.reg.name("routed_requests")
+        beh = self.reg.name("behaviors")
+        n_out = self.reg.partitions
+        last_commit = time.monotonic()
+        while True:
+            batch = await self.req_consumer.getmany(timeout_ms=20, max_records=500)
+            records = [m for msgs in batch.values() for m in msgs]
+            if records:
+                needs = await self._behaviour_ends(beh)
+                needs_raw = encode_positions(needs)
+                count = len(self.req_consumer.partitions_for_topic(src) or ()) or n_out
+                futs = []
+                for m in records:
+                    try:
+                        r = decode_keyed(RecommendationRequest, m.key, m.value, self.limit)
+                    except SchemaError as e:
+                        futs.append(asyncio.ensure_future(self._dead_letter(m, str(e))))
+                        continue
+                    key = r.key()
+                    self._check_partition(src, m.partition, key, count)
+                    now = time.time()
+                    headers = [(HEADER_NEEDS, needs_raw), (HEADER_ROUTED_AT, repr(now).encode())]
+                    futs.append(
+                        asyncio.ensure_future(
+                            self._send_request(dst, m.value, key, partition_for(key, n_out), headers)
+                        )
+                    )
+                    HOP.observe(max(0.0, now - r.ts))
+                await asyncio.gather(*futs)
+                ROUTED.labels(src).inc(len(records))
+            if records or time.monotonic() - last_commit > COMMIT_EVERY_S:
+                # Every record read so far is forwarded (acknowledged) or dead-lettered.
+                await _commit(self.req_consumer)
+                last_commit = time.monotonic()
+
+    async def _send_request(self, topic: str, value: bytes, key: bytes, partition: int, headers) -> None:
+        await deliver(
+            lambda: self.req_producer.send_and_wait(
+                topic, value, key=key, partition=partition, headers=headers
+            ),
+            what="routed request",
+        )
+
+    async def _behaviour_ends(self, topic: str) -> Positions:
+        """End offsets of every public behaviours partition, now: what a request just read must see."""
+        parts = self.beh_consumer.partitions_for_topic(topic) or set()
+        tps = [TopicPartition(topic, q) for q in sorted(parts)]
+        if not tps:
+            return {}
+        ends = await self.offsets.end_offsets(tps)
+        return {tp.partition: int(off) for tp, off in ends.items()}
+
+    # ------------------------------------------------------------------ behaviours
+
+    async def _behaviours(self) -> None:
+        src, dst = self.reg.name("behaviors"), self.reg.name("routed_behaviors")
+        n_out = self.reg.partitions
+        forwarded: Positions = {}  # public partition -> offset below which all is forwarded
+        marked: Positions = {}  # what the last progress records said
+        last_progress = last_commit = 0.0
+        while True:
+            batch = await self.beh_consumer.getmany(timeout_ms=50, max_records=BEHAVIOUR_FETCH)
+            count = len(self.beh_consumer.partitions_for_topic(src) or ()) or n_out
+            out: dict[int, list[tuple[bytes, bytes, list]]] = {}
+            dead = []
+            n = 0
+            for tp, msgs in batch.items():
+                for m in msgs:
+                    try:
+                        b = decode_keyed(BehaviorEvent, m.key, m.value, self.limit)
+                    except SchemaError as e:
+                        dead.append(self._dead_letter(m, str(e)))
+                        continue
+                    key = b.key()
+                    self._check_partition(src, tp.partition, key, count)
+                    source = f"{tp.partition}:{m.offset}".encode()
+                    out.setdefault(partition_for(key, n_out), []).append(
+                        (key, m.value, [(HEADER_SOURCE, source)])
+                    )
+                    n += 1
+                if msgs:
+                    forwarded[tp.partition] = msgs[-1].offset + 1
+            for tp in self.beh_consumer.assignment():
+                if tp.partition not in forwarded:
+                    # Nothing read from it yet: what was before its start position is forwarded.
+                    with contextlib.suppress(Exception):
+                        forwarded[tp.partition] = await self.beh_consumer.position(tp)
+            now = time.monotonic()
+            progress = None
+            if forwarded != marked and (not batch or now - last_progress >= PROGRESS_EVERY_S):
+                progress = encode_positions(forwarded)
+            if out or progress is not None:
+                await self._send_behaviours(dst, out, progress, n_out)
+                if progress is not None:
+                    marked, last_progress = dict(forwarded), now
+                    PROGRESS.inc(n_out)
+            if dead:
+                await asyncio.gather(*dead)
+            if n:
+                ROUTED.labels(src).inc(n)
+            if now - last_commit > COMMIT_EVERY_S:
+                await _commit(self.beh_consumer)  # all read so far is acknowledged downstream
+                last_commit = now
+
+    async def _send_behaviours(
+        self, topic: str, out: dict[int, list], progress: bytes | None, n_out: int
+    ) -> None:
+        """One produce batch per routed partition (more if a batch fills up), the progress record
+        last; returns once the broker acknowledged all of them."""
+        prod = self.beh_producer
+        futs = []
+        parts = range(n_out) if progress is not None else sorted(out)
+        for p in parts:
+            recs = list(out.get(p, ()))
+            if progress is not None:
+                recs.append((b"", progress, [(HEADER_PROGRESS, b"1")]))
+            builder = prod.create_batch()
+            for key, value, headers in recs:
+                while builder.append(key=key, value=value, timestamp=None, headers=headers) is None:
+                    futs.append(await self._send_batch(builder, topic, p))
+                    builder = prod.create_batch()
+            if builder.record_count():
+                futs.append(await self._send_batch(builder, topic, p))
+        if futs:
+            await asyncio.gather(*futs)
+
+    async def _send_batch(self, builder: Any, topic: str, partition: int) -> Any:
+        return await deliver(
+            lambda: self.beh_producer.send_batch(builder, topic, partition=partition),
+            what="routed behaviours",
+        )
+
+
+async def _commit(cons: Any) -> None:
+    """Commit what ``cons`` consumed; a commit refused during a rebalance is retried by the next
+    owner's reading from the last committed offset (readers drop the re-forwarded copies)."""
+    from aiokafka.errors import KafkaError
+
+    try:
+        await cons.commit()
+    except KafkaError as e:
+        log.warning("ingress commit failed (%s); the next owner re-reads from the last commit", e)
+
+
+def main(settings: Settings, worker_id: str = "0", metrics_port: int = 0) -> int:
+    from relaygr.streams.common import freeze_heap, serve_metrics
+
+    serve_metrics(metrics_port)
+    ingress = Ingress(settings, worker_id)
+    freeze_heap()
+
+    async def go() -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, ingress.stop)
+        await ingress.run()
+
+    asyncio.run(go())
+    return 0

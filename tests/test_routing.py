@@ -1,0 +1,108 @@
+"""The cascade's own co-partitioning, without a broker: the partitioner, the routing headers'
+positions, the history table's de-duplication and progress, the alignment wait, and the
+pre-processing stage's chunked seen-items table."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import zlib
+
+import pytest
+from aiokafka.partitioner import DefaultPartitioner
+from hypothesis import given
+from hypothesis import strategies as st
+
+from relaygr.infra.kafka import partition_for
+from relaygr.schemas import BehaviorEvent
+from relaygr.schemas.routing import covers, decode_positions, encode_positions, missing
+from relaygr.streams.history import HistoryAlignment, HistoryTable
+from relaygr.streams.preprocess import SEEN_CHUNK, seen_add, seen_before
+
+
+def test_partition_for_is_the_murmur2_default_and_not_crc32() -> None:
+    every = list(range(4))
+    keys = [f"user-{i}".encode() for i in range(500)]
+    assert all(partition_for(k, 4) == DefaultPartitioner()(k, every, every) for k in keys)
+    # librdkafka's default (CRC32) puts many users elsewhere: why the cascade routes itself.
+    differ = sum(partition_for(k, 4) != zlib.crc32(k) % 4 for k in keys)
+    assert differ > len(keys) // 2
+
+
+@given(st.dictionaries(st.integers(0, 1000), st.integers(0, 2**40)))
+def test_positions_round_trip(pos: dict[int, int]) -> None:
+    assert decode_positions(encode_positions(pos)) == pos
+
+
+def test_positions_reject_non_integers() -> None:
+    with pytest.raises(ValueError, match="not an integer"):
+        decode_positions(b'{"0": "7"}')
+    with pytest.raises(ValueError):
+        decode_positions(b"[1, 2]")
+
+
+def test_covers_and_missing() -> None:
+    assert covers({0: 5, 1: 3}, {0: 5, 1: 2})
+    assert not covers({0: 5}, {0: 5, 1: 1})  # a partition never forwarded covers nothing
+    assert covers({}, {0: 0, 1: 0})  # nothing needed from empty partitions
+    assert missing({0: 2, 1: 9}, {0: 5, 1: 3}) == 3
+
+
+def _ev(user: str, item: int, ts: float) -> BehaviorEvent:
+    return BehaviorEvent(user_id=user, item_id=item, ts=ts, action=1)
+
+
+def test_history_drops_copies_forwarded_twice_and_keeps_progress(tmp_path) -> None:
+    h = HistoryTable(tmp_path / "h")
+    batch = [(0, _ev("u", 1, 1.0), (2, 10)), (1, _ev("u", 2, 2.0), (2, 11)), (2, None)]
+    assert h.append_many(0, batch, progress={2: 12, 3: 4}) == 2
+    # The ingress restarted before committing and forwarded source offsets 11 and 12 again.
+    again = [(3, _ev("u", 2, 2.0), (2, 11)), (4, _ev("u", 3, 3.0), (2, 12)), (5, None)]
+    assert h.append_many(0, again, progress={2: 13, 3: 2}) == 1
+    assert h.get("u").item_ids.tolist() == [1, 2, 3]
+    assert h.progress(0) == {2: 13, 3: 4}  # merged by maximum, never backwards
+    assert h.progress(1) == {}
+    h.close()
+    reopened = HistoryTable(tmp_path / "h")
+    assert reopened.progress(0) == {2: 13, 3: 4} and reopened.next_offset(0) == 6
+    assert reopened.append_many(0, [(6, _ev("u", 2, 2.0), (2, 11))]) == 0
+    assert reopened.get("u").item_ids.tolist() == [1, 2, 3]
+    reopened.close()
+
+
+async def test_alignment_waits_for_progress_and_gives_up_at_its_bound(tmp_path) -> None:
+    h = HistoryTable(tmp_path / "h")
+    align = HistoryAlignment(h)
+    # Bounded: nothing arrives, the wait gives up (and says so) once its time is up.
+    assert not await align.wait(0, {"0": 3}, time.monotonic() + 0.05)
+
+    async def ingest_later() -> None:
+        await asyncio.sleep(0.01)
+        h.append_many(0, [(0, _ev("u", 1, 1.0), (0, 0))], progress={0: 1})
+        align.notify()  # covers only offset 1 of 3: not enough yet
+        await asyncio.sleep(0.01)
+        h.append_many(0, [(1, _ev("u", 2, 2.0), (0, 2)), (2, None)], progress={0: 3})
+        align.notify()
+
+    task = asyncio.create_task(ingest_later())
+    assert await align.wait(0, {"0": 3}, time.monotonic() + 60)
+    await task
+    assert len(h.get("u")) == 2
+    h.close()
+
+
+def test_seen_items_are_chunked_and_exact() -> None:
+    table: dict = {}
+    writes: list[int] = []
+
+    def put(key, value) -> None:
+        writes.append(len(value) if isinstance(value, dict) else 0)
+        table[key] = dict(value) if isinstance(value, dict) else value
+
+    history = [(i % 3000, float(i)) for i in range(5000)]  # repeats: first seen must win
+    for start in range(0, len(history), 700):  # batches, as the stage applies them
+        seen_add(table.get, put, "u", history[start : start + 700])
+    assert max(writes) <= SEEN_CHUNK  # no write grows with the history
+    for ts in (0.0, 1.0, 999.5, 3500.0, 1e9):
+        assert seen_before(table.get, "u", ts) == {i for i, t in history if t < ts}
+    assert seen_before(table.get, "nobody", 1e9) == set()
