@@ -173,7 +173,8 @@ def run(args: argparse.Namespace) -> int:
     sent, res = relay["hops"]
     hops = {
         h: [r.breakdown_ms[h] for r in res.values() if h in r.breakdown_ms]
-        for h in ("hop_requests", "hop_retrieved", "hop_rank")
+        # routing: the ingress's part of hop_requests (the cost of re-keying the public input).
+        for h in ("hop_requests", "routing", "hop_retrieved", "hop_rank")
     }
     hop_line = {
         "bench": "pipeline",
@@ -184,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
         **{f"{h}_ms_p50": _p(v, 50) for h, v in hops.items()},
         **{f"{h}_ms_p99": _p(v, 99) for h, v in hops.items()},
     }
-    hop_line["max_hop_ms_p99"] = max(hop_line[f"{h}_ms_p99"] for h in hops)
+    hop_line["max_hop_ms_p99"] = max(hop_line[f"{h}_ms_p99"] for h in hops if h != "routing")
     lines.append(hop_line)
     per_mode = {}
     for mode, runs in (("relay", relay), ("baseline", base)):

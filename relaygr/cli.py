@@ -52,6 +52,10 @@ GROUPS: dict[str, tuple[str, dict[str, tuple[str, str]]]] = {
                 "relaygr.bench.pipeline",
                 "Kafka hop overhead; relay vs baseline ranking P99 on the broker",
             ),
+            "ingest": (
+                "relaygr.bench.ingest",
+                "every stage's ingestion rate for a burst of long histories; request hops during it vs idle",
+            ),
         },
     ),
 }

@@ -108,7 +108,9 @@ async def ingest_batches(stage: str, stream: Any, decode_one: Any, apply: Any, t
             failed = e
         finally:
             stream._set_current_event(current)
-        if failed is not None:
+        if failed is None:
+            BEHAVIOURS_APPLIED.labels(stage).inc(len(good))
+        else:
             log.error("%s: applying %d behaviours failed", stage, len(good), exc_info=failed)
             for ev, _ in good:
                 await to_dlq(ev, f"internal error in {stage}: {type(failed).__name__}: {failed}")
@@ -216,6 +218,9 @@ async def send_acked(topic: Any, key: bytes, value: bytes) -> Any:
     return await (await topic.send(key=key, value=value))
 
 
+BEHAVIOURS_APPLIED = PCounter(
+    "relaygr_behaviours_applied_total", "Behaviours applied to this stage's history state", ["stage"]
+)
 DEAD_LETTERS = PCounter(
     "relaygr_dead_letters_total", "Messages sent to the dead-letter topic", ["stage", "topic"]
 )

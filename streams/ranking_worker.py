@@ -53,7 +53,7 @@ from relaygr.schemas import (
     encode,
 )
 from relaygr.schemas.routing import HEADER_PROGRESS, HEADER_SOURCE, Positions, decode_positions
-from relaygr.streams.common import DEAD_LETTERS, dead_letter, decode_keyed, deliver
+from relaygr.streams.common import BEHAVIOURS_APPLIED, DEAD_LETTERS, dead_letter, decode_keyed, deliver
 from relaygr.streams.config import PipelineSettings, engine_config
 from relaygr.streams.history import HistoryAlignment, HistoryTable
 from relaygr.workers.devices import keep_host_pages
@@ -310,6 +310,7 @@ class RankingWorker:
             batch.append((m.offset, self._behavior(tp, m), src))
         applied = self.history.append_many(tp.partition, batch, progress=progress or None)
         events = sum(1 for b in batch if b[1] is not None)
+        BEHAVIOURS_APPLIED.labels(STAGE).inc(applied)
         if applied < events:
             DUPLICATES.inc(events - applied)
         self.alignment.notify()
