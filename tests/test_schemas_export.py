@@ -27,7 +27,8 @@ from relaygr.schemas.json_schema import PUBLIC_EVENTS, schema_file_name
 SNAPSHOT = Path(__file__).parent / "schemas_snapshot"
 README = Path(__file__).parent.parent / "README.md"
 EVENT_OF_KIND = {e.kind: e for e in PUBLIC_EVENTS.values()}
-ANNOTATIONS = {"title", "description", "examples", "default", "$comment"}
+# Defaults stay: a producer that leaves a field out gets the default, so it is part of the contract.
+ANNOTATIONS = {"title", "description", "examples", "$comment"}
 
 
 @pytest.fixture(scope="module")
