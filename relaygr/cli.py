@@ -15,6 +15,8 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "broker": ("relaygr.infra.broker_cli", "start, stop or inspect the local single-node Kafka broker"),
     "topics": ("relaygr.infra.topics_cli", "create (idempotently) or list RelayGR's topics"),
+    "schemas": ("relaygr.schemas_cli", "export the public events as JSON Schema files for other stacks"),
+    "results": ("relaygr.results_cli", "look up one request's result, or tail the results as they come"),
     "roundtrip": (
         "relaygr.infra.roundtrip",
         "send one event of every schema through the broker and read it back",

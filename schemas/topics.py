@@ -39,7 +39,7 @@ class TopicSpec:
     event_type: type[Event]
     key: str
     partitions: int
-    cleanup_policy: Literal["delete", "compact"] = "delete"
+    cleanup_policy: Literal["delete", "compact", "compact,delete"] = "delete"
     co_partitioned: bool = True
     retention_ms: int | None = None
 
@@ -80,7 +80,17 @@ class TopicRegistry:
             TopicSpec("retrieved", f"{prefix}.retrieved", RetrievedRequest, "user_id", p, retention_ms=day),
             TopicSpec("prefill", f"{prefix}.prefill-signals", PrefillSignal, "user_id", p, retention_ms=day),
             TopicSpec("rank", f"{prefix}.rank-requests", RankRequest, "user_id", p, retention_ms=day),
-            TopicSpec("results", f"{prefix}.results", RankedResult, "request_id", p, co_partitioned=False),
+            # Read as a table: one answer per request_id (compaction), forgotten after a week.
+            TopicSpec(
+                "results",
+                f"{prefix}.results",
+                RankedResult,
+                "request_id",
+                p,
+                "compact,delete",
+                co_partitioned=False,
+                retention_ms=7 * day,
+            ),
             TopicSpec(
                 "dead_letters", f"{prefix}.dead-letters", DeadLetter, "source", 1, co_partitioned=False
             ),
