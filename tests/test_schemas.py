@@ -53,7 +53,9 @@ def test_co_partitioned_topics_share_partition_count_and_key() -> None:
     co = [s for s in reg if s.co_partitioned]
     assert {s.partitions for s in co} == {6}
     assert {s.key for s in co} == {"user_id"}
-    assert {s.role for s in co} >= {"behaviors", "requests", "prefill", "rank"}
+    assert {s.role for s in co} >= {"routed_behaviors", "routed_requests", "prefill", "rank"}
+    # The public inputs take any producer's partitioning: the ingress re-keys them.
+    assert not reg["behaviors"].co_partitioned and not reg["requests"].co_partitioned
 
 
 GOOD = {"user_id": "u1", "item_id": 5, "ts": 1.5}
