@@ -15,6 +15,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "broker": ("relaygr.infra.broker_cli", "start, stop or inspect the local single-node Kafka broker"),
     "topics": ("relaygr.infra.topics_cli", "create (idempotently) or list RelayGR's topics"),
+    "acl": ("relaygr.infra.acls", "show, grant or list the Kafka ACLs of RelayGR's access roles"),
     "roundtrip": (
         "relaygr.infra.roundtrip",
         "send one event of every schema through the broker and read it back",
