@@ -4,7 +4,12 @@ Primitives:
 - ``Settings``: where the broker is, what the topics are called, where local state lives,
   and the client security settings passed through to aiokafka and faust.
 - ``get_settings()``: the settings of this process (read once, re-read with ``reload=True``).
+- ``sasl_password(settings)``: the SASL password, from ``RELAYGR_SASL_PASSWORD`` or the file that
+  ``RELAYGR_SASL_PASSWORD_FILE`` names (a password kept in a file stays out of the environment of
+  every process and of anything that prints it).
 - ``kafka_client_kwargs(settings)``: the keyword arguments every aiokafka client gets.
+- ``security_env(settings)``: the client security settings as ``RELAYGR_*`` variables, for child
+  processes that must sign in as this one does.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -69,7 +74,12 @@ class Settings(BaseSettings):
         default=None, description="SASL mechanism when security_protocol is SASL_*."
     )
     sasl_username: str | None = Field(default=None, description="SASL user name.")
-    sasl_password: str | None = Field(default=None, description="SASL password.")
+    # A SecretStr prints as '**********': settings can be logged without leaking it.
+    sasl_password: SecretStr | None = Field(default=None, description="SASL password.")
+    sasl_password_file: Path | None = Field(
+        default=None,
+        description="File holding the SASL password (its first line), instead of RELAYGR_SASL_PASSWORD.",
+    )
     ssl_cafile: Path | None = Field(
         default=None, description="CA bundle to verify the brokers (SSL/SASL_SSL)."
     )
@@ -81,6 +91,12 @@ class Settings(BaseSettings):
         ge=1024,
         description="Largest message a stage accepts; bigger input goes to the dead-letter topic.",
     )
+
+    @model_validator(mode="after")
+    def _one_password_source(self) -> Settings:
+        if self.sasl_password is not None and self.sasl_password_file is not None:
+            raise ValueError("set RELAYGR_SASL_PASSWORD or RELAYGR_SASL_PASSWORD_FILE, not both")
+        return self
 
     @property
     def state_file(self) -> Path:
@@ -115,5 +131,44 @@ def kafka_client_kwargs(settings: Settings) -> dict[str, Any]:
             raise ValueError("RELAYGR_SASL_MECHANISM is required with a SASL security protocol")
         kw["sasl_mechanism"] = settings.sasl_mechanism
         kw["sasl_plain_username"] = settings.sasl_username
-        kw["sasl_plain_password"] = settings.sasl_password
+        kw["sasl_plain_password"] = sasl_password(settings)
     return kw
+
+
+def sasl_password(settings: Settings) -> str | None:
+    """The SASL password: ``sasl_password``, else the first line of ``sasl_password_file``."""
+    if settings.sasl_password is not None:
+        return settings.sasl_password.get_secret_value()
+    if settings.sasl_password_file is None:
+        return None
+    try:
+        lines = settings.sasl_password_file.read_text().splitlines()
+    except OSError as e:
+        raise ValueError(f"RELAYGR_SASL_PASSWORD_FILE {settings.sasl_password_file}: {e.strerror}") from None
+    return lines[0] if lines else ""
+
+
+SECURITY_FIELDS = (
+    "security_protocol",
+    "sasl_mechanism",
+    "sasl_username",
+    "sasl_password",
+    "sasl_password_file",
+    "ssl_cafile",
+    "ssl_certfile",
+    "ssl_keyfile",
+)
+
+
+def security_env(settings: Settings) -> dict[str, str]:
+    """``{RELAYGR_<FIELD>: value}`` of every client security setting that is set. A password is
+    passed only when it was given as one; a password file is passed as its path."""
+    env = {}
+    for name in SECURITY_FIELDS:
+        value = getattr(settings, name)
+        if value is None:
+            continue
+        env[f"RELAYGR_{name.upper()}"] = (
+            value.get_secret_value() if isinstance(value, SecretStr) else str(value)
+        )
+    return env

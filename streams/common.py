@@ -207,7 +207,7 @@ def faust_credentials(settings: Settings):
         return faust.SSLCredentials(kw["ssl_context"])
     return faust.SASLCredentials(
         username=settings.sasl_username,
-        password=settings.sasl_password,
+        password=kw["sasl_plain_password"],
         mechanism=settings.sasl_mechanism,
         ssl_context=kw.get("ssl_context"),
     )

@@ -18,7 +18,7 @@ import uuid
 from pathlib import Path
 
 from relaygr.infra.broker import BrokerError, free_port
-from relaygr.infra.settings import Settings, get_settings
+from relaygr.infra.settings import SECURITY_FIELDS, Settings, get_settings, security_env
 from relaygr.streams.config import PipelineSettings
 
 
@@ -47,6 +47,10 @@ class Pipeline:
         self.env["RELAYGR_TOPIC_PREFIX"] = settings.topic_prefix
         self.env["RELAYGR_PARTITIONS"] = str(settings.partitions)
         self.env["RELAYGR_HOME"] = str(settings.home)
+        # Stages sign in as this process does, whatever the environment it inherited says.
+        for name in SECURITY_FIELDS:
+            self.env.pop(f"RELAYGR_{name.upper()}", None)
+        self.env.update(security_env(settings))
         self.env.setdefault("PYTHONUNBUFFERED", "1")
         self.log_dir = log_dir or Path(settings.home) / "logs"
         self.metrics_base_port = metrics_base_port
