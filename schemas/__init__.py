@@ -4,6 +4,7 @@ from relaygr.schemas.codec import SchemaError, decode, encode
 from relaygr.schemas.events import (
     ALL_EVENTS,
     SCHEMA_VERSION,
+    BehaviorBatch,
     BehaviorEvent,
     DeadLetter,
     Event,
@@ -22,6 +23,7 @@ from relaygr.schemas.topics import TopicRegistry, TopicSpec
 __all__ = [
     "ALL_EVENTS",
     "SCHEMA_VERSION",
+    "BehaviorBatch",
     "BehaviorEvent",
     "DeadLetter",
     "Event",

@@ -2,6 +2,8 @@
 
 Primitives:
 - ``BehaviorEvent``      — a user interacted with an item (``relaygr.behaviors``, key ``user_id``).
+- ``BehaviorBatch``      — consecutive behaviours of one user as the ingress routed them, columnar
+  (``relaygr.routed-behaviors``, key ``user_id``), each with the public record it came from.
 - ``RecommendationRequest`` — a user needs a ranked list (``relaygr.requests``, key ``user_id``).
 - ``RetrievedRequest``   — retrieval's candidates for a request (key ``user_id``).
 - ``PrefillSignal``      — the trigger's order to pre-infer a user's long-term prefix (key ``user_id``).
@@ -21,7 +23,7 @@ import math
 from enum import StrEnum
 from typing import Annotated, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
 
 SCHEMA_VERSION = 1
 
@@ -65,6 +67,37 @@ class BehaviorEvent(Event):
     item_id: ItemId
     ts: Timestamp
     action: int = Field(default=0, ge=0, le=255, description="interaction type; MovieLens: the rating 1..5")
+
+
+MAX_BATCH_EVENTS = 4096
+
+
+class BehaviorBatch(Event):
+    """One user's behaviours in the order the ingress forwarded them, one column per field.
+
+    A burst of long histories becomes a few records per user instead of one per event, so every
+    stage applies it at the cost of its events, not of Kafka records. ``source_partitions`` and
+    ``source_offsets`` name the public record each event came from: a reader drops what it
+    applied before (a copy forwarded twice)."""
+
+    kind: ClassVar[str] = "behavior_batch"
+    user_id: Id
+    item_ids: list[ItemId] = Field(min_length=1, max_length=MAX_BATCH_EVENTS)
+    timestamps: list[Timestamp] = Field(min_length=1, max_length=MAX_BATCH_EVENTS)
+    actions: list[Annotated[int, Field(ge=0, le=255)]] = Field(min_length=1, max_length=MAX_BATCH_EVENTS)
+    source_partitions: list[Annotated[int, Field(ge=0)]] = Field(min_length=1, max_length=MAX_BATCH_EVENTS)
+    source_offsets: list[Annotated[int, Field(ge=0)]] = Field(min_length=1, max_length=MAX_BATCH_EVENTS)
+
+    @model_validator(mode="after")
+    def _same_lengths(self) -> BehaviorBatch:
+        n = len(self.item_ids)
+        cols = (self.timestamps, self.actions, self.source_partitions, self.source_offsets)
+        if any(len(c) != n for c in cols):
+            raise ValueError("item_ids, timestamps, actions and source columns must have the same length")
+        return self
+
+    def __len__(self) -> int:
+        return len(self.item_ids)
 
 
 class RecommendationRequest(Event):
@@ -284,6 +317,7 @@ class WorkerStats(Event):
 
 ALL_EVENTS: tuple[type[Event], ...] = (
     BehaviorEvent,
+    BehaviorBatch,
     RecommendationRequest,
     RetrievedRequest,
     PrefillSignal,

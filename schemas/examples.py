@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from relaygr.schemas.events import (
+    BehaviorBatch,
     BehaviorEvent,
     DeadLetter,
     Event,
@@ -21,6 +22,14 @@ from relaygr.schemas.events import (
 def examples(ts: float = 1_700_000_000.0) -> list[Event]:
     return [
         BehaviorEvent(user_id="196", item_id=242, ts=ts - 60, action=3),
+        BehaviorBatch(
+            user_id="196",
+            item_ids=[242, 302],
+            timestamps=[ts - 60, ts - 30],
+            actions=[3, 4],
+            source_partitions=[1, 1],
+            source_offsets=[17, 18],
+        ),
         RecommendationRequest(request_id="req-1", user_id="196", ts=ts, num_candidates=64, label_item_id=302),
         RetrievedRequest(
             request_id="req-1",

@@ -4,8 +4,9 @@ Producers publish to the public ``behaviors`` and ``requests`` topics with whate
 their client has. The ingress stage re-keys every event by ``user_id`` onto the routed topics,
 whose partition the cascade picks itself, and annotates them with Kafka record headers:
 
-- ``HEADER_SOURCE`` on a routed behaviour: ``"<public partition>:<offset>"`` it came from, so a
-  reader can drop a copy that the ingress forwarded twice (after a crash between produce and commit).
+- (no header) a routed behaviours record is a ``BehaviorBatch``: one user's events, each with the
+  public partition and offset it came from, so a reader can drop a copy that the ingress forwarded
+  twice (after a crash between its produce and its commit).
 - ``HEADER_PROGRESS`` marks a *progress record* (no event) in every routed-behaviours partition:
   its value is ``Positions`` — for each public behaviours partition, the offset below which every
   record has been forwarded. A reader that applied a progress record has applied every earlier
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import json
 
-HEADER_SOURCE = "relaygr-src"
 HEADER_PROGRESS = "relaygr-progress"
 HEADER_NEEDS = "relaygr-needs"
 HEADER_ROUTED_AT = "relaygr-routed-at"

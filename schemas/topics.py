@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from relaygr.schemas.events import (
+    BehaviorBatch,
     BehaviorEvent,
     DeadLetter,
     Event,
@@ -68,7 +69,7 @@ class TopicRegistry:
             ),
             # The cascade's own copies of them, partitioned by user id with one partitioner. The
             # routed behaviours are every stage's history source, so they are kept like the input.
-            TopicSpec("routed_behaviors", f"{prefix}.routed-behaviors", BehaviorEvent, "user_id", p),
+            TopicSpec("routed_behaviors", f"{prefix}.routed-behaviors", BehaviorBatch, "user_id", p),
             TopicSpec(
                 "routed_requests",
                 f"{prefix}.routed-requests",

@@ -33,7 +33,7 @@ from prometheus_client import Counter as PCounter
 
 from relaygr.infra.broker import resolve_bootstrap
 from relaygr.infra.settings import Settings, kafka_client_kwargs
-from relaygr.schemas import DeadLetter, Event, SchemaError, decode, encode
+from relaygr.schemas import BehaviorBatch, DeadLetter, Event, SchemaError, decode, encode
 from relaygr.schemas.routing import HEADER_PROGRESS, HEADER_ROUTED_AT, decode_positions
 
 E = TypeVar("E", bound=Event)
@@ -109,7 +109,9 @@ async def ingest_batches(stage: str, stream: Any, decode_one: Any, apply: Any, t
         finally:
             stream._set_current_event(current)
         if failed is None:
-            BEHAVIOURS_APPLIED.labels(stage).inc(len(good))
+            BEHAVIOURS_APPLIED.labels(stage).inc(
+                sum(len(d) if isinstance(d, BehaviorBatch) else 1 for _, d in good)
+            )
         else:
             log.error("%s: applying %d behaviours failed", stage, len(good), exc_info=failed)
             for ev, _ in good:

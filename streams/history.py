@@ -12,9 +12,9 @@ Primitives:
 - ``HistoryAlignment(table)``: ``await wait(partition, needed, until)`` until the partition's
   progress covers ``needed`` (event-time alignment of a request with its user's behaviours), woken
   by ``notify()`` after each applied batch.
-- Routed input (``relaygr.schemas.routing``): a batch entry may name the public record it was
-  forwarded from, ``(offset, event, (source partition, source offset))``, and a copy of a record
-  already applied is dropped; ``progress=`` merges the ingress's progress records of the batch,
+- Routed input (``relaygr.schemas.routing``): a ``BehaviorBatch`` names the public record each of
+  its events was forwarded from (as may a single event: ``(offset, event, (partition, offset))``),
+  and a copy of an event already applied is dropped; ``progress=`` merges the ingress's progress records of the batch,
   and ``progress(partition)`` says which public behaviours every applied user history covers.
   Both are written in the batch's atomic write, like the offset.
 
@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from rocksdict import Options, Rdict, WriteBatch
 
-from relaygr.schemas import BehaviorEvent
+from relaygr.schemas import BehaviorBatch, BehaviorEvent
 from relaygr.schemas.routing import Positions, covers, decode_positions, encode_positions
 from relaygr.workers.prefix_kv import Events
 
@@ -73,14 +73,13 @@ class HistoryTable:
         self._db = Rdict(str(path), options=opts)
         self._lock = threading.Lock()
         self._offsets: dict[int, int] = {}
-        self._sources: dict[int, Positions] = {}  # routed partition -> source partition -> last applied
         self._progress: dict[int, Positions] = {}  # routed partition -> the ingress's progress
         self._cache: OrderedDict[str, bytearray] = OrderedDict()
         self._cache_bytes, self._cache_limit = 0, cache_bytes
 
     # Keys: "o/<partition>" -> last applied offset; "n/<user>" -> event count;
     # "e/<user>\0<seq:012d>" -> one packed record (sorted by seq within the user);
-    # "s/<partition>" -> last applied source offset per source partition (JSON);
+    # "s/<user>" -> last applied source offset per source partition (JSON);
     # "m/<partition>" -> the ingress's progress as of the last applied progress record (JSON).
     @staticmethod
     def _okey(partition: int) -> bytes:
@@ -118,6 +117,10 @@ class HistoryTable:
         with self._lock:
             return dict(self._positions(self._progress, b"m/", partition))
 
+    def _sources_of(self, user_id: str) -> Positions:
+        raw = self._db.get(b"s/" + user_id.encode())
+        return decode_positions(raw) if raw is not None else {}
+
     def _count(self, user_id: str) -> int:
         raw = self._db.get(self._nkey(user_id))
         return int(raw) if raw is not None else 0
@@ -133,44 +136,60 @@ class HistoryTable:
         *,
         progress: Positions | None = None,
     ) -> int:
-        """Apply a batch of one partition in offset order: ``(offset, event)`` or ``(offset,
-        event, (source partition, source offset))``; ``None`` as the event is an offset to skip
-        (a dead-lettered message, a progress record). ``progress`` is the newest progress record
+        """Apply a batch of one partition in offset order: ``(offset, event)``, ``(offset,
+        event, (source partition, source offset))`` or ``(offset, BehaviorBatch)`` (its events carry
+        their sources); ``None`` as the event is an offset to skip (a dead-lettered message, a
+        progress record). ``progress`` is the newest progress record
         of the batch. Returns how many events were applied."""
         with self._lock:
             start = self._next_offset(partition)
-            sources = self._positions(self._sources, b"s/", partition)
             marks = self._positions(self._progress, b"m/", partition)
             wb = WriteBatch(raw_mode=True)
             counts: dict[str, int] = {}
             new: dict[str, list[bytes]] = {}
-            last, applied, moved = None, 0, False
+            last, applied = None, 0
+            sources: dict[str, Positions] = {}  # user -> source partition -> last applied offset
+            moved: set[str] = set()
             for offset, ev, *src in batch:
                 if offset < start or (last is not None and offset <= last):
                     continue
                 last = offset
                 if ev is None:
                     continue
-                if src and src[0] is not None:
-                    q, src_offset = src[0]
-                    if src_offset <= sources.get(q, -1):
-                        continue  # forwarded twice (the ingress restarted before committing)
-                    sources[q] = src_offset
-                    moved = True
+                if isinstance(ev, BehaviorBatch):
+                    rows = zip(
+                        ev.item_ids,
+                        ev.actions,
+                        ev.timestamps,
+                        zip(ev.source_partitions, ev.source_offsets, strict=True),
+                        strict=True,
+                    )
+                else:
+                    rows = [(ev.item_id, ev.action, ev.ts, src[0] if src else None)]
                 u = ev.user_id
-                if u not in counts:
-                    counts[u] = self._count(u)
-                rec = _RECORD_STRUCT.pack(ev.item_id, ev.action, ev.ts)
-                wb.put(self._ekey(u, counts[u]), rec)
-                counts[u] += 1
-                new.setdefault(u, []).append(rec)
-                applied += 1
+                for item, action, ts, source in rows:
+                    if source is not None:
+                        # Per user and source partition the ingress forwards in offset order.
+                        if u not in sources:
+                            sources[u] = self._sources_of(u)
+                        q, src_offset = source
+                        if src_offset <= sources[u].get(q, -1):
+                            continue  # forwarded twice (the ingress restarted before committing)
+                        sources[u][q] = src_offset
+                        moved.add(u)
+                    if u not in counts:
+                        counts[u] = self._count(u)
+                    rec = _RECORD_STRUCT.pack(item, action, ts)
+                    wb.put(self._ekey(u, counts[u]), rec)
+                    counts[u] += 1
+                    new.setdefault(u, []).append(rec)
+                    applied += 1
             if last is None:
                 return 0
             for u, n in counts.items():
                 wb.put(self._nkey(u), str(n).encode())
-            if moved:
-                wb.put(b"s/" + str(partition).encode(), encode_positions(sources))
+            for u in moved:
+                wb.put(b"s/" + u.encode(), encode_positions(sources[u]))
             if progress:
                 for q, pos in progress.items():
                     marks[q] = max(marks.get(q, 0), pos)

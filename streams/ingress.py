@@ -1,8 +1,9 @@
 """Ingress stage: the cascade's own co-partitioning of whatever the producers wrote.
 
 Topology (plain aiokafka; two consumer groups, so requests never queue behind behaviours):
-  behaviors (any partitioner) ──> validate ──> routed-behaviors (partition = partition_for(user_id))
-                                          └──> a progress record in every routed partition
+  behaviors (any partitioner) ──> validate ──> routed-behaviors (partition = partition_for(user_id)):
+                                               one BehaviorBatch per user per fetch, and
+                                               a progress record in every routed partition
   requests  (any partitioner) ──> validate ──> routed-requests  (partition = partition_for(user_id)),
                                                with the behaviours' end offsets it must see
   bad input ──> dead-letters (reason, original bytes)
@@ -21,7 +22,8 @@ be partial). Requests are forwarded at once, never behind a behaviour backlog.
 Behaviours go out as one produce batch per routed partition per fetch (each ending with its
 progress record, which therefore follows every behaviour it covers), and their offsets are
 committed once the batches are acknowledged: at least once, and a re-forwarded copy carries its
-source offset so that readers drop it.
+source offsets so that readers drop it. A user's events of one fetch travel as one
+``BehaviorBatch`` record, so the stages behind pay per burst, not per event, in Kafka records.
 
 Primitives: ``Ingress(settings, worker_id)`` with ``run()`` / ``stop()``; ``main(...)``.
 """
@@ -41,12 +43,18 @@ from prometheus_client import Histogram
 
 from relaygr.infra.kafka import consumer, partition_for, producer
 from relaygr.infra.settings import Settings
-from relaygr.schemas import BehaviorEvent, RecommendationRequest, SchemaError, TopicRegistry, encode
+from relaygr.schemas import (
+    BehaviorBatch,
+    BehaviorEvent,
+    RecommendationRequest,
+    SchemaError,
+    TopicRegistry,
+    encode,
+)
 from relaygr.schemas.routing import (
     HEADER_NEEDS,
     HEADER_PROGRESS,
     HEADER_ROUTED_AT,
-    HEADER_SOURCE,
     Positions,
     encode_positions,
 )
@@ -72,6 +80,8 @@ HOP = Histogram(
 # when the backlog is drained): alignment waits at most this long for one.
 PROGRESS_EVERY_S = 0.01
 BEHAVIOUR_FETCH = 5000
+# Events per routed record: a burst of one user's history costs downstream stages a few records.
+ROUTED_BATCH = 2000
 COMMIT_EVERY_S = 0.2
 
 
@@ -221,7 +231,8 @@ class Ingress:
         while True:
             batch = await self.beh_consumer.getmany(timeout_ms=50, max_records=BEHAVIOUR_FETCH)
             count = len(self.beh_consumer.partitions_for_topic(src) or ()) or n_out
-            out: dict[int, list[tuple[bytes, bytes, list]]] = {}
+            # routed partition -> user -> columns of that user's events, in fetch order
+            users: dict[int, dict[str, tuple[list, list, list, list, list]]] = {}
             dead = []
             n = 0
             for tp, msgs in batch.items():
@@ -233,13 +244,18 @@ class Ingress:
                         continue
                     key = b.key()
                     self._check_partition(src, tp.partition, key, count)
-                    source = f"{tp.partition}:{m.offset}".encode()
-                    out.setdefault(partition_for(key, n_out), []).append(
-                        (key, m.value, [(HEADER_SOURCE, source)])
-                    )
+                    cols = users.setdefault(partition_for(key, n_out), {}).get(b.user_id)
+                    if cols is None:
+                        cols = users[partition_for(key, n_out)][b.user_id] = ([], [], [], [], [])
+                    cols[0].append(b.item_id)
+                    cols[1].append(b.ts)
+                    cols[2].append(b.action)
+                    cols[3].append(tp.partition)
+                    cols[4].append(m.offset)
                     n += 1
                 if msgs:
                     forwarded[tp.partition] = msgs[-1].offset + 1
+            out = {p: [_batch_record(uid, cols) for uid, cols in per.items()] for p, per in users.items()}
             for tp in self.beh_consumer.assignment():
                 if tp.partition not in forwarded:
                     # Nothing read from it yet: what was before its start position is forwarded.
@@ -250,7 +266,9 @@ class Ingress:
             if forwarded != marked and (not batch or now - last_progress >= PROGRESS_EVERY_S):
                 progress = encode_positions(forwarded)
             if out or progress is not None:
-                await self._send_behaviours(dst, out, progress, n_out)
+                await self._send_behaviours(
+                    dst, {p: [r for recs in v for r in recs] for p, v in out.items()}, progress, n_out
+                )
                 if progress is not None:
                     marked, last_progress = dict(forwarded), now
                     PROGRESS.inc(n_out)
@@ -289,6 +307,25 @@ class Ingress:
             lambda: self.beh_producer.send_batch(builder, topic, partition=partition),
             what="routed behaviours",
         )
+
+
+def _batch_record(user_id: str, cols: tuple[list, list, list, list, list]) -> list[tuple[bytes, bytes, list]]:
+    """One user's routed events as ``BehaviorBatch`` records of at most ``ROUTED_BATCH`` events
+    (key, value, headers). Every event was validated on the way in, so no validation again."""
+    key = user_id.encode()
+    out = []
+    for i in range(0, len(cols[0]), ROUTED_BATCH):
+        part = slice(i, i + ROUTED_BATCH)
+        rec = BehaviorBatch.model_construct(
+            user_id=user_id,
+            item_ids=cols[0][part],
+            timestamps=cols[1][part],
+            actions=cols[2][part],
+            source_partitions=cols[3][part],
+            source_offsets=cols[4][part],
+        )
+        out.append((key, encode(rec), []))
+    return out
 
 
 async def _commit(cons: Any) -> None:

@@ -21,7 +21,7 @@ from prometheus_client import Counter as PCounter
 
 from relaygr.infra.settings import Settings
 from relaygr.schemas import (
-    BehaviorEvent,
+    BehaviorBatch,
     RankRequest,
     RetrievedRequest,
     TopicRegistry,
@@ -96,13 +96,13 @@ def build(settings: Settings, p: PipelineSettings, worker_id: str = "0"):
 
     to_dlq = faust_dead_letterer(STAGE, dlq)
 
-    def decode_behavior(ev) -> BehaviorEvent:
-        return decode_keyed(BehaviorEvent, ev.key, ev.value, limit)
+    def decode_behavior(ev) -> BehaviorBatch:
+        return decode_keyed(BehaviorBatch, ev.key, ev.value, limit)
 
     def on_behaviors(batch: list, as_event) -> None:
         by_user: dict[str, tuple] = {}  # user -> (an event of the user, its (item, ts) in order)
         for ev, b in batch:
-            by_user.setdefault(b.user_id, (ev, []))[1].append((b.item_id, b.ts))
+            by_user.setdefault(b.user_id, (ev, []))[1].extend(zip(b.item_ids, b.timestamps, strict=True))
         for user, (ev, items) in by_user.items():
             as_event(ev)  # every write of this user goes to its partition's changelog
             seen_add(seen.get, seen.__setitem__, user, items)

@@ -41,7 +41,7 @@ from prometheus_client import Gauge, Histogram
 from relaygr.infra.kafka import consumer, producer
 from relaygr.infra.settings import Settings
 from relaygr.schemas import (
-    BehaviorEvent,
+    BehaviorBatch,
     PrefillSignal,
     RankedResult,
     RankPath,
@@ -52,7 +52,7 @@ from relaygr.schemas import (
     WorkerStats,
     encode,
 )
-from relaygr.schemas.routing import HEADER_PROGRESS, HEADER_SOURCE, Positions, decode_positions
+from relaygr.schemas.routing import HEADER_PROGRESS, Positions, decode_positions
 from relaygr.streams.common import BEHAVIOURS_APPLIED, DEAD_LETTERS, dead_letter, decode_keyed, deliver
 from relaygr.streams.config import PipelineSettings, engine_config
 from relaygr.streams.history import HistoryAlignment, HistoryTable
@@ -287,8 +287,8 @@ class RankingWorker:
     # ------------------------------------------------------------------ handlers
 
     def _apply_behaviours(self, tp: TopicPartition, msgs: list) -> None:
-        """One fetched batch of a routed-behaviours partition into the history table: events
-        with their source position, progress records merged into the partition's progress."""
+        """One fetched batch of a routed-behaviours partition into the history table: each
+        user's events with their sources, progress records merged into the partition's progress."""
         batch: list[tuple] = []
         progress: Positions = {}
         for m in msgs:
@@ -301,15 +301,9 @@ class RankingWorker:
                     self._spawn_dead_letter(tp, m, f"unreadable progress record: {e}")
                 batch.append((m.offset, None))
                 continue
-            src = None
-            raw = headers.get(HEADER_SOURCE)
-            if raw is not None:
-                q, _, off = raw.partition(b":")
-                with contextlib.suppress(ValueError):
-                    src = (int(q), int(off))
-            batch.append((m.offset, self._behavior(tp, m), src))
+            batch.append((m.offset, self._behavior(tp, m)))
         applied = self.history.append_many(tp.partition, batch, progress=progress or None)
-        events = sum(1 for b in batch if b[1] is not None)
+        events = sum(len(b[1]) for b in batch if b[1] is not None)
         BEHAVIOURS_APPLIED.labels(STAGE).inc(applied)
         if applied < events:
             DUPLICATES.inc(events - applied)
@@ -325,9 +319,9 @@ class RankingWorker:
             return True
         return await self.alignment.wait(partition, needed, until)
 
-    def _behavior(self, tp: TopicPartition, m) -> BehaviorEvent | None:
+    def _behavior(self, tp: TopicPartition, m) -> BehaviorBatch | None:
         try:
-            return decode_keyed(BehaviorEvent, m.key, m.value, self.settings.max_message_bytes)
+            return decode_keyed(BehaviorBatch, m.key, m.value, self.settings.max_message_bytes)
         except SchemaError as e:
             self._spawn_dead_letter(tp, m, str(e))
             return None

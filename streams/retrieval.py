@@ -26,7 +26,7 @@ from prometheus_client import Histogram
 
 from relaygr.infra.settings import Settings
 from relaygr.schemas import (
-    BehaviorEvent,
+    BehaviorBatch,
     PrefillSignal,
     RecommendationRequest,
     RetrievedRequest,
@@ -81,6 +81,9 @@ class CandidateGenerator:
     def observe(self, item_id: int) -> None:
         self.popularity[item_id] += 1
 
+    def observe_many(self, item_ids: list[int]) -> None:
+        self.popularity.update(item_ids)
+
     def candidates(self, recent_items: list[int], k: int) -> list[int]:
         k = min(k, self.num_items)
         known = [i for i in recent_items if 0 < i <= self.num_items]
@@ -96,12 +99,22 @@ class CandidateGenerator:
         return [int(i) for i in top[np.argsort(-scores[top], kind="stable")]]
 
 
-def summary_add(summary: dict | None, item_id: int, ts: float) -> dict:
-    """A user's history as retrieval needs it: its length and its most recent items (O(1) per event,
-    so the table's changelog carries small values however long the history grows)."""
+def summary_add(summary: dict | None, batch: BehaviorBatch) -> dict:
+    """A user's history as retrieval needs it: its length, its most recent items, and per public
+    partition the last source offset applied (a copy the ingress forwarded twice is skipped).
+    O(1) per event, so the table's changelog carries small values however long the history grows."""
     s = summary or {"n": 0, "r": []}
-    s["n"] += 1
-    s["r"] = [*s["r"][-(RECENT - 1) :], [item_id, ts]] if RECENT > 1 else [[item_id, ts]]
+    src = s.setdefault("s", {})
+    recent = s["r"]
+    for item, ts, q, off in zip(
+        batch.item_ids, batch.timestamps, batch.source_partitions, batch.source_offsets, strict=True
+    ):
+        if off <= src.get(str(q), -1):
+            continue
+        src[str(q)] = off
+        s["n"] += 1
+        recent.append([item, ts])
+    s["r"] = recent[-RECENT:]
     return s
 
 
@@ -138,7 +151,7 @@ def build(settings: Settings, p: PipelineSettings, worker_id: str = "0"):
     out_prefill, out_retrieved = raw_topic(app, reg.name("prefill")), raw_topic(app, reg.name("retrieved"))
     dlq = raw_topic(app, reg.name("dead_letters"))
     # The value format is part of the table's name: a format change starts a fresh table.
-    histories = app.Table("summaries-v1", default=None, partitions=settings.partitions)
+    histories = app.Table("summaries-v2", default=None, partitions=settings.partitions)
     emb, bytes_per_token = load_item_embeddings(p)
     gen = CandidateGenerator(emb)
     trigger = SequenceAwareTrigger(trigger_config(p, bytes_per_token), load_latency(p))
@@ -147,15 +160,15 @@ def build(settings: Settings, p: PipelineSettings, worker_id: str = "0"):
 
     to_dlq = faust_dead_letterer(STAGE, dlq)
 
-    def decode_behavior(ev) -> BehaviorEvent:
-        return decode_keyed(BehaviorEvent, ev.key, ev.value, limit)
+    def decode_behavior(ev) -> BehaviorBatch:
+        return decode_keyed(BehaviorBatch, ev.key, ev.value, limit)
 
     def on_behaviors(batch: list, as_event) -> None:
         summaries: dict[str, tuple] = {}  # user -> (its last event, summary)
         for ev, b in batch:
             s = summaries[b.user_id][1] if b.user_id in summaries else histories.get(b.user_id)
-            summaries[b.user_id] = (ev, summary_add(s, b.item_id, b.ts))
-            gen.observe(b.item_id)
+            summaries[b.user_id] = (ev, summary_add(s, b))
+            gen.observe_many(b.item_ids)
         for user, (ev, s) in summaries.items():
             as_event(ev)
             histories[user] = s

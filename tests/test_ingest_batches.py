@@ -5,6 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from relaygr.schemas import BehaviorEvent, encode
+from relaygr.schemas.routing import HEADER_PROGRESS
 from relaygr.streams.common import decode_keyed, ingest_batches
 
 
@@ -31,9 +32,11 @@ class _Stream:
         self.current_event = ev
 
 
-def _ev(user: str, item: int, *, key: str | None = None, raw: bytes | None = None):
+def _ev(user: str, item: int, *, key: str | None = None, raw: bytes | None = None, headers=None):
     value = raw if raw is not None else encode(BehaviorEvent(user_id=user, item_id=item, ts=float(item)))
-    return SimpleNamespace(key=(key or user).encode(), value=value, message=SimpleNamespace(partition=0))
+    return SimpleNamespace(
+        key=(key or user).encode(), value=value, headers=headers or {}, message=SimpleNamespace(partition=0)
+    )
 
 
 def _decode(ev) -> BehaviorEvent:
@@ -84,3 +87,18 @@ async def test_a_failing_apply_dead_letters_its_batch_and_ingestion_goes_on() ->
     assert stream.buffered == [True, True]
     assert [ev for ev, _ in dead] == first
     assert all("internal error in test: RuntimeError: table unavailable" in r for _, r in dead)
+
+
+async def test_progress_records_are_skipped_not_dead_lettered() -> None:
+    progress = _ev("", 0, raw=b'{"0": 5}', headers={HEADER_PROGRESS: b"1"})
+    stream = _Stream([[_ev("u1", 1), progress, _ev("u1", 2)], [progress]])
+    applied, dead = [], []
+
+    def apply(pairs, as_event) -> None:
+        applied.extend(b.item_id for _, b in pairs)
+
+    async def to_dlq(ev, reason: str) -> None:
+        dead.append(reason)
+
+    await ingest_batches("test", stream, _decode, apply, to_dlq)
+    assert applied == [1, 2] and dead == []

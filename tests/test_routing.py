@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from relaygr.infra.kafka import partition_for
-from relaygr.schemas import BehaviorEvent
+from relaygr.schemas import BehaviorBatch, BehaviorEvent
 from relaygr.schemas.routing import covers, decode_positions, encode_positions, missing
 from relaygr.streams.history import HistoryAlignment, HistoryTable
 from relaygr.streams.preprocess import SEEN_CHUNK, seen_add, seen_before
@@ -68,6 +68,32 @@ def test_history_drops_copies_forwarded_twice_and_keeps_progress(tmp_path) -> No
     assert reopened.append_many(0, [(6, _ev("u", 2, 2.0), (2, 11))]) == 0
     assert reopened.get("u").item_ids.tolist() == [1, 2, 3]
     reopened.close()
+
+
+def test_history_applies_routed_batches_once(tmp_path) -> None:
+    h = HistoryTable(tmp_path / "h")
+
+    def batch(user, items, offsets, q=1):
+        return BehaviorBatch(
+            user_id=user,
+            item_ids=items,
+            timestamps=[float(i) for i in items],
+            actions=[1] * len(items),
+            source_partitions=[q] * len(items),
+            source_offsets=offsets,
+        )
+
+    # Two users whose events interleave on one public partition: the ingress groups them by user,
+    # so per routed partition the source offsets are not in order, only per user.
+    first = [(0, batch("u", [1, 2, 3], [4, 6, 8])), (1, batch("v", [7, 8], [5, 7])), (2, None)]
+    assert h.append_many(2, first, progress={1: 9}) == 5
+    # A re-forwarded fetch overlaps what was applied: only its new events count.
+    again = [(3, batch("u", [2, 3, 4], [6, 8, 9])), (4, batch("v", [8], [7])), (5, batch("u", [9], [0], q=0))]
+    assert h.append_many(2, again) == 2
+    assert h.get("u").item_ids.tolist() == [1, 2, 3, 4, 9]
+    assert h.get("v").item_ids.tolist() == [7, 8]
+    assert h.progress(2) == {1: 9}
+    h.close()
 
 
 async def test_alignment_waits_for_progress_and_gives_up_at_its_bound(tmp_path) -> None:
