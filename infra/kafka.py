@@ -29,7 +29,11 @@ class TopicError(RuntimeError):
 
 
 def _common(settings: Settings) -> dict[str, Any]:
-    return {"bootstrap_servers": resolve_bootstrap(settings), **kafka_client_kwargs(settings)}
+    return {
+        "bootstrap_servers": resolve_bootstrap(settings),
+        "metadata_max_age_ms": settings.metadata_max_age_ms,
+        **kafka_client_kwargs(settings),
+    }
 
 
 def producer(settings: Settings, **kw: Any) -> AIOKafkaProducer:
