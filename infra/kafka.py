@@ -59,7 +59,11 @@ async def group_lag(client: AIOKafkaAdminClient, cons: AIOKafkaConsumer, group: 
 
 
 def _common(settings: Settings) -> dict[str, Any]:
-    return {"bootstrap_servers": resolve_bootstrap(settings), **kafka_client_kwargs(settings)}
+    return {
+        "bootstrap_servers": resolve_bootstrap(settings),
+        "metadata_max_age_ms": settings.metadata_max_age_ms,
+        **kafka_client_kwargs(settings),
+    }
 
 
 def producer(settings: Settings, **kw: Any) -> AIOKafkaProducer:

@@ -86,6 +86,13 @@ class Settings(BaseSettings):
     ssl_certfile: Path | None = Field(default=None, description="Client certificate (mutual TLS).")
     ssl_keyfile: Path | None = Field(default=None, description="Client private key (mutual TLS).")
 
+    metadata_max_age_ms: int = Field(
+        default=30_000,
+        ge=100,
+        description="How often every Kafka client refreshes the cluster's metadata: how soon a running "
+        "stage notices a topic deleted and created again.",
+    )
+
     max_message_bytes: int = Field(
         default=1_048_576,
         ge=1024,

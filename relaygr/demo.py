@@ -209,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _prefill_outcomes(workers_dir: Path) -> dict[str, int]:
     out: Counter[str] = Counter()
-    for f in workers_dir.glob("*/events.jsonl"):
+    for f in workers_dir.glob("**/events.jsonl"):
         for line in f.read_text().splitlines():
             e = json.loads(line)
             if e.get("event") == "prefill":

@@ -2,8 +2,9 @@
 
 Primitives:
 - ``make_app(stage, settings, worker_id)``: a faust app bound to this deployment's broker and
-  security settings, RocksDB (rocksdict) table store, web server off (metrics are served by
-  ``serve_metrics`` on loopback instead).
+  security settings, RocksDB (rocksdict) table store checked against the cluster (see
+  ``table_lineage``) in a folder of this topic prefix's own, web server off (metrics are served
+  by ``serve_metrics`` on loopback instead).
 - ``raw_topic(app, name)``: bytes in, bytes out — decoding is ours, so that bad input reaches
   the dead-letter topic with its reason instead of crashing faust's deserializer.
 - ``dead_letter(...)``: the ``DeadLetter`` record of a message a stage could not use.
@@ -15,6 +16,7 @@ Primitives:
   time (bad events to the dead-letter topic, one table write per user per batch; the ingress's progress
   records skipped).
 - ``deliver(send)``: a produce that retries until the broker acknowledges it.
+- ``commit_existing(consumer, offsets)``: a bounded commit that skips topics gone from the cluster.
 - ``serve_metrics(port)``: the Prometheus endpoint of this process, bound to 127.0.0.1.
 - ``freeze_heap()``: exempt what a stage set up at start from Python's full collections.
 """
@@ -26,7 +28,6 @@ import base64
 import gc
 import logging
 import time
-from pathlib import Path
 from typing import Any, TypeVar
 
 from prometheus_client import Counter as PCounter
@@ -35,6 +36,7 @@ from relaygr.infra.broker import resolve_bootstrap
 from relaygr.infra.settings import Settings, kafka_client_kwargs
 from relaygr.schemas import BehaviorBatch, DeadLetter, Event, SchemaError, decode, encode
 from relaygr.schemas.routing import HEADER_PROGRESS, HEADER_ROUTED_AT, decode_positions
+from relaygr.streams.state_lineage import deployment_dir
 
 E = TypeVar("E", bound=Event)
 log = logging.getLogger(__name__)
@@ -73,6 +75,21 @@ async def deliver(send: Any, *, what: str, attempts: int = 0, max_backoff_s: flo
                 log.warning("delivering %s failed (%s: %s); retrying", what, type(e).__name__, e)
             await asyncio.sleep(backoff)
             backoff = min(max_backoff_s, backoff * 2)
+
+
+async def commit_existing(consumer: Any, offsets: dict[Any, int], *, timeout_s: float = 2.0) -> None:
+    """Commit ``offsets`` of the topics the consumer's metadata still knows, giving up after
+    ``timeout_s``. aiokafka retries a commit to a deleted topic without end, which would hold up
+    the consuming loop and any rebalance until the topic came back."""
+    live = {tp: o for tp, o in offsets.items() if consumer.partitions_for_topic(tp.topic)}
+    if not live:
+        return
+    try:
+        await asyncio.wait_for(consumer.commit(live), timeout_s)
+    except TimeoutError:
+        log.warning(
+            "committing offsets of %s timed out; the next commit retries", sorted({t.topic for t in live})
+        )
 
 
 # Behaviours are applied in batches: one table write (one changelog record) per user per batch
@@ -175,12 +192,16 @@ def dead_letter(
 def make_app(stage: str, settings: Settings, worker_id: str, **overrides: Any):
     import faust
 
+    from relaygr.streams import table_lineage
+
     bootstrap = resolve_bootstrap(settings)
-    datadir = Path(settings.home) / "stages" / f"{stage}-{worker_id}"
+    # Per topic prefix: two deployments under one RELAYGR_HOME never share table state.
+    datadir = deployment_dir(settings, "stages") / f"{stage}-{worker_id}"
     datadir.mkdir(parents=True, exist_ok=True)
     conf: dict[str, Any] = {
         "broker": [f"kafka://{hp.strip()}" for hp in bootstrap.split(",")],
-        "store": "rocksdb://",
+        # RocksDB tables whose partitions are checked against the cluster before use.
+        "store": table_lineage.STORE_URL,
         "datadir": str(datadir),
         "topic_partitions": settings.partitions,
         "topic_replication_factor": settings.replication_factor,
@@ -190,12 +211,16 @@ def make_app(stage: str, settings: Settings, worker_id: str, **overrides: Any):
         "processing_guarantee": "at_least_once",
         "table_cleanup_interval": 3600.0,
         "stream_wait_empty": False,
+        "consumer_metadata_max_age_ms": settings.metadata_max_age_ms,
+        "producer_metadata_max_age_ms": settings.metadata_max_age_ms,
     }
     creds = faust_credentials(settings)
     if creds is not None:
         conf["broker_credentials"] = creds
     conf.update(overrides)
-    return faust.App(f"{settings.topic_prefix}-{stage}", **conf)
+    app = faust.App(f"{settings.topic_prefix}-{stage}", **conf)
+    table_lineage.attach(app, stage, settings, datadir)
+    return app
 
 
 def faust_credentials(settings: Settings):

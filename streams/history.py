@@ -8,6 +8,9 @@ Primitives:
   resumes at ``next_offset(partition)``. Reads come from a byte-bounded in-memory copy (LRU per
   user) that is rebuilt from RocksDB on a miss, so the ranking path never re-reads a long history
   from disk and an append costs one record, not a rewrite of the history.
+- ``partition_users(partition)`` / ``discard_partition(partition)``: the users whose events came
+  from a partition, and dropping everything it contributed (its state no longer matches the
+  cluster: see ``relaygr.streams.state_lineage``).
 - ``pack`` / ``unpack``: a history as fixed-width records (item int64, action int16, ts float64).
 - ``HistoryAlignment(table)``: ``await wait(partition, needed, until)`` until the partition's
   progress covers ``needed`` (event-time alignment of a request with its user's behaviours), woken
@@ -81,6 +84,7 @@ class HistoryTable:
     # "e/<user>\0<seq:012d>" -> one packed record (sorted by seq within the user);
     # "s/<user>" -> last applied source offset per source partition (JSON);
     # "m/<partition>" -> the ingress's progress as of the last applied progress record (JSON).
+    # "u/<partition>\0<user>" -> b"": the user's events came from that partition.
     @staticmethod
     def _okey(partition: int) -> bytes:
         return b"o/" + str(partition).encode()
@@ -88,6 +92,10 @@ class HistoryTable:
     @staticmethod
     def _nkey(user_id: str) -> bytes:
         return b"n/" + user_id.encode()
+
+    @staticmethod
+    def _ukey(partition: int, user_id: str) -> bytes:
+        return b"u/%d\x00" % partition + user_id.encode()
 
     @staticmethod
     def _ekey(user_id: str, seq: int) -> bytes:
@@ -179,6 +187,8 @@ class HistoryTable:
                         moved.add(u)
                     if u not in counts:
                         counts[u] = self._count(u)
+                        if counts[u] == 0:
+                            wb.put(self._ukey(partition, u), b"")
                     rec = _RECORD_STRUCT.pack(item, action, ts)
                     wb.put(self._ekey(u, counts[u]), rec)
                     counts[u] += 1
@@ -240,6 +250,44 @@ class HistoryTable:
         if before_ts is not None and len(rec):
             rec = rec[rec["ts"] < before_ts]
         return to_events(rec)
+
+    def partition_users(self, partition: int) -> list[str]:
+        """Users whose events came from ``partition``."""
+        with self._lock:
+            return self._partition_users(partition)
+
+    def _partition_users(self, partition: int) -> list[str]:
+        prefix = self._ukey(partition, "")
+        users = []
+        for key in self._db.keys(from_key=prefix):
+            if not key.startswith(prefix):
+                break
+            users.append(key[len(prefix) :].decode())
+        return users
+
+    def discard_partition(self, partition: int) -> int:
+        """Delete what ``partition`` contributed (its users' events and counts, its offset), so
+        that it is read again from offset 0. Returns how many events were deleted."""
+        with self._lock:
+            wb = WriteBatch(raw_mode=True)
+            events = 0
+            for u in self._partition_users(partition):
+                n = self._count(u)
+                events += n
+                if n:
+                    wb.delete_range(self._ekey(u, 0), self._ekey(u, n))
+                wb.delete(self._nkey(u))
+                wb.delete(b"s/" + u.encode())  # its routed sources: a new topic starts at 0
+                wb.delete(self._ukey(partition, u))
+                cached = self._cache.pop(u, None)
+                if cached is not None:
+                    self._cache_bytes -= len(cached)
+            wb.delete(self._okey(partition))
+            wb.delete(b"m/" + str(partition).encode())  # the ingress's progress in the old topic
+            self._db.write(wb)
+            self._offsets.pop(partition, None)
+            self._progress.pop(partition, None)
+            return events
 
     def close(self) -> None:
         self._db.close()

@@ -31,7 +31,6 @@ import logging
 import signal
 import time
 from collections import Counter, OrderedDict
-from pathlib import Path
 
 import torch
 from aiokafka import ConsumerRebalanceListener, TopicPartition
@@ -53,9 +52,17 @@ from relaygr.schemas import (
     encode,
 )
 from relaygr.schemas.routing import HEADER_PROGRESS, Positions, decode_positions
-from relaygr.streams.common import BEHAVIOURS_APPLIED, DEAD_LETTERS, dead_letter, decode_keyed, deliver
+from relaygr.streams.common import (
+    BEHAVIOURS_APPLIED,
+    DEAD_LETTERS,
+    commit_existing,
+    dead_letter,
+    decode_keyed,
+    deliver,
+)
 from relaygr.streams.config import PipelineSettings, engine_config
 from relaygr.streams.history import HistoryAlignment, HistoryTable
+from relaygr.streams.state_lineage import HistoryLineage, deployment_dir
 from relaygr.workers.devices import keep_host_pages
 from relaygr.workers.latency_model import LatencyModel
 from relaygr.workers.model import HSTURanker
@@ -129,7 +136,7 @@ class RankingWorker:
         self.settings, self.p, self.worker_id = settings, p, worker_id
         self.reg = TopicRegistry(settings.topic_prefix, settings.partitions)
         self.static_membership = static_membership
-        self.dir = Path(settings.home) / "workers" / worker_id
+        self.dir = deployment_dir(settings, "workers") / worker_id  # per topic prefix
         self.dir.mkdir(parents=True, exist_ok=True)
         self.model = HSTURanker.load(p.model_dir, device=p.device)
         self.latency = self._latency_model()
@@ -155,6 +162,7 @@ class RankingWorker:
         self.engine = RankingEngine(self.model, self.store, self.scheduler, engine_config(p), self.latency)
         self.history = HistoryTable(self.dir / "history")
         self.alignment = HistoryAlignment(self.history)
+        self.lineage = HistoryLineage(STAGE, settings, self.dir, self.history, self.store)
         self.tracker = OffsetTracker()
         self.tasks: set[asyncio.Task] = set()
         self.counts: Counter[str] = Counter()
@@ -203,10 +211,14 @@ class RankingWorker:
         await self.producer.start()
         await self.consumer.start()
         stats = asyncio.create_task(self._publish_stats())
+        lineage = asyncio.create_task(self.lineage.watch(self.consumer, self.reg.name("routed_behaviors")))
         try:
             await self._loop()
         finally:
             stats.cancel()
+            lineage.cancel()
+            with contextlib.suppress(Exception):
+                await self.lineage.close()
             await self._drain(set(self.assigned), timeout_s=30)
             with contextlib.suppress(Exception):
                 await self._commit()
@@ -277,7 +289,7 @@ class RankingWorker:
             if tp.topic == beh:
                 offsets[tp] = self.history.next_offset(tp.partition)
         if offsets:
-            await self.consumer.commit(offsets)
+            await commit_existing(self.consumer, offsets)
 
     async def _drain(self, tps: set[TopicPartition], timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -529,13 +541,15 @@ class _Rebalance(ConsumerRebalanceListener):
         with contextlib.suppress(Exception):
             offsets = self.w.tracker.committable(revoked)
             if offsets:
-                await self.w.consumer.commit(offsets)
+                await commit_existing(self.w.consumer, offsets)
         self.w.tracker.forget(revoked)
         self.w.assigned -= revoked
 
     async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
         self.w.assigned |= set(assigned)
         beh = self.w.reg.name("routed_behaviors")
+        # Histories built from another cluster or an earlier incarnation of the topic are dropped.
+        await self.w.lineage.verify(beh, [tp.partition for tp in assigned if tp.topic == beh])
         for tp in assigned:
             if tp.topic == beh:
                 # The history table knows how far it got: resume there, not at the group offset.

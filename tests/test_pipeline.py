@@ -75,7 +75,7 @@ async def _run(kafka_settings, tmp_path_factory, model_dir, traffic, mode: str, 
         pipe.stop()
         await delete_topics_with_prefix(settings, prefix)
     events = []
-    for f in Path(settings.home, "workers").glob("*/events.jsonl"):
+    for f in Path(settings.home, "workers").glob("**/events.jsonl"):
         events += [json.loads(line) for line in f.read_text().splitlines()]
     return Run(sent, results, events, metrics, dead, reg)
 

@@ -173,7 +173,7 @@ async def test_overload_sheds_prefill_truncates_and_times_out(
 
 async def _results_by(s: Settings, worker: str, at_least: int, timeout_s: float = 120.0) -> None:
     """Wait until ``worker`` has published ``at_least`` results (from its own event log)."""
-    log = Path(s.home) / "workers" / worker / "events.jsonl"
+    log = Path(s.home) / "workers" / s.topic_prefix / worker / "events.jsonl"
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     while loop.time() < deadline:

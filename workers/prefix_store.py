@@ -13,6 +13,8 @@ Primitives:
   - ``await get_or_compute(user_id, history, compute, at_least=n) -> (PrefixKV, source)``: a
     cached prefix of ``history`` at least ``n`` long, else one computation per key however many
     callers ask at once (``compute`` gets the best valid shorter prefix to extend, or ``None``).
+  - ``forget(user_ids)``: drop these users' prefixes from every tier, leases included (the
+    histories they were computed from are gone).
   - ``put``, ``cached_length``, ``in_flight``, ``wait_in_flight``, ``where``, ``expire_leases``, ``metrics``,
     ``flush``, ``close``.
 - ``Lookup``, ``LeaseResult``: results.
@@ -43,7 +45,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -481,7 +483,7 @@ class PrefixStore:
                 if entry is not None:
                     entry.on_disk = False
 
-    def _delete_job(self, key: StoreKey, seq: int) -> None:
+    def _delete_job(self, key: StoreKey, seq: int | None) -> None:
         assert self._disk is not None
         try:
             self._disk.delete(key, seq)
@@ -797,6 +799,33 @@ class PrefixStore:
         except (TimeoutError, Exception):
             return None
         return prefix
+
+    def forget(self, user_ids: Iterable[UserId]) -> int:
+        """Drop every copy of these users' prefixes: memory tiers, leases, queued and stored disk
+        copies. Returns how many users had one. Blocks until the disk copies are deleted."""
+        forgotten = 0
+        with self._lock:
+            for user_id in user_ids:
+                key = self._key(user_id)
+                had = self._remove(key) is not None
+                if key in self._leases:
+                    self._drop_lease(key)
+                if self._disk is not None and self._writer is not None:
+                    pend = self._pending.get(key)
+                    meta = self._disk.meta(key)
+                    had = had or pend is not None or meta is not None
+                    if meta is not None:
+                        self._disk.hide(key, meta.seq)
+                    if (pend is not None or meta is not None) and not self._closed:
+                        # Behind any queued write of this key on the writer thread, so that
+                        # nothing lands on disk after it.
+                        self._writer.submit(self._delete_job, key, None)
+                forgotten += had
+            self._next_expiry = min((v.expires_at for v in self._leases.values()), default=float("inf"))
+            if forgotten:
+                self._m["forgotten"] += forgotten
+        self.flush()
+        return forgotten
 
     # ------------------------------------------------------------------ introspection
 
