@@ -50,8 +50,10 @@ def _applied(pipe) -> dict[str, float]:
     """Behaviours applied so far, per stage (ranking workers summed)."""
     out = dict.fromkeys(STAGES, 0.0)
     for name in pipe.procs:
+        if name == "ingress-requests":
+            continue
         m = pipe.scrape(name)
-        stage = "ranking" if name.startswith("ranker") else name
+        stage = "ranking" if name.startswith("ranker") else name.split("-")[0]
         if stage == "ingress":
             out[stage] += sum(
                 v
@@ -145,10 +147,10 @@ async def _requests(settings, reg, requests, qps: float, stop: asyncio.Event, se
         await prod.stop()
 
 
-def _hops(results: dict, sent: list) -> dict[str, float]:
+def _hops(results: dict, sent: list, field: str = "hop_requests") -> dict[str, float]:
     from relaygr.report import percentile
 
-    hops = [results[r.request_id].breakdown_ms.get("hop_requests") for r in sent if r.request_id in results]
+    hops = [results[r.request_id].breakdown_ms.get(field) for r in sent if r.request_id in results]
     hops = [h for h in hops if h is not None]
     return {"p50": percentile(hops, 50), "p99": percentile(hops, 99), "n": len(hops)}
 
@@ -202,6 +204,10 @@ async def _measure(settings: Settings, reg: TopicRegistry, pipe, args, ml, say) 
         "hop_p50_ms_burst": hot["p50"],
         "hop_p50_ms_idle": idle["p50"],
         "burst_over_idle_hop_p99": hot["p99"] / idle["p99"] if idle["p99"] else None,
+        # The ingress's share of hop_requests (request produced -> re-keyed onto routed-requests).
+        "routing_p99_ms_burst": _hops(burst_res, burst_sent, "routing")["p99"],
+        "routing_p99_ms_idle": _hops(idle_res, idle_sent, "routing")["p99"],
+        "history_wait_p99_ms_burst": _hops(burst_res, burst_sent, "history_wait")["p99"],
         "requests_burst": len(burst_sent),
         "results_burst": len(burst_res),
         "requests_idle": len(idle_sent),

@@ -96,43 +96,53 @@ async def commit_existing(consumer: Any, offsets: dict[Any, int], *, timeout_s: 
 # instead of one per event, which is what limits a faust stage's ingestion rate.
 INGEST_BATCH = 1000
 INGEST_WITHIN_S = 0.02
+# Behaviours applied between two turns of the event loop (routed records carry up to 2000 each).
+APPLY_SLICE = 4096
 
 
 async def ingest_batches(stage: str, stream: Any, decode_one: Any, apply: Any, to_dlq: Any) -> None:
     """Consume ``stream`` in batches: ``decode_one(ev)`` per event (bad ones go to the dead-letter
-    topic with their reason), then ``apply(pairs, as_event)`` once with the batch's good
-    ``(event, decoded)`` pairs, in order. ``apply`` is a plain function (it must not await). A
-    table write must follow ``as_event(ev)`` for an event of the written key: faust takes the
-    changelog partition from the current event."""
+    topic with their reason), then ``apply(pairs, as_event)`` with the good ``(event, decoded)``
+    pairs, in order, a slice of at most about ``APPLY_SLICE`` behaviours at a time with the event
+    loop free in between (a burst of long histories never holds the stage's requests up for
+    long). ``apply`` is a plain function (it must not await). A table write must follow
+    ``as_event(ev)`` for an event of the written key: faust takes the changelog partition from
+    the current event."""
     async for events in stream.take_events(INGEST_BATCH, within=INGEST_WITHIN_S):
-        good = []
-        for ev in events:
-            if HEADER_PROGRESS in ev.headers:  # the ingress's progress record: no event
-                continue
-            try:
-                good.append((ev, decode_one(ev)))
-            except SchemaError as e:
-                await to_dlq(ev, str(e))
-        if not good:
-            continue
-        # The stream's drainer may have set the next event as current and be waiting to buffer
-        # it: put that event back before anything awaits (faust's take buffer reads it then).
-        current = stream.current_event
-        try:
-            apply(good, stream._set_current_event)
-            failed = None
-        except Exception as e:  # as in ``guarded``: reported with the events, the stage goes on
-            failed = e
-        finally:
-            stream._set_current_event(current)
-        if failed is None:
-            BEHAVIOURS_APPLIED.labels(stage).inc(
-                sum(len(d) if isinstance(d, BehaviorBatch) else 1 for _, d in good)
-            )
-        else:
-            log.error("%s: applying %d behaviours failed", stage, len(good), exc_info=failed)
-            for ev, _ in good:
-                await to_dlq(ev, f"internal error in {stage}: {type(failed).__name__}: {failed}")
+        good: list = []
+        size = 0
+        for i, ev in enumerate(events):
+            if HEADER_PROGRESS not in ev.headers:  # the ingress's progress record: no event
+                try:
+                    d = decode_one(ev)
+                    good.append((ev, d))
+                    size += len(d) if isinstance(d, BehaviorBatch) else 1
+                except SchemaError as e:
+                    await to_dlq(ev, str(e))
+            if good and (size >= APPLY_SLICE or i == len(events) - 1):
+                await _apply_slice(stage, stream, apply, good, size, to_dlq)
+                good, size = [], 0
+                if i < len(events) - 1:
+                    await asyncio.sleep(0)
+
+
+async def _apply_slice(stage: str, stream: Any, apply: Any, good: list, size: int, to_dlq: Any) -> None:
+    # The stream's drainer may have set the next event as current and be waiting to buffer
+    # it: put that event back before anything awaits (faust's take buffer reads it then).
+    current = stream.current_event
+    try:
+        apply(good, stream._set_current_event)
+        failed = None
+    except Exception as e:  # as in ``guarded``: reported with the events, the stage goes on
+        failed = e
+    finally:
+        stream._set_current_event(current)
+    if failed is None:
+        BEHAVIOURS_APPLIED.labels(stage).inc(size)
+    else:
+        log.error("%s: applying %d behaviours failed", stage, len(good), exc_info=failed)
+        for ev, _ in good:
+            await to_dlq(ev, f"internal error in {stage}: {type(failed).__name__}: {failed}")
 
 
 async def guarded(stage: str, ev: Any, handler: Any, to_dlq: Any) -> None:

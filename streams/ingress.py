@@ -25,7 +25,10 @@ committed once the batches are acknowledged: at least once, and a re-forwarded c
 source offsets so that readers drop it. A user's events of one fetch travel as one
 ``BehaviorBatch`` record, so the stages behind pay per burst, not per event, in Kafka records.
 
-Primitives: ``Ingress(settings, worker_id)`` with ``run()`` / ``stop()``; ``main(...)``.
+One process can route both inputs; ``relaygr up`` runs one process per input, so that a burst of
+behaviours never competes with requests for the same event loop (or CPU time slice).
+
+Primitives: ``Ingress(settings, worker_id, inputs)`` with ``run()`` / ``stop()``; ``main(...)``.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import time
 from typing import Any
@@ -41,7 +45,7 @@ from aiokafka import TopicPartition
 from prometheus_client import Counter as PCounter
 from prometheus_client import Histogram
 
-from relaygr.infra.kafka import consumer, partition_for, producer
+from relaygr.infra.kafka import consumer, describe_partitions, partition_for, producer
 from relaygr.infra.settings import Settings
 from relaygr.schemas import (
     BehaviorBatch,
@@ -80,18 +84,29 @@ HOP = Histogram(
 # when the backlog is drained): alignment waits at most this long for one.
 PROGRESS_EVERY_S = 0.01
 BEHAVIOUR_FETCH = 5000
+INPUTS = ("requests", "behaviors")
+# A behaviours-only router runs at this lower CPU priority (os.nice increment).
+BEHAVIOUR_NICENESS = 5
+# How often a requests router re-reads the behaviours topic's partition count.
+PARTITIONS_REFRESH_S = 30.0
+# Records decoded between two yields to the event loop (the requests' task runs in between).
+YIELD_EVERY = 200
 # Events per routed record: a burst of one user's history costs downstream stages a few records.
 ROUTED_BATCH = 2000
 COMMIT_EVERY_S = 0.2
 
 
 class Ingress:
-    def __init__(self, settings: Settings, worker_id: str = "0") -> None:
-        self.settings, self.worker_id = settings, worker_id
+    def __init__(self, settings: Settings, worker_id: str = "0", inputs: tuple[str, ...] = INPUTS) -> None:
+        unknown = set(inputs) - set(INPUTS)
+        if unknown or not inputs:
+            raise ValueError(f"inputs must be among {INPUTS}, got {inputs}")
+        self.settings, self.worker_id, self.inputs = settings, worker_id, tuple(inputs)
         self.reg = TopicRegistry(settings.topic_prefix, settings.partitions)
         self.limit = settings.max_message_bytes
         self._stop = asyncio.Event()
         self._misrouted_seen: set[str] = set()
+        self._beh_partitions: tuple[int, float] = (0, 0.0)  # (count, when read)
 
     def stop(self) -> None:
         self._stop.set()
@@ -99,28 +114,35 @@ class Ingress:
     async def run(self) -> None:
         prefix = self.settings.topic_prefix
         common = {"session_timeout_ms": 10000, "heartbeat_interval_ms": 1000, "fetch_max_wait_ms": 20}
-        self.req_consumer = consumer(
-            self.settings, self.reg.name("requests"), group_id=f"{prefix}-ingress-requests", **common
-        )
-        self.beh_consumer = consumer(
-            self.settings,
-            self.reg.name("behaviors"),
-            group_id=f"{prefix}-ingress-behaviors",
-            max_partition_fetch_bytes=4 << 20,
-            **common,
-        )
-        # Its own connection for the end-offset look-ups of requests: on the behaviours consumer's
-        # connection they would queue behind a large fetch (a broker answers a connection in order).
-        self.offsets = consumer(self.settings, group_id=None)
-        # Two producers (two connections): a request's produce never waits behind a large
-        # behaviour batch on the wire.
-        self.req_producer = producer(self.settings, linger_ms=0)
-        self.beh_producer = producer(self.settings, linger_ms=0, max_batch_size=1 << 20)
-        clients = (self.req_producer, self.beh_producer, self.req_consumer, self.beh_consumer, self.offsets)
-        for c in clients:
-            await c.start()
+        clients: list = []
+        loops = []
+        # Requests and behaviours have their own consumers and producers (their own connections):
+        # a request never waits behind a large behaviour fetch or batch on the wire.
+        if "requests" in self.inputs:
+            self.req_consumer = consumer(
+                self.settings, self.reg.name("requests"), group_id=f"{prefix}-ingress-requests", **common
+            )
+            # The end-offset look-ups of requests on a connection of their own as well.
+            self.offsets = consumer(self.settings, group_id=None)
+            self.req_producer = producer(self.settings, linger_ms=0)
+            clients += [self.req_producer, self.req_consumer, self.offsets]
+            loops.append(self._requests)
+        if "behaviors" in self.inputs:
+            self.beh_consumer = consumer(
+                self.settings,
+                self.reg.name("behaviors"),
+                group_id=f"{prefix}-ingress-behaviors",
+                max_partition_fetch_bytes=4 << 20,
+                **common,
+            )
+            self.beh_producer = producer(self.settings, linger_ms=0, max_batch_size=1 << 20)
+            clients += [self.beh_producer, self.beh_consumer]
+            loops.append(self._behaviours)
+        self.dlq_producer = self.req_producer if "requests" in self.inputs else self.beh_producer
         try:
-            tasks = [asyncio.create_task(self._requests()), asyncio.create_task(self._behaviours())]
+            for c in clients:
+                await c.start()
+            tasks = [asyncio.create_task(loop()) for loop in loops]
             stop = asyncio.create_task(self._stop.wait())
             done, _ = await asyncio.wait([*tasks, stop], return_when=asyncio.FIRST_COMPLETED)
             for t in tasks:
@@ -162,7 +184,7 @@ class Ingress:
         dl = dead_letter(STAGE, m.topic, m.partition, m.offset, m.key, m.value, reason)
         topic = self.reg.name("dead_letters")
         await deliver(
-            lambda: self.req_producer.send_and_wait(topic, encode(dl), key=dl.key()), what="dead letter"
+            lambda: self.dlq_producer.send_and_wait(topic, encode(dl), key=dl.key()), what="dead letter"
         )
 
     # ------------------------------------------------------------------ requests
@@ -213,8 +235,11 @@ class Ingress:
 
     async def _behaviour_ends(self, topic: str) -> Positions:
         """End offsets of every public behaviours partition, now: what a request just read must see."""
-        parts = self.beh_consumer.partitions_for_topic(topic) or set()
-        tps = [TopicPartition(topic, q) for q in sorted(parts)]
+        count, when = self._beh_partitions
+        if not count or time.monotonic() - when > PARTITIONS_REFRESH_S:
+            count = (await describe_partitions(self.settings, [topic])).get(topic, 0)
+            self._beh_partitions = (count, time.monotonic())
+        tps = [TopicPartition(topic, q) for q in range(count)]
         if not tps:
             return {}
         ends = await self.offsets.end_offsets(tps)
@@ -228,6 +253,7 @@ class Ingress:
         forwarded: Positions = {}  # public partition -> offset below which all is forwarded
         marked: Positions = {}  # what the last progress records said
         last_progress = last_commit = 0.0
+        in_flight: asyncio.Future | None = None
         while True:
             batch = await self.beh_consumer.getmany(timeout_ms=50, max_records=BEHAVIOUR_FETCH)
             count = len(self.beh_consumer.partitions_for_topic(src) or ()) or n_out
@@ -235,18 +261,25 @@ class Ingress:
             users: dict[int, dict[str, tuple[list, list, list, list, list]]] = {}
             dead = []
             n = 0
+            routed: dict[bytes, int] = {}  # key -> routed partition, once per key and fetch
             for tp, msgs in batch.items():
-                for m in msgs:
+                for i, m in enumerate(msgs):
+                    if i % YIELD_EVERY == YIELD_EVERY - 1:
+                        await asyncio.sleep(0)  # a requests task may share this loop: let it run
                     try:
                         b = decode_keyed(BehaviorEvent, m.key, m.value, self.limit)
                     except SchemaError as e:
                         dead.append(self._dead_letter(m, str(e)))
                         continue
                     key = b.key()
-                    self._check_partition(src, tp.partition, key, count)
-                    cols = users.setdefault(partition_for(key, n_out), {}).get(b.user_id)
+                    p = routed.get(key)
+                    if p is None:
+                        p = routed[key] = partition_for(key, n_out)
+                        self._check_partition(src, tp.partition, key, count)
+                    per_user = users.setdefault(p, {})
+                    cols = per_user.get(b.user_id)
                     if cols is None:
-                        cols = users[partition_for(key, n_out)][b.user_id] = ([], [], [], [], [])
+                        cols = per_user[b.user_id] = ([], [], [], [], [])
                     cols[0].append(b.item_id)
                     cols[1].append(b.ts)
                     cols[2].append(b.action)
@@ -265,8 +298,13 @@ class Ingress:
             progress = None
             if forwarded != marked and (not batch or now - last_progress >= PROGRESS_EVERY_S):
                 progress = encode_positions(forwarded)
+            if in_flight is not None:
+                await in_flight  # the previous fetch's batches: acknowledged before these go out
+                in_flight = None
             if out or progress is not None:
-                await self._send_behaviours(
+                # Sent now, acknowledged while the next fetch is processed (order per partition
+                # holds: one producer, idempotent).
+                in_flight = await self._send_behaviours(
                     dst, {p: [r for recs in v for r in recs] for p, v in out.items()}, progress, n_out
                 )
                 if progress is not None:
@@ -277,6 +315,9 @@ class Ingress:
             if n:
                 ROUTED.labels(src).inc(n)
             if now - last_commit > COMMIT_EVERY_S:
+                if in_flight is not None:
+                    await in_flight
+                    in_flight = None
                 await _commit(self.beh_consumer)  # all read so far is acknowledged downstream
                 last_commit = now
 
@@ -284,7 +325,7 @@ class Ingress:
         self, topic: str, out: dict[int, list], progress: bytes | None, n_out: int
     ) -> None:
         """One produce batch per routed partition (more if a batch fills up), the progress record
-        last; returns once the broker acknowledged all of them."""
+        last; returns a future done once the broker acknowledged all of them."""
         prod = self.beh_producer
         futs = []
         parts = range(n_out) if progress is not None else sorted(out)
@@ -299,8 +340,7 @@ class Ingress:
                     builder = prod.create_batch()
             if builder.record_count():
                 futs.append(await self._send_batch(builder, topic, p))
-        if futs:
-            await asyncio.gather(*futs)
+        return asyncio.gather(*futs)
 
     async def _send_batch(self, builder: Any, topic: str, partition: int) -> Any:
         return await deliver(
@@ -339,11 +379,17 @@ async def _commit(cons: Any) -> None:
         log.warning("ingress commit failed (%s); the next owner re-reads from the last commit", e)
 
 
-def main(settings: Settings, worker_id: str = "0", metrics_port: int = 0) -> int:
+def main(
+    settings: Settings, worker_id: str = "0", metrics_port: int = 0, inputs: tuple[str, ...] = INPUTS
+) -> int:
     from relaygr.streams.common import freeze_heap, serve_metrics
 
+    if tuple(inputs) == ("behaviors",) and BEHAVIOUR_NICENESS:
+        # Bulk ingestion yields the CPU to the request path on a shared host (a burst of
+        # behaviours must not add scheduling delay to every stage's requests).
+        os.nice(BEHAVIOUR_NICENESS)
     serve_metrics(metrics_port)
-    ingress = Ingress(settings, worker_id)
+    ingress = Ingress(settings, worker_id, inputs)
     freeze_heap()
 
     async def go() -> None:

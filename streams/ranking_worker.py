@@ -85,6 +85,8 @@ E2E = Histogram(
 STORE = Gauge("relaygr_prefix_store", "Prefix store counters and gauges", ["name"])
 INFLIGHT = Gauge("relaygr_rank_inflight", "Signals and requests being handled")
 INFLIGHT_PEAK = Gauge("relaygr_rank_inflight_peak", "Most signals and requests handled at once")
+# Events applied between two turns of the event loop while a burst of behaviours comes in.
+APPLY_SLICE = 4096
 INCOMPLETE = PCounter(
     "relaygr_rank_history_incomplete_total",
     "Requests ranked before their history covered every behaviour produced before them",
@@ -245,10 +247,11 @@ class RankingWorker:
             else:
                 self.consumer.resume(*work)
             batch = await self.consumer.getmany(timeout_ms=20, max_records=500)
-            # Behaviours first: a request in the same batch sees the events before it.
-            for tp, msgs in sorted(batch.items(), key=lambda kv: kv[0].topic != beh):
+            # Requests and signals first: they start at once (each waits, if it must, for the
+            # behaviours it needs: ``_await_history``), then the behaviours are applied in slices.
+            for tp, msgs in sorted(batch.items(), key=lambda kv: kv[0].topic == beh):
                 if tp.topic == beh:
-                    self._apply_behaviours(tp, msgs)
+                    await self._apply_behaviours(tp, msgs)
                     continue
                 for m in msgs:
                     if room <= 0:  # over the bound: fetch this one again later
@@ -298,12 +301,15 @@ class RankingWorker:
 
     # ------------------------------------------------------------------ handlers
 
-    def _apply_behaviours(self, tp: TopicPartition, msgs: list) -> None:
+    async def _apply_behaviours(self, tp: TopicPartition, msgs: list) -> None:
         """One fetched batch of a routed-behaviours partition into the history table: each
-        user's events with their sources, progress records merged into the partition's progress."""
+        user's events with their sources, progress records merged into the partition's progress.
+        Applied in slices of about APPLY_SLICE events with the loop free in between, so a burst
+        never holds up the requests' handlers for long."""
         batch: list[tuple] = []
         progress: Positions = {}
-        for m in msgs:
+        events = 0
+        for i, m in enumerate(msgs):
             headers = dict(m.headers or ())
             if HEADER_PROGRESS in headers:
                 try:
@@ -312,14 +318,20 @@ class RankingWorker:
                 except ValueError as e:
                     self._spawn_dead_letter(tp, m, f"unreadable progress record: {e}")
                 batch.append((m.offset, None))
-                continue
-            batch.append((m.offset, self._behavior(tp, m)))
-        applied = self.history.append_many(tp.partition, batch, progress=progress or None)
-        events = sum(len(b[1]) for b in batch if b[1] is not None)
-        BEHAVIOURS_APPLIED.labels(STAGE).inc(applied)
-        if applied < events:
-            DUPLICATES.inc(events - applied)
-        self.alignment.notify()
+            else:
+                ev = self._behavior(tp, m)
+                batch.append((m.offset, ev))
+                events += len(ev) if ev is not None else 0
+            if events >= APPLY_SLICE or i == len(msgs) - 1:
+                # A progress record covers what precedes it, all of which is in this slice or before.
+                applied = self.history.append_many(tp.partition, batch, progress=progress or None)
+                BEHAVIOURS_APPLIED.labels(STAGE).inc(applied)
+                if applied < events:
+                    DUPLICATES.inc(events - applied)
+                self.alignment.notify()
+                batch, progress, events = [], {}, 0
+                if i < len(msgs) - 1:
+                    await asyncio.sleep(0)
 
     async def _await_history(self, partition: int, needed: dict[str, int] | None, until: float) -> bool:
         """Wait until ``partition``'s history covers the behaviours ``needed`` (public partition

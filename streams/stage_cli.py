@@ -28,6 +28,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--metrics-port", type=int, default=0, help="Prometheus endpoint on 127.0.0.1 (0 = off)"
     )
     parser.add_argument("--log-level", default="warning", help="python log level")
+    parser.add_argument(
+        "--inputs",
+        choices=["requests", "behaviors", "both"],
+        default="both",
+        help="ingress only: which public topics this process routes (default both)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -46,7 +52,8 @@ def run(args: argparse.Namespace) -> int:
         from relaygr.streams.ingress import main as ingress_main
 
         try:
-            return ingress_main(settings, args.worker_id, args.metrics_port)
+            inputs = ("requests", "behaviors") if args.inputs == "both" else (args.inputs,)
+            return ingress_main(settings, args.worker_id, args.metrics_port, inputs)
         except BrokerError as e:
             print(f"relaygr stage ingress: {e}", file=sys.stderr)
             return 1

@@ -72,15 +72,17 @@ class Pipeline:
         log.close()
 
     def start(self) -> Pipeline:
-        self._spawn("ingress", ["ingress"], 0)
-        self._spawn("retrieval", ["retrieval"], 1)
-        self._spawn("preprocess", ["preprocess"], 2)
+        # One ingress process per input: a behaviour burst never shares a CPU slice with requests.
+        self._spawn("ingress-requests", ["ingress", "--inputs", "requests"], 0)
+        self._spawn("ingress-behaviors", ["ingress", "--inputs", "behaviors"], 1)
+        self._spawn("retrieval", ["retrieval"], 2)
+        self._spawn("preprocess", ["preprocess"], 3)
         for i in range(self.n):
             self.start_worker(i)
         return self
 
     def start_worker(self, i: int) -> None:
-        self._spawn(f"ranker-{i}", ["ranking", "--worker-id", f"ranker-{i}"], 3 + i)
+        self._spawn(f"ranker-{i}", ["ranking", "--worker-id", f"ranker-{i}"], 4 + i)
 
     def stop_worker(self, i: int, *, kill: bool = False) -> None:
         p = self.procs.pop(f"ranker-{i}")

@@ -177,7 +177,7 @@ async def test_librdkafka_default_partitioner(deployment, movielens) -> None:
     results = await _ranked_with_whole_histories(settings, reg, histories, sent)
     _relay_on_its_own_worker(settings, results)
     # CRC32 put some users elsewhere than the cascade's partitioner would: counted, and harmless.
-    misrouted = pipe.scrape("ingress")
+    misrouted = pipe.scrape("ingress-behaviors")
     assert misrouted.get(f'relaygr_ingress_misrouted_total{{topic="{reg.name("behaviors")}"}}', 0) > 0
 
 
