@@ -32,7 +32,10 @@ def test_kafka_service_is_kraft_at_our_version(compose) -> None:
 def test_one_service_per_stage_and_several_ranking_workers(compose) -> None:
     services = compose["services"]
     stages = {s: svc["command"][1] for s, svc in services.items() if svc.get("command", [None])[0] == "stage"}
-    assert set(stages.values()) == {"retrieval", "preprocess", "ranking"}
+    assert set(stages.values()) == {"ingress", "retrieval", "preprocess", "ranking"}
+    ingress = [services[s]["command"] for s, st in stages.items() if st == "ingress"]
+    # Requests and behaviours are routed by processes of their own.
+    assert sorted(c[c.index("--inputs") + 1] for c in ingress) == ["behaviors", "requests"]
     rankers = [s for s, st in stages.items() if st == "ranking"]
     assert len(rankers) >= 2
     ids = [services[s]["command"][services[s]["command"].index("--worker-id") + 1] for s in rankers]
