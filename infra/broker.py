@@ -1,18 +1,26 @@
-"""A real single-node Apache Kafka broker (KRaft) on loopback, without containers.
+"""A real Apache Kafka broker (KRaft) on loopback, without containers: one node, or a cluster.
 
 Primitives:
 - ``ensure_jars(settings)``: the broker's jars, fetched once with Maven into the cache folder.
-- ``start(settings, secure=False)``: format a fresh data directory, start broker+controller in one
-  JVM on free loopback ports, wait until it accepts connections, record it in the state file.
-  ``secure=True``: its only client listener is SASL_SSL (SCRAM-SHA-512, a throwaway CA), ACLs are
-  enforced with ``admin`` as the only super user, and one SCRAM user per access role exists with
-  that role's ACLs for the deployment's topic prefix (see ``relaygr.infra.acls``).
+- ``start(settings, secure=False, brokers=1)``: format a fresh data directory, start broker+controller
+  in one JVM on free loopback ports, wait until it accepts connections, record it in the state file.
+  ``brokers=N``: N such combined nodes, one JVM each, forming one cluster whose controller quorum is
+  all of them; internal topics are replicated min(3, N) times with a min ISR of 2 from 3 replicas
+  (see ``replication_for``). A cluster recorded with some nodes down is revived instead.
+  ``secure=True`` (one node only): its only client listener is SASL_SSL (SCRAM-SHA-512, a throwaway
+  CA), ACLs are enforced with ``admin`` as the only super user, and one SCRAM user per access role
+  exists with that role's ACLs for the deployment's topic prefix (see ``relaygr.infra.acls``).
 - ``client_env(state, user)`` / ``client_settings(settings, state, user)``: the client settings
   of a user of the secure broker, as ``RELAYGR_*`` variables or as ``Settings``.
-- ``stop(settings)``: SIGTERM, wait, SIGKILL if needed; remove its data directory and state file.
-- ``restart(settings)``: the same broker (ports, data) stopped and started again.
-- ``status(settings)``: the recorded broker and whether it is up.
-- ``resolve_bootstrap(settings)``: ``RELAYGR_BOOTSTRAP`` if set, else the running local broker.
+- ``stop(settings)``: SIGTERM every node, wait, SIGKILL if needed; remove the data and state file.
+- ``restart(settings)``: the same nodes (ports, data) stopped and started again.
+- ``kill_node(settings, node_id)`` / ``start_node(settings, node_id)``: one node of a cluster
+  killed (SIGKILL by default: a crash, for fault tests) and started again on its ports and data.
+- ``status(settings)`` / ``node_status(state)``: the recorded broker, whether every node is up,
+  and each node's own state.
+- ``resolve_bootstrap(settings)``: ``RELAYGR_BOOTSTRAP`` if set, else the running local broker
+  (every node's address, so clients reach a cluster while one node is down).
+- ``replication_for(brokers)``: the replication factor and min ISR of topics on that many brokers.
 
 Secrets of the secure broker (passwords, the keystore) live in files of mode 0600 inside its data
 directory, never on a command line: the JVM reads the storage tool's arguments from an argument
@@ -63,8 +71,34 @@ class BrokerError(RuntimeError):
     """The local broker could not be fetched, started, found or stopped; the message says why."""
 
 
+def replication_for(brokers: int) -> tuple[int, int]:
+    """(replication factor, min.insync.replicas) of topics on a cluster of ``brokers`` brokers:
+    three copies at most, and with three, an acknowledged write (acks=all) is on two of them, so
+    the loss of any one broker neither loses it nor stops producers."""
+    factor = max(1, min(3, brokers))
+    return factor, 2 if factor >= 3 else 1
+
+
+@dataclass
+class BrokerNode:
+    """One JVM of the local broker: a combined broker and controller."""
+
+    node_id: int
+    pid: int
+    port: int
+    controller_port: int
+    data_dir: str  # its server.properties, log4j2.properties, logs/ and broker.log
+    log_file: str
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+
 @dataclass
 class BrokerState:
+    # Node 1's process, ports and log; ``data_dir`` is the folder of the whole broker (a single
+    # node's own folder, or the parent of a cluster's node-N folders).
     pid: int
     port: int
     controller_port: int
@@ -79,10 +113,25 @@ class BrokerState:
     ca_file: str | None = None
     secrets_dir: str | None = None
     users: list[str] = field(default_factory=list)
+    # Every node, node 1 first (a single node's state file may predate this field).
+    nodes: list[BrokerNode] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.nodes = [BrokerNode(**n) if isinstance(n, dict) else n for n in self.nodes]
+        if not self.nodes:
+            self.nodes = [
+                BrokerNode(1, self.pid, self.port, self.controller_port, self.data_dir, self.log_file)
+            ]
 
     @property
     def bootstrap(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return ",".join(n.address for n in self.nodes)
+
+    def node(self, node_id: int) -> BrokerNode:
+        for n in self.nodes:
+            if n.node_id == node_id:
+                return n
+        raise BrokerError(f"the local broker has no node {node_id} (nodes {[n.node_id for n in self.nodes]})")
 
     def password_file(self, user: str) -> Path:
         if not self.secure or self.secrets_dir is None or user not in self.users:
@@ -149,11 +198,17 @@ def _cluster_id() -> str:
     return base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
 
 
-def _server_properties(data_dir: Path, port: int, cport: int) -> str:
+def _server_properties(
+    data_dir: Path, port: int, cport: int, *, node_id: int = 1, voters: dict[int, int] | None = None
+) -> str:
+    """One combined broker+controller node. ``voters`` (node id -> controller port) is the
+    cluster's controller quorum; without it the node is a cluster of its own."""
+    voters = voters or {node_id: cport}
+    factor, min_isr = replication_for(len(voters))
     props = {
         "process.roles": "broker,controller",
-        "node.id": "1",
-        "controller.quorum.voters": f"1@127.0.0.1:{cport}",
+        "node.id": str(node_id),
+        "controller.quorum.voters": ",".join(f"{i}@127.0.0.1:{p}" for i, p in sorted(voters.items())),
         "listeners": f"PLAINTEXT://127.0.0.1:{port},CONTROLLER://127.0.0.1:{cport}",
         "advertised.listeners": f"PLAINTEXT://127.0.0.1:{port}",
         "inter.broker.listener.name": "PLAINTEXT",
@@ -161,12 +216,12 @@ def _server_properties(data_dir: Path, port: int, cport: int) -> str:
         "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
         "log.dirs": str(data_dir / "logs"),
         "num.partitions": "1",
-        "offsets.topic.replication.factor": "1",
+        "offsets.topic.replication.factor": str(factor),
         "offsets.topic.num.partitions": "8",
-        "transaction.state.log.replication.factor": "1",
-        "transaction.state.log.min.isr": "1",
-        "share.coordinator.state.topic.replication.factor": "1",
-        "share.coordinator.state.topic.min.isr": "1",
+        "transaction.state.log.replication.factor": str(factor),
+        "transaction.state.log.min.isr": str(min_isr),
+        "share.coordinator.state.topic.replication.factor": str(factor),
+        "share.coordinator.state.topic.min.isr": str(min_isr),
         "group.initial.rebalance.delay.ms": "0",
         # The cleaner's dedupe buffer sits on the heap (128 MiB by default).
         "log.cleaner.dedupe.buffer.size": str(8 * 1024 * 1024),
@@ -174,6 +229,18 @@ def _server_properties(data_dir: Path, port: int, cport: int) -> str:
         "delete.topic.enable": "true",
         "message.max.bytes": str(8 * 1024 * 1024),
     }
+    if len(voters) > 1:
+        props.update(
+            {
+                # Topics created without an explicit factor (by any client) are replicated too.
+                "default.replication.factor": str(factor),
+                "min.insync.replicas": str(min_isr),
+                # A crashed node is fenced, and its partitions' leadership moved, after 6 s
+                # instead of 9 s of missed heartbeats.
+                "broker.session.timeout.ms": "6000",
+                "broker.heartbeat.interval.ms": "1000",
+            }
+        )
     return "".join(f"{k}={v}\n" for k, v in props.items())
 
 
@@ -296,24 +363,52 @@ def read_state(settings: Settings) -> BrokerState | None:
         return None
 
 
+def _write_state(settings: Settings, state: BrokerState) -> None:
+    settings.state_file.write_text(json.dumps(asdict(state), indent=2))
+
+
+def _node_up(node: BrokerNode) -> bool:
+    return _alive(node.pid) and port_open(node.port)
+
+
+def node_status(state: BrokerState) -> list[tuple[BrokerNode, bool]]:
+    """Every recorded node and whether it is up (its process alive, its client port open)."""
+    return [(n, _node_up(n)) for n in state.nodes]
+
+
 def status(settings: Settings) -> tuple[bool, BrokerState | None]:
+    """The recorded broker and whether every one of its nodes is up."""
     state = read_state(settings)
     if state is None:
         return False, None
-    return _alive(state.pid) and port_open(state.port), state
+    return all(up for _, up in node_status(state)), state
 
 
-def start(settings: Settings, *, quiet: bool = False, secure: bool = False) -> BrokerState:
-    """Start a fresh broker, or return the one already running (which must then be of the kind
-    asked for: plaintext or ``secure``)."""
-    up, state = status(settings)
-    if up and state is not None:
+def start(settings: Settings, *, quiet: bool = False, secure: bool = False, brokers: int = 1) -> BrokerState:
+    """Start a fresh broker of ``brokers`` nodes, or return the one already running (which must then
+    be of the kind asked for: plaintext or ``secure``, and as many nodes). A recorded cluster with
+    some nodes down gets them started again on their own ports and data."""
+    if brokers < 1:
+        raise BrokerError("a broker needs at least one node")
+    if secure and brokers > 1:
+        raise BrokerError("--secure starts one node; a secure cluster is not supported locally")
+    state = read_state(settings)
+    nodes_up = node_status(state) if state is not None else []
+    if state is not None and any(up for _, up in nodes_up):
         if state.secure != secure:
             running, asked = ("secure", "plaintext") if state.secure else ("plaintext", "secure")
             raise BrokerError(
                 f"a {running} broker is already running (pid {state.pid}); "
                 f"stop it with `relaygr broker stop` before starting a {asked} one"
             )
+        if len(state.nodes) != brokers:
+            raise BrokerError(
+                f"a broker of {len(state.nodes)} node(s) is already running; stop it with "
+                f"`relaygr broker stop` before starting one of {brokers}"
+            )
+        for node, up in nodes_up:
+            if not up:
+                state = start_node(settings, node.node_id)
         return state
     if state is not None:  # stale record of a dead broker
         _cleanup(state, settings)
@@ -321,9 +416,9 @@ def start(settings: Settings, *, quiet: bool = False, secure: bool = False) -> B
     settings.home.mkdir(parents=True, exist_ok=True)
     data_dir = settings.home / f"broker-{int(time.time())}-{os.getpid()}"
     data_dir.mkdir(parents=True, mode=0o700)
-    port, cport = free_port(), free_port()
-    while cport == port:
-        cport = free_port()
+    if brokers > 1:
+        return _start_cluster(settings, jars, data_dir, brokers)
+    port, cport = _free_ports(2)
     props = data_dir / "server.properties"
     (data_dir / "log4j2.properties").write_text(_LOG4J)
     log_file = data_dir / "broker.log"
@@ -379,8 +474,8 @@ def start(settings: Settings, *, quiet: bool = False, secure: bool = False) -> B
         secrets_dir=str(secrets_dir) if secrets_dir else None,
         users=list(SECURE_USERS) if secure else [],
     )
-    settings.state_file.write_text(json.dumps(asdict(state), indent=2))
-    _wait_ready(proc, state, settings)
+    _write_state(settings, state)
+    _wait_ready({1: proc}, state, settings)
     if secure:
         try:
             _grant_roles(settings, state)
@@ -388,6 +483,106 @@ def start(settings: Settings, *, quiet: bool = False, secure: bool = False) -> B
             stop(settings)
             raise
     return state
+
+
+def _free_ports(n: int) -> list[int]:
+    """``n`` distinct free loopback ports."""
+    ports: list[int] = []
+    while len(ports) < n:
+        port = free_port()
+        if port not in ports:
+            ports.append(port)
+    return ports
+
+
+def _start_cluster(settings: Settings, jars: Path, data_dir: Path, brokers: int) -> BrokerState:
+    """``brokers`` combined nodes in node-N folders under ``data_dir``, one controller quorum."""
+    ports = _free_ports(2 * brokers)
+    ids = list(range(1, brokers + 1))
+    voters = {i: ports[2 * (i - 1) + 1] for i in ids}
+    cluster_id = _cluster_id()
+    nodes: list[BrokerNode] = []
+    for i in ids:
+        node_dir = data_dir / f"node-{i}"
+        node_dir.mkdir(mode=0o700)
+        (node_dir / "log4j2.properties").write_text(_LOG4J)
+        port = ports[2 * (i - 1)]
+        props = _server_properties(node_dir, port, voters[i], node_id=i, voters=voters)
+        (node_dir / "server.properties").write_text(props)
+        nodes.append(BrokerNode(i, 0, port, voters[i], str(node_dir), str(node_dir / "broker.log")))
+    # Every node's storage is formatted with the one cluster id (static quorum: no --standalone);
+    # the formats run side by side, each a short JVM.
+    formats = {
+        n.node_id: subprocess.Popen(
+            _java_cmd(
+                jars,
+                Path(n.data_dir),
+                "256m",
+                [
+                    "kafka.tools.StorageTool",
+                    "format",
+                    f"--cluster-id={cluster_id}",
+                    "--config",
+                    str(Path(n.data_dir) / "server.properties"),
+                ],
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for n in nodes
+    }
+    outputs = {i: proc.communicate()[0] for i, proc in formats.items()}
+    for i, proc in formats.items():
+        if proc.returncode != 0:
+            shutil.rmtree(data_dir, ignore_errors=True)
+            raise BrokerError(f"formatting node {i}'s data directory failed:\n{outputs[i][-2000:]}")
+    procs = {n.node_id: _launch(jars, Path(n.data_dir), settings.broker_heap) for n in nodes}
+    for n in nodes:
+        n.pid = procs[n.node_id].pid
+    first = nodes[0]
+    state = BrokerState(
+        pid=first.pid,
+        port=first.port,
+        controller_port=first.controller_port,
+        data_dir=str(data_dir),
+        log_file=first.log_file,
+        cluster_id=cluster_id,
+        kafka_version=settings.kafka_version,
+        started_at=time.time(),
+        nodes=nodes,
+    )
+    _write_state(settings, state)
+    _wait_ready(procs, state, settings)
+    _wait_registered(settings, state, len(nodes))
+    return state
+
+
+def _wait_registered(settings: Settings, state: BrokerState, expected: int) -> None:
+    """Wait until the cluster's metadata lists ``expected`` brokers: topics created right after
+    start then get their full replication factor (it follows the brokers the cluster knows)."""
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    async def brokers_known() -> int:
+        client = AIOKafkaAdminClient(bootstrap_servers=state.bootstrap)
+        await client.start()
+        try:
+            return len((await client.describe_cluster())["brokers"])
+        finally:
+            await client.close()
+
+    deadline = time.monotonic() + settings.broker_start_timeout_s
+    known = 0
+    while time.monotonic() < deadline:
+        with contextlib.suppress(Exception):
+            known = _run_blocking(brokers_known())
+            if known >= expected:
+                return
+        time.sleep(0.5)
+    stop(settings)
+    raise BrokerError(
+        f"the cluster knew {known} of its {expected} brokers after {settings.broker_start_timeout_s:.0f} s"
+    )
 
 
 def _redact(text: str, secret_values: Iterable[str]) -> str:
@@ -451,33 +646,85 @@ def _launch(jars: Path, data_dir: Path, heap: str) -> subprocess.Popen:
         )
 
 
-def _wait_ready(proc: subprocess.Popen, state: BrokerState, settings: Settings) -> None:
+def _wait_ready(procs: dict[int, subprocess.Popen], state: BrokerState, settings: Settings) -> None:
+    """Wait until the client port of each node in ``procs`` (node id -> its process) is open."""
     t0 = time.monotonic()
-    while not port_open(state.port):
-        if proc.poll() is not None:
-            _cleanup(state, settings, keep_log=True)
-            log = Path(state.log_file)
-            raise BrokerError(f"the broker exited with code {proc.returncode}; see {log}:\n{_tail(log)}")
-        if time.monotonic() - t0 > settings.broker_start_timeout_s:
+    waiting = dict(procs)
+    while waiting:
+        for node_id, proc in list(waiting.items()):
+            node = state.node(node_id)
+            if port_open(node.port):
+                del waiting[node_id]
+            elif proc.poll() is not None:
+                log = Path(node.log_file)
+                tail = _tail(log)
+                if len(state.nodes) == 1:
+                    _cleanup(state, settings, keep_log=True)
+                else:
+                    stop(settings)
+                name = "the broker" if len(state.nodes) == 1 else f"node {node_id}"
+                raise BrokerError(f"{name} exited with code {proc.returncode}; see {log}:\n{tail}")
+        if waiting and time.monotonic() - t0 > settings.broker_start_timeout_s:
             stop(settings)
             raise BrokerError(
                 f"the broker did not accept connections within {settings.broker_start_timeout_s:.0f} s"
             )
-        time.sleep(0.2)
+        if waiting:
+            time.sleep(0.2)
 
 
 def restart(settings: Settings, *, down_s: float = 0.0) -> BrokerState:
-    """Stop the recorded broker and start it again on the same ports and data (its topics and
-    committed offsets survive); ``down_s`` keeps it down that long. For fault-injection tests."""
+    """Stop every node of the recorded broker and start them again on the same ports and data
+    (topics and committed offsets survive); ``down_s`` keeps it down that long. For fault tests."""
     state = read_state(settings)
     if state is None:
         raise BrokerError("no broker recorded to restart")
-    _terminate(state.pid)
+    _terminate_all([n.pid for n in state.nodes])
     time.sleep(down_s)
-    proc = _launch(jars_dir(settings), Path(state.data_dir), settings.broker_heap)
-    state = BrokerState(**{**asdict(state), "pid": proc.pid, "started_at": time.time()})
-    settings.state_file.write_text(json.dumps(asdict(state), indent=2))
-    _wait_ready(proc, state, settings)
+    return _relaunch(settings, state, [n.node_id for n in state.nodes])
+
+
+def kill_node(settings: Settings, node_id: int, *, sig: signal.Signals = signal.SIGKILL) -> BrokerNode:
+    """Send ``sig`` (SIGKILL: a crash, no controlled shutdown) to one node and wait until it is
+    gone; its data and the record stay, for ``start_node``."""
+    state = read_state(settings)
+    if state is None:
+        raise BrokerError("no broker recorded")
+    node = state.node(node_id)
+    if sig == signal.SIGKILL:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(node.pid, signal.SIGKILL)
+        while _alive(node.pid):
+            _reap(node.pid)
+            time.sleep(0.05)
+        _reap(node.pid)
+    else:
+        _terminate(node.pid)
+    return node
+
+
+def start_node(settings: Settings, node_id: int) -> BrokerState:
+    """Start one recorded node again on its own ports and data (after a crash or ``kill_node``);
+    it rejoins the cluster, and its replicas catch up from the leaders."""
+    state = read_state(settings)
+    if state is None:
+        raise BrokerError("no broker recorded")
+    node = state.node(node_id)
+    if _node_up(node):
+        return state
+    _terminate(node.pid)  # a process that is alive but not serving
+    return _relaunch(settings, state, [node_id])
+
+
+def _relaunch(settings: Settings, state: BrokerState, node_ids: list[int]) -> BrokerState:
+    jars = jars_dir(settings)
+    procs = {i: _launch(jars, Path(state.node(i).data_dir), settings.broker_heap) for i in node_ids}
+    for i, proc in procs.items():
+        state.node(i).pid = proc.pid
+    state.pid = state.nodes[0].pid
+    state.started_at = time.time()
+    _write_state(settings, state)
+    _wait_ready(procs, state, settings)
     return state
 
 
@@ -490,25 +737,44 @@ def _tail(path: Path, lines: int = 20) -> str:
 
 def _cleanup(state: BrokerState, settings: Settings, *, keep_log: bool = False) -> None:
     if keep_log:
-        shutil.rmtree(Path(state.data_dir) / "logs", ignore_errors=True)
+        for node in state.nodes:
+            shutil.rmtree(Path(node.data_dir) / "logs", ignore_errors=True)
     else:
         shutil.rmtree(state.data_dir, ignore_errors=True)
     settings.state_file.unlink(missing_ok=True)
 
 
 def stop(settings: Settings, *, grace_s: float = 30.0) -> BrokerState | None:
-    """Stop the recorded broker (SIGTERM, then SIGKILL after ``grace_s``) and remove its data."""
+    """Stop every node of the recorded broker (SIGTERM, then SIGKILL after ``grace_s``) and remove
+    its data."""
     state = read_state(settings)
     if state is None:
         return None
-    _terminate(state.pid, grace_s)
+    _terminate_all([n.pid for n in state.nodes], grace_s)
     _cleanup(state, settings)
     return state
+
+
+def _terminate_all(pids: list[int], grace_s: float = 30.0) -> None:
+    """SIGTERM to all at once (nodes of one cluster shut down together: one at a time, the last
+    ones would wait for a controller quorum that is already gone), then SIGKILL after ``grace_s``."""
+    for pid in pids:
+        if _alive(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for pid in pids:
+        while _alive(pid) and time.monotonic() < deadline:
+            _reap(pid)
+            time.sleep(0.2)
+    for pid in pids:
+        _terminate(pid, 0.0)
 
 
 def _terminate(pid: int, grace_s: float = 30.0) -> None:
     """SIGTERM (the broker's shutdown hook stops it cleanly), then SIGKILL after ``grace_s``."""
     if not _alive(pid):
+        _reap(pid)
         return
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGTERM)
@@ -532,8 +798,9 @@ def _reap(pid: int) -> None:
 def resolve_bootstrap(settings: Settings) -> str:
     if settings.bootstrap:
         return settings.bootstrap
-    up, state = status(settings)
-    if up and state is not None:
+    state = read_state(settings)
+    # A cluster with a node down still serves: clients get every node's address and use those up.
+    if state is not None and any(up for _, up in node_status(state)):
         if state.secure and settings.security_protocol != "SASL_SSL":
             raise BrokerError(
                 "the local broker is secure (SASL_SSL): export the settings that `relaygr broker env` prints"

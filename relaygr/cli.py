@@ -13,7 +13,7 @@ import sys
 
 # name -> (module, one-line help). Groups map to nested commands.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "broker": ("relaygr.infra.broker_cli", "start, stop or inspect the local single-node Kafka broker"),
+    "broker": ("relaygr.infra.broker_cli", "start, stop or inspect the local Kafka broker or cluster"),
     "topics": ("relaygr.infra.topics_cli", "create (idempotently) or list RelayGR's topics"),
     "schemas": ("relaygr.schemas_cli", "export the public events as JSON Schema files for other stacks"),
     "results": ("relaygr.results_cli", "look up one request's result, or tail the results as they come"),
