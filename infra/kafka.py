@@ -6,6 +6,9 @@ Primitives:
 - ``ensure_topics(registry, settings)``: create every topic of the registry that is missing
   (idempotent); an existing topic with another partition count is an error, since co-partitioning
   (hence affinity) depends on it.
+- ``replication(settings)`` / ``replication_blocking(settings)``: the replication factor and
+  min.insync.replicas of created topics: ``RELAYGR_REPLICATION_FACTOR`` if set, else they follow
+  the cluster (min(3, brokers), min ISR 2 with 3 replicas; see ``broker.replication_for``).
 - ``describe_partitions(settings, names)``: partition counts of existing topics.
 - ``group_lag(client, cons, group, topic)``: records of ``topic`` a consumer group has not committed.
 - ``partition_for(key, partitions)``: the cascade's one partitioner (murmur2, as Java's and
@@ -21,7 +24,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.partitioner import murmur2
 
-from relaygr.infra.broker import resolve_bootstrap
+from relaygr.infra.broker import replication_for, resolve_bootstrap
 from relaygr.infra.settings import Settings, kafka_client_kwargs
 from relaygr.schemas.topics import TopicRegistry
 
@@ -83,6 +86,44 @@ def admin(settings: Settings) -> AIOKafkaAdminClient:
     return AIOKafkaAdminClient(**_common(settings))
 
 
+async def replication(settings: Settings, *, client: AIOKafkaAdminClient | None = None) -> tuple[int, int]:
+    """(replication factor, min.insync.replicas) for topics created now. Set explicitly, the factor
+    is used as given (min ISR 2 from 3 replicas, else 1); otherwise it follows the brokers the
+    cluster's metadata lists (live ones: a node that is down does not count)."""
+    factor = settings.replication_factor
+    if factor is None:
+        own = client is None
+        client = client or admin(settings)
+        if own:
+            await client.start()
+        try:
+            brokers = len((await client.describe_cluster())["brokers"])
+        finally:
+            if own:
+                await client.close()
+        return replication_for(brokers)
+    return factor, replication_for(factor)[1]
+
+
+def replication_blocking(settings: Settings, *, timeout_s: float = 60.0) -> tuple[int, int]:
+    """``replication(settings)`` from synchronous code (a stage's set-up), retried while the
+    cluster cannot be reached, up to ``timeout_s``."""
+    import concurrent.futures
+    import time
+
+    if settings.replication_factor is not None:
+        return settings.replication_factor, replication_for(settings.replication_factor)[1]
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            try:
+                return pool.submit(asyncio.run, replication(settings)).result()
+            except Exception as e:
+                if time.monotonic() > deadline:
+                    raise TopicError(f"cannot read the cluster's brokers to size replication: {e}") from e
+        time.sleep(1.0)
+
+
 async def describe_partitions(settings: Settings, names: list[str]) -> dict[str, int]:
     client = admin(settings)
     await client.start()
@@ -128,9 +169,12 @@ async def ensure_topics(
         missing = [s for s in registry if s.name not in have]
         status = {n: "exists" for n in have}
         if missing:
+            factor, min_isr = await replication(settings, client=client)
+            # acks=all then means on min_isr replicas: a write survives the loss of any one broker.
+            isr = {"min.insync.replicas": str(min_isr)}
             resp = await client.create_topics(
                 [
-                    NewTopic(s.name, s.partitions, settings.replication_factor, topic_configs=s.configs())
+                    NewTopic(s.name, s.partitions, factor, topic_configs={**s.configs(), **isr})
                     for s in missing
                 ],
                 timeout_ms=int(timeout_s * 1000),

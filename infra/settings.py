@@ -51,7 +51,13 @@ class Settings(BaseSettings):
         le=1024,
         description="Partition count of every co-partitioned topic (the unit of affinity).",
     )
-    replication_factor: int = Field(default=1, ge=1, description="Replication factor of created topics.")
+    replication_factor: int | None = Field(
+        default=None,
+        ge=1,
+        description="Replication factor of the topics the cascade creates (its own and the faust "
+        "stages' changelogs). Default: follow the cluster, min(3, brokers), with min.insync.replicas 2 "
+        "when there are 3 replicas.",
+    )
     home: Path = Field(
         default_factory=_default_home,
         description="Local state: the broker's state file, data directories and logs.",

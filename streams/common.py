@@ -4,7 +4,9 @@ Primitives:
 - ``make_app(stage, settings, worker_id)``: a faust app bound to this deployment's broker and
   security settings, RocksDB (rocksdict) table store checked against the cluster (see
   ``table_lineage``) in a folder of this topic prefix's own, web server off (metrics are served
-  by ``serve_metrics`` on loopback instead).
+  by ``serve_metrics`` on loopback instead). Its topics are replicated as the cluster's size
+  says (``relaygr.infra.kafka.replication``); tables pass ``app.relaygr_changelog_configs`` (the
+  changelog's min.insync.replicas) as their ``extra_topic_configs``.
 - ``raw_topic(app, name)``: bytes in, bytes out — decoding is ours, so that bad input reaches
   the dead-letter topic with its reason instead of crashing faust's deserializer.
 - ``dead_letter(...)``: the ``DeadLetter`` record of a message a stage could not use.
@@ -202,9 +204,12 @@ def dead_letter(
 def make_app(stage: str, settings: Settings, worker_id: str, **overrides: Any):
     import faust
 
+    from relaygr.infra.kafka import replication_blocking
     from relaygr.streams import table_lineage
 
     bootstrap = resolve_bootstrap(settings)
+    # The changelogs follow the cluster's replication, as the registry's topics do.
+    replication_factor, min_isr = replication_blocking(settings)
     # Per topic prefix: two deployments under one RELAYGR_HOME never share table state.
     datadir = deployment_dir(settings, "stages") / f"{stage}-{worker_id}"
     datadir.mkdir(parents=True, exist_ok=True)
@@ -214,7 +219,7 @@ def make_app(stage: str, settings: Settings, worker_id: str, **overrides: Any):
         "store": table_lineage.STORE_URL,
         "datadir": str(datadir),
         "topic_partitions": settings.partitions,
-        "topic_replication_factor": settings.replication_factor,
+        "topic_replication_factor": replication_factor,
         "web_enabled": False,
         "consumer_auto_offset_reset": "earliest",
         "producer_acks": -1,
@@ -229,6 +234,8 @@ def make_app(stage: str, settings: Settings, worker_id: str, **overrides: Any):
         conf["broker_credentials"] = creds
     conf.update(overrides)
     app = faust.App(f"{settings.topic_prefix}-{stage}", **conf)
+    # A table's changelog is as durable as the registry's topics: pass as ``extra_topic_configs``.
+    app.relaygr_changelog_configs = {"min.insync.replicas": str(min_isr)}
     table_lineage.attach(app, stage, settings, datadir)
     return app
 

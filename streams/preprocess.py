@@ -91,7 +91,12 @@ def build(settings: Settings, p: PipelineSettings, worker_id: str = "0"):
     retrieved = raw_topic(app, reg.name("retrieved"))
     out_rank, dlq = raw_topic(app, reg.name("rank")), raw_topic(app, reg.name("dead_letters"))
     # The value format is part of the table's name: a format change starts a fresh table.
-    seen = app.Table("seen-v2", default=None, partitions=settings.partitions)
+    seen = app.Table(
+        "seen-v2",
+        default=None,
+        partitions=settings.partitions,
+        extra_topic_configs=app.relaygr_changelog_configs,
+    )
     limit = settings.max_message_bytes
 
     to_dlq = faust_dead_letterer(STAGE, dlq)

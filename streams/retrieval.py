@@ -151,7 +151,12 @@ def build(settings: Settings, p: PipelineSettings, worker_id: str = "0"):
     out_prefill, out_retrieved = raw_topic(app, reg.name("prefill")), raw_topic(app, reg.name("retrieved"))
     dlq = raw_topic(app, reg.name("dead_letters"))
     # The value format is part of the table's name: a format change starts a fresh table.
-    histories = app.Table("summaries-v2", default=None, partitions=settings.partitions)
+    histories = app.Table(
+        "summaries-v2",
+        default=None,
+        partitions=settings.partitions,
+        extra_topic_configs=app.relaygr_changelog_configs,
+    )
     emb, bytes_per_token = load_item_embeddings(p)
     gen = CandidateGenerator(emb)
     trigger = SequenceAwareTrigger(trigger_config(p, bytes_per_token), load_latency(p))
