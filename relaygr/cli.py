@@ -23,7 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "send one event of every schema through the broker and read it back",
     ),
     "demo": ("relaygr.demo", "the main job: broker, topics and the pipeline on MovieLens, with a summary"),
-    "up": ("relaygr.streams.up", "run every stage locally (retrieval, preprocess, N ranking workers)"),
+    "up": ("relaygr.streams.up", "run and supervise every stage locally (retrieval, preprocess, N rankers)"),
     "stage": ("relaygr.streams.stage_cli", "run one stage of the cascade in this process"),
     "calibrate": (
         "relaygr.calibrate",

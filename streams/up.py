@@ -2,7 +2,9 @@
 
 `relaygr up` starts the ingress, retrieval, pre-processing and N ranking workers, waits until a probe request
 comes back ranked, then runs until Ctrl-C (or SIGTERM), which stops them all. Logs go to
-$RELAYGR_HOME/logs/<stage>.log.
+$RELAYGR_HOME/logs/<stage>.log. The stages are supervised (``relaygr.infra.supervisor``): a stage
+that dies is started again with backoff while the others keep running, each restart logged and
+counted; only a crash loop (too many exits of one stage in a short window) stops the deployment.
 """
 
 from __future__ import annotations
@@ -15,15 +17,19 @@ import subprocess
 import sys
 import time
 import uuid
+from collections import Counter
 from pathlib import Path
 
 from relaygr.infra.broker import BrokerError, free_port
 from relaygr.infra.settings import SECURITY_FIELDS, Settings, get_settings, security_env
+from relaygr.infra.supervisor import CrashLoop, RestartPolicy, Supervisor
 from relaygr.streams.config import PipelineSettings
 
 
 class Pipeline:
-    """The stage processes of one local deployment (a context manager)."""
+    """The stage processes of one local deployment (a context manager), kept running by a
+    ``Supervisor``: ``restarts`` counts each stage's restarts, ``check()`` raises once a stage is
+    in a crash loop."""
 
     def __init__(
         self,
@@ -35,6 +41,7 @@ class Pipeline:
         log_dir: Path | None = None,
         metrics_base_port: int = 0,
         metrics: bool = False,
+        restart_policy: RestartPolicy | None = None,
     ) -> None:
         self.settings = settings
         self.n = ranking_workers
@@ -56,10 +63,19 @@ class Pipeline:
         self.metrics_base_port = metrics_base_port
         self.metrics = metrics
         self.metrics_ports: dict[str, int] = {}
-        self.procs: dict[str, subprocess.Popen] = {}
+        self.supervisor = Supervisor(self.log_dir, restart_policy)
 
-    def _spawn(self, name: str, args: list[str], port_index: int) -> None:
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+    @property
+    def procs(self) -> dict[str, subprocess.Popen]:
+        """The current process of every stage (a restart replaces it)."""
+        return self.supervisor.processes()
+
+    @property
+    def restarts(self) -> Counter[str]:
+        """Restarts per stage since start."""
+        return self.supervisor.restarts
+
+    def _spawn(self, name: str, args: list[str], port_index: int, env: dict[str, str] | None = None) -> None:
         cmd = [sys.executable, "-m", "relaygr.cli", "stage", *args]
         if self.mode:
             cmd += ["--mode", self.mode]
@@ -67,9 +83,7 @@ class Pipeline:
             port = self.metrics_base_port + port_index if self.metrics_base_port else free_port()
             self.metrics_ports[name] = port
             cmd += ["--metrics-port", str(port)]
-        log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
-        self.procs[name] = subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT)
-        log.close()
+        self.supervisor.spawn(name, cmd, {**self.env, **(env or {})})
 
     def start(self) -> Pipeline:
         # One ingress process per input: a behaviour burst never shares a CPU slice with requests.
@@ -81,12 +95,24 @@ class Pipeline:
             self.start_worker(i)
         return self
 
-    def start_worker(self, i: int) -> None:
-        self._spawn(f"ranker-{i}", ["ranking", "--worker-id", f"ranker-{i}"], 4 + i)
+    def start_worker(self, i: int, *, home: Path | None = None) -> None:
+        """Start ranking worker ``ranker-{i}``; with ``home``, its local state lives there (its own
+        ``RELAYGR_HOME``, as a worker on another host: it rebuilds its histories from Kafka)."""
+        env = {"RELAYGR_HOME": str(home)} if home is not None else None
+        self._spawn(f"ranker-{i}", ["ranking", "--worker-id", f"ranker-{i}"], 4 + i, env)
 
     def stop_worker(self, i: int, *, kill: bool = False) -> None:
-        p = self.procs.pop(f"ranker-{i}")
-        _end(p, kill=kill)
+        """Take ranking worker ``ranker-{i}`` out of the deployment, for good (not restarted).
+        SIGTERM: it finishes and commits what it has in flight; its partitions move to the others
+        once its session times out (a static member sends no leave). ``kill``: SIGKILL."""
+        self.supervisor.release(f"ranker-{i}", kill=kill)
+
+    def crash(self, name: str) -> int:
+        """SIGKILL stage ``name`` behind the supervisor's back, as a crash would; the supervisor
+        restarts it. Returns the killed pid."""
+        pid = self.procs[name].pid
+        os.kill(pid, signal.SIGKILL)
+        return pid
 
     def scrape(self, name: str) -> dict[str, float]:
         """The Prometheus samples of stage ``name`` (``metric{labels}`` -> value)."""
@@ -102,19 +128,11 @@ class Pipeline:
         return out
 
     def check(self) -> None:
-        for name, p in self.procs.items():
-            if p.poll() is not None:
-                raise RuntimeError(
-                    f"stage {name} exited with code {p.returncode}; see {self.log_dir / (name + '.log')}"
-                )
+        """Raise (``CrashLoop``, a RuntimeError) once the supervisor gave up on a stage."""
+        self.supervisor.check()
 
     def stop(self) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in self.procs.values():
-            _end(p)
-        self.procs.clear()
+        self.supervisor.stop()
 
     def __enter__(self) -> Pipeline:
         return self.start()
@@ -160,21 +178,40 @@ class Pipeline:
             await prod.stop()
 
 
-def _end(p: subprocess.Popen, *, kill: bool = False, grace_s: float = 30.0) -> None:
-    if p.poll() is None:
-        p.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
-    try:
-        p.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        p.wait()
+DESCRIPTION = """\
+Run every stage of the cascade on this machine, one process each: ingress-requests,
+ingress-behaviors, retrieval, preprocess and ranker-0 .. ranker-N-1, against the configured broker
+(RELAYGR_BOOTSTRAP, or the local one). Waits until a probe request comes back ranked, then runs
+until Ctrl-C or SIGTERM. Logs: $RELAYGR_HOME/logs/<stage>.log, restarts in supervisor.log.
+
+Supervision: a stage that exits (a crash, SIGKILL, an out-of-memory kill) is started again after
+a backoff (0.5 s, doubling up to 10 s while it keeps failing) and the other stages keep running;
+Kafka redelivers what it had not committed, and a ranking worker takes its partitions back
+(static membership). Each restart is printed and counted. Only a crash loop, a stage exiting more
+than --max-restarts times within --restart-window seconds, stops the whole deployment (exit 1).
+"""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = DESCRIPTION
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("--ranking-workers", type=int, default=2, help="ranking worker processes (default 2)")
     parser.add_argument("--mode", choices=["relay", "baseline"], help="override RELAYGR_MODE")
     parser.add_argument(
         "--metrics-base-port", type=int, default=0, help="Prometheus ports from here, one per stage"
+    )
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=RestartPolicy.max_restarts,
+        help=f"restarts of one stage within --restart-window that still count as recovering "
+        f"(default {RestartPolicy.max_restarts}); one more is a crash loop and stops everything",
+    )
+    parser.add_argument(
+        "--restart-window",
+        type=float,
+        default=RestartPolicy.window_s,
+        help=f"seconds over which a stage's exits are counted (default {RestartPolicy.window_s:g})",
     )
 
 
@@ -187,12 +224,14 @@ def run(args: argparse.Namespace) -> int:
         stop = True
 
     signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGHUP, on_signal)  # the stages run in sessions of their own
     try:
         with Pipeline(
             settings,
             ranking_workers=args.ranking_workers,
             mode=args.mode,
             metrics_base_port=args.metrics_base_port,
+            restart_policy=RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window),
         ) as pipe:
             waited = asyncio.run(pipe.wait_ready())
             print(
@@ -203,9 +242,17 @@ def run(args: argparse.Namespace) -> int:
             while not stop:
                 pipe.check()
                 time.sleep(0.5)
+            restarts = dict(pipe.restarts)
     except KeyboardInterrupt:
-        pass
+        return 0
     except (BrokerError, RuntimeError, TimeoutError) as e:
         print(f"relaygr up: {e}", file=sys.stderr)
+        if isinstance(e, CrashLoop):
+            print("relaygr up: stopped every stage", file=sys.stderr)
         return 1
+    if restarts:
+        print(
+            "relaygr up: restarts " + ", ".join(f"{k} {v}" for k, v in sorted(restarts.items())),
+            file=sys.stderr,
+        )
     return 0
