@@ -19,6 +19,11 @@ the point where full ranking would miss the deadline) until its partition's hist
 behaviour produced before the request (``relaygr.schemas.routing``). If the wait runs out the
 result says ``history_complete: false`` and ``relaygr_rank_history_incomplete_total`` counts it.
 
+Scale-out: the group uses the range assignor, which hands partition p of every subscribed topic
+(same partition count) to one member, whatever the number of members; a joining worker rebuilds the
+histories of the partitions it gets from ``routed-behaviors`` and notes how long that took
+(``history_caught_up`` in its events.jsonl, ``relaygr_history_catchup_seconds``).
+
 Model work runs on the engine's device thread; this loop only fetches, schedules and publishes.
 """
 
@@ -34,6 +39,7 @@ from collections import Counter, OrderedDict
 
 import torch
 from aiokafka import ConsumerRebalanceListener, TopicPartition
+from aiokafka.coordinator.assignors.range import RangePartitionAssignor
 from prometheus_client import Counter as PCounter
 from prometheus_client import Gauge, Histogram
 
@@ -92,6 +98,21 @@ INCOMPLETE = PCounter(
     "Requests ranked before their history covered every behaviour produced before them",
 )
 DUPLICATES = PCounter("relaygr_history_duplicates_total", "Routed behaviours applied once already, dropped")
+CATCHUP = Histogram(
+    "relaygr_history_catchup_seconds",
+    "Assigned routed-behaviours partition: time from assignment until its history reached the "
+    "partition's end offset at assignment",
+    buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
+)
+
+
+class CatchUp:
+    """One assigned behaviours partition being read up to where its log ended at assignment."""
+
+    def __init__(self, start: int, end: int) -> None:
+        self.start, self.end = start, end
+        self.t0 = time.monotonic()
+        self.events = 0
 
 
 class OffsetTracker:
@@ -169,6 +190,7 @@ class RankingWorker:
         self.tasks: set[asyncio.Task] = set()
         self.counts: Counter[str] = Counter()
         self.assigned: set[TopicPartition] = set()
+        self.catching_up: dict[int, CatchUp] = {}  # behaviours partition -> its rebuild in progress
         self.peak_inflight = 0
         self.signals_seen: OrderedDict[str, asyncio.Event] = OrderedDict()
 
@@ -206,6 +228,9 @@ class RankingWorker:
             session_timeout_ms=10000,
             heartbeat_interval_ms=1000,
             max_poll_interval_ms=300000,
+            # Partition p of every topic to the same member, with any number of members
+            # (round-robin, aiokafka's default, interleaves topics and breaks that past two).
+            partition_assignment_strategy=(RangePartitionAssignor,),
             **kw,
         )
         self.consumer.subscribe(topics, listener=_Rebalance(self))
@@ -329,9 +354,41 @@ class RankingWorker:
                 if applied < events:
                     DUPLICATES.inc(events - applied)
                 self.alignment.notify()
+                if tp.partition in self.catching_up:
+                    self._caught_up(tp.partition, applied)
                 batch, progress, events = [], {}, 0
                 if i < len(msgs) - 1:
                     await asyncio.sleep(0)
+
+    def _caught_up(self, partition: int, applied: int) -> None:
+        """Count ``applied`` events towards the partition's rebuild; once it reached the end offset
+        seen at assignment, note how long the rebuild took."""
+        c = self.catching_up[partition]
+        c.events += applied
+        reached = self.history.next_offset(partition)
+        if reached < c.end:
+            return
+        del self.catching_up[partition]
+        seconds = time.monotonic() - c.t0
+        CATCHUP.observe(seconds)
+        log.info(
+            "%s: history of partition %d caught up: offsets %d..%d, %d events in %.2f s",
+            self.worker_id,
+            partition,
+            c.start,
+            c.end,
+            c.events,
+            seconds,
+        )
+        self._note(
+            event="history_caught_up",
+            partition=partition,
+            from_offset=c.start,
+            to_offset=c.end,
+            records=c.end - c.start,
+            events=c.events,
+            seconds=round(seconds, 3),
+        )
 
     async def _await_history(self, partition: int, needed: dict[str, int] | None, until: float) -> bool:
         """Wait until ``partition``'s history covers the behaviours ``needed`` (public partition
@@ -556,17 +613,36 @@ class _Rebalance(ConsumerRebalanceListener):
                 await commit_existing(self.w.consumer, offsets)
         self.w.tracker.forget(revoked)
         self.w.assigned -= revoked
+        for tp in revoked:
+            if tp.topic == self.w.reg.name("routed_behaviors"):
+                self.w.catching_up.pop(tp.partition, None)
 
     async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
         self.w.assigned |= set(assigned)
         beh = self.w.reg.name("routed_behaviors")
         # Histories built from another cluster or an earlier incarnation of the topic are dropped.
         await self.w.lineage.verify(beh, [tp.partition for tp in assigned if tp.topic == beh])
-        for tp in assigned:
-            if tp.topic == beh:
-                # The history table knows how far it got: resume there, not at the group offset.
-                self.w.consumer.seek(tp, self.w.history.next_offset(tp.partition))
+        behaviours = [tp for tp in assigned if tp.topic == beh]
+        for tp in behaviours:
+            # The history table knows how far it got: resume there, not at the group offset.
+            self.w.consumer.seek(tp, self.w.history.next_offset(tp.partition))
+        await self._track_catch_up(behaviours)
+        self.w._note(event="assigned", partitions=sorted(tp.partition for tp in behaviours))
         log.info("%s assigned %s", self.w.worker_id, sorted((t.topic, t.partition) for t in assigned))
+
+    async def _track_catch_up(self, behaviours: list[TopicPartition]) -> None:
+        """Time the reading of each newly assigned behaviours partition up to its current end."""
+        fresh = [tp for tp in behaviours if tp.partition not in self.w.catching_up]
+        if not fresh:
+            return
+        try:
+            ends = await asyncio.wait_for(self.w.consumer.end_offsets(fresh), 5)
+        except Exception:  # only a measurement: never hold up the assignment for it
+            return
+        for tp, end in ends.items():
+            start = self.w.history.next_offset(tp.partition)
+            if end > start:
+                self.w.catching_up[tp.partition] = CatchUp(start, end)
 
 
 def main(settings: Settings, p: PipelineSettings, worker_id: str, metrics_port: int = 0) -> int:

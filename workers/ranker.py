@@ -236,7 +236,7 @@ class RankingEngine:
                         user_id, prefix, history, candidates, request_ts, deadline, bd
                     )
                     if grow is not None:
-                        self._keep(user_id, grow)
+                        self._keep(user_id, grow, prefix.meta)
                 else:
                     scores = await self._run(prefix, suffix, candidates, request_ts, deadline, bd)
                 self.store.release(user_id)
@@ -314,14 +314,16 @@ class RankingEngine:
             self.batched_rankings += 1
         return result
 
-    def _keep(self, user_id: str, grow: Callable[[], PrefixKV]) -> None:
+    def _keep(self, user_id: str, grow: Callable[[], PrefixKV], meta: dict[str, str]) -> None:
         """Store the prefix a ranking grew, off the ranking's path: building it copies the cached
-        keys and values, so it runs on the device after the scores are out, behind any ranking."""
+        keys and values, so it runs on the device after the scores are out, behind any ranking.
+        It keeps the metadata of the prefix it grew from (who computed it: this worker)."""
 
         async def keep() -> None:
             assert self.store is not None
             try:
                 grown = await self.scheduler.submit(grow, priority=Priority.PREFILL)
+                grown.meta = {**meta, **grown.meta}
                 self.store.put(user_id, grown, keep_longer=True)
             except SchedulerClosed:  # shutting down: the next request recomputes the suffix
                 pass
