@@ -107,10 +107,12 @@ CATCHUP = Histogram(
 
 
 class CatchUp:
-    """One assigned behaviours partition being read up to where its log ended at assignment."""
+    """One assigned behaviours partition being read up to where its log ended at assignment
+    (``end`` is None until the broker said where that is)."""
 
-    def __init__(self, start: int, end: int) -> None:
-        self.start, self.end = start, end
+    def __init__(self, start: int) -> None:
+        self.start = start
+        self.end: int | None = None
         self.t0 = time.monotonic()
         self.events = 0
 
@@ -366,7 +368,7 @@ class RankingWorker:
         c = self.catching_up[partition]
         c.events += applied
         reached = self.history.next_offset(partition)
-        if reached < c.end:
+        if c.end is None or reached < c.end:
             return
         del self.catching_up[partition]
         seconds = time.monotonic() - c.t0
@@ -626,23 +628,29 @@ class _Rebalance(ConsumerRebalanceListener):
         for tp in behaviours:
             # The history table knows how far it got: resume there, not at the group offset.
             self.w.consumer.seek(tp, self.w.history.next_offset(tp.partition))
+            # Timed from here: the loop may apply fetched behaviours while this callback awaits.
+            self.w.catching_up.setdefault(tp.partition, CatchUp(self.w.history.next_offset(tp.partition)))
         await self._track_catch_up(behaviours)
         self.w._note(event="assigned", partitions=sorted(tp.partition for tp in behaviours))
         log.info("%s assigned %s", self.w.worker_id, sorted((t.topic, t.partition) for t in assigned))
 
     async def _track_catch_up(self, behaviours: list[TopicPartition]) -> None:
-        """Time the reading of each newly assigned behaviours partition up to its current end."""
-        fresh = [tp for tp in behaviours if tp.partition not in self.w.catching_up]
+        """Time the reading of each newly assigned behaviours partition up to its end now."""
+        fresh = [tp for tp in behaviours if self.w.catching_up[tp.partition].end is None]
         if not fresh:
             return
         try:
             ends = await asyncio.wait_for(self.w.consumer.end_offsets(fresh), 5)
         except Exception:  # only a measurement: never hold up the assignment for it
-            return
-        for tp, end in ends.items():
-            start = self.w.history.next_offset(tp.partition)
-            if end > start:
-                self.w.catching_up[tp.partition] = CatchUp(start, end)
+            ends = {}
+        for tp in fresh:
+            c = self.w.catching_up[tp.partition]
+            end = ends.get(tp)
+            if end is None or end <= c.start:  # unknown, or nothing to rebuild
+                del self.w.catching_up[tp.partition]
+                continue
+            c.end = end
+            self.w._caught_up(tp.partition, 0)  # perhaps read up to it already
 
 
 def main(settings: Settings, p: PipelineSettings, worker_id: str, metrics_port: int = 0) -> int:
