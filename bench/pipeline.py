@@ -9,6 +9,10 @@ Both modes run in one invocation, back to back, on the same broker, model and tr
    request produced -> result produced), P50/P99, and the relay/baseline ratio, next to the
    model's FLOP bound on that ratio (suffix + candidates against the cached prefix over full).
 One JSON line per phase and mode, then one line with the headline figures and ratios.
+
+``--brokers N`` (N > 1) runs it all on a local N-node cluster of its own (replication min(3, N),
+min ISR 2 with 3), started for the run and stopped after it; every line then says ``"brokers": N``.
+Against a cluster of your own, set RELAYGR_BOOTSTRAP to its nodes instead.
 """
 
 from __future__ import annotations
@@ -64,6 +68,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--results", type=Path, default=None, help="also write every result as JSON lines to this file"
     )
+    parser.add_argument(
+        "--brokers",
+        type=int_at_least(1),
+        default=1,
+        help="1: the configured broker (RELAYGR_BOOTSTRAP, or the local one, started if needed); "
+        "N > 1: a local N-node cluster started for this run (replication factor min(3, N), min ISR 2 "
+        "with 3) and stopped after it",
+    )
 
 
 def _p(xs: list[float], q: float) -> float:
@@ -112,18 +124,43 @@ def _phase(
 def run(args: argparse.Namespace) -> int:
     from relaygr.demo import ensure_broker, ensure_calibration, ensure_model
     from relaygr.streams.config import PipelineSettings
-    from relaygr.streams.traffic import leave_last_out
-    from relaygr.workers.movielens import load_movielens
 
     say = _Say(args.json)
     if args.results is not None:  # fail now, not after minutes of measuring
         args.results.parent.mkdir(parents=True, exist_ok=True)
         args.results.touch()
-    with contextlib.redirect_stdout(sys.stderr):  # stdout carries only the JSON lines
-        settings, _ = ensure_broker(get_settings())
-        p = PipelineSettings()
-        ensure_model(p.model_dir)
-        calib = ensure_calibration(p.model_dir)
+    with contextlib.ExitStack() as cluster:
+        with contextlib.redirect_stdout(sys.stderr):  # stdout carries only the JSON lines
+            p = PipelineSettings()
+            ensure_model(p.model_dir)
+            calib = ensure_calibration(p.model_dir)
+            if args.brokers > 1:  # stopped when the measurement ends, however it ends
+                settings = cluster.enter_context(_own_cluster(get_settings(), args.brokers, say))
+            else:
+                settings, _ = ensure_broker(get_settings())
+        return _measure(args, settings, p, calib, say)
+
+
+@contextlib.contextmanager
+def _own_cluster(base: Settings, brokers: int, say):
+    """A local cluster of ``brokers`` nodes in a folder of its own under RELAYGR_HOME, for one run."""
+    from relaygr.infra import broker
+
+    own = base.model_copy(update={"home": Path(base.home) / f"bench-cluster-{uuid.uuid4().hex[:6]}"})
+    t0 = time.monotonic()
+    state = broker.start(own, brokers=brokers)
+    say(f"local cluster of {brokers} nodes up in {time.monotonic() - t0:.1f} s at {state.bootstrap}")
+    try:
+        yield own.model_copy(update={"bootstrap": state.bootstrap, "home": base.home})
+    finally:
+        broker.stop(own)
+        shutil.rmtree(own.home, ignore_errors=True)
+
+
+def _measure(args: argparse.Namespace, settings: Settings, p, calib: Path, say) -> int:
+    from relaygr.streams.traffic import leave_last_out
+    from relaygr.workers.movielens import load_movielens
+
     env = {
         "RELAYGR_MODEL_DIR": str(p.model_dir),
         "RELAYGR_CALIBRATION_FILE": str(calib),
@@ -245,5 +282,5 @@ def run(args: argparse.Namespace) -> int:
                             json.dumps({"mode": mode, "phase": phase, **r.model_dump(mode="json")}) + "\n"
                         )
     for line in lines:
-        print(json.dumps(line))
+        print(json.dumps({**line, "brokers": args.brokers}))
     return 0
