@@ -1,4 +1,5 @@
-"""docker-compose.yml agrees with the code: image version, CLI commands, env vars, topics."""
+"""docker-compose.yml agrees with the code: image version, CLI commands, env vars, topics, and the
+3-broker "cluster" profile (one quorum, replicated topics)."""
 
 from __future__ import annotations
 
@@ -60,9 +61,70 @@ def test_env_vars_are_settings_fields(compose) -> None:
         for key in env:
             if key.startswith("RELAYGR_"):
                 assert key in fields, f"{name}: {key} is not a setting"
-        if name != "kafka":
-            assert env["RELAYGR_BOOTSTRAP"] == "kafka:9092"
+        if not name.startswith("kafka"):
+            # The single broker by default; the cluster's nodes when RELAYGR_COMPOSE_BOOTSTRAP says so.
+            assert env["RELAYGR_BOOTSTRAP"] == "${RELAYGR_COMPOSE_BOOTSTRAP:-kafka:9092}"
             assert env["RELAYGR_TOPIC_PREFIX"] == "relaygr"  # the public topic names
+
+
+def test_the_default_runs_one_broker_and_the_cluster_profile_three(compose) -> None:
+    services = compose["services"]
+    brokers = {n: svc for n, svc in services.items() if svc.get("image", "").startswith("apache/kafka")}
+    assert [n for n, svc in brokers.items() if not svc.get("profiles")] == ["kafka"]
+    nodes = {n: svc for n, svc in brokers.items() if "cluster" in svc.get("profiles", [])}
+    assert sorted(nodes) == ["kafka-1", "kafka-2", "kafka-3"]
+    # Nothing but brokers sits in a profile: the cascade runs in both set-ups.
+    assert all(not svc.get("profiles") for n, svc in services.items() if n not in brokers)
+
+
+def test_cluster_profile_is_a_replicated_kraft_quorum_of_three(compose) -> None:
+    services = compose["services"]
+    envs = {n: services[n]["environment"] for n in ("kafka-1", "kafka-2", "kafka-3")}
+    assert {n: e["KAFKA_NODE_ID"] for n, e in envs.items()} == {
+        "kafka-1": "1",
+        "kafka-2": "2",
+        "kafka-3": "3",
+    }
+    voters = {e["KAFKA_CONTROLLER_QUORUM_VOTERS"] for e in envs.values()}
+    assert voters == {"1@kafka-1:9093,2@kafka-2:9093,3@kafka-3:9093"}  # one quorum, every node in it
+    assert len({e["CLUSTER_ID"] for e in envs.values()}) == 1  # formatted as one cluster
+    for name, e in envs.items():
+        assert services[name]["image"] == f"apache/kafka:{Settings().kafka_version}"
+        assert e["KAFKA_PROCESS_ROLES"] == "broker,controller"
+        assert f"PLAINTEXT://{name}:9092" in e["KAFKA_ADVERTISED_LISTENERS"].split(",")
+        assert e["KAFKA_AUTO_CREATE_TOPICS_ENABLE"] == "false"
+        # Three replicas, and acks=all waits for two of them: one node may fail.
+        for key in (
+            "KAFKA_DEFAULT_REPLICATION_FACTOR",
+            "KAFKA_OFFSETS_TOPIC_REPLICATION_FACTOR",
+            "KAFKA_TRANSACTION_STATE_LOG_REPLICATION_FACTOR",
+            "KAFKA_SHARE_COORDINATOR_STATE_TOPIC_REPLICATION_FACTOR",
+        ):
+            assert e[key] == "3", (name, key)
+        for key in (
+            "KAFKA_MIN_INSYNC_REPLICAS",
+            "KAFKA_TRANSACTION_STATE_LOG_MIN_ISR",
+            "KAFKA_SHARE_COORDINATOR_STATE_TOPIC_MIN_ISR",
+        ):
+            assert e[key] == "2", (name, key)
+        assert all(p.startswith("127.0.0.1:") for p in services[name]["ports"])  # loopback only
+        assert services[name]["healthcheck"]["test"]
+    host_ports = [p for n in envs for p in services[n]["ports"]] + services["kafka"]["ports"]
+    assert len(set(host_ports)) == len(host_ports)  # both set-ups' ports can coexist
+    # Topics are created once whichever brokers run; an absent (profile off) node is not waited for.
+    deps = services["topics"]["depends_on"]
+    assert deps["kafka"]["condition"] == "service_healthy"
+    for name in envs:
+        assert deps[name] == {"condition": "service_healthy", "required": False}
+
+
+def test_the_documented_cluster_bootstrap_names_every_node(compose) -> None:
+    text = (ROOT / "docker-compose.yml").read_text()
+    line = next(ln for ln in text.splitlines() if "RELAYGR_COMPOSE_BOOTSTRAP=" in ln)
+    documented = line.split("RELAYGR_COMPOSE_BOOTSTRAP=")[1].split()[0]
+    nodes = [n for n, svc in compose["services"].items() if "cluster" in svc.get("profiles", [])]
+    assert documented == ",".join(f"{n}:9092" for n in nodes)
+    assert documented in (ROOT / "README.md").read_text()
 
 
 def test_dockerfile_installs_what_the_cli_imports() -> None:
