@@ -125,7 +125,9 @@ async def _produce_burst(settings: Settings, reg: TopicRegistry, events: list[Be
     return t0
 
 
-async def _requests(settings, reg, requests, qps: float, stop: asyncio.Event, sent: list) -> None:
+async def request_stream(settings, reg, requests, qps: float, stop: asyncio.Event, sent: list) -> None:
+    """Send ``requests`` round-robin at ``qps`` (each re-stamped with a fresh id and the send
+    time) until ``stop`` is set; appends what was sent to ``sent``."""
     prod = producer(settings, linger_ms=0)
     await prod.start()
     try:
@@ -147,7 +149,8 @@ async def _requests(settings, reg, requests, qps: float, stop: asyncio.Event, se
         await prod.stop()
 
 
-def _hops(results: dict, sent: list, field: str = "hop_requests") -> dict[str, float]:
+def breakdown_percentiles(results: dict, sent: list, field: str = "hop_requests") -> dict[str, float]:
+    """P50/P99 (nearest rank) of one ``breakdown_ms`` field over the results of ``sent``."""
     from relaygr.report import percentile
 
     hops = [results[r.request_id].breakdown_ms.get(field) for r in sent if r.request_id in results]
@@ -164,7 +167,7 @@ async def _measure(settings: Settings, reg: TopicRegistry, pipe, args, ml, say) 
 
     say(f"idle: requests at {args.qps:g}/s for {args.idle_s:g} s")
     stop, idle_sent = asyncio.Event(), []
-    task = asyncio.create_task(_requests(settings, reg, requests, args.qps, stop, idle_sent))
+    task = asyncio.create_task(request_stream(settings, reg, requests, args.qps, stop, idle_sent))
     await asyncio.sleep(args.idle_s)
     stop.set()
     await task
@@ -176,7 +179,7 @@ async def _measure(settings: Settings, reg: TopicRegistry, pipe, args, ml, say) 
     )
     before = _applied(pipe)
     stop, burst_sent = asyncio.Event(), []
-    task = asyncio.create_task(_requests(settings, reg, requests, args.qps, stop, burst_sent))
+    task = asyncio.create_task(request_stream(settings, reg, requests, args.qps, stop, burst_sent))
     t0 = await _produce_burst(settings, reg, burst)
     produced_s = time.time() - t0
     done: dict[str, float] = {}
@@ -190,7 +193,7 @@ async def _measure(settings: Settings, reg: TopicRegistry, pipe, args, ml, say) 
     stop.set()
     await task
     burst_res = await collect_results(settings, reg, {r.request_id for r in burst_sent}, timeout_s=120)
-    idle, hot = _hops(idle_res, idle_sent), _hops(burst_res, burst_sent)
+    idle, hot = breakdown_percentiles(idle_res, idle_sent), breakdown_percentiles(burst_res, burst_sent)
     incomplete = sum(1 for r in burst_res.values() if not r.history_complete)
     return {
         "bench": "ingest",
@@ -205,9 +208,9 @@ async def _measure(settings: Settings, reg: TopicRegistry, pipe, args, ml, say) 
         "hop_p50_ms_idle": idle["p50"],
         "burst_over_idle_hop_p99": hot["p99"] / idle["p99"] if idle["p99"] else None,
         # The ingress's share of hop_requests (request produced -> re-keyed onto routed-requests).
-        "routing_p99_ms_burst": _hops(burst_res, burst_sent, "routing")["p99"],
-        "routing_p99_ms_idle": _hops(idle_res, idle_sent, "routing")["p99"],
-        "history_wait_p99_ms_burst": _hops(burst_res, burst_sent, "history_wait")["p99"],
+        "routing_p99_ms_burst": breakdown_percentiles(burst_res, burst_sent, "routing")["p99"],
+        "routing_p99_ms_idle": breakdown_percentiles(idle_res, idle_sent, "routing")["p99"],
+        "history_wait_p99_ms_burst": breakdown_percentiles(burst_res, burst_sent, "history_wait")["p99"],
         "requests_burst": len(burst_sent),
         "results_burst": len(burst_res),
         "requests_idle": len(idle_sent),

@@ -55,6 +55,10 @@ GROUPS: dict[str, tuple[str, dict[str, tuple[str, str]]]] = {
                 "relaygr.bench.pipeline",
                 "Kafka hop overhead; relay vs baseline ranking P99 on the broker",
             ),
+            "noisy-neighbour": (
+                "relaygr.bench.noisy_neighbour",
+                "ordinary users' ranking P99 with and without one 60k-event user on the same worker",
+            ),
             "ingest": (
                 "relaygr.bench.ingest",
                 "every stage's ingestion rate for a burst of long histories; request hops during it vs idle",

@@ -129,6 +129,7 @@ class TriggerReason(StrEnum):
     NOT_AT_RISK = "not_at_risk"
     FOOTPRINT_BOUND = "footprint_bound"
     RATE_BOUND = "rate_bound"
+    TOO_LONG = "too_long"  # its pre-inference would outlast the lease or the upstream window
     NO_HISTORY = "no_history"
     DISABLED = "disabled"
 

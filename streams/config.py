@@ -89,6 +89,31 @@ class PipelineSettings(BaseSettings):
     max_inflight: int = Field(
         default=256, ge=1, description="Ranking worker: requests in flight before it pauses fetching."
     )
+    device_slice_ms: float = Field(
+        default=5.0,
+        ge=0,
+        description="Ranking worker: longest device job between two scheduling decisions. Pre-inference "
+        "and a relay worker's full rankings run in chunks sized by the latency model to take about "
+        "this long (a chunk late in a long history attends to more keys, so it has fewer tokens); "
+        "0 = chunks of RELAYGR_PREFILL_CHUNK tokens, full rankings in one piece.",
+    )
+    history_retain_events: int | None = Field(
+        default=None,
+        ge=1,
+        description="Ranking worker: events kept per user in its history table (the oldest dropped "
+        "beyond it); default: twice the model's max_seq_len.",
+    )
+    too_long_ttl_factor: float = Field(
+        default=1.0,
+        gt=0,
+        description="Trigger: refuse (too_long) a pre-inference predicted to outlast this × the lease TTL.",
+    )
+    too_long_window_factor: float = Field(
+        default=40.0,
+        ge=0,
+        description="Trigger: refuse (too_long) a pre-inference predicted to take longer than this × the "
+        "upstream window (2 × feature fetch + budget); 0 = no such bound.",
+    )
     max_task_idle_ms: float = Field(
         default=2000.0,
         ge=0,
@@ -115,8 +140,14 @@ class PipelineSettings(BaseSettings):
     )
 
 
-def trigger_config(p: PipelineSettings, bytes_per_token: int) -> TriggerConfig:
+def trigger_config(
+    p: PipelineSettings, bytes_per_token: int, max_seq_len: int | None = None
+) -> TriggerConfig:
     return TriggerConfig(
+        max_seq_len=max_seq_len,
+        window_ms=2 * p.feature_fetch_ms + p.budget_ms,
+        too_long_ttl_factor=p.too_long_ttl_factor,
+        too_long_window_factor=p.too_long_window_factor,
         enabled=p.mode == "relay",
         budget_ms=p.budget_ms,
         theta=p.theta,
@@ -137,4 +168,5 @@ def engine_config(p: PipelineSettings) -> EngineConfig:
         retain_suffix=p.retain_suffix,
         burst_batch=p.burst_batch,
         burst_batch_events=p.burst_batch_events,
+        slice_ms=p.device_slice_ms,
     )

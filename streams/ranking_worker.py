@@ -64,6 +64,7 @@ from relaygr.streams.config import PipelineSettings, engine_config
 from relaygr.streams.history import HistoryAlignment, HistoryTable
 from relaygr.streams.state_lineage import HistoryLineage, deployment_dir
 from relaygr.workers.devices import keep_host_pages
+from relaygr.workers.history_window import served, window_step
 from relaygr.workers.latency_model import LatencyModel
 from relaygr.workers.model import HSTURanker
 from relaygr.workers.prefix_kv import Events
@@ -90,6 +91,10 @@ APPLY_SLICE = 4096
 INCOMPLETE = PCounter(
     "relaygr_rank_history_incomplete_total",
     "Requests ranked before their history covered every behaviour produced before them",
+)
+CAPPED = PCounter(
+    "relaygr_rank_history_capped_total",
+    "Requests whose user's history is longer than the model's max_seq_len (only its tail served)",
 )
 DUPLICATES = PCounter("relaygr_history_duplicates_total", "Routed behaviours applied once already, dropped")
 
@@ -162,7 +167,14 @@ class RankingWorker:
                 clock=time.time,
             )
         self.engine = RankingEngine(self.model, self.store, self.scheduler, engine_config(p), self.latency)
-        self.history = HistoryTable(self.dir / "history")
+        # Serve at most the model's max_seq_len most recent events; keep a bounded tail per user.
+        self.max_seq_len = self.model.config.max_seq_len
+        self.window_step = window_step(self.max_seq_len)
+        self.history = HistoryTable(
+            self.dir / "history",
+            retain_events=p.history_retain_events or 2 * self.max_seq_len,
+            retain_align=self.window_step,
+        )
         self.alignment = HistoryAlignment(self.history)
         self.lineage = HistoryLineage(STAGE, settings, self.dir, self.history, self.store)
         self.tracker = OffsetTracker()
@@ -333,6 +345,15 @@ class RankingWorker:
                 if i < len(msgs) - 1:
                     await asyncio.sleep(0)
 
+    def _served_history(self, user_id: str, before_ts: float) -> tuple[Events, int, bool]:
+        """The user's events before ``before_ts`` that a ranking reads (at most max_seq_len, the
+        most recent, in a window moving by whole steps), how many there are in all, and whether
+        the window left some out."""
+        full = self.history.get(user_id, before_ts)
+        first = self.history.first(user_id)
+        hist, capped = served(full, first, self.max_seq_len, self.window_step)
+        return hist, first + len(full), capped
+
     async def _await_history(self, partition: int, needed: dict[str, int] | None, until: float) -> bool:
         """Wait until ``partition``'s history covers the behaviours ``needed`` (public partition
         -> end offset when the ingress read the request), at most until ``until`` (monotonic).
@@ -382,7 +403,7 @@ class RankingWorker:
         done = self.signals_seen[s.request_id] = asyncio.Event()
         while len(self.signals_seen) > 100_000:
             self.signals_seen.popitem(last=False)
-        hist = self.history.get(s.user_id, s.model_ts)
+        hist, _, _ = self._served_history(s.user_id, s.model_ts)
         # Retrieval counted the history from its own table; keep the short-term suffix out of the
         # prefix by this worker's count too (it may have ingested fewer events so far).
         n = min(s.prefix_len, len(hist) - min(self.p.short_term, len(hist)))
@@ -426,22 +447,27 @@ class RankingWorker:
             room_s = (
                 r.deadline_ts - time.time() - lat.predict_ms(self.p.short_term + len(r.candidates)) / 1000
             )
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(done.wait(), max(0.0, room_s))
+            try:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(done.wait(), max(0.0, room_s))
+            finally:
+                self.engine.yield_prefill(r.user_id)  # waited enough: rank now, not behind it
 
     async def _handle_rank(self, tp: TopicPartition, m) -> None:
         r = decode_keyed(RankRequest, m.key, m.value, self.settings.max_message_bytes)
         t_in = time.time()
         # Wait for the behaviours produced before the request while full ranking of what is
         # there would still meet the deadline, and at most max_task_idle_ms.
-        hist = self.history.get(r.user_id, r.model_ts)
+        hist, total, capped = self._served_history(r.user_id, r.model_ts)
         room_s = r.deadline_ts - t_in - self.engine.latency.predict_ms(len(hist)) / 1000
         until = time.monotonic() + max(0.0, min(room_s, self.p.max_task_idle_ms / 1000))
         t_hist = time.time()
         complete = await self._await_history(tp.partition, r.behaviors_needed, until)
         history_wait = (time.time() - t_hist) * 1000
         if history_wait > 0.05:  # behaviours were applied meanwhile
-            hist = self.history.get(r.user_id, r.model_ts)
+            hist, total, capped = self._served_history(r.user_id, r.model_ts)
+        if capped:
+            CAPPED.inc()
         if not complete:
             INCOMPLETE.inc()
         cands = torch.tensor(r.candidates, dtype=torch.int64)
@@ -486,7 +512,7 @@ class RankingWorker:
             latency_ms=max(0.0, (now - r.ts) * 1000),
             worker_id=self.worker_id,
             breakdown_ms=breakdown,
-            history_len=len(hist),
+            history_len=total,
             used_len=oc.used_len if oc else 0,
             tokens_computed=oc.tokens_computed if oc else 0,
             prefix_len=oc.prefix_len if oc else 0,

@@ -128,13 +128,14 @@ def summary_before(summary: dict | None, ts: float) -> tuple[int, list[int]]:
     return max(0, summary["n"] - len(newer)), recent
 
 
-def load_item_embeddings(p: PipelineSettings) -> tuple[np.ndarray, int]:
-    """Item embeddings of the trained model and its KV bytes per token."""
+def load_item_embeddings(p: PipelineSettings) -> tuple[np.ndarray, int, int]:
+    """Item embeddings of the trained model, its KV bytes per token and its served length cap."""
     from relaygr.workers.model import HSTURanker
     from relaygr.workers.ranker import kv_bytes_per_token
 
     model = HSTURanker.load(p.model_dir, device="cpu")
-    return model.item_embeddings().float().cpu().numpy(), kv_bytes_per_token(model)
+    emb = model.item_embeddings().float().cpu().numpy()
+    return emb, kv_bytes_per_token(model), model.config.max_seq_len
 
 
 def load_latency(p: PipelineSettings) -> LatencyModel:
@@ -152,9 +153,9 @@ def build(settings: Settings, p: PipelineSettings, worker_id: str = "0"):
     dlq = raw_topic(app, reg.name("dead_letters"))
     # The value format is part of the table's name: a format change starts a fresh table.
     histories = app.Table("summaries-v2", default=None, partitions=settings.partitions)
-    emb, bytes_per_token = load_item_embeddings(p)
+    emb, bytes_per_token, max_seq_len = load_item_embeddings(p)
     gen = CandidateGenerator(emb)
-    trigger = SequenceAwareTrigger(trigger_config(p, bytes_per_token), load_latency(p))
+    trigger = SequenceAwareTrigger(trigger_config(p, bytes_per_token, max_seq_len), load_latency(p))
     app.relaygr_trigger = trigger  # for inspection
     limit = settings.max_message_bytes
 

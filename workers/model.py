@@ -107,6 +107,9 @@ class HSTUConfig(BaseModel):
     bucket 0 (64 buckets cover about 70 years)."""
     max_len: int = Field(256, ge=2)
     """Training window in events. Inference takes histories of any length."""
+    max_seq_len: int = Field(8192, ge=16)
+    """Most events of a user's history that serving reads: the most recent ones, in a window
+    whose start moves in steps of an eighth of it (see ``relaygr.workers.history_window``)."""
     dropout: float = Field(0.2, ge=0.0, lt=1.0)
     """Dropout on embeddings and layer outputs during training."""
     attn_normaliser: float = Field(256.0, gt=0.0)
@@ -485,12 +488,14 @@ class HSTURanker(nn.Module):
 
     @torch.inference_mode()
     def prefill_steps(
-        self, history: Events, chunk_size: int, prefix: PrefixKV | None = None
+        self, history: Events, chunk_size: int | Callable[[int], int], prefix: PrefixKV | None = None
     ) -> Iterator[PrefixKV | None]:
         """Chunked pre-inference: yields ``None`` after each chunk of ``chunk_size`` new events
         but the last, then the finished ``PrefixKV`` of the whole ``history``. Between two steps
-        the device is free for other work (a ranking job waits at most one chunk). With
-        ``prefix``, it extends that prefix (see ``extend``). Results equal one-shot ``prefill``."""
+        the device is free for other work (a ranking job waits at most one chunk). A callable
+        ``chunk_size(cached)`` sizes each chunk by the keys already computed (chunks sliced by
+        device time: later chunks attend to more keys). With ``prefix``, it extends that prefix
+        (see ``extend``). Results equal one-shot ``prefill``."""
         self._for_serving()
         start = 0
         if prefix is not None:
@@ -504,10 +509,15 @@ class HSTURanker(nn.Module):
         sv = self._serving()
         n = len(history)
         pending = self._open(ctx, history.slice(start))
-        step = self._step(chunk_size)
-        for c0 in range(0, n - start, chunk_size):
-            c1 = min(n - start, c0 + chunk_size)
-            self._advance(ctx, pending, c0, c1, step, sv)
+        if not callable(chunk_size):
+            self._step(chunk_size)  # rejects a size below 1
+        size_at = chunk_size if callable(chunk_size) else (lambda _cached: chunk_size)
+        c0 = 0
+        while c0 < n - start:
+            size = max(1, int(size_at(start + c0)))
+            c1 = min(n - start, c0 + size)
+            self._advance(ctx, pending, c0, c1, self._step(size), sv)
+            c0 = c1
             if c1 < n - start:
                 yield None
         yield self._prefix_kv(ctx, pending.kv, prefix, history)

@@ -43,6 +43,7 @@ from relaygr.workers.prefix_store import PrefixStore
 from relaygr.workers.scheduler import DeviceScheduler, Priority, SchedulerClosed
 
 T = TypeVar("T")
+_NEVER = object()  # sentinel of ``iter(step, _NEVER)``: a step function as a step iterator
 log = logging.getLogger(__name__)
 
 
@@ -75,6 +76,15 @@ class EngineConfig(BaseModel):
             "Relay rankings of one user that wait for the device together (a burst of requests) "
             "run as one job of at most this many: the events new since the cached prefix are "
             "computed once. 1 = never."
+        ),
+    )
+    slice_ms: float = Field(
+        default=5.0,
+        ge=0,
+        description=(
+            "Device time of one chunk of pre-inference or of a relay worker's full ranking, sized "
+            "by the latency model (keys already cached included); 0 = prefill_chunk tokens a chunk "
+            "and full rankings in one piece."
         ),
     )
     burst_batch_events: int = Field(
@@ -140,6 +150,7 @@ class RankingEngine:
         self.bytes_per_token = kv_bytes_per_token(model)
         # Users whose in-flight pre-inference a waiting ranking job has promoted: (priority, deadline).
         self._urgent: dict[str, tuple[Priority, float]] = {}
+        self._waiters: dict[str, int] = {}  # rankings waiting for a user's pre-inference
         # Background tasks storing the prefixes that rankings grew (``retain_suffix``).
         self._keeping: set[asyncio.Task] = set()
         self.batched_rankings = 0  # rankings that shared their device job with others of a burst
@@ -173,7 +184,7 @@ class RankingEngine:
             return PrefillOutcome(f"refused:{lease.reason}", n)
 
         async def compute(best: PrefixKV | None) -> PrefixKV:
-            steps = self.model.prefill_steps(history.slice(0, n), self.config.prefill_chunk, prefix=best)
+            steps = self.model.prefill_steps(history.slice(0, n), self._chunk_size(), prefix=best)
             # A request may already wait for this prefix (its lookup found it in flight).
             prio, deadline = self._urgent.get(user_id, (Priority.PREFILL, math.inf))
             out = await self.scheduler.submit_steps(
@@ -189,12 +200,34 @@ class RankingEngine:
             self._urgent.pop(user_id, None)
         return PrefillOutcome(source, got.length, (time.perf_counter() - t0) * 1000)
 
+    def _chunk_size(self) -> int | Callable[[int], int]:
+        """Tokens per device chunk: sliced by time (``slice_ms``) with the latency model, so that
+        a chunk against many cached keys gets fewer tokens; at most ``prefill_chunk``."""
+        if not self.config.slice_ms:
+            return self.config.prefill_chunk
+        hi, slice_ms = self.config.prefill_chunk, self.config.slice_ms
+        return lambda cached: self.latency.tokens_within_slice(cached, slice_ms, lo=16, hi=hi)
+
     def expedite_prefill(self, user_id: str, deadline: float) -> None:
         """A ranking waits for ``user_id``'s pre-inference: its remaining chunks run at ranking
-        priority with the ranking's deadline (priority inheritance)."""
+        priority with the ranking's deadline (priority inheritance), until every waiter has
+        either got it or given up (``yield_prefill``)."""
         _, before = self._urgent.get(user_id, (Priority.RANK, math.inf))
         self._urgent[user_id] = (Priority.RANK, min(before, deadline))
+        self._waiters[user_id] = self._waiters.get(user_id, 0) + 1
         self.scheduler.promote(("prefill", user_id), Priority.RANK, deadline)
+
+    def yield_prefill(self, user_id: str) -> None:
+        """A waiter of ``user_id``'s pre-inference stopped waiting. When none is left, the rest of
+        it goes back to pre-inference priority: the ranking that gave up runs now, never behind
+        its own user's prefill."""
+        left = self._waiters.get(user_id, 0) - 1
+        if left > 0:
+            self._waiters[user_id] = left
+            return
+        self._waiters.pop(user_id, None)
+        if self._urgent.pop(user_id, None) is not None:
+            self.scheduler.restore(("prefill", user_id), Priority.PREFILL, math.inf)
 
     # ------------------------------------------------------------------ ranking
 
@@ -225,7 +258,10 @@ class RankingEngine:
                 if room_s > 0:
                     self.expedite_prefill(user_id, deadline)
                     t1 = time.perf_counter()
-                    waited = await self.store.wait_in_flight(user_id, room_s)
+                    try:
+                        waited = await self.store.wait_in_flight(user_id, room_s)
+                    finally:
+                        self.yield_prefill(user_id)
                     bd["prefix_wait"] = (time.perf_counter() - t1) * 1000
                     if waited is not None and waited.matches(history):
                         prefix, tier, path = waited, "inflight", "relay_waited"
@@ -261,7 +297,10 @@ class RankingEngine:
             if fit < n:
                 used = history.slice(n - fit)
                 path = "full_truncated"
-        scores = await self._run(None, used, candidates, request_ts, deadline, bd)
+        if self.config.mode == "relay" and self.config.slice_ms:
+            scores = await self._run_sliced(used, candidates, request_ts, deadline, bd)
+        else:  # the baseline: one job, as the paper's
+            scores = await self._run(None, used, candidates, request_ts, deadline, bd)
         self.samples.append((len(used), bd["compute"]))
         return RankOutcome(scores, path, bd, n, len(used), len(used) + len(candidates), 0, "miss")
 
@@ -350,6 +389,45 @@ class RankingEngine:
         return await self._on_device(
             lambda: self.model.rank(prefix, events, candidates, request_ts), deadline, bd
         )
+
+    async def _run_sliced(
+        self,
+        history: Events,
+        candidates: torch.Tensor,
+        request_ts: float,
+        deadline: float,
+        bd: dict[str, float],
+    ) -> torch.Tensor:
+        """Full ranking as a chunked ranking job: the history's keys and values in time slices
+        (``_chunk_size``), then the candidates against them — other rankings with earlier
+        deadlines run between two slices instead of waiting for the whole. Equal to ``rank``
+        with no prefix (the prefix property, tested)."""
+        model, chunk = self.model, self._chunk_size()
+        timing: list[float] = []
+
+        def steps():
+            prefix = None
+            for out in model.prefill_steps(history, chunk):
+                if out is None:
+                    yield None
+                else:
+                    prefix = out
+            yield model.rank(prefix, history.slice(len(history)), candidates, request_ts)
+
+        it = steps()
+
+        def step():
+            t0 = time.perf_counter()
+            out = next(it)
+            timing.append(t0)
+            timing.append(time.perf_counter())
+            return out
+
+        t_submit = time.perf_counter()
+        out = await self.scheduler.submit_steps(iter(step, _NEVER), priority=Priority.RANK, deadline=deadline)
+        bd["device_queue"] = (timing[0] - t_submit) * 1000
+        bd["compute"] = sum(b - a for a, b in zip(timing[::2], timing[1::2], strict=True)) * 1000
+        return out
 
     async def _on_device(self, fn: Callable[[], T], deadline: float, bd: dict[str, float]) -> T:
         """``fn()`` as a ranking job on the device thread; ``bd`` gets ``device_queue`` (waiting

@@ -12,6 +12,9 @@ Primitives:
 - ``DeviceScheduler.promote(tag, priority, deadline)``: raise the jobs carrying ``tag``, queued or
   running chunked (priority inheritance: a ranking job that waits for a pre-inference lends it
   its urgency).
+- ``DeviceScheduler.restore(tag, priority, deadline)``: set the jobs carrying ``tag`` back to
+  ``priority`` and ``deadline`` (the waiter that lent its urgency gave up: a deadline must not be
+  spent on work that can no longer meet it).
 - ``DeviceScheduler.submit_batched(item, run_batch, key, ...)``: a job that may share its turn.
   When it runs, the queued jobs with the same ``key`` (up to ``limit`` in all) run with it as one
   call ``run_batch([items])``, which returns one result per item (dynamic batching: it happens
@@ -156,6 +159,26 @@ class DeviceScheduler:
             run = self._running
             if run is not None and run.steps and run.tag == tag:  # its next step goes in raised
                 run.priority, run.deadline = min(run.priority, int(priority)), min(run.deadline, deadline)
+                hit += 1
+            return hit
+
+    def restore(self, tag: Any, priority: Priority, deadline: float = math.inf) -> int:
+        """Set the jobs tagged ``tag`` (queued, or chunked between two steps) to exactly
+        ``priority`` and ``deadline``. Returns how many were found."""
+        if tag is None:
+            return 0
+        with self._cv:
+            hit = 0
+            for _, _, _, job in self._heap:
+                if job.tag == tag:
+                    job.priority, job.deadline = int(priority), deadline
+                    hit += 1
+            if hit:
+                self._heap = [(j.priority, j.deadline, seq, j) for _, _, seq, j in self._heap]
+                heapq.heapify(self._heap)
+            run = self._running
+            if run is not None and run.steps and run.tag == tag:
+                run.priority, run.deadline = int(priority), deadline
                 hit += 1
             return hit
 
