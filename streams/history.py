@@ -12,6 +12,9 @@ Primitives:
   from a partition, and dropping everything it contributed (its state no longer matches the
   cluster: see ``relaygr.streams.state_lineage``).
 - ``pack`` / ``unpack``: a history as fixed-width records (item int64, action int16, ts float64).
+- Retention: with ``retain_events``, a user's oldest events beyond it are dropped in whole
+  ``retain_align`` steps (``first(user)`` is the absolute index of the oldest one kept), so a
+  user with tens of thousands of events costs a bounded amount of disk and memory.
 - ``HistoryAlignment(table)``: ``await wait(partition, needed, until)`` until the partition's
   progress covers ``needed`` (event-time alignment of a request with its user's behaviours), woken
   by ``notify()`` after each applied batch.

@@ -315,6 +315,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, type=Path, help="output directory for the checkpoint")
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--max-len", type=int, default=200, help="training window (events)")
+    parser.add_argument(
+        "--max-seq-len",
+        type=int,
+        default=8192,
+        help="most recent events of a user that serving reads (stored with the checkpoint)",
+    )
     parser.add_argument("--device", default="cpu", help="cpu, cuda[:N] or npu[:N]")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--seed", type=int, default=0)
@@ -361,6 +367,7 @@ def run(args: argparse.Namespace) -> int:
         attn_dim=head,
         linear_dim=head,
         max_len=args.max_len,
+        max_seq_len=args.max_seq_len,
         dropout=args.dropout,
         dtype=args.dtype,
         device=args.device,
