@@ -75,7 +75,7 @@ async def test_a_burst_of_one_users_rankings_shares_a_device_job(model) -> None:
     h = history(330, seed=4)
     await e.prefill("u", h.slice(0, 300))
     gate = threading.Event()
-    blocker = e.scheduler.submit(lambda: gate.wait(5), priority=Priority.RANK)
+    blocker = e.scheduler.submit(lambda: gate.wait(5), priority=Priority.RANK, deadline=0.0)  # runs first
     lengths = [305, 312, 330, 301, 320]
     ranks = [
         asyncio.create_task(
@@ -105,7 +105,7 @@ async def test_burst_batches_hold_a_bounded_number_of_cached_events(model) -> No
     h = history(610, seed=5)
     await e.prefill("u", h.slice(0, 600))
     gate = threading.Event()
-    blocker = e.scheduler.submit(lambda: gate.wait(5), priority=Priority.RANK)
+    blocker = e.scheduler.submit(lambda: gate.wait(5), priority=Priority.RANK, deadline=0.0)  # runs first
     ranks = [
         asyncio.create_task(e.rank("u", h.slice(0, 601 + i), torch.arange(1, 9), 2e9, time.time() + 30))
         for i in range(5)

@@ -34,7 +34,9 @@ async def test_promote_lends_a_queued_job_ranking_priority() -> None:
     gate = threading.Event()
     order: list[str] = []
     try:
-        blocker = s.submit(lambda: gate.wait(5), priority=Priority.RANK)
+        blocker = s.submit(
+            lambda: gate.wait(5), priority=Priority.RANK, deadline=0.0
+        )  # first, however late the device thread wakes
         jobs = [s.submit(lambda: order.append("rank"), priority=Priority.RANK, deadline=50.0)]
         jobs.append(s.submit(lambda: order.append("other-prefill"), priority=Priority.PREFILL, tag="v"))
         jobs.append(s.submit(lambda: order.append("prefill"), priority=Priority.PREFILL, tag="u"))
@@ -143,7 +145,9 @@ async def test_queued_jobs_with_one_key_run_as_one_batch() -> None:
         return [f"done-{i}" for i in items]
 
     try:
-        blocker = s.submit(lambda: gate.wait(5), priority=Priority.RANK)
+        blocker = s.submit(
+            lambda: gate.wait(5), priority=Priority.RANK, deadline=0.0
+        )  # first, however late the device thread wakes
         a = [
             s.submit_batched(f"a{i}", run, key="a", priority=Priority.RANK, deadline=10.0 + i, limit=3)
             for i in range(4)
@@ -167,7 +171,9 @@ async def test_a_failing_batch_fails_every_job_in_it() -> None:
         raise RuntimeError(f"device lost ({len(items)} items)")
 
     try:
-        blocker = s.submit(lambda: gate.wait(5), priority=Priority.RANK)
+        blocker = s.submit(
+            lambda: gate.wait(5), priority=Priority.RANK, deadline=0.0
+        )  # first, however late the device thread wakes
         jobs = [s.submit_batched(i, run, key="u", priority=Priority.RANK) for i in range(3)]
         after = s.submit(lambda: "still serving", priority=Priority.RANK)
         gate.set()
