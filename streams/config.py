@@ -109,7 +109,7 @@ class PipelineSettings(BaseSettings):
         description="Trigger: refuse (too_long) a pre-inference predicted to outlast this × the lease TTL.",
     )
     too_long_window_factor: float = Field(
-        default=40.0,
+        default=100.0,
         ge=0,
         description="Trigger: refuse (too_long) a pre-inference predicted to take longer than this × the "
         "upstream window (2 × feature fetch + budget); 0 = no such bound.",

@@ -58,7 +58,7 @@ class TriggerConfig(BaseModel):
         description="Refuse (too_long) a pre-inference predicted to take longer than this × the lease TTL.",
     )
     too_long_window_factor: float = Field(
-        default=40.0,
+        default=100.0,
         ge=0,
         description="Refuse (too_long) a pre-inference predicted to take longer than this × the upstream "
         "window (0 = no such bound).",
