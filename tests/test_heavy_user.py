@@ -233,3 +233,20 @@ def test_trigger_refuses_a_prefill_that_cannot_pay_off_and_caps_what_it_predicts
     assert capped.decide(0, 60_000, 0.0).reason is TriggerReason.ADMITTED  # only the window is pre-inferred
     window = SequenceAwareTrigger(TriggerConfig(**base, max_seq_len=8192, too_long_window_factor=10), lat)
     assert window.decide(0, 60_000, 0.0).reason is TriggerReason.TOO_LONG  # 0.67 s > 10 × 50 ms
+
+
+async def test_a_relay_ranking_against_many_keys_runs_in_slices_and_keeps_its_suffix(model) -> None:
+    # 0.01 ms per token, 0.5 ms slices: ranking 40 new events and 64 candidates against a
+    # 3000-event prefix is ~1 ms, so it is cut into slices: the new events, then candidate groups.
+    e = _engine(model, LatencyModel(0.0, 0.01, 0.0), slice_ms=0.5, prefill_chunk=512)
+    h = history(3040, seed=8)
+    cands = torch.arange(1, 65)
+    await e.prefill("u", h.slice(0, 3000))
+    steps_before = e.scheduler.jobs_done[Priority.RANK]
+    res = await e.rank("u", h, cands, 2e9, FAR)
+    assert res.path == "relay" and res.prefix_len == 3000 and res.used_len == 3040
+    assert e._slice_relay(3000, 40, 64)
+    torch.testing.assert_close(res.scores, model.rank_full(h, cands, 2e9), rtol=1e-4, atol=1e-4)
+    assert e.scheduler.jobs_done[Priority.RANK] == steps_before + 1  # one (chunked) ranking job
+    assert e.store.cached_length("u", h) == 3040  # the grown prefix is kept for the next request
+    e.scheduler.close()

@@ -267,7 +267,11 @@ class RankingEngine:
                         prefix, tier, path = waited, "inflight", "relay_waited"
             if prefix is not None:
                 suffix = history.slice(prefix.length)
-                if self.config.retain_suffix and len(suffix):
+                if self._slice_relay(prefix.length, len(suffix), len(candidates)):
+                    scores = await self._rank_relay_sliced(
+                        user_id, prefix, history, candidates, request_ts, deadline, bd
+                    )
+                elif self.config.retain_suffix and len(suffix):
                     scores, grow = await self._rank_in_burst(
                         user_id, prefix, history, candidates, request_ts, deadline, bd
                     )
@@ -390,6 +394,80 @@ class RankingEngine:
             lambda: self.model.rank(prefix, events, candidates, request_ts), deadline, bd
         )
 
+    def _slice_relay(self, cached: int, new: int, candidates: int) -> bool:
+        """Whether a relay ranking is predicted to take longer than a device slice: then it runs
+        in slices too (a capped heavy user's ranking against thousands of keys would otherwise
+        hold every other ranking up for its whole length)."""
+        if not self.config.slice_ms:
+            return False
+        lat = self.latency
+        return lat.predict_ms(cached + new + candidates) - lat.predict_ms(cached) > 2 * self.config.slice_ms
+
+    async def _rank_relay_sliced(
+        self,
+        user_id: str,
+        prefix: PrefixKV,
+        history: Events,
+        candidates: torch.Tensor,
+        request_ts: float,
+        deadline: float,
+        bd: dict[str, float],
+    ) -> torch.Tensor:
+        """A relay ranking as a chunked ranking job: the new events extend the cached prefix in
+        time slices, then the candidates are scored against it a slice's worth at a time (each
+        candidate attends to the history and itself only, so groups score as the whole would).
+        The grown prefix is kept (``retain_suffix``)."""
+        model, chunk = self.model, self._chunk_size()
+        n = len(history)
+        per_slice = self.latency.tokens_within_slice(
+            n, self.config.slice_ms, lo=8, hi=max(8, len(candidates))
+        )
+        grown_box: list[PrefixKV] = []
+        timing: list[float] = []
+
+        def steps():
+            grown = prefix
+            if n > prefix.length:
+                for out in model.prefill_steps(history, chunk, prefix=prefix):
+                    if out is None:
+                        yield None
+                    else:
+                        grown = out
+            grown_box.append(grown)
+            parts = []
+            rest = history.slice(n)
+            for c0 in range(0, len(candidates), per_slice):
+                parts.append(model.rank(grown, rest, candidates[c0 : c0 + per_slice], request_ts))
+                if c0 + per_slice < len(candidates):
+                    yield None
+            yield torch.cat(parts)
+
+        scores = await self._submit_steps_timed(steps(), deadline, timing)
+        bd["device_queue"] = (timing[0] - timing[-1]) * 1000
+        bd["compute"] = sum(b - a for a, b in zip(timing[:-1:2], timing[1:-1:2], strict=True)) * 1000
+        if self.config.retain_suffix and n > prefix.length and grown_box:
+            assert self.store is not None
+            self.store.put(user_id, grown_box[0], keep_longer=True)
+        return scores
+
+    async def _submit_steps_timed(self, it, deadline: float, timing: list[float]):
+        """``it`` as a chunked ranking job; ``timing`` gets each step's (start, end), then the
+        submission time last."""
+        t_submit = time.perf_counter()
+
+        def step():
+            t0 = time.perf_counter()
+            out = next(it)
+            timing.extend((t0, time.perf_counter()))
+            return out
+
+        try:
+            return await self.scheduler.submit_steps(
+                iter(step, _NEVER), priority=Priority.RANK, deadline=deadline
+            )
+        finally:
+            timing.append(t_submit)
+
     async def _run_sliced(
         self,
         history: Events,
@@ -414,19 +492,9 @@ class RankingEngine:
                     prefix = out
             yield model.rank(prefix, history.slice(len(history)), candidates, request_ts)
 
-        it = steps()
-
-        def step():
-            t0 = time.perf_counter()
-            out = next(it)
-            timing.append(t0)
-            timing.append(time.perf_counter())
-            return out
-
-        t_submit = time.perf_counter()
-        out = await self.scheduler.submit_steps(iter(step, _NEVER), priority=Priority.RANK, deadline=deadline)
-        bd["device_queue"] = (timing[0] - t_submit) * 1000
-        bd["compute"] = sum(b - a for a, b in zip(timing[::2], timing[1::2], strict=True)) * 1000
+        out = await self._submit_steps_timed(steps(), deadline, timing)
+        bd["device_queue"] = (timing[0] - timing[-1]) * 1000
+        bd["compute"] = sum(b - a for a, b in zip(timing[:-1:2], timing[1:-1:2], strict=True)) * 1000
         return out
 
     async def _on_device(self, fn: Callable[[], T], deadline: float, bd: dict[str, float]) -> T:
