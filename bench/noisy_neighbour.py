@@ -138,6 +138,18 @@ async def _measure(settings, reg, args, ml, say) -> dict:
         "heavy_paths": dict(Counter(r.path.value for r in heavy)),
         "heavy_used_len": [r.used_len for r in heavy],
         "heavy_history_len": max((r.history_len for r in heavy), default=0),
+        # What the slowest ordinary rankings of the heavy phase waited for (ms).
+        "ordinary_slowest_heavy": [
+            {
+                k: round(v, 1)
+                for k, v in r.breakdown_ms.items()
+                if k not in ("hop_requests", "retrieval", "preprocess", "hop_retrieved", "routing")
+            }
+            for r in sorted(
+                (results[x.request_id] for x in hot_sent if x.request_id in results),
+                key=lambda r: -r.breakdown_ms.get("ranking", 0),
+            )[:3]
+        ],
         "target_ratio": 1.2,
     }
 
