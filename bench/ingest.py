@@ -66,7 +66,7 @@ def _applied(pipe) -> dict[str, float]:
 def _burst(ml, events: int, lo: int, hi: int, seed: int = 3) -> list[BehaviorEvent]:
     """Histories of new users, ``lo``..``hi`` events each, interleaved in chunks of a few events
     (a live stream's order), ``events`` in all."""
-    from relaygr.streams.traffic import synthesise
+    from relaygr.tools.traffic import synthesise
 
     rng = random.Random(seed)
     users = [u for u in sorted(ml.histories) if len(ml.histories[u]) >= 20]
@@ -146,7 +146,7 @@ async def _requests(settings, reg, requests, qps: float, stop: asyncio.Event, se
 
 
 def _hops(results: dict, sent: list) -> dict[str, float]:
-    from relaygr.report import percentile
+    from relaygr.tools.report import percentile
 
     hops = [results[r.request_id].breakdown_ms.get("hop_requests") for r in sent if r.request_id in results]
     hops = [h for h in hops if h is not None]
@@ -154,7 +154,7 @@ def _hops(results: dict, sent: list) -> dict[str, float]:
 
 
 async def _measure(settings: Settings, reg: TopicRegistry, pipe, args, ml, say) -> dict:
-    from relaygr.streams.traffic import collect_results, leave_last_out, publish
+    from relaygr.tools.traffic import collect_results, leave_last_out, publish
 
     users = sorted(ml.histories)[: args.request_users]
     behaviours, requests = leave_last_out(ml, users, num_candidates=64)
@@ -215,7 +215,7 @@ async def _measure(settings: Settings, reg: TopicRegistry, pipe, args, ml, say) 
 def run(args: argparse.Namespace) -> int:
     from relaygr.demo import ensure_broker, ensure_calibration, ensure_model
     from relaygr.streams.config import PipelineSettings
-    from relaygr.streams.up import Pipeline
+    from relaygr.tools.up import Pipeline
     from relaygr.workers.movielens import load_movielens
 
     if args.min_len > args.max_len:

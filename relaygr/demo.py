@@ -136,8 +136,8 @@ def summarize(results: dict[str, RankedResult], sent: int) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     from relaygr.streams.config import PipelineSettings
-    from relaygr.streams.traffic import collect_results, leave_last_out, publish
-    from relaygr.streams.up import Pipeline
+    from relaygr.tools.traffic import collect_results, leave_last_out, publish
+    from relaygr.tools.up import Pipeline
     from relaygr.workers.movielens import load_movielens
 
     base = get_settings()

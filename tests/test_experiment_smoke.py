@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from relaygr.experiment import PointRun, Protocol, best, write_experiment_report
 from relaygr.infra.kafka import delete_topics_with_prefix, ensure_topics
 from relaygr.schemas import TopicRegistry
-from relaygr.streams.replay import Replayer, plan_replay, wait_ingested
-from relaygr.streams.trace import Trace, TraceTopics, build_trace, load_trace, publish_trace
-from relaygr.streams.traffic import collect_results
-from relaygr.streams.up import Pipeline
+from relaygr.tools.experiment import PointRun, Protocol, best, write_experiment_report
+from relaygr.tools.replay import Replayer, plan_replay, wait_ingested
+from relaygr.tools.trace import Trace, TraceTopics, build_trace, load_trace, publish_trace
+from relaygr.tools.traffic import collect_results
+from relaygr.tools.up import Pipeline
 from relaygr.workers.latency_model import LatencyModel
 from relaygr.workers.model import HSTUConfig, HSTURanker
 from relaygr.workers.movielens import load_movielens

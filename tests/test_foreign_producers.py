@@ -20,8 +20,8 @@ import pytest
 
 from relaygr.infra.kafka import delete_topics_with_prefix, ensure_topics
 from relaygr.schemas import TopicRegistry
-from relaygr.streams.traffic import collect_results, wait_ingested
-from relaygr.streams.up import Pipeline
+from relaygr.tools.traffic import collect_results, wait_ingested
+from relaygr.tools.up import Pipeline
 from relaygr.workers.movielens import load_movielens
 
 confluent_kafka = pytest.importorskip("confluent_kafka")

@@ -14,8 +14,8 @@ from relaygr.infra import broker
 from relaygr.infra.kafka import delete_topics_with_prefix, ensure_topics
 from relaygr.infra.settings import Settings
 from relaygr.schemas import TopicRegistry
-from relaygr.streams.traffic import collect_results, leave_last_out, publish
-from relaygr.streams.up import Pipeline
+from relaygr.tools.traffic import collect_results, leave_last_out, publish
+from relaygr.tools.up import Pipeline
 from relaygr.workers.latency_model import LatencyModel
 from relaygr.workers.movielens import load_movielens
 

@@ -7,7 +7,8 @@ import math
 
 import pytest
 
-from relaygr.report import (
+from relaygr.schemas import RankedResult, ScoredItem
+from relaygr.tools.report import (
     admission,
     by_history_len,
     headline,
@@ -21,7 +22,6 @@ from relaygr.report import (
     windows,
     write_run_report,
 )
-from relaygr.schemas import RankedResult, ScoredItem
 
 
 def res(

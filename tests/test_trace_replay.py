@@ -12,7 +12,7 @@ import torch
 
 from relaygr.infra.kafka import partition_for
 from relaygr.schemas import BehaviorEvent, RecommendationRequest
-from relaygr.streams.replay import (
+from relaygr.tools.replay import (
     Replayer,
     merge_by_time,
     plan_replay,
@@ -20,7 +20,7 @@ from relaygr.streams.replay import (
     scaled_offsets,
     sentinel_users,
 )
-from relaygr.streams.trace import (
+from relaygr.tools.trace import (
     EPOCH_FLOOR,
     Start,
     TraceTopics,
@@ -150,7 +150,7 @@ T0 = 1.0e9
 
 
 def _hand_trace():
-    from relaygr.streams.trace import Trace
+    from relaygr.tools.trace import Trace
 
     reqs = [
         RecommendationRequest(

@@ -498,7 +498,7 @@ def json_safe(x: object) -> object:
 
 async def read_results(settings, topic: str, start=None) -> dict[str, RankedResult]:
     """The last result per request id (results are idempotent by key)."""
-    from relaygr.streams.trace import read_topic
+    from relaygr.tools.trace import read_topic
 
     got = await read_topic(settings, topic, RankedResult, start, progress=True)
     return {r.value.request_id: r.value for r in got.records}
@@ -506,7 +506,7 @@ async def read_results(settings, topic: str, start=None) -> dict[str, RankedResu
 
 async def read_labels(settings, trace_topic: str, user_prefix: str = "") -> dict[str, int]:
     from relaygr.schemas import RecommendationRequest
-    from relaygr.streams.trace import read_topic
+    from relaygr.tools.trace import read_topic
 
     got = await read_topic(settings, trace_topic, RecommendationRequest, progress=True)
     return {
@@ -518,7 +518,7 @@ async def read_labels(settings, trace_topic: str, user_prefix: str = "") -> dict
 
 async def read_admitted(settings, topic: str, request_ids: set[str]) -> int:
     from relaygr.schemas import PrefillSignal
-    from relaygr.streams.trace import read_topic
+    from relaygr.tools.trace import read_topic
 
     got = await read_topic(settings, topic, PrefillSignal, progress=True)
     return len({r.value.request_id for r in got.records} & request_ids)
@@ -621,7 +621,7 @@ def run(args: argparse.Namespace) -> int:
     from relaygr.infra.settings import get_settings
     from relaygr.schemas import TopicRegistry
     from relaygr.streams.config import PipelineSettings
-    from relaygr.streams.trace import Start
+    from relaygr.tools.trace import Start
 
     try:
         settings, _ = ensure_broker(get_settings())

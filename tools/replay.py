@@ -51,7 +51,7 @@ from relaygr.schemas import (
     decode,
     encode,
 )
-from relaygr.streams.traffic import ingest_lags
+from relaygr.tools.traffic import ingest_lags
 
 T = TypeVar("T")
 
@@ -357,7 +357,7 @@ def run(args: argparse.Namespace) -> int:
     from relaygr.infra.broker import BrokerError
     from relaygr.infra.kafka import describe_partitions
     from relaygr.infra.settings import get_settings
-    from relaygr.streams.trace import Start, read_topic
+    from relaygr.tools.trace import Start, read_topic
 
     try:
         settings, _ = ensure_broker(get_settings())

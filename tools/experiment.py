@@ -30,7 +30,7 @@ in it depends on the mode:
   requests of the reference trace (the window at ``--slo-tokens``) on users of its own: a
   pipeline's first requests run slower (caches, allocators, lazily set-up paths);
 - histories: each user's real history before the window, lengthened to exactly the point's length
-  by time-shifted repetition (``streams.trace.lengthen``); their real interactions in the window
+  by time-shifted repetition (``tools.trace.lengthen``); their real interactions in the window
   then extend it;
 - a point holds the SLO when at least 99 % of its requests were ranked within B using their
   whole history (equivalently: the P99 of ranking latency, counting missing, timed-out and
@@ -59,7 +59,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from relaygr.report import (
+from relaygr.tools.report import (
     _plt,
     fmt,
     json_safe,
@@ -181,7 +181,7 @@ class Deployment:
         self, settings, mode: str, env: dict[str, str], root: Path, run_id: str, workers: int
     ) -> None:
         from relaygr.schemas import TopicRegistry
-        from relaygr.streams.up import Pipeline
+        from relaygr.tools.up import Pipeline
 
         self.mode = mode
         self.settings = settings.model_copy(update={"topic_prefix": f"{run_id}-{mode}", "home": root / mode})
@@ -234,9 +234,9 @@ async def run_point(
     allow_truncated: bool = False,
 ) -> PointRun:
     """Preload, warm up, then replay ``n_requests`` window requests at ``qps`` into ``dep``."""
-    from relaygr.report import prefill_statuses
-    from relaygr.streams.replay import Replayer, plan_replay, wait_ingested
-    from relaygr.streams.traffic import collect_results
+    from relaygr.tools.replay import Replayer, plan_replay, wait_ingested
+    from relaygr.tools.report import prefill_statuses
+    from relaygr.tools.traffic import collect_results
 
     warm_ids = trace.warmup_ids
     window = [r for r in trace.requests if r.request_id not in warm_ids][:n_requests]
@@ -322,7 +322,7 @@ def pipeline_env(
 
 
 def window_start(args, ml) -> int:
-    from relaygr.streams.trace import eligible_interactions
+    from relaygr.tools.trace import eligible_interactions
 
     if args.window_start is not None:
         return args.window_start
@@ -331,7 +331,7 @@ def window_start(args, ml) -> int:
 
 def build_and_publish(settings, ml, args, start: int, count: int, length: int, topic: str):
     """Build the window's trace at ``length``, publish it to ``topic`` and read it back."""
-    from relaygr.streams.trace import TraceTopics, build_trace, load_trace, publish_trace
+    from relaygr.tools.trace import TraceTopics, build_trace, load_trace, publish_trace
 
     tr = build_trace(
         ml, min_prior=args.min_prior, start=start, count=count, target_len=length, warmup=not args.no_warmup

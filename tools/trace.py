@@ -10,7 +10,7 @@ Primitives:
 - ``build_trace(ml, ...)``: a trace of MovieLens, whole or a window of it. ``min_prior`` keeps
   only interactions with that many real earlier ones; ``target_len`` lengthens each user's history
   before their first request to exactly that many events by time-shifted repetition of their real
-  history (``streams.traffic.synthesise``); ``warmup`` adds, per user, a request for their last
+  history (``tools.traffic.synthesise``); ``warmup`` adds, per user, a request for their last
   interaction before the window (``Trace.warmup_ids``).
 - ``TraceTopics(name, partitions)``: the trace topic (requests, key user_id) and its companion
   ``<name>-behaviors`` (behaviours, key user_id); kept forever (``retention.ms=-1``).
@@ -60,11 +60,11 @@ EPOCH_FLOOR = 86400.0
 
 def lengthen(past: Events, target_len: int) -> Events:
     """Exactly ``target_len`` events (the most recent ones) of ``past`` repeated with time shifts
-    (``streams.traffic.synthesise``). Where the shifted copies would reach back before
+    (``tools.traffic.synthesise``). Where the shifted copies would reach back before
     ``EPOCH_FLOOR``, the synthesised part is compressed linearly in time to end one day (at most a
     quarter of the time since the epoch) before the first real event (order kept; the real history
     is untouched)."""
-    from relaygr.streams.traffic import DAY, synthesise
+    from relaygr.tools.traffic import DAY, synthesise
 
     real = len(past)
     if real == 0 or target_len <= real:
@@ -355,7 +355,7 @@ async def read_topic(
 async def load_trace(settings: Settings, topics: TraceTopics, start: Start | None = None) -> Trace:
     """The requests of a trace topic from ``start`` (each partition's order kept, merged by time)
     and all of its behaviours."""
-    from relaygr.streams.replay import merge_by_time
+    from relaygr.tools.replay import merge_by_time
 
     reqs = await read_topic(settings, topics.requests.name, RecommendationRequest, start)
     behs = await read_topic(settings, topics.behaviours.name, BehaviorEvent)
