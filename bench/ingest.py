@@ -26,10 +26,10 @@ import time
 import uuid
 from pathlib import Path
 
-from relaygr.cli import int_at_least
 from relaygr.infra.kafka import delete_topics_with_prefix, ensure_topics, producer
 from relaygr.infra.settings import Settings, get_settings
 from relaygr.schemas import BehaviorEvent, TopicRegistry, encode
+from relaygr.tools.args import int_at_least
 
 STAGES = ("ingress", "retrieval", "preprocess", "ranking")
 
@@ -213,8 +213,9 @@ async def _measure(settings: Settings, reg: TopicRegistry, pipe, args, ml, say) 
 
 
 def run(args: argparse.Namespace) -> int:
-    from relaygr.demo import ensure_broker, ensure_calibration, ensure_model
+    from relaygr.infra.cluster import ensure_broker
     from relaygr.streams.config import PipelineSettings
+    from relaygr.tools.prepare import ensure_calibration, ensure_model
     from relaygr.tools.up import Pipeline
     from relaygr.workers.movielens import load_movielens
 

@@ -27,10 +27,10 @@ from pathlib import Path
 
 import numpy as np
 
-from relaygr.cli import int_at_least
 from relaygr.infra.kafka import delete_topics_with_prefix, ensure_topics
 from relaygr.infra.settings import Settings, get_settings
 from relaygr.schemas import TopicRegistry
+from relaygr.tools.args import int_at_least
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -110,8 +110,9 @@ def _phase(
 
 
 def run(args: argparse.Namespace) -> int:
-    from relaygr.demo import ensure_broker, ensure_calibration, ensure_model
+    from relaygr.infra.cluster import ensure_broker
     from relaygr.streams.config import PipelineSettings
+    from relaygr.tools.prepare import ensure_calibration, ensure_model
     from relaygr.tools.traffic import leave_last_out
     from relaygr.workers.movielens import load_movielens
 

@@ -63,22 +63,6 @@ GROUPS: dict[str, tuple[str, dict[str, tuple[str, str]]]] = {
 }
 
 
-def int_at_least(low: int):
-    """An argparse type: an integer no smaller than ``low``, else a usage error that says so."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
-        return value
-
-    parse.__name__ = f"integer >= {low}"
-    return parse
-
-
 def _add_module_command(sub: argparse._SubParsersAction, name: str, module: str, help_: str) -> None:
     mod = importlib.import_module(module)
     p = sub.add_parser(name, help=help_, description=(mod.__doc__ or help_).strip().splitlines()[0])

@@ -15,14 +15,14 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from relaygr.infra.settings import _default_home
+from relaygr.infra.settings import default_home
 from relaygr.streams.trigger import TriggerConfig
 from relaygr.workers.ranker import EngineConfig
 
 
 def _default_model_dir() -> Path:
     home = os.environ.get("RELAYGR_HOME")
-    return (Path(home) if home else _default_home()) / "model"
+    return (Path(home) if home else default_home()) / "model"
 
 
 class PipelineSettings(BaseSettings):

@@ -56,12 +56,13 @@ from relaygr.schemas.routing import HEADER_PROGRESS, HEADER_SOURCE, Positions, d
 from relaygr.streams.common import BEHAVIOURS_APPLIED, DEAD_LETTERS, dead_letter, decode_keyed, deliver
 from relaygr.streams.config import PipelineSettings, engine_config
 from relaygr.streams.history import HistoryAlignment, HistoryTable
+from relaygr.workers.calibration import calibrate
 from relaygr.workers.devices import keep_host_pages
 from relaygr.workers.latency_model import LatencyModel
 from relaygr.workers.model import HSTURanker
 from relaygr.workers.prefix_kv import Events
 from relaygr.workers.prefix_store import PrefixStore, PrefixStoreConfig
-from relaygr.workers.ranker import RankingEngine, calibrate
+from relaygr.workers.ranker import RankingEngine
 from relaygr.workers.scheduler import DeviceScheduler, Priority
 
 log = logging.getLogger(__name__)
@@ -168,7 +169,7 @@ class RankingWorker:
     def _latency_model(self) -> LatencyModel:
         if self.p.calibration_file is not None and self.p.calibration_file.exists():
             return LatencyModel.load(self.p.calibration_file)
-        model, samples = calibrate(self.model, lengths=(64, 256, 512, 1024, 2048), repeats=2)
+        model, samples = calibrate(self.model, repeats=2)
         log.info("calibrated full ranking on this machine: %s -> %s", samples, model)
         return model
 

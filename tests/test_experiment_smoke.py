@@ -16,8 +16,9 @@ import torch
 
 from relaygr.infra.kafka import delete_topics_with_prefix, ensure_topics
 from relaygr.schemas import TopicRegistry
+from relaygr.tools.barriers import wait_sentinels_applied
 from relaygr.tools.experiment import PointRun, Protocol, best, write_experiment_report
-from relaygr.tools.replay import Replayer, plan_replay, wait_ingested
+from relaygr.tools.replay import Replayer, plan_replay
 from relaygr.tools.trace import Trace, TraceTopics, build_trace, load_trace, publish_trace
 from relaygr.tools.traffic import collect_results
 from relaygr.tools.up import Pipeline
@@ -137,7 +138,7 @@ async def test_trace_replay_report_end_to_end(kafka_settings, tmp_path_factory, 
             for r in window:
                 first.setdefault(r.user_id, r.model_ts)
             await rp.preload(first)
-            await wait_ingested(settings, reg, timeout_s=120)
+            await wait_sentinels_applied(settings, reg, timeout_s=120)
             sent_w = await rp.run(plan_replay(warm, qps=20), behaviours=False)
             assert len(
                 await collect_results(settings, reg, {r.request_id for r in sent_w}, timeout_s=60)

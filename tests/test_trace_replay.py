@@ -11,25 +11,11 @@ import pytest
 import torch
 
 from relaygr.infra.kafka import partition_for
+from relaygr.infra.topic_reader import Start, merge_by_time, read_topic
 from relaygr.schemas import BehaviorEvent, RecommendationRequest
-from relaygr.tools.replay import (
-    Replayer,
-    merge_by_time,
-    plan_replay,
-    poisson_offsets,
-    scaled_offsets,
-    sentinel_users,
-)
-from relaygr.tools.trace import (
-    EPOCH_FLOOR,
-    Start,
-    TraceTopics,
-    build_trace,
-    lengthen,
-    load_trace,
-    publish_trace,
-    read_topic,
-)
+from relaygr.tools.barriers import sentinel_users
+from relaygr.tools.replay import Replayer, plan_replay, poisson_offsets, scaled_offsets
+from relaygr.tools.trace import EPOCH_FLOOR, TraceTopics, build_trace, lengthen, load_trace, publish_trace
 from relaygr.workers.movielens import load_movielens
 from relaygr.workers.prefix_kv import Events
 

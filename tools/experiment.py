@@ -234,7 +234,8 @@ async def run_point(
     allow_truncated: bool = False,
 ) -> PointRun:
     """Preload, warm up, then replay ``n_requests`` window requests at ``qps`` into ``dep``."""
-    from relaygr.tools.replay import Replayer, plan_replay, wait_ingested
+    from relaygr.tools.barriers import wait_sentinels_applied
+    from relaygr.tools.replay import Replayer, plan_replay
     from relaygr.tools.report import prefill_statuses
     from relaygr.tools.traffic import collect_results
 
@@ -251,7 +252,7 @@ async def run_point(
     async with Replayer(s, reg, behaviours, user_prefix=user_prefix) as rp:
         # Each user's whole history before the window up front; the window's interactions in time.
         await rp.preload(first)
-        await wait_ingested(s, reg, progress=True)
+        await wait_sentinels_applied(s, reg, progress=True)
         if warm:
             # The users' previous visits: their histories are preloaded; the window's interactions
             # must not go out ahead of time (retrieval's history summary assumes ordered input).
@@ -297,13 +298,10 @@ def _model_info(model_dir: Path) -> tuple[dict, str]:
 
 
 def calibrate_latency(model_dir: Path, threads: int, out: Path):
+    from relaygr.workers.calibration import calibrate_and_save
     from relaygr.workers.model import HSTURanker
-    from relaygr.workers.ranker import calibrate
 
-    model = HSTURanker.load(model_dir)
-    lat, samples = calibrate(model, lengths=(64, 256, 512, 1024, 2048), repeats=5, threads=threads)
-    lat.save(out, samples=samples, model_version=model.model_version, threads=threads)
-    return lat, samples
+    return calibrate_and_save(HSTURanker.load(model_dir), out, repeats=5, threads=threads)
 
 
 def pipeline_env(
@@ -421,10 +419,11 @@ def best(points: list[PointRun], mode: str) -> float | int | None:
 
 
 def run_sweep(args, kind: str) -> int:
-    from relaygr.demo import ensure_broker, ensure_model
+    from relaygr.infra.cluster import ensure_broker
     from relaygr.infra.kafka import delete_topics_with_prefix
     from relaygr.infra.settings import get_settings
     from relaygr.streams.config import PipelineSettings
+    from relaygr.tools.prepare import ensure_model
     from relaygr.workers.movielens import load_movielens
 
     t_start = time.monotonic()

@@ -35,6 +35,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
+from relaygr.infra.topic_reader import read_topic
 from relaygr.schemas import RankedResult
 
 QUANTILES = (50.0, 90.0, 99.0, 99.9)
@@ -498,15 +499,12 @@ def json_safe(x: object) -> object:
 
 async def read_results(settings, topic: str, start=None) -> dict[str, RankedResult]:
     """The last result per request id (results are idempotent by key)."""
-    from relaygr.tools.trace import read_topic
-
     got = await read_topic(settings, topic, RankedResult, start, progress=True)
     return {r.value.request_id: r.value for r in got.records}
 
 
 async def read_labels(settings, trace_topic: str, user_prefix: str = "") -> dict[str, int]:
     from relaygr.schemas import RecommendationRequest
-    from relaygr.tools.trace import read_topic
 
     got = await read_topic(settings, trace_topic, RecommendationRequest, progress=True)
     return {
@@ -518,7 +516,6 @@ async def read_labels(settings, trace_topic: str, user_prefix: str = "") -> dict
 
 async def read_admitted(settings, topic: str, request_ids: set[str]) -> int:
     from relaygr.schemas import PrefillSignal
-    from relaygr.tools.trace import read_topic
 
     got = await read_topic(settings, topic, PrefillSignal, progress=True)
     return len({r.value.request_id for r in got.records} & request_ids)
@@ -616,12 +613,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
-    from relaygr.demo import ensure_broker
     from relaygr.infra.broker import BrokerError
+    from relaygr.infra.cluster import ensure_broker
     from relaygr.infra.settings import get_settings
+    from relaygr.infra.topic_reader import Start
     from relaygr.schemas import TopicRegistry
     from relaygr.streams.config import PipelineSettings
-    from relaygr.tools.trace import Start
 
     try:
         settings, _ = ensure_broker(get_settings())

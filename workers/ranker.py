@@ -16,8 +16,7 @@ Primitives:
   together (a burst) run as one job against their shared prefix (``burst_batch``). ``drain()``
   waits for the stores.
   Baseline mode is full inference on the same code.
-- ``calibrate(model, ...)``: measure full ranking at a few history lengths and fit the
-  ``LatencyModel`` the trigger and the truncation use.
+- ``kv_bytes_per_token(model)``: device bytes one cached token takes.
 """
 
 from __future__ import annotations
@@ -25,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import statistics
 import time
 from collections import deque
 from collections.abc import Callable
@@ -35,7 +33,6 @@ from typing import Literal, TypeVar
 import torch
 from pydantic import BaseModel, Field
 
-from relaygr.workers.devices import keep_host_pages
 from relaygr.workers.latency_model import LatencyModel
 from relaygr.workers.model import HSTURanker
 from relaygr.workers.prefix_kv import Events, PrefixKV
@@ -380,39 +377,3 @@ def kv_bytes_per_token(model: HSTURanker) -> int:
     elem = torch.empty((), dtype=model.dtype).element_size()
     # keys + values per layer, plus the position (int64) and timestamp (float64) of the token.
     return len(model.layers) * c.heads * (c.attn_dim + c.linear_dim) * elem + 16
-
-
-def calibrate(
-    model: HSTURanker,
-    lengths: tuple[int, ...] = (64, 256, 512, 1024, 2048),
-    candidates: int = 128,
-    repeats: int = 3,
-    threads: int = 0,
-) -> tuple[LatencyModel, list[tuple[int, float]]]:
-    """Median time of ``rank_full`` per history length on this machine, and the fitted model.
-    ``threads`` (0 = leave as is): the torch CPU threads to time with — the worker's own count."""
-    keep_host_pages()  # time it the way a worker runs it
-    if threads:
-        old = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
-            return calibrate(model, lengths, candidates, repeats)
-        finally:
-            torch.set_num_threads(old)
-    gen = torch.Generator().manual_seed(0)
-    cands = torch.randint(1, model.config.num_items + 1, (candidates,), generator=gen)
-    samples = []
-    for n in lengths:
-        hist = Events(
-            torch.randint(1, model.config.num_items + 1, (n,), generator=gen),
-            torch.randint(1, model.config.num_actions + 1, (n,), generator=gen),
-            torch.arange(n, dtype=torch.float64) * 60.0,
-        )
-        model.rank_full(hist, cands, float(n) * 60.0)  # warm-up
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            model.rank_full(hist, cands, float(n) * 60.0)
-            times.append((time.perf_counter() - t0) * 1000)
-        samples.append((n, statistics.median(times)))
-    return LatencyModel.fit(samples), samples
