@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+from store_probe import is_leased
 
 from relaygr.workers.latency_model import LatencyModel
 from relaygr.workers.model import HSTUConfig, HSTURanker
@@ -64,7 +65,7 @@ async def test_relay_after_prefill_equals_full(model) -> None:
     assert res.tokens_computed == 20 + 40
     full = model.rank_full(h, cands, float(h.timestamps[-1]) + 60)
     torch.testing.assert_close(res.scores, full, rtol=1e-5, atol=1e-5)
-    assert not e.store.is_leased("u")  # ranking consumed the lease
+    assert not is_leased(e.store, "u")  # ranking consumed the lease
     e.scheduler.close()
 
 
