@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import pytest
@@ -9,6 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from relaygr.workers.dense import dense_rank_full
+from relaygr.workers.inference import reference_path
 from relaygr.workers.model import HSTUConfig, HSTURanker
 from relaygr.workers.prefix_kv import Events, PrefixKV, history_fingerprint
 
@@ -103,9 +106,9 @@ def test_relay_equals_full(n, split, chunk, c, offset, seed) -> None:
         assert relay.dtype == torch.float32 and relay.device.type == "cpu" and relay.shape == (c,)
         torch.testing.assert_close(relay, full, rtol=rtol, atol=atol)
     # The dense training path computes the same function.
-    ref = model64().reference_scores(h, cands, ts)
+    ref = dense_rank_full(model64(), h, cands, ts)
     torch.testing.assert_close(model64().rank_full(h, cands, ts), ref, rtol=RTOL64, atol=ATOL64)
-    ref32 = model32().reference_scores(h, cands, ts)
+    ref32 = dense_rank_full(model32(), h, cands, ts)
     torch.testing.assert_close(model32().rank_full(h, cands, ts), ref32, rtol=RTOL32, atol=ATOL32)
 
 
@@ -180,11 +183,8 @@ def test_rank_many_ranks_a_burst_like_one_request_at_a_time(n, cut, ends, c, fus
     ]
     for model, rtol, atol in ((model32(), RTOL32, ATOL32), (model64(), 1e-12, 1e-12)):
         prefix = model.prefill(h.slice(0, start))
-        try:
-            model.fused = fused
+        with contextlib.nullcontext() if fused else reference_path(model):
             scores, grow = model.rank_many(prefix, requests)
-        finally:
-            model.fused = True
         assert len(scores) == len(requests)
         for got, (hi, ci, ti) in zip(scores, requests, strict=True):
             torch.testing.assert_close(got, model.rank_full(hi, ci, ti), rtol=max(rtol, 1e-6), atol=atol)
@@ -217,12 +217,9 @@ def test_fused_paths_equal_the_python_path(n, split, c, mb, seed) -> None:
     ts = request_time(h, 37.0)
     cut = int(split * n)
     for model, rtol, atol in ((model32(), RTOL32, ATOL32), (model64(), 1e-12, 1e-12)):
-        try:
-            model.fused = False
+        with reference_path(model):
             ref_prefix = model.prefill(h.slice(0, cut), chunk_size=mb * 3)
             want = model.rank(ref_prefix, h.slice(cut), cands, ts, micro_batch=mb)
-        finally:
-            model.fused = True
         prefix = model.prefill(h.slice(0, cut), chunk_size=mb * 3)
         _assert_prefix_close(prefix, ref_prefix, rtol, atol)
         got = model.rank(prefix, h.slice(cut), cands, ts, micro_batch=mb)
@@ -242,10 +239,10 @@ def test_serving_state_follows_weight_changes() -> None:
         model.action_emb.weight.add_(0.3)
     after = model.rank(None, h, cands, ts)
     assert not torch.allclose(after, before, rtol=RTOL32, atol=ATOL32)
-    torch.testing.assert_close(after, model.reference_scores(h, cands, ts), rtol=RTOL32, atol=ATOL32)
+    torch.testing.assert_close(after, dense_rank_full(model, h, cands, ts), rtol=RTOL32, atol=ATOL32)
     model.to(torch.float64)
     torch.testing.assert_close(
-        model.rank(None, h, cands, ts), model.reference_scores(h, cands, ts), rtol=RTOL64, atol=ATOL64
+        model.rank(None, h, cands, ts), dense_rank_full(model, h, cands, ts), rtol=RTOL64, atol=ATOL64
     )
 
 
