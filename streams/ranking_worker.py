@@ -30,7 +30,7 @@ import json
 import logging
 import signal
 import time
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from pathlib import Path
 
 import torch
@@ -158,7 +158,6 @@ class RankingWorker:
         self.alignment = HistoryAlignment(self.history)
         self.tracker = OffsetTracker()
         self.tasks: set[asyncio.Task] = set()
-        self.counts: Counter[str] = Counter()
         self.assigned: set[TopicPartition] = set()
         self.peak_inflight = 0
         self.signals_seen: OrderedDict[str, asyncio.Event] = OrderedDict()
@@ -267,7 +266,6 @@ class RankingWorker:
             self.tracker.done(tp, m.offset)
         except Exception:  # not marked done: the offset stays uncommitted and is redelivered
             log.exception("handling %s@%d failed", tp, m.offset)
-            self.counts["handler_errors"] += 1
 
     async def _commit(self) -> None:
         offsets = self.tracker.committable(self.assigned)
@@ -376,7 +374,6 @@ class RankingWorker:
         finally:
             done.set()
         PREFILLS.labels(out.status.split(":")[0]).inc()
-        self.counts[f"prefill_{out.status}"] += 1
         self._note(
             event="prefill",
             request_id=s.request_id,
@@ -482,7 +479,6 @@ class RankingWorker:
         await deliver(lambda: self.producer.send_and_wait(topic, encode(res), key=res.key()), what="result")
         PATHS.labels(path.value).inc()
         E2E.labels(path.value).observe(now - r.produced_at)
-        self.counts[f"path_{path.value}"] += 1
         self._note(
             event="result",
             request_id=r.request_id,
