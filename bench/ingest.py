@@ -146,7 +146,7 @@ async def _requests(settings, reg, requests, qps: float, stop: asyncio.Event, se
 
 
 def _hops(results: dict, sent: list) -> dict[str, float]:
-    from relaygr.tools.report import percentile
+    from relaygr.tools.report.figures import percentile
 
     hops = [results[r.request_id].breakdown_ms.get("hop_requests") for r in sent if r.request_id in results]
     hops = [h for h in hops if h is not None]

@@ -34,9 +34,12 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "relaygr.tools.replay",
         "re-publish a trace or recorded requests topic into the pipeline at a QPS or a speed",
     ),
-    "report": ("relaygr.tools.report", "latency, SLO, cache, path and quality report of a results topic"),
+    "report": (
+        "relaygr.tools.report.command",
+        "latency, SLO, cache, path and quality report of a results topic",
+    ),
     "experiment": (
-        "relaygr.tools.experiment",
+        "relaygr.tools.experiment.command",
         "relay vs baseline on the trace: seq-len (longest history) or throughput (highest QPS) under the SLO",
     ),
 }

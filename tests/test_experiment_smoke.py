@@ -17,7 +17,9 @@ import torch
 from relaygr.infra.kafka import delete_topics_with_prefix, ensure_topics
 from relaygr.schemas import TopicRegistry
 from relaygr.tools.barriers import wait_sentinels_applied
-from relaygr.tools.experiment import PointRun, Protocol, best, write_experiment_report
+from relaygr.tools.experiment.kinds import KINDS
+from relaygr.tools.experiment.protocol import PointRun, Protocol, best
+from relaygr.tools.experiment.report import write_experiment_report
 from relaygr.tools.replay import Replayer, plan_replay
 from relaygr.tools.trace import Trace, TraceTopics, build_trace, load_trace, publish_trace
 from relaygr.tools.traffic import collect_results
@@ -75,7 +77,7 @@ def test_experiment_report_from_points(tmp_path) -> None:
         "span_s": 9,
     }
     traces = {x: Trace([], [], meta=meta) for x in (512, 1024, 2048, 4096)}
-    doc = write_experiment_report(tmp_path, "seq-len", proto, pts, traces, None)
+    doc = write_experiment_report(tmp_path, KINDS["seq-len"], proto, pts, traces, None)
     h = doc["headline"]
     assert h["relay_max_len"] == 2048 and h["baseline_max_len"] == 1024
     assert h["ratio"] == pytest.approx(2.0) and h["met_target"] is True

@@ -8,7 +8,8 @@ import math
 import pytest
 
 from relaygr.schemas import RankedResult, ScoredItem
-from relaygr.tools.report import (
+from relaygr.tools.report.command import write_run_report
+from relaygr.tools.report.figures import (
     admission,
     by_history_len,
     headline,
@@ -20,7 +21,6 @@ from relaygr.tools.report import (
     stage_latencies,
     summarize,
     windows,
-    write_run_report,
 )
 
 
