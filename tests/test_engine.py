@@ -10,11 +10,12 @@ import pytest
 import torch
 from store_probe import is_leased
 
+from relaygr.workers.engine_config import EngineConfig
 from relaygr.workers.latency_model import LatencyModel
 from relaygr.workers.model import HSTUConfig, HSTURanker
 from relaygr.workers.prefix_kv import Events
 from relaygr.workers.prefix_store import PrefixStore, PrefixStoreConfig
-from relaygr.workers.ranker import EngineConfig, RankingEngine, kv_bytes_per_token
+from relaygr.workers.ranker import RankingEngine, kv_bytes_per_token
 from relaygr.workers.scheduler import DeviceScheduler, Priority
 
 FAR = 1e12  # a deadline that never passes

@@ -1,7 +1,7 @@
 """The ranking engine of one worker: model + prefix store + device scheduler, no Kafka.
 
 Primitives:
-- ``EngineConfig``: mode (``relay`` or ``baseline``), the ranking budget, chunking, leases.
+- ``EngineConfig`` (``engine_config``): mode (``relay`` or ``baseline``), the ranking budget, chunking, leases.
 - ``RankingEngine.prefill(user_id, history, ttl_s, prefix_len=n)``: pre-inference on a prefill
   signal — lease, then promote, extend or compute the first ``n`` events' prefix (chunked on the
   device scheduler, so a ranking job waits for at most one chunk); a cached prefix that already
@@ -28,11 +28,11 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal, TypeVar
+from typing import TypeVar
 
 import torch
-from pydantic import BaseModel, Field
 
+from relaygr.workers.engine_config import EngineConfig
 from relaygr.workers.latency_model import LatencyModel
 from relaygr.workers.model import HSTURanker
 from relaygr.workers.prefix_kv import Events, PrefixKV
@@ -41,48 +41,6 @@ from relaygr.workers.scheduler import DeviceScheduler, Priority, SchedulerClosed
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
-
-
-class EngineConfig(BaseModel):
-    mode: Literal["relay", "baseline"] = Field(
-        default="relay", description="relay: cached prefixes; baseline: full inference, no trigger, no cache."
-    )
-    budget_ms: float = Field(default=50.0, gt=0, description="Ranking-stage latency budget (P99 target).")
-    prefill_chunk: int = Field(default=512, ge=1, description="Tokens per pre-inference job on the device.")
-    lease_ttl_s: float = Field(default=30.0, gt=0, description="Lease of a pre-inferred prefix.")
-    truncate_to_budget: bool = Field(
-        default=True, description="Full inference keeps only the most recent events that fit the budget."
-    )
-    min_truncated_len: int = Field(default=16, ge=0, description="Never truncate below this many events.")
-    wait_margin_ms: float = Field(
-        default=2.0, ge=0, description="Slack kept when deciding to wait for an in-flight prefix."
-    )
-    retain_suffix: bool = Field(
-        default=True,
-        description=(
-            "A relay ranking keeps the keys and values it computed for the suffix: the cached "
-            "prefix grows to the whole ranked history, so the user's next pre-inference is a hit "
-            "and its ranking computes only the events that are new since."
-        ),
-    )
-    burst_batch: int = Field(
-        default=8,
-        ge=1,
-        description=(
-            "Relay rankings of one user that wait for the device together (a burst of requests) "
-            "run as one job of at most this many: the events new since the cached prefix are "
-            "computed once. 1 = never."
-        ),
-    )
-    burst_batch_events: int = Field(
-        default=8192,
-        ge=1,
-        description=(
-            "A burst batch holds at most this many cached events summed over its rankings (and "
-            "at least one ranking). Batching saves each ranking's fixed costs, which dominate for "
-            "short prefixes; a batch of long ones would make its first ranking wait for the rest."
-        ),
-    )
 
 
 @dataclass
