@@ -160,7 +160,6 @@ class _Plan:
     """What lookup must do, decided under the lock."""
 
     kind: str  # "done" | "host" | "pending" | "disk"
-    result: Lookup | None = None
     entry: _Entry | None = None
     pending: tuple[int, PrefixKV] | None = None
     disk_meta: DiskMeta | None = None
