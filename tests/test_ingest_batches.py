@@ -33,7 +33,9 @@ class _Stream:
 
 def _ev(user: str, item: int, *, key: str | None = None, raw: bytes | None = None):
     value = raw if raw is not None else encode(BehaviorEvent(user_id=user, item_id=item, ts=float(item)))
-    return SimpleNamespace(key=(key or user).encode(), value=value, message=SimpleNamespace(partition=0))
+    return SimpleNamespace(
+        key=(key or user).encode(), value=value, message=SimpleNamespace(partition=0), headers={}
+    )
 
 
 def _decode(ev) -> BehaviorEvent:
