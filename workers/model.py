@@ -1,4 +1,4 @@
-"""The HSTU ranker RelayGR serves: config, layers, prefix KV cache, target-aware scoring.
+"""The HSTU ranker RelayGR serves: config, layers, the module and its checkpoint.
 
 Primitives:
 - ``HSTUConfig``: the typed model config (shape, buckets, normaliser, dtype, device, block sizes).
