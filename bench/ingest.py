@@ -26,10 +26,10 @@ import time
 import uuid
 from pathlib import Path
 
-from relaygr.cli import int_at_least
 from relaygr.infra.kafka import delete_topics_with_prefix, ensure_topics, producer
 from relaygr.infra.settings import Settings, get_settings
 from relaygr.schemas import BehaviorEvent, TopicRegistry, encode
+from relaygr.tools.args import int_at_least
 
 STAGES = ("ingress", "retrieval", "preprocess", "ranking")
 
@@ -68,7 +68,7 @@ def _applied(pipe) -> dict[str, float]:
 def _burst(ml, events: int, lo: int, hi: int, seed: int = 3) -> list[BehaviorEvent]:
     """Histories of new users, ``lo``..``hi`` events each, interleaved in chunks of a few events
     (a live stream's order), ``events`` in all."""
-    from relaygr.streams.traffic import synthesise
+    from relaygr.tools.traffic import synthesise
 
     rng = random.Random(seed)
     users = [u for u in sorted(ml.histories) if len(ml.histories[u]) >= 20]
@@ -151,7 +151,7 @@ async def request_stream(settings, reg, requests, qps: float, stop: asyncio.Even
 
 def breakdown_percentiles(results: dict, sent: list, field: str = "hop_requests") -> dict[str, float]:
     """P50/P99 (nearest rank) of one ``breakdown_ms`` field over the results of ``sent``."""
-    from relaygr.report import percentile
+    from relaygr.tools.report.figures import percentile
 
     hops = [results[r.request_id].breakdown_ms.get(field) for r in sent if r.request_id in results]
     hops = [h for h in hops if h is not None]
@@ -159,7 +159,7 @@ def breakdown_percentiles(results: dict, sent: list, field: str = "hop_requests"
 
 
 async def _measure(settings: Settings, reg: TopicRegistry, pipe, args, ml, say) -> dict:
-    from relaygr.streams.traffic import collect_results, leave_last_out, publish
+    from relaygr.tools.traffic import collect_results, leave_last_out, publish
 
     users = sorted(ml.histories)[: args.request_users]
     behaviours, requests = leave_last_out(ml, users, num_candidates=64)
@@ -222,9 +222,10 @@ async def _measure(settings: Settings, reg: TopicRegistry, pipe, args, ml, say) 
 
 
 def run(args: argparse.Namespace) -> int:
-    from relaygr.demo import ensure_broker, ensure_calibration, ensure_model
+    from relaygr.infra.cluster import ensure_broker
     from relaygr.streams.config import PipelineSettings
-    from relaygr.streams.up import Pipeline
+    from relaygr.tools.prepare import ensure_calibration, ensure_model
+    from relaygr.tools.up import Pipeline
     from relaygr.workers.movielens import load_movielens
 
     if args.min_len > args.max_len:

@@ -25,10 +25,10 @@ from collections import Counter
 from pathlib import Path
 
 from relaygr.bench.ingest import breakdown_percentiles, request_stream
-from relaygr.cli import int_at_least
 from relaygr.infra.kafka import delete_topics_with_prefix, ensure_topics, producer
 from relaygr.infra.settings import get_settings
 from relaygr.schemas import BehaviorEvent, RecommendationRequest, TopicRegistry, encode
+from relaygr.tools.args import int_at_least
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -88,8 +88,8 @@ async def _phase(settings, reg, requests, qps: float, seconds: float, *, heavy=N
 
 
 async def _measure(settings, reg, args, ml, say) -> dict:
-    from relaygr.report import percentile
-    from relaygr.streams.traffic import collect_results, leave_last_out, publish, synthesise
+    from relaygr.tools.report.figures import percentile
+    from relaygr.tools.traffic import collect_results, leave_last_out, publish, synthesise
 
     users = sorted(ml.histories)[: args.users]
     behaviours, requests = leave_last_out(ml, users, num_candidates=128)
@@ -155,9 +155,10 @@ async def _measure(settings, reg, args, ml, say) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from relaygr.demo import ensure_broker, ensure_calibration, ensure_model
+    from relaygr.infra.cluster import ensure_broker
     from relaygr.streams.config import PipelineSettings
-    from relaygr.streams.up import Pipeline
+    from relaygr.tools.prepare import ensure_calibration, ensure_model
+    from relaygr.tools.up import Pipeline
     from relaygr.workers.movielens import load_movielens
 
     def say(msg: str) -> None:

@@ -27,10 +27,10 @@ from pathlib import Path
 
 import numpy as np
 
-from relaygr.cli import int_at_least
 from relaygr.infra.kafka import delete_topics_with_prefix, ensure_topics
 from relaygr.infra.settings import Settings, get_settings
 from relaygr.schemas import TopicRegistry
+from relaygr.tools.args import int_at_least
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -83,8 +83,8 @@ def _phase(
     settings: Settings, mode: str, env: dict[str, str], traffic: list[tuple[str, list, list, float]], say
 ):
     """Run one pipeline in ``mode`` and replay each (name, behaviours, requests, qps) through it."""
-    from relaygr.streams.traffic import collect_results, publish
-    from relaygr.streams.up import Pipeline
+    from relaygr.tools.traffic import collect_results, publish
+    from relaygr.tools.up import Pipeline
 
     run = f"bench-{mode}-{uuid.uuid4().hex[:6]}"
     s = settings.model_copy(
@@ -110,9 +110,10 @@ def _phase(
 
 
 def run(args: argparse.Namespace) -> int:
-    from relaygr.demo import ensure_broker, ensure_calibration, ensure_model
+    from relaygr.infra.cluster import ensure_broker
     from relaygr.streams.config import PipelineSettings
-    from relaygr.streams.traffic import leave_last_out
+    from relaygr.tools.prepare import ensure_calibration, ensure_model
+    from relaygr.tools.traffic import leave_last_out
     from relaygr.workers.movielens import load_movielens
 
     say = _Say(args.json)

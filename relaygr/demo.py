@@ -26,11 +26,13 @@ from pathlib import Path
 
 import numpy as np
 
-from relaygr.cli import int_at_least
 from relaygr.infra import broker
+from relaygr.infra.cluster import ensure_broker
 from relaygr.infra.kafka import TopicError, delete_topics_with_prefix, ensure_topics
-from relaygr.infra.settings import Settings, get_settings
+from relaygr.infra.settings import get_settings
 from relaygr.schemas import RankedResult, TopicRegistry
+from relaygr.tools.args import int_at_least
+from relaygr.tools.prepare import ensure_calibration, ensure_model
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,46 +58,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _step(msg: str) -> None:
     print(f"== {msg}", flush=True)
-
-
-def ensure_broker(settings: Settings) -> tuple[Settings, bool]:
-    if settings.bootstrap:
-        _step(f"using the Kafka cluster at {settings.bootstrap}")
-        return settings, False
-    up, state = broker.status(settings)
-    if up and state is not None:
-        _step(f"local Kafka broker already up at {state.bootstrap}")
-        return settings.model_copy(update={"bootstrap": state.bootstrap}), False
-    _step("starting the local Kafka broker (KRaft, 127.0.0.1)")
-    t0 = time.monotonic()
-    state = broker.start(settings)
-    print(f"   up in {time.monotonic() - t0:.1f} s at {state.bootstrap}; log {state.log_file}")
-    return settings.model_copy(update={"bootstrap": state.bootstrap}), True
-
-
-def ensure_model(model_dir: Path) -> None:
-    if (model_dir / "config.json").exists():
-        _step(f"using the trained model in {model_dir}")
-        return
-    _step(f"training the HSTU ranker on MovieLens-100K into {model_dir} (once)")
-    cmd = [sys.executable, "-m", "relaygr.cli", "train", "--dataset", "ml-100k", "--out", str(model_dir)]
-    subprocess.run(cmd, check=True)
-
-
-def ensure_calibration(model_dir: Path) -> Path:
-    from relaygr.workers.model import HSTURanker
-    from relaygr.workers.ranker import calibrate
-
-    path = model_dir / "calibration.json"
-    _step("calibrating full-ranking latency on this machine")
-    from relaygr.streams.config import PipelineSettings
-
-    model = HSTURanker.load(model_dir)
-    threads = PipelineSettings().torch_threads  # time it as the workers will run it
-    lat, samples = calibrate(model, threads=threads)
-    lat.save(path, samples=samples, model_version=model.model_version, threads=threads)
-    print("   " + ", ".join(f"{n} tokens {ms:.1f} ms" for n, ms in samples))
-    return path
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -136,8 +98,8 @@ def summarize(results: dict[str, RankedResult], sent: int) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     from relaygr.streams.config import PipelineSettings
-    from relaygr.streams.traffic import collect_results, leave_last_out, publish
-    from relaygr.streams.up import Pipeline
+    from relaygr.tools.traffic import collect_results, leave_last_out, publish
+    from relaygr.tools.up import Pipeline
     from relaygr.workers.movielens import load_movielens
 
     base = get_settings()

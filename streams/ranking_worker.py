@@ -30,7 +30,7 @@ import json
 import logging
 import signal
 import time
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 
 import torch
 from aiokafka import ConsumerRebalanceListener, TopicPartition
@@ -63,13 +63,14 @@ from relaygr.streams.common import (
 from relaygr.streams.config import PipelineSettings, engine_config
 from relaygr.streams.history import HistoryAlignment, HistoryTable
 from relaygr.streams.state_lineage import HistoryLineage, deployment_dir
+from relaygr.workers.calibration import calibrate
 from relaygr.workers.devices import keep_host_pages
 from relaygr.workers.history_window import served, window_step
 from relaygr.workers.latency_model import LatencyModel
 from relaygr.workers.model import HSTURanker
 from relaygr.workers.prefix_kv import Events
 from relaygr.workers.prefix_store import PrefixStore, PrefixStoreConfig
-from relaygr.workers.ranker import RankingEngine, calibrate
+from relaygr.workers.ranker import RankingEngine
 from relaygr.workers.scheduler import DeviceScheduler, Priority
 
 log = logging.getLogger(__name__)
@@ -179,7 +180,6 @@ class RankingWorker:
         self.lineage = HistoryLineage(STAGE, settings, self.dir, self.history, self.store)
         self.tracker = OffsetTracker()
         self.tasks: set[asyncio.Task] = set()
-        self.counts: Counter[str] = Counter()
         self.assigned: set[TopicPartition] = set()
         self.peak_inflight = 0
         self.signals_seen: OrderedDict[str, asyncio.Event] = OrderedDict()
@@ -190,7 +190,7 @@ class RankingWorker:
     def _latency_model(self) -> LatencyModel:
         if self.p.calibration_file is not None and self.p.calibration_file.exists():
             return LatencyModel.load(self.p.calibration_file)
-        model, samples = calibrate(self.model, lengths=(64, 256, 512, 1024, 2048), repeats=2)
+        model, samples = calibrate(self.model, repeats=2)
         log.info("calibrated full ranking on this machine: %s -> %s", samples, model)
         return model
 
@@ -293,7 +293,6 @@ class RankingWorker:
             self.tracker.done(tp, m.offset)
         except Exception:  # not marked done: the offset stays uncommitted and is redelivered
             log.exception("handling %s@%d failed", tp, m.offset)
-            self.counts["handler_errors"] += 1
 
     async def _commit(self) -> None:
         offsets = self.tracker.committable(self.assigned)
@@ -414,7 +413,6 @@ class RankingWorker:
         finally:
             done.set()
         PREFILLS.labels(out.status.split(":")[0]).inc()
-        self.counts[f"prefill_{out.status}"] += 1
         self._note(
             event="prefill",
             request_id=s.request_id,
@@ -525,7 +523,6 @@ class RankingWorker:
         await deliver(lambda: self.producer.send_and_wait(topic, encode(res), key=res.key()), what="result")
         PATHS.labels(path.value).inc()
         E2E.labels(path.value).observe(now - r.produced_at)
-        self.counts[f"path_{path.value}"] += 1
         self._note(
             event="result",
             request_id=r.request_id,

@@ -156,7 +156,6 @@ def build(settings: Settings, p: PipelineSettings, worker_id: str = "0"):
     emb, bytes_per_token, max_seq_len = load_item_embeddings(p)
     gen = CandidateGenerator(emb)
     trigger = SequenceAwareTrigger(trigger_config(p, bytes_per_token, max_seq_len), load_latency(p))
-    app.relaygr_trigger = trigger  # for inspection
     limit = settings.max_message_bytes
 
     to_dlq = faust_dead_letterer(STAGE, dlq)

@@ -24,12 +24,18 @@ from dataclasses import dataclass
 from pydantic import BaseModel, Field
 
 from relaygr.schemas import TriggerReason
+from relaygr.workers.engine_config import EngineConfig
 from relaygr.workers.latency_model import LatencyModel
+from relaygr.workers.leases import DEFAULT_LEASE_TTL_S
 
 
 class TriggerConfig(BaseModel):
     enabled: bool = Field(default=True, description="False = never pre-infer (the baseline mode).")
-    budget_ms: float = Field(default=50.0, gt=0, description="P99 budget of the ranking stage.")
+    budget_ms: float = Field(
+        default=EngineConfig.model_fields["budget_ms"].default,
+        gt=0,
+        description="P99 budget of the ranking stage.",
+    )
     theta: float = Field(
         default=0.5, gt=0, le=10, description="At risk when predicted full ranking exceeds budget × theta."
     )
@@ -43,7 +49,9 @@ class TriggerConfig(BaseModel):
     )
     prefill_rate_per_s: float = Field(default=200.0, gt=0, description="Token-bucket rate of pre-inference.")
     prefill_burst: float = Field(default=50.0, ge=1, description="Token-bucket depth.")
-    lease_ttl_s: float = Field(default=30.0, gt=0, description="How long a pre-inferred prefix stays pinned.")
+    lease_ttl_s: float = Field(
+        default=DEFAULT_LEASE_TTL_S, gt=0, description="How long a pre-inferred prefix stays pinned."
+    )
     max_seq_len: int | None = Field(
         default=None, ge=1, description="Events a ranking serves at most (the model's cap); None: all."
     )

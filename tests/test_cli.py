@@ -6,7 +6,8 @@ import argparse
 
 import pytest
 
-from relaygr.cli import int_at_least, main
+from relaygr.cli import main
+from relaygr.tools.args import int_at_least
 
 
 def test_int_at_least() -> None:

@@ -14,13 +14,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from relaygr.experiment import PointRun, Protocol, best, write_experiment_report
 from relaygr.infra.kafka import delete_topics_with_prefix, ensure_topics
 from relaygr.schemas import TopicRegistry
-from relaygr.streams.replay import Replayer, plan_replay, wait_ingested
-from relaygr.streams.trace import Trace, TraceTopics, build_trace, load_trace, publish_trace
-from relaygr.streams.traffic import collect_results
-from relaygr.streams.up import Pipeline
+from relaygr.tools.barriers import wait_sentinels_applied
+from relaygr.tools.experiment.kinds import KINDS
+from relaygr.tools.experiment.protocol import PointRun, Protocol, best
+from relaygr.tools.experiment.report import write_experiment_report
+from relaygr.tools.replay import Replayer, plan_replay
+from relaygr.tools.trace import Trace, TraceTopics, build_trace, load_trace, publish_trace
+from relaygr.tools.traffic import collect_results
+from relaygr.tools.up import Pipeline
 from relaygr.workers.latency_model import LatencyModel
 from relaygr.workers.model import HSTUConfig, HSTURanker
 from relaygr.workers.movielens import load_movielens
@@ -74,7 +77,7 @@ def test_experiment_report_from_points(tmp_path) -> None:
         "span_s": 9,
     }
     traces = {x: Trace([], [], meta=meta) for x in (512, 1024, 2048, 4096)}
-    doc = write_experiment_report(tmp_path, "seq-len", proto, pts, traces, None)
+    doc = write_experiment_report(tmp_path, KINDS["seq-len"], proto, pts, traces, None)
     h = doc["headline"]
     assert h["relay_max_len"] == 2048 and h["baseline_max_len"] == 1024
     assert h["ratio"] == pytest.approx(2.0) and h["met_target"] is True
@@ -137,7 +140,7 @@ async def test_trace_replay_report_end_to_end(kafka_settings, tmp_path_factory, 
             for r in window:
                 first.setdefault(r.user_id, r.model_ts)
             await rp.preload(first)
-            await wait_ingested(settings, reg, timeout_s=120)
+            await wait_sentinels_applied(settings, reg, timeout_s=120)
             sent_w = await rp.run(plan_replay(warm, qps=20), behaviours=False)
             assert len(
                 await collect_results(settings, reg, {r.request_id for r in sent_w}, timeout_s=60)

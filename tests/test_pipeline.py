@@ -19,8 +19,8 @@ import torch
 
 from relaygr.infra.kafka import consumer, delete_topics_with_prefix, ensure_topics, producer
 from relaygr.schemas import DeadLetter, RecommendationRequest, TopicRegistry, decode
-from relaygr.streams.traffic import collect_results, history_of, leave_last_out, publish
-from relaygr.streams.up import Pipeline
+from relaygr.tools.traffic import collect_results, history_of, leave_last_out, publish
+from relaygr.tools.up import Pipeline
 from relaygr.workers.model import HSTURanker
 from relaygr.workers.movielens import load_movielens
 

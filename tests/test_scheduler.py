@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 import pytest
 
@@ -108,13 +107,20 @@ async def test_runs_on_one_thread_and_propagates_errors() -> None:
 
 async def test_loop_stays_responsive_while_device_is_busy() -> None:
     s = DeviceScheduler("t")
+    gate, running = threading.Event(), threading.Event()
     try:
-        fut = s.submit(lambda: time.sleep(0.3), priority=Priority.PREFILL)
-        t0 = time.perf_counter()
-        await asyncio.sleep(0.01)
-        assert time.perf_counter() - t0 < 0.2
+        fut = s.submit(lambda: (running.set(), gate.wait(30)), priority=Priority.PREFILL)
+        assert await asyncio.to_thread(running.wait, 30)
+        # The device job holds the device until the gate opens; the loop goes on meanwhile.
+        ticks = 0
+        for _ in range(20):
+            await asyncio.sleep(0.001)
+            ticks += 1
+        assert ticks == 20 and not fut.done() and not gate.is_set()
+        gate.set()
         await fut
     finally:
+        gate.set()
         s.close()
 
 

@@ -41,8 +41,8 @@ from relaygr.streams.state_lineage import (
     deployment_dir,
     judge,
 )
-from relaygr.streams.traffic import collect_results, history_of, leave_last_out, publish
-from relaygr.streams.up import Pipeline
+from relaygr.tools.traffic import collect_results, history_of, leave_last_out, publish
+from relaygr.tools.up import Pipeline
 from relaygr.workers.movielens import load_movielens
 from relaygr.workers.prefix_kv import Events, PrefixKV, history_fingerprint
 from relaygr.workers.prefix_store import PrefixStore, PrefixStoreConfig

@@ -1,7 +1,7 @@
 """The ranking engine of one worker: model + prefix store + device scheduler, no Kafka.
 
 Primitives:
-- ``EngineConfig``: mode (``relay`` or ``baseline``), the ranking budget, chunking, leases.
+- ``EngineConfig`` (``engine_config``): mode (``relay`` or ``baseline``), the ranking budget, chunking, leases.
 - ``RankingEngine.prefill(user_id, history, ttl_s, prefix_len=n)``: pre-inference on a prefill
   signal — lease, then promote, extend or compute the first ``n`` events' prefix (chunked on the
   device scheduler, so a ranking job waits for at most one chunk); a cached prefix that already
@@ -16,8 +16,7 @@ Primitives:
   together (a burst) run as one job against their shared prefix (``burst_batch``). ``drain()``
   waits for the stores.
   Baseline mode is full inference on the same code.
-- ``calibrate(model, ...)``: measure full ranking at a few history lengths and fit the
-  ``LatencyModel`` the trigger and the truncation use.
+- ``kv_bytes_per_token(model)``: device bytes one cached token takes.
 """
 
 from __future__ import annotations
@@ -25,17 +24,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import statistics
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal, TypeVar
+from typing import TypeVar
 
 import torch
-from pydantic import BaseModel, Field
 
-from relaygr.workers.devices import keep_host_pages
+from relaygr.workers.engine_config import EngineConfig
 from relaygr.workers.latency_model import LatencyModel
 from relaygr.workers.model import HSTURanker
 from relaygr.workers.prefix_kv import Events, PrefixKV
@@ -45,57 +42,6 @@ from relaygr.workers.scheduler import DeviceScheduler, Priority, SchedulerClosed
 T = TypeVar("T")
 _NEVER = object()  # sentinel of ``iter(step, _NEVER)``: a step function as a step iterator
 log = logging.getLogger(__name__)
-
-
-class EngineConfig(BaseModel):
-    mode: Literal["relay", "baseline"] = Field(
-        default="relay", description="relay: cached prefixes; baseline: full inference, no trigger, no cache."
-    )
-    budget_ms: float = Field(default=50.0, gt=0, description="Ranking-stage latency budget (P99 target).")
-    prefill_chunk: int = Field(default=512, ge=1, description="Tokens per pre-inference job on the device.")
-    lease_ttl_s: float = Field(default=30.0, gt=0, description="Lease of a pre-inferred prefix.")
-    truncate_to_budget: bool = Field(
-        default=True, description="Full inference keeps only the most recent events that fit the budget."
-    )
-    min_truncated_len: int = Field(default=16, ge=0, description="Never truncate below this many events.")
-    wait_margin_ms: float = Field(
-        default=2.0, ge=0, description="Slack kept when deciding to wait for an in-flight prefix."
-    )
-    retain_suffix: bool = Field(
-        default=True,
-        description=(
-            "A relay ranking keeps the keys and values it computed for the suffix: the cached "
-            "prefix grows to the whole ranked history, so the user's next pre-inference is a hit "
-            "and its ranking computes only the events that are new since."
-        ),
-    )
-    burst_batch: int = Field(
-        default=8,
-        ge=1,
-        description=(
-            "Relay rankings of one user that wait for the device together (a burst of requests) "
-            "run as one job of at most this many: the events new since the cached prefix are "
-            "computed once. 1 = never."
-        ),
-    )
-    slice_ms: float = Field(
-        default=5.0,
-        ge=0,
-        description=(
-            "Device time of one chunk of pre-inference or of a relay worker's full ranking, sized "
-            "by the latency model (keys already cached included); 0 = prefill_chunk tokens a chunk "
-            "and full rankings in one piece."
-        ),
-    )
-    burst_batch_events: int = Field(
-        default=8192,
-        ge=1,
-        description=(
-            "A burst batch holds at most this many cached events summed over its rankings (and "
-            "at least one ranking). Batching saves each ranking's fixed costs, which dominate for "
-            "short prefixes; a batch of long ones would make its first ranking wait for the rest."
-        ),
-    )
 
 
 @dataclass
@@ -526,39 +472,3 @@ def kv_bytes_per_token(model: HSTURanker) -> int:
     elem = torch.empty((), dtype=model.dtype).element_size()
     # keys + values per layer, plus the position (int64) and timestamp (float64) of the token.
     return len(model.layers) * c.heads * (c.attn_dim + c.linear_dim) * elem + 16
-
-
-def calibrate(
-    model: HSTURanker,
-    lengths: tuple[int, ...] = (64, 256, 512, 1024, 2048),
-    candidates: int = 128,
-    repeats: int = 3,
-    threads: int = 0,
-) -> tuple[LatencyModel, list[tuple[int, float]]]:
-    """Median time of ``rank_full`` per history length on this machine, and the fitted model.
-    ``threads`` (0 = leave as is): the torch CPU threads to time with — the worker's own count."""
-    keep_host_pages()  # time it the way a worker runs it
-    if threads:
-        old = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
-            return calibrate(model, lengths, candidates, repeats)
-        finally:
-            torch.set_num_threads(old)
-    gen = torch.Generator().manual_seed(0)
-    cands = torch.randint(1, model.config.num_items + 1, (candidates,), generator=gen)
-    samples = []
-    for n in lengths:
-        hist = Events(
-            torch.randint(1, model.config.num_items + 1, (n,), generator=gen),
-            torch.randint(1, model.config.num_actions + 1, (n,), generator=gen),
-            torch.arange(n, dtype=torch.float64) * 60.0,
-        )
-        model.rank_full(hist, cands, float(n) * 60.0)  # warm-up
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            model.rank_full(hist, cands, float(n) * 60.0)
-            times.append((time.perf_counter() - t0) * 1000)
-        samples.append((n, statistics.median(times)))
-    return LatencyModel.fit(samples), samples

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from relaygr.workers.dense import train_scores
 from relaygr.workers.model import HSTUConfig, HSTURanker
 from relaygr.workers.movielens import DATASETS, MovieLens, load_movielens
 from relaygr.workers.prefix_kv import Events
@@ -115,7 +116,8 @@ def batch_loss(model: HSTURanker, batch: Batch, aux_weight: float = 0.0) -> torc
     final states (``state_t . item_embedding``, predicting event ``t + 1``): a dense, cheap
     signal for the shared embeddings and layers. The ranking score itself is only ever the
     candidate-token path above."""
-    out = model.train_scores(
+    out = train_scores(
+        model,
         batch.items,
         batch.actions,
         batch.timestamps,
