@@ -17,6 +17,7 @@ import pytest
 import torch
 from aiokafka.protocol.admin import DescribeGroupsRequest_v2
 from aiokafka.protocol.api import Request
+from store_probe import is_leased
 
 from relaygr.infra import broker
 from relaygr.infra.cluster_identity import ClusterFacts, ClusterProbe, ProbeError, TopicFacts
@@ -145,7 +146,7 @@ def test_forgotten_prefixes_are_gone_from_every_tier(tmp_path) -> None:
     store = PrefixStore(cfg, "m")
     store.put("a", _prefix(h))  # in memory and on disk
     assert store.forget(["a", "nobody"]) == 1
-    assert store.where("a") is None and store.where("b") == "disk" and not store.is_leased("a")
+    assert store.where("a") is None and store.where("b") == "disk" and not is_leased(store, "a")
     store.close()
     store = PrefixStore(cfg, "m")
     assert store.where("a") is None and store.where("b") == "disk"

@@ -744,7 +744,6 @@ class PrefixStore:
                     if pend is not None or meta is not None:
                         self._writer.delete_all(key)
                 forgotten += had
-            self._next_expiry = min((v.expires_at for v in self._leases.values()), default=float("inf"))
             if forgotten:
                 self._m["forgotten"] += forgotten
         self.flush()
