@@ -87,6 +87,8 @@ BEHAVIOUR_FETCH = 5000
 INPUTS = ("requests", "behaviors")
 # A behaviours-only router runs at this lower CPU priority (os.nice increment).
 BEHAVIOUR_NICENESS = 5
+# How often the ingress checks that the public topics are still the ones it has been reading.
+WATCH_EVERY_S = 5.0
 # How often a requests router re-reads the behaviours topic's partition count.
 PARTITIONS_REFRESH_S = 30.0
 # Records decoded between two yields to the event loop (the requests' task runs in between).
@@ -107,6 +109,7 @@ class Ingress:
         self._stop = asyncio.Event()
         self._misrouted_seen: set[str] = set()
         self._beh_partitions: tuple[int, float] = (0, 0.0)  # (count, when read)
+        self._forwarded_reset = False  # the behaviours topic was recreated: positions start over
 
     def stop(self) -> None:
         self._stop.set()
@@ -143,6 +146,7 @@ class Ingress:
             for c in clients:
                 await c.start()
             tasks = [asyncio.create_task(loop()) for loop in loops]
+            tasks.append(asyncio.create_task(self._watch_sources()))
             stop = asyncio.create_task(self._stop.wait())
             done, _ = await asyncio.wait([*tasks, stop], return_when=asyncio.FIRST_COMPLETED)
             for t in tasks:
@@ -159,6 +163,57 @@ class Ingress:
                     await c.stop()
 
     # ------------------------------------------------------------------ checks
+
+    async def _watch_sources(self, interval_s: float = WATCH_EVERY_S) -> None:
+        """Every ``interval_s``, compare the public topics' ids with the ones read so far. A topic
+        deleted and created again (same name, new id) may cause no rebalance at all, and the
+        consumer's positions in the old one would skip the new one's first records: its assigned
+        partitions are read again from the start, logged once and counted."""
+        from relaygr.infra.cluster_identity import ClusterProbe
+        from relaygr.streams.state_lineage import DISCARDED
+
+        watched = [(c, c_topic) for c, c_topic in self._consumers()]
+        probe = ClusterProbe(self.settings)
+        known: dict[str, str] = {}
+        try:
+            while True:
+                await asyncio.sleep(interval_s)
+                try:
+                    facts = await probe.facts([t for _, t in watched])
+                except Exception:  # the next round retries; routing goes on meanwhile
+                    continue
+                for cons, topic in watched:
+                    t = facts.topics.get(topic)
+                    if t is None or t.topic_id is None:
+                        continue
+                    before = known.setdefault(topic, t.topic_id)
+                    if before == t.topic_id:
+                        continue
+                    known[topic] = t.topic_id
+                    tps = [tp for tp in cons.assignment() if tp.topic == topic]
+                    if tps:
+                        await cons.seek_to_beginning(*tps)
+                    if topic == self.reg.name("behaviors"):
+                        self._forwarded_reset = True
+                    DISCARDED.labels(STAGE, "topic_recreated").inc(len(tps))
+                    log.warning(
+                        "ingress: %s was deleted and created again (id %s, was %s): reading its %d "
+                        "assigned partition(s) from the start",
+                        topic,
+                        t.topic_id,
+                        before,
+                        len(tps),
+                    )
+        finally:
+            await probe.close()
+
+    def _consumers(self) -> list[tuple[Any, str]]:
+        out = []
+        if "requests" in self.inputs:
+            out.append((self.req_consumer, self.reg.name("requests")))
+        if "behaviors" in self.inputs:
+            out.append((self.beh_consumer, self.reg.name("behaviors")))
+        return out
 
     def _check_partition(self, topic: str, partition: int, key: bytes, count: int) -> None:
         """Count (and log once per topic) a record that the producer put on another partition
@@ -256,6 +311,10 @@ class Ingress:
         in_flight: asyncio.Future | None = None
         while True:
             batch = await self.beh_consumer.getmany(timeout_ms=50, max_records=BEHAVIOUR_FETCH)
+            if self._forwarded_reset:  # positions in the old topic say nothing about the new one
+                self._forwarded_reset = False
+                forwarded.clear()
+                marked.clear()
             count = len(self.beh_consumer.partitions_for_topic(src) or ()) or n_out
             # routed partition -> user -> columns of that user's events, in fetch order
             users: dict[int, dict[str, tuple[list, list, list, list, list]]] = {}
