@@ -41,7 +41,7 @@ import signal
 import time
 from typing import Any
 
-from aiokafka import TopicPartition
+from aiokafka import ConsumerRebalanceListener, TopicPartition
 from prometheus_client import Counter as PCounter
 from prometheus_client import Histogram
 
@@ -110,6 +110,7 @@ class Ingress:
         self._misrouted_seen: set[str] = set()
         self._beh_partitions: tuple[int, float] = (0, 0.0)  # (count, when read)
         self._forwarded_reset = False  # the behaviours topic was recreated: positions start over
+        self.assigned_at: dict[str, float] = {}  # topic -> when its partitions were last assigned
 
     def stop(self) -> None:
         self._stop.set()
@@ -122,9 +123,8 @@ class Ingress:
         # Requests and behaviours have their own consumers and producers (their own connections):
         # a request never waits behind a large behaviour fetch or batch on the wire.
         if "requests" in self.inputs:
-            self.req_consumer = consumer(
-                self.settings, self.reg.name("requests"), group_id=f"{prefix}-ingress-requests", **common
-            )
+            self.req_consumer = consumer(self.settings, group_id=f"{prefix}-ingress-requests", **common)
+            self.req_consumer.subscribe([self.reg.name("requests")], listener=_Assignments(self))
             # The end-offset look-ups of requests on a connection of their own as well.
             self.offsets = consumer(self.settings, group_id=None)
             self.req_producer = producer(self.settings, linger_ms=0)
@@ -133,11 +133,11 @@ class Ingress:
         if "behaviors" in self.inputs:
             self.beh_consumer = consumer(
                 self.settings,
-                self.reg.name("behaviors"),
                 group_id=f"{prefix}-ingress-behaviors",
                 max_partition_fetch_bytes=4 << 20,
                 **common,
             )
+            self.beh_consumer.subscribe([self.reg.name("behaviors")], listener=_Assignments(self))
             self.beh_producer = producer(self.settings, linger_ms=0, max_batch_size=1 << 20)
             clients += [self.beh_producer, self.beh_consumer]
             loops.append(self._behaviours)
@@ -175,9 +175,11 @@ class Ingress:
         watched = [(c, c_topic) for c, c_topic in self._consumers()]
         probe = ClusterProbe(self.settings)
         known: dict[str, str] = {}
+        checked = time.monotonic()
         try:
             while True:
                 await asyncio.sleep(interval_s)
+                since, checked = checked, time.monotonic()
                 try:
                     facts = await probe.facts([t for _, t in watched])
                 except Exception:  # the next round retries; routing goes on meanwhile
@@ -190,6 +192,10 @@ class Ingress:
                     if before == t.topic_id:
                         continue
                     known[topic] = t.topic_id
+                    if self.assigned_at.get(topic, 0.0) > since:
+                        # Reassigned since the last check: positions came from the group's
+                        # offsets of the new topic (none yet: its start), not the old ones.
+                        continue
                     tps = [tp for tp in cons.assignment() if tp.topic == topic]
                     if tps:
                         await cons.seek_to_beginning(*tps)
@@ -406,6 +412,20 @@ class Ingress:
             lambda: self.beh_producer.send_batch(builder, topic, partition=partition),
             what="routed behaviours",
         )
+
+
+class _Assignments(ConsumerRebalanceListener):
+    """Notes when each input topic's partitions were assigned (see ``_watch_sources``)."""
+
+    def __init__(self, ingress: Ingress) -> None:
+        self.ingress = ingress
+
+    async def on_partitions_revoked(self, revoked) -> None:
+        pass
+
+    async def on_partitions_assigned(self, assigned) -> None:
+        for topic in {tp.topic for tp in assigned}:
+            self.ingress.assigned_at[topic] = time.monotonic()
 
 
 def _batch_record(user_id: str, cols: tuple[list, list, list, list, list]) -> list[tuple[bytes, bytes, list]]:
