@@ -386,6 +386,9 @@ async def test_recreated_topics_a_wiped_broker_and_a_new_prefix_under_one_home(
             # the running stages: users 1..6 now have no history anywhere, 7..12 a new one.
             await _delete_and_recreate(s, reg)
             await pipe.wait_ready(timeout_s=180)
+            # A stage notices a recreated topic at its next assignment or check (seconds later):
+            # the new traffic goes out once each has, so what is asserted is the state it rebuilt.
+            await _until_discarded(pipe, ("retrieval", "preprocess", "ranker-0"), "topic_recreated")
             await _ranked_with(
                 s, reg, ml, "recreated", histories=range(7, 19), max_len=4, requests=range(1, 19)
             )
@@ -527,6 +530,16 @@ class _DescribeGroups(Request[DescribeGroupsRequest_v2]):
 
     def build(self, request_struct_class: type[DescribeGroupsRequest_v2]) -> DescribeGroupsRequest_v2:
         return request_struct_class(self._groups)
+
+
+async def _until_discarded(pipe, stages, reason: str, timeout_s: float = 180.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    waiting = set(stages)
+    while waiting and loop.time() < deadline:
+        waiting = {name for name in waiting if not _discard_counts(pipe.scrape(name))[reason]}
+        await asyncio.sleep(0.5)
+    assert not waiting, f"{sorted(waiting)} did not notice ({reason}) in {timeout_s:.0f} s"
 
 
 def _discard_counts(metrics: dict[str, float]) -> Counter[str]:
