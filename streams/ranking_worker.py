@@ -460,7 +460,11 @@ class RankingWorker:
                 self.engine.yield_prefill(r.user_id)  # waited enough: rank now, not behind it
         if done is None:
             return "signal_not_seen"
-        return None if done.is_set() else "prefill_not_ready"
+        if done.is_set():
+            return None
+        # Late for its request: finishing it would only delay the pre-inferences still on time.
+        self.engine.abandon_prefill(r.user_id)
+        return "prefill_not_ready"
 
     async def _handle_rank(self, tp: TopicPartition, m) -> None:
         r = decode_keyed(RankRequest, m.key, m.value, self.settings.max_message_bytes)
