@@ -75,3 +75,45 @@ def test_report_counts_reasons_of_non_relay_results() -> None:
     ]
     assert path_reasons(rs) == {"not_at_risk": 2, "rate_bound": 1, "unknown": 1}
     assert summarize(rs, slo_ms=50.0)["path_reasons"] == path_reasons(rs)
+
+
+def test_run_summary_is_typed_nearest_rank_and_counts_relay_of_admitted() -> None:
+    from relaygr.tools.report.summary import RunSummary
+
+    rs = [
+        RankedResult(
+            request_id=f"r{i}",
+            user_id="u",
+            ts=1.0 + i,
+            items=[ScoredItem(item_id=1, score=0.5)],
+            path=RankPath.RELAY if i < 3 else RankPath.FULL,
+            latency_ms=10.0 * i,
+            breakdown_ms={"ranking": float(i + 1)},
+            path_reason=None if i < 3 else "prefill_not_ready",
+        )
+        for i in range(4)
+    ]
+    s = RunSummary.of(rs, slo_ms=3.0, admitted={"r0", "r1", "r2", "r3"}, prefill_statuses=["computed"] * 4)
+    assert s.ranking is not None and s.ranking.p50 == 2.0 and s.ranking.p99 == 4.0  # nearest rank
+    assert s.trigger.admitted == 4 and s.trigger.relay_of_admitted == 3
+    assert s.trigger.relay_share_of_admitted == 0.75
+    assert s.path_reasons == {"prefill_not_ready": 1} and s.prefill == {"computed": 4}
+    assert s.to_dict()["latency_ms"]["ranking"]["p99.9"] == 4.0
+
+
+def test_scrape_parses_prometheus_text() -> None:
+    from relaygr.tools.up import Scrape
+
+    text = (
+        "# TYPE relaygr_trigger_decisions_total counter\n"
+        'relaygr_trigger_decisions_total{reason="admitted"} 3.0\n'
+        'relaygr_trigger_decisions_total{reason="rate_bound"} 2.0\n'
+        'relaygr_trigger_decisions_created{reason="admitted"} 1.7e9\n'
+        "# TYPE relaygr_rank_inflight gauge\n"
+        "relaygr_rank_inflight 4.0\n"
+    )
+    s = Scrape.parse(text)
+    assert s.by_label("relaygr_trigger_decisions_total", "reason") == {"admitted": 3.0, "rate_bound": 2.0}
+    assert s.value("relaygr_rank_inflight") == 4.0
+    assert s.value("relaygr_trigger_decisions_total", reason="rate_bound") == 2.0
+    assert s.value("relaygr_missing") == 0.0
