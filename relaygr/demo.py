@@ -6,8 +6,11 @@
 4. runs retrieval, pre-processing and N ranking workers as processes on fresh demo topics;
 5. replays real users: their history as behaviours, their last interaction as a request whose
    ground truth is that item;
-6. prints path mix, latencies, trigger outcomes, cache use and HR@10 / NDCG@10; deletes the demo
-   topics (the broker keeps running for the next command; `relaygr broker stop` ends it).
+6. prints the run's ``RunSummary`` (nearest-rank percentiles against the ranking budget, path mix
+   and why each result left the relay path, the admitted requests' relay share, pre-inference
+   outcomes, cache tiers, HR@10 / NDCG@10); writes ``relaygr report``'s files and the results
+   into ``<run folder>/report`` and names it on its last line; deletes the demo topics (the broker
+   keeps running for the next command; `relaygr broker stop` ends it).
 """
 
 from __future__ import annotations

@@ -19,6 +19,11 @@ the point where full ranking would miss the deadline) until its partition's hist
 behaviour produced before the request (``relaygr.schemas.routing``). If the wait runs out the
 result says ``history_complete: false`` and ``relaygr_rank_history_incomplete_total`` counts it.
 
+Off the relay path, a result says why (``path_reason``): the trigger's refusal (``RankRequest.trigger``),
+or what broke an admitted relay (``signal_not_seen``, ``prefill_not_ready``, ``prefill_<status>``,
+``prefix_evicted``, ``deadline_passed``). A pre-inference that its ranking stopped waiting for is
+abandoned between two chunks.
+
 Model work runs on the engine's device thread; this loop only fetches, schedules and publishes.
 """
 
