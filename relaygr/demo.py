@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import time
@@ -37,10 +38,27 @@ from relaygr.tools.report.inputs import prefill_statuses, read_admitted_ids
 from relaygr.tools.report.summary import RunSummary
 
 
+def default_ranking_workers(cores: int | None = None) -> int:
+    """One ranking worker per two cores, at most two: a worker's device thread takes a core, and
+    on a small machine the other stages and the broker need the rest."""
+    cores = cores if cores is not None else (os.cpu_count() or 1)
+    return max(1, min(2, cores // 2))
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--users", type=int, default=100, help="MovieLens users to replay (default 100)")
-    parser.add_argument("--qps", type=float, default=20.0, help="request rate of the replay")
-    parser.add_argument("--ranking-workers", type=int, default=2)
+    parser.add_argument(
+        "--qps",
+        type=float,
+        default=10.0,
+        help="request rate of the replay (default 10: what a two-core machine serves within the budget)",
+    )
+    parser.add_argument(
+        "--ranking-workers",
+        type=int_at_least(1),
+        default=default_ranking_workers(),
+        help="ranking worker processes (default: one per two cores, at most two)",
+    )
     parser.add_argument("--mode", choices=["relay", "baseline"], default="relay")
     parser.add_argument(
         "--synth-factor",
@@ -51,8 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-history",
         type=int_at_least(1),
-        default=2560,
-        help="keep at most this many most recent events per user (serving systems cap sequences too)",
+        default=1024,
+        help="keep at most this many most recent events per user (serving systems cap sequences too; "
+        "default 1024: a pre-inference of that many ends within the upstream window on a CPU)",
     )
     parser.add_argument("--json", action="store_true", help="also print the summary as one JSON line")
     parser.add_argument("--stop-broker", action="store_true", help="stop the local broker at the end")
