@@ -214,7 +214,7 @@ def _json_line(s: RunSummary) -> dict:
             "slo_compliance": s.slo.compliance,
             "paths": s.path_counts,
             "path_reasons": s.path_reasons,
-            **s.trigger.model_dump(),
+            **s.trigger.model_dump(exclude={"decisions"}),
             "prefix_tiers": s.prefix_tiers,
             "prefill": s.prefill,
             "workers": s.workers,
