@@ -197,3 +197,37 @@ async def test_trace_replay_report_end_to_end(kafka_settings, tmp_path_factory, 
     assert rep["summary"]["history"]["mean_history_len"] >= 128  # the synthesised length, then growth
     for name in ("latency_cdf.png", "p99_vs_qps.png", "p99_vs_seq_len.png", "hit_rates.png", "report.md"):
         assert (out / name).stat().st_size > 500, name
+
+
+def test_sweep_runs_the_first_point_twice_in_each_mode(monkeypatch) -> None:
+    import argparse
+    import types
+
+    from relaygr.tools.experiment import command, deployment
+
+    calls: list[tuple[float, str, int]] = []
+
+    def fake_run_one(run, d, trace, x, i, attempt, n_requests, slo_ms, n_points) -> PointRun:
+        calls.append((x, d.mode, attempt))
+        return _point(x, d.mode, True, 10.0, attempt=attempt)
+
+    monkeypatch.setattr(command, "_run_one", fake_run_one)
+    monkeypatch.setattr(deployment, "build_and_publish", lambda *a, **k: Trace([], [], meta={}))
+    kind = types.SimpleNamespace(
+        requests=lambda args, x: 10,
+        trace=lambda args, x, n: types.SimpleNamespace(requests=n, length=int(x), topic_suffix=f"t{x:g}"),
+    )
+    run = types.SimpleNamespace(
+        args=argparse.Namespace(patience=2), kind=kind, run_id="r", settings=None, ml=None, window_start=0
+    )
+    deps = [types.SimpleNamespace(mode="relay"), types.SimpleNamespace(mode="baseline")]
+    points, _ = command.sweep(run, deps, [512, 1024], 40.0)
+    assert calls == [
+        (512, "relay", 1),
+        (512, "relay", 2),
+        (512, "baseline", 1),
+        (512, "baseline", 2),
+        (1024, "baseline", 2),
+        (1024, "relay", 2),
+    ]
+    assert len(points) == 6
