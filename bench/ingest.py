@@ -57,11 +57,11 @@ def _applied(pipe) -> dict[str, float]:
         if stage == "ingress":
             out[stage] += sum(
                 v
-                for k, v in m.items()
-                if k.startswith("relaygr_ingress_routed_total{") and '.behaviors"' in k
+                for topic, v in m.by_label("relaygr_ingress_routed_total", "topic").items()
+                if topic.endswith(".behaviors")
             )
         else:
-            out[stage] += m.get(f'relaygr_behaviours_applied_total{{stage="{stage}"}}', 0.0)
+            out[stage] += m.value("relaygr_behaviours_applied_total", stage=stage)
     return out
 
 

@@ -22,15 +22,14 @@ import shutil
 import sys
 import time
 import uuid
-from collections import Counter
 from pathlib import Path
-
-import numpy as np
 
 from relaygr.infra.kafka import delete_topics_with_prefix, ensure_topics
 from relaygr.infra.settings import Settings, get_settings
 from relaygr.schemas import TopicRegistry
 from relaygr.tools.args import int_at_least
+from relaygr.tools.report.figures import percentile
+from relaygr.tools.report.summary import RunSummary
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -64,10 +63,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--results", type=Path, default=None, help="also write every result as JSON lines to this file"
     )
-
-
-def _p(xs: list[float], q: float) -> float:
-    return float(np.percentile(xs, q)) if xs else math.nan
 
 
 class _Say:
@@ -183,15 +178,18 @@ def run(args: argparse.Namespace) -> int:
         "qps": args.qps,
         "requests": len(sent),
         "results": len(res),
-        **{f"{h}_ms_p50": _p(v, 50) for h, v in hops.items()},
-        **{f"{h}_ms_p99": _p(v, 99) for h, v in hops.items()},
+        **{f"{h}_ms_p50": percentile(v, 50) for h, v in hops.items()},
+        **{f"{h}_ms_p99": percentile(v, 99) for h, v in hops.items()},
     }
     hop_line["max_hop_ms_p99"] = max(hop_line[f"{h}_ms_p99"] for h in hops if h != "routing")
     lines.append(hop_line)
     per_mode = {}
     for mode, runs in (("relay", relay), ("baseline", base)):
         sent, res = runs["long"]
-        ranking = [r.breakdown_ms["ranking"] for r in res.values()]
+        summary = RunSummary.of(
+            sorted(res.values(), key=lambda r: r.ts), slo_ms=PipelineSettings().budget_ms, expected=len(sent)
+        )
+        ranking = summary.ranking
         per_mode[mode] = {
             "bench": "pipeline",
             "phase": "long_history",
@@ -199,13 +197,13 @@ def run(args: argparse.Namespace) -> int:
             "history": args.history,
             "requests": len(sent),
             "results": len(res),
-            "ranking_ms_p50": _p(ranking, 50),
-            "ranking_ms_p99": _p(ranking, 99),
-            "e2e_ms_p99": _p([r.latency_ms for r in res.values()], 99),
-            "paths": dict(Counter(r.path.value for r in res.values())),
-            "tokens_computed_mean": float(np.mean([r.tokens_computed for r in res.values()]))
-            if res
-            else math.nan,
+            "ranking_ms_p50": ranking.p50 if ranking else math.nan,
+            "ranking_ms_p99": ranking.p99 if ranking else math.nan,
+            "e2e_ms_p99": summary.latency_ms["end_to_end"].p99,
+            "timeouts": summary.slo.timeouts,
+            "paths": summary.path_counts,
+            "path_reasons": summary.path_reasons,
+            "tokens_computed_mean": summary.history.mean_tokens_computed,
         }
         lines.append(per_mode[mode])
     r, b = per_mode["relay"], per_mode["baseline"]
@@ -217,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
     st = int(env["RELAYGR_SHORT_TERM"])
     flop_ratio = m.flops(args.history - st, st, 128) / m.flops(0, args.history, 128)
     compute = {
-        mode: _p([x.breakdown_ms.get("compute", math.nan) for x in runs["long"][1].values()], 50)
+        mode: percentile([x.breakdown_ms.get("compute", math.nan) for x in runs["long"][1].values()], 50)
         for mode, runs in (("relay", relay), ("baseline", base))
     }
     lines.append(

@@ -199,6 +199,9 @@ class RankRequest(OnBehavioursClock, Event):
     top_k: int = Field(default=10, ge=1, le=MAX_CANDIDATES)
     deadline_ts: Timestamp = Field(description="wall-clock time by which the result is due")
     prefill_expected: bool = Field(default=False, description="a prefill signal was sent for this request")
+    trigger: Annotated[TriggerReason, Strict(False)] | None = Field(
+        default=None, description="the trigger's decision for this request (from retrieval)"
+    )
     produced_at: Timestamp
     upstream_ms: dict[str, Millis] = Field(default_factory=dict, max_length=16)
     label_item_id: ItemId | None = None
@@ -252,6 +255,15 @@ class RankedResult(Event):
         default=True,
         description="False when the wait for behaviours produced before the request ran out: the "
         "history may lack some of them",
+    )
+    path_reason: str | None = Field(
+        default=None,
+        max_length=MAX_REASON_LEN,
+        description="why the request did not take a relay path (None on a relay path): the trigger's "
+        "refusal (not_at_risk, footprint_bound, rate_bound, too_long, no_history, disabled), or, for "
+        "an admitted request, what broke the relay (signal_not_seen, prefill_not_ready, "
+        "prefill_<status>, prefix_evicted, prefix_invalidated, deadline_passed); baseline in the "
+        "baseline mode",
     )
     label_item_id: ItemId | None = None
 

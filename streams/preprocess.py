@@ -157,6 +157,7 @@ def build(settings: Settings, p: PipelineSettings, worker_id: str = "0"):
             top_k=r.top_k,
             deadline_ts=now + p.budget_ms / 1000,
             prefill_expected=r.trigger == TriggerReason.ADMITTED,
+            trigger=r.trigger,
             produced_at=now,
             upstream_ms={
                 "hop_requests": max(0.0, ((r.received_at or r.ts) - r.ts) * 1000),

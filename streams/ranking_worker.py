@@ -19,6 +19,11 @@ the point where full ranking would miss the deadline) until its partition's hist
 behaviour produced before the request (``relaygr.schemas.routing``). If the wait runs out the
 result says ``history_complete: false`` and ``relaygr_rank_history_incomplete_total`` counts it.
 
+Off the relay path, a result says why (``path_reason``): the trigger's refusal (``RankRequest.trigger``),
+or what broke an admitted relay (``signal_not_seen``, ``prefill_not_ready``, ``prefill_<status>``,
+``prefix_evicted``, ``deadline_passed``). A pre-inference that its ranking stopped waiting for is
+abandoned between two chunks.
+
 Model work runs on the engine's device thread; this loop only fetches, schedules and publishes.
 """
 
@@ -48,6 +53,7 @@ from relaygr.schemas import (
     SchemaError,
     ScoredItem,
     TopicRegistry,
+    TriggerReason,
     WorkerStats,
     encode,
 )
@@ -183,6 +189,8 @@ class RankingWorker:
         self.assigned: set[TopicPartition] = set()
         self.peak_inflight = 0
         self.signals_seen: OrderedDict[str, asyncio.Event] = OrderedDict()
+        # Pre-inference outcome per request id: a result that missed its prefix says why.
+        self.prefill_status: OrderedDict[str, str] = OrderedDict()
 
         self.events_log = open(self.dir / "events.jsonl", "a", buffering=1)  # noqa: SIM115
         self._stop = asyncio.Event()
@@ -410,6 +418,9 @@ class RankingWorker:
             out = await self.engine.prefill(
                 s.user_id, hist, s.lease_ttl_s, prefix_len=n, owner=self.worker_id
             )
+            self.prefill_status[s.request_id] = out.status
+            while len(self.prefill_status) > 100_000:
+                self.prefill_status.popitem(last=False)
         finally:
             done.set()
         PREFILLS.labels(out.status.split(":")[0]).inc()
@@ -423,16 +434,18 @@ class RankingWorker:
             ms=round(out.ms, 3),
         )
 
-    async def _await_signal(self, r: RankRequest, hist: Events) -> None:
+    async def _await_signal(self, r: RankRequest, hist: Events) -> str | None:
         """The prefill signal of this request travels on its own topic and may be fetched after
         the rank request. Wait for it while full ranking would still meet the deadline, then for
         its pre-inference while ranking the suffix would (the engine decides the path after).
         No wait when the store already holds nearly what that pre-inference would compute (an
-        earlier ranking of this user kept it): see ``worth_waiting``."""
+        earlier ranking of this user kept it): see ``worth_waiting``.
+
+        Returns why a relay would fail now (``signal_not_seen``, ``prefill_not_ready``), or None."""
         store = self.engine.store
         cached = store.cached_length(r.user_id, hist) if store is not None else 0
         if not worth_waiting(len(hist), cached, self.p.short_term):
-            return
+            return None
         n = len(hist)
         lat = self.engine.latency
         until_full = time.monotonic() + r.deadline_ts - time.time() - lat.predict_ms(n) / 1000
@@ -450,6 +463,13 @@ class RankingWorker:
                     await asyncio.wait_for(done.wait(), max(0.0, room_s))
             finally:
                 self.engine.yield_prefill(r.user_id)  # waited enough: rank now, not behind it
+        if done is None:
+            return "signal_not_seen"
+        if done.is_set():
+            return None
+        # Late for its request: finishing it would only delay the pre-inferences still on time.
+        self.engine.abandon_prefill(r.user_id)
+        return "prefill_not_ready"
 
     async def _handle_rank(self, tp: TopicPartition, m) -> None:
         r = decode_keyed(RankRequest, m.key, m.value, self.settings.max_message_bytes)
@@ -470,9 +490,10 @@ class RankingWorker:
             INCOMPLETE.inc()
         cands = torch.tensor(r.candidates, dtype=torch.int64)
         signal_wait = 0.0
+        relay_blocker: str | None = None
         if r.prefill_expected and self.p.mode == "relay":
             t_sig = time.time()
-            await self._await_signal(r, hist)
+            relay_blocker = await self._await_signal(r, hist)
             signal_wait = (time.time() - t_sig) * 1000
         if t_in >= r.deadline_ts:
             path, items, oc = (
@@ -517,6 +538,9 @@ class RankingWorker:
             prefix_tier=oc.prefix_tier if oc else None,
             prefix_worker_id=oc.prefix_owner if oc else None,
             history_complete=complete,
+            path_reason=path_reason(
+                r, path, self.p.mode, relay_blocker, self.prefill_status.get(r.request_id)
+            ),
             label_item_id=r.label_item_id,
         )
         topic = self.reg.name("results")
@@ -555,6 +579,33 @@ class RankingWorker:
                 await self.producer.send_and_wait(self.reg.name("worker_stats"), encode(st), key=st.key())
             except Exception:
                 log.exception("publishing worker stats failed")
+
+
+def path_reason(
+    r: RankRequest, path: RankPath, mode: str, relay_blocker: str | None, prefill_status: str | None
+) -> str | None:
+    """Why ``r`` did not take a relay path (None when it did). ``relay_blocker``: what the wait
+    for its prefill signal found (``_await_signal``); ``prefill_status``: the outcome of its
+    pre-inference on this worker, if any."""
+    if path in (RankPath.RELAY, RankPath.RELAY_WAITED, RankPath.RELAY_EXTENDED):
+        return None
+    if path is RankPath.BASELINE or mode != "relay":
+        return "baseline"
+    if path is RankPath.TIMEOUT:
+        return "deadline_passed"  # the rank request reached the worker after its deadline
+    if path is RankPath.COLD_START:
+        return TriggerReason.NO_HISTORY.value
+    if not r.prefill_expected:
+        return (r.trigger or TriggerReason.NOT_AT_RISK).value
+    if relay_blocker is not None:
+        return relay_blocker
+    if prefill_status is not None and prefill_status not in _PREFIX_READY:
+        return "prefill_" + prefill_status.replace(":", "_")
+    return "prefix_evicted"  # pre-inferred (or cached earlier), gone by the ranking
+
+
+# Pre-inference outcomes that leave a prefix in the store.
+_PREFIX_READY = frozenset({"computed", "extended", "device", "host", "disk", "merged"})
 
 
 def worth_waiting(history_len: int, cached_len: int, short_term: int) -> bool:

@@ -193,6 +193,27 @@ async def test_expedite_prefill_moves_a_pre_inference_ahead_of_queued_rankings(m
     e.scheduler.close()
 
 
+async def test_abandoned_prefill_stops_between_chunks_and_frees_its_lease(model) -> None:
+    # A ranking went ahead without this pre-inference: its remaining chunks are not run.
+    e = engine(model, prefill_chunk=16)
+    h = history(600, seed=4)
+    blocker = threading.Event()
+    gate = e.scheduler.submit(blocker.wait, priority=Priority.RANK)  # holds the device
+    pre = asyncio.create_task(e.prefill("u", h))
+    while not e.store.in_flight("u"):
+        await asyncio.sleep(0)
+    e.abandon_prefill("u")
+    blocker.set()
+    await gate
+    out = await pre
+    assert out.status == "abandoned"
+    assert not is_leased(e.store, "u") and not e.store.in_flight("u")
+    assert e.store.cached_length("u", h) == 0
+    again = await e.prefill("u", h)  # a later signal computes it afresh
+    assert again.status == "computed" and again.prefix_len == 600
+    e.scheduler.close()
+
+
 def test_a_rank_request_waits_only_for_a_prefix_worth_waiting_for() -> None:
     from relaygr.streams.ranking_worker import worth_waiting
 

@@ -179,7 +179,7 @@ async def test_librdkafka_default_partitioner(deployment, movielens) -> None:
     _relay_on_its_own_worker(settings, results)
     # CRC32 put some users elsewhere than the cascade's partitioner would: counted, and harmless.
     misrouted = pipe.scrape("ingress-behaviors")
-    assert misrouted.get(f'relaygr_ingress_misrouted_total{{topic="{reg.name("behaviors")}"}}', 0) > 0
+    assert misrouted.value("relaygr_ingress_misrouted_total", topic=reg.name("behaviors")) > 0
 
 
 async def test_random_partitions(deployment, movielens) -> None:
@@ -205,4 +205,4 @@ async def test_request_right_after_its_behaviours_sees_them_all(deployment, movi
     sent = _request_all(prod, reg, histories, part)
     await _ranked_with_whole_histories(settings, reg, histories, sent)
     metrics = {name: pipe.scrape(name) for name in ("ranker-0", "ranker-1")}
-    assert all(m.get("relaygr_rank_history_incomplete_total", 0) == 0 for m in metrics.values())
+    assert all(m.value("relaygr_rank_history_incomplete_total") == 0 for m in metrics.values())

@@ -43,7 +43,7 @@ from relaygr.streams.state_lineage import (
     judge,
 )
 from relaygr.tools.traffic import collect_results, history_of, leave_last_out, publish
-from relaygr.tools.up import Pipeline
+from relaygr.tools.up import Pipeline, Scrape
 from relaygr.workers.movielens import load_movielens
 from relaygr.workers.prefix_kv import Events, PrefixKV, history_fingerprint
 from relaygr.workers.prefix_store import PrefixStore, PrefixStoreConfig
@@ -542,9 +542,6 @@ async def _until_discarded(pipe, stages, reason: str, timeout_s: float = 180.0) 
     assert not waiting, f"{sorted(waiting)} did not notice ({reason}) in {timeout_s:.0f} s"
 
 
-def _discard_counts(metrics: dict[str, float]) -> Counter[str]:
-    out: Counter[str] = Counter()
-    for key, value in metrics.items():
-        if key.startswith("relaygr_state_discarded_total{"):
-            out[key.split('reason="')[1].split('"')[0]] += int(value)
-    return out
+def _discard_counts(metrics: Scrape) -> Counter[str]:
+    by_reason = metrics.by_label("relaygr_state_discarded_total", "reason")
+    return Counter({reason: int(n) for reason, n in by_reason.items()})

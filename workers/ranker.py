@@ -6,6 +6,9 @@ Primitives:
   signal — lease, then promote, extend or compute the first ``n`` events' prefix (chunked on the
   device scheduler, so a ranking job waits for at most one chunk); a cached prefix that already
   covers them is a hit. Returns a ``PrefillOutcome``.
+- ``RankingEngine.abandon_prefill(user_id)``: the ranking that needed this pre-inference was
+  served without it: its chunks not yet run are dropped (outcome ``abandoned``), so that a late
+  pre-inference does not delay the ones that can still be on time.
 - ``RankingEngine.rank(user_id, history, candidates, request_ts, deadline)``: a ``RankOutcome``.
   Relay path when a valid cached prefix exists; wait for an in-flight prefix only while that
   still meets the deadline — and lend it the request's priority and deadline meanwhile, so that
@@ -26,7 +29,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -75,6 +78,10 @@ class _BurstItem:
     batch: int = 1
 
 
+class PrefillAbandoned(Exception):
+    """A pre-inference stopped between two chunks: the ranking that needed it went ahead."""
+
+
 class RankingEngine:
     def __init__(
         self,
@@ -97,6 +104,8 @@ class RankingEngine:
         # Users whose in-flight pre-inference a waiting ranking job has promoted: (priority, deadline).
         self._urgent: dict[str, tuple[Priority, float]] = {}
         self._waiters: dict[str, int] = {}  # rankings waiting for a user's pre-inference
+        # Users whose pre-inference is no longer wanted: its next chunk stops it (device thread reads).
+        self._abandoned: set[str] = set()
         # Background tasks storing the prefixes that rankings grew (``retain_suffix``).
         self._keeping: set[asyncio.Task] = set()
         self.batched_rankings = 0  # rankings that shared their device job with others of a burst
@@ -128,9 +137,12 @@ class RankingEngine:
         lease = self.store.lease(user_id, ttl_s or self.config.lease_ttl_s, n * self.bytes_per_token)
         if not lease:
             return PrefillOutcome(f"refused:{lease.reason}", n)
+        self._abandoned.discard(user_id)
 
         async def compute(best: PrefixKV | None) -> PrefixKV:
-            steps = self.model.prefill_steps(history.slice(0, n), self._chunk_size(), prefix=best)
+            steps = self._unless_abandoned(
+                user_id, self.model.prefill_steps(history.slice(0, n), self._chunk_size(), prefix=best)
+            )
             # A request may already wait for this prefix (its lookup found it in flight).
             prio, deadline = self._urgent.get(user_id, (Priority.PREFILL, math.inf))
             out = await self.scheduler.submit_steps(
@@ -142,9 +154,30 @@ class RankingEngine:
 
         try:
             got, source = await self.store.get_or_compute(user_id, history, compute, at_least=n)
+        except PrefillAbandoned:
+            self.store.release(user_id)
+            return PrefillOutcome("abandoned", n, (time.perf_counter() - t0) * 1000)
         finally:
             self._urgent.pop(user_id, None)
+            self._abandoned.discard(user_id)
         return PrefillOutcome(source, got.length, (time.perf_counter() - t0) * 1000)
+
+    def _unless_abandoned(self, user_id: str, steps: Iterator[PrefixKV | None]) -> Iterator[PrefixKV | None]:
+        """``steps``, checked before each chunk: ``abandon_prefill`` stops them there."""
+        while True:
+            if user_id in self._abandoned:
+                raise PrefillAbandoned(user_id)
+            try:
+                out = next(steps)
+            except StopIteration:
+                return
+            yield out
+
+    def abandon_prefill(self, user_id: str) -> None:
+        """``user_id``'s ranking went ahead without its pre-inference: drop the chunks not run yet
+        (a prefix of a later request is ordered by that request's own signal)."""
+        if self.store is not None and self.store.in_flight(user_id):
+            self._abandoned.add(user_id)
 
     def _chunk_size(self) -> int | Callable[[int], int]:
         """Tokens per device chunk: sliced by time (``slice_ms``) with the latency model, so that

@@ -23,8 +23,9 @@ from relaygr.tools.barriers import wait_sentinels_applied
 from relaygr.tools.experiment.protocol import EXPERIMENT_SHORT_TERM, PointRun
 from relaygr.tools.experiment.report import say
 from relaygr.tools.replay import Replayer, plan_replay
-from relaygr.tools.report.figures import percentile, ranking_ms, summarize
+from relaygr.tools.report.figures import percentile, ranking_ms
 from relaygr.tools.report.inputs import prefill_statuses
+from relaygr.tools.report.summary import RunSummary
 from relaygr.tools.trace import TraceTopics, build_trace, eligible_interactions, load_trace, publish_trace
 from relaygr.tools.traffic import collect_results
 
@@ -50,14 +51,11 @@ class Deployment:
         self.pipe.start()
 
     def trigger_counts(self) -> dict[str, int]:
-        out = {}
         try:
-            for k, v in self.pipe.scrape("retrieval").items():
-                if k.startswith("relaygr_trigger_decisions_total{"):
-                    out[k.split('reason="')[1].split('"')[0]] = int(v)
+            decisions = self.pipe.scrape("retrieval").by_label("relaygr_trigger_decisions_total", "reason")
         except OSError:
-            pass
-        return out
+            return {}
+        return {reason: int(n) for reason, n in decisions.items()}
 
     async def wait_idle(self, timeout_s: float = 120.0) -> None:
         """Until every ranking worker has nothing in flight (pre-inference included), twice in a row."""
@@ -68,7 +66,7 @@ class Deployment:
             for name in self.pipe.procs:
                 if name.startswith("ranker-"):
                     try:
-                        busy += self.pipe.scrape(name).get("relaygr_rank_inflight", 0.0)
+                        busy += self.pipe.scrape(name).value("relaygr_rank_inflight")
                     except OSError:
                         busy += 1
             quiet = quiet + 1 if busy == 0 else 0
@@ -119,7 +117,7 @@ async def run_point(
     trig = {k: after.get(k, 0) - before.get(k, 0) for k in after}
     results = sorted(res.values(), key=lambda r: r.ts)
     statuses = prefill_statuses(Path(s.home) / "workers", ids)
-    summary = summarize(
+    summary = RunSummary.of(
         results,
         slo_ms=slo_ms,
         expected=len(sent),
@@ -127,8 +125,8 @@ async def run_point(
         admitted=trig.get("admitted", 0) if trig else len(statuses),
         prefill_statuses=statuses,
         allow_truncated=allow_truncated,
+        decisions=trig,
     )
-    summary["trigger"]["decisions"] = trig
     out_dir.mkdir(parents=True, exist_ok=True)
     with open(out_dir / f"{dep.mode}-{x:g}.jsonl", "w") as f:
         for r in results:

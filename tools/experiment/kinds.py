@@ -111,10 +111,7 @@ class SeqLen(ExperimentKind):
                 logx=True,
             ),
             plot_lines(
-                {
-                    m: [(p.x, p.summary["history"]["mean_used_len"]) for p in points if p.mode == m]
-                    for m in MODES
-                },
+                {m: [(p.x, p.summary.history.mean_used_len) for p in points if p.mode == m] for m in MODES},
                 out / "served_len_vs_seq_len.png",
                 xlabel="history length (events)",
                 ylabel="events used (mean)",
@@ -128,9 +125,9 @@ class SeqLen(ExperimentKind):
             return None
         return {
             p.mode: {
-                **p.summary["quality"],
-                "mean_used_len": p.summary["history"]["mean_used_len"],
-                "mean_history_len": p.summary["history"]["mean_history_len"],
+                **p.summary.quality.model_dump(by_alias=True),
+                "mean_used_len": p.summary.history.mean_used_len,
+                "mean_history_len": p.summary.history.mean_history_len,
             }
             for p in points
             if p.x == relay_best
@@ -181,10 +178,7 @@ class Throughput(ExperimentKind):
                 logx=False,
             ),
             plot_lines(
-                {
-                    m: [(p.x, p.summary["slo"]["slo_throughput_qps"]) for p in points if p.mode == m]
-                    for m in MODES
-                },
+                {m: [(p.x, p.summary.slo.slo_throughput_qps) for p in points if p.mode == m] for m in MODES},
                 out / "slo_throughput_vs_qps.png",
                 xlabel="offered QPS",
                 ylabel="SLO-compliant req/s",
@@ -203,7 +197,7 @@ class Throughput(ExperimentKind):
         extra: dict = {"history": args.history if args is not None else None}
         for mode, bx in (("relay", relay_best), ("baseline", baseline_best)):
             at = [p for p in points if p.mode == mode and p.x == bx]
-            extra[f"{mode}_slo_throughput_qps"] = at[0].summary["slo"]["slo_throughput_qps"] if at else None
+            extra[f"{mode}_slo_throughput_qps"] = at[0].summary.slo.slo_throughput_qps if at else None
         return extra
 
 

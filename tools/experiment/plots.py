@@ -20,7 +20,7 @@ def plot_sweep(
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for mode, color in zip(MODES, ("tab:blue", "tab:orange"), strict=True):
         pts = sorted(
-            (p.x, p.summary["latency_ms"].get("ranking", {}).get("p99", math.nan), p.holds)
+            (p.x, p.summary.ranking.p99 if p.summary.ranking else math.nan, p.holds)
             for p in points
             if p.mode == mode
         )

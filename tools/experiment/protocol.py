@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel
 
 from relaygr.tools.report.markdown import table
+from relaygr.tools.report.summary import RunSummary
 
 MODES = ("relay", "baseline")
 EXPERIMENT_SHORT_TERM = 64
@@ -101,14 +102,16 @@ def _arch(cfg: dict) -> str:
 class PointRun:
     x: float
     mode: str
-    summary: dict
+    summary: RunSummary
     trigger: dict[str, int]
     requests: int
     ranking: list[float] = field(repr=False, default_factory=list)
+    # 1 for the first of the first point's two runs (reported, never counted), else 2.
+    attempt: int = 2
 
     @property
     def holds(self) -> bool:
-        return bool(self.summary["slo"]["holds_slo"])
+        return self.summary.slo.holds_slo
 
 
 def plain_number(x: float) -> float | int:

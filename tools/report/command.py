@@ -37,10 +37,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from relaygr.schemas import RankedResult
-from relaygr.tools.report.figures import headline, json_safe, summarize
-from relaygr.tools.report.inputs import prefill_statuses, read_admitted, read_labels, read_results
+from relaygr.tools.report.figures import headline, json_safe
+from relaygr.tools.report.inputs import prefill_statuses, read_admitted_ids, read_labels, read_results
 from relaygr.tools.report.markdown import summary_markdown
 from relaygr.tools.report.plots import run_plots
+from relaygr.tools.report.summary import RunSummary
 
 
 def write_run_report(
@@ -120,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
             if not args.no_prefill_topic:
                 try:
                     mine = {k for k in res if k.startswith(args.user_prefix)}
-                    admitted = await read_admitted(settings, reg.name("prefill"), mine)
+                    admitted = await read_admitted_ids(settings, reg.name("prefill"), mine)
                 except LookupError:
                     admitted = None
             return res, labels, admitted
@@ -137,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     ids = {r.request_id for r in results}
     statuses = prefill_statuses(args.worker_events, ids) if args.worker_events else None
-    summary = summarize(
+    summary = RunSummary.of(
         results,
         slo_ms=slo_ms,
         labels=labels,
@@ -146,8 +147,9 @@ def run(args: argparse.Namespace) -> int:
         allow_truncated=args.allow_truncated,
     )
     inputs = {"results": topic, "trace": args.trace_topic, "slo_ms": slo_ms, "results_read": len(results)}
-    write_run_report(args.out, results, summary, slo_ms=slo_ms, inputs=inputs)
+    doc = summary.to_dict()
+    write_run_report(args.out, results, doc, slo_ms=slo_ms, inputs=inputs)
     print(f"report written to {args.out / 'report.md'} ({len(results)} results)", file=sys.stderr)
     if args.json:
-        print(json.dumps({"report": str(args.out), **headline(summary)}))
+        print(json.dumps({"report": str(args.out), **headline(doc)}))
     return 0

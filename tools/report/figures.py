@@ -19,7 +19,7 @@ Definitions (the figure computations are pure functions of a list of ``RankedRes
   candidates is a miss).
 
 Primitives: ``percentile``, ``latency_summary``, ``stage_latencies``, ``meets_slo``,
-``slo_figures``, ``path_mix``, ``admission``, ``hit_rates``, ``quality``, ``history_figures``,
+``slo_figures``, ``path_mix``, ``path_reasons``, ``admission``, ``hit_rates``, ``quality``, ``history_figures``,
 ``summarize`` (all of them for one run), ``headline`` (its main figures, JSON-safe), ``windows``
 and ``by_history_len`` (what the plots bin), ``json_safe``.
 """
@@ -138,6 +138,16 @@ def path_mix(results: Sequence[RankedResult]) -> dict[str, dict[str, float]]:
     return {p: {"count": k, "share": k / n} for p, k in sorted(c.items())}
 
 
+RELAY_PATHS = ("relay", "relay_waited", "relay_extended")
+
+
+def path_reasons(results: Sequence[RankedResult]) -> dict[str, int]:
+    """Why results did not take a relay path (``RankedResult.path_reason``; ``unknown`` for a
+    result that gives none)."""
+    c = Counter(r.path_reason or "unknown" for r in results if r.path.value not in RELAY_PATHS)
+    return dict(sorted(c.items()))
+
+
 def admission(requests: int, admitted: int | None) -> dict[str, float | int | None]:
     if admitted is None:
         return {"admitted": None, "admission_rate": None}
@@ -218,6 +228,7 @@ def summarize(
         "trigger": admission(int(slo["requests"]), admitted),
         "hit_rates": hit_rates(results, prefill_statuses),
         "paths": path_mix(results),
+        "path_reasons": path_reasons(results),
         "quality": quality(results, labels),
         "history": history_figures(results),
     }
@@ -260,6 +271,7 @@ def headline(summary: dict) -> dict:
             "hr@10": summary["quality"]["hr@10"],
             "ndcg@10": summary["quality"]["ndcg@10"],
             "paths": {k: v["count"] for k, v in summary["paths"].items()},
+            "path_reasons": summary.get("path_reasons", {}),
         }
     )  # type: ignore[return-value]
 

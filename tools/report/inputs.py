@@ -2,7 +2,7 @@
 ranking workers' event logs.
 
 Primitives: ``read_results`` (the last result per request id), ``read_labels``,
-``read_admitted``, ``prefill_statuses``.
+``read_admitted``, ``read_admitted_ids``, ``prefill_statuses``.
 """
 
 from __future__ import annotations
@@ -31,11 +31,16 @@ async def read_labels(settings, trace_topic: str, user_prefix: str = "") -> dict
     }
 
 
-async def read_admitted(settings, topic: str, request_ids: set[str]) -> int:
+async def read_admitted_ids(settings, topic: str, request_ids: set[str], progress: bool = True) -> set[str]:
+    """The request ids among ``request_ids`` that the trigger admitted (a prefill signal exists)."""
     from relaygr.schemas import PrefillSignal
 
-    got = await read_topic(settings, topic, PrefillSignal, progress=True)
-    return len({r.value.request_id for r in got.records} & request_ids)
+    got = await read_topic(settings, topic, PrefillSignal, progress=progress)
+    return {r.value.request_id for r in got.records} & request_ids
+
+
+async def read_admitted(settings, topic: str, request_ids: set[str]) -> int:
+    return len(await read_admitted_ids(settings, topic, request_ids))
 
 
 def prefill_statuses(workers_dir: Path, request_ids: set[str] | None = None) -> list[str]:

@@ -94,6 +94,14 @@ def summary_markdown(s: dict, *, title: str = "Run") -> str:
         ),
         table(["path", "count", "share"], [[p, v["count"], v["share"]] for p, v in s["paths"].items()], 3),
     ]
+    trig = s["trigger"]
+    if trig.get("relay_of_admitted") is not None:
+        parts.append(
+            f"Admitted by the trigger: {trig['admitted']}; of them on a relay path: "
+            f"{trig['relay_of_admitted']} ({fmt(100 * (trig.get('relay_share_of_admitted') or 0.0))} %)."
+        )
+    if s.get("path_reasons"):
+        parts.append(table(["not relay because", "count"], list(s["path_reasons"].items())))
     for src, rates in s["hit_rates"].items():
         parts.append(
             table([f"{src} tier/outcome", "share"], [[k, v] for k, v in rates.items() if k != "n"], 3)
