@@ -194,8 +194,9 @@ async def test_expedite_prefill_moves_a_pre_inference_ahead_of_queued_rankings(m
 
 
 async def test_abandoned_prefill_stops_between_chunks_and_frees_its_lease(model) -> None:
-    # A ranking went ahead without this pre-inference: its remaining chunks are not run.
-    e = engine(model, prefill_chunk=16)
+    # A ranking went ahead without this pre-inference while pre-inference is backed up (here: any
+    # backlog at all): its remaining chunks are not run.
+    e = engine(model, prefill_chunk=16, abandon_backlog=0)
     h = history(600, seed=4)
     blocker = threading.Event()
     gate = e.scheduler.submit(blocker.wait, priority=Priority.RANK)  # holds the device
@@ -211,6 +212,22 @@ async def test_abandoned_prefill_stops_between_chunks_and_frees_its_lease(model)
     assert e.store.cached_length("u", h) == 0
     again = await e.prefill("u", h)  # a later signal computes it afresh
     assert again.status == "computed" and again.prefix_len == 600
+    e.scheduler.close()
+
+
+async def test_without_a_backlog_a_late_prefill_finishes_for_the_next_request(model) -> None:
+    e = engine(model, prefill_chunk=16, abandon_backlog=2)
+    h = history(600, seed=4)
+    blocker = threading.Event()
+    gate = e.scheduler.submit(blocker.wait, priority=Priority.RANK, deadline=0.0)
+    pre = asyncio.create_task(e.prefill("u", h))
+    while not e.store.in_flight("u"):
+        await asyncio.sleep(0)
+    e.abandon_prefill("u")  # one pre-inference queued: not a backlog
+    blocker.set()
+    await gate
+    out = await pre
+    assert out.status == "computed" and e.store.cached_length("u", h) == 600
     e.scheduler.close()
 
 

@@ -49,6 +49,15 @@ class EngineConfig(BaseModel):
             "computed once. 1 = never."
         ),
     )
+    abandon_backlog: int = Field(
+        default=2,
+        ge=0,
+        description=(
+            "A pre-inference whose ranking went ahead without it is dropped only while more than "
+            "this many pre-inference jobs are queued (a backlog that would make the next ones late "
+            "too); otherwise it finishes and serves the user's next requests."
+        ),
+    )
     slice_ms: float = Field(
         default=5.0,
         ge=0,

@@ -175,7 +175,12 @@ class RankingEngine:
 
     def abandon_prefill(self, user_id: str) -> None:
         """``user_id``'s ranking went ahead without its pre-inference: drop the chunks not run yet
-        (a prefix of a later request is ordered by that request's own signal)."""
+        (a prefix of a later request is ordered by that request's own signal) when pre-inference
+        is backed up (more than ``abandon_backlog`` queued): late ones would make the next ones
+        late too. Otherwise it finishes at pre-inference priority: the user's next requests (a
+        heavy user's capped prefix) find it cached."""
+        if self.scheduler.queue_depth(Priority.PREFILL) <= self.config.abandon_backlog:
+            return
         if self.store is not None and self.store.in_flight(user_id):
             self._abandoned.add(user_id)
 
