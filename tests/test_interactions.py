@@ -155,3 +155,19 @@ def test_retrieval_answers_with_catalogue_ids_only() -> None:
     warm = gen.candidates([1014, 999_999], 10)
     assert set(warm) <= catalogue and len(warm) == 10
     assert set(gen.candidates([999_999], 5)) <= catalogue  # only unknown ids: the cold answer
+
+
+def test_a_log_with_integer_ids_becomes_a_trace_and_one_with_strings_is_refused(tmp_path) -> None:
+    from relaygr.tools.trace import build_trace, log_as_dataset
+
+    rows = [{**r, "sku": 70_000 + int(r["sku"][4:])} for r in tiny_log_rows(users=4, events=5)]
+    cols = Columns(user="uid", item="sku", timestamp="when", action="kind")
+    log = build_log(read_interactions(write_csv(tmp_path / "ints.csv", rows), cols).rows)
+    trace = build_trace(log_as_dataset(log, "shop"), min_prior=1)
+    assert len(trace.requests) == 4 * 4 and trace.meta["users"] == 4
+    catalogue = {r["sku"] for r in rows}
+    assert {r.label_item_id for r in trace.requests} <= catalogue
+    assert {b.item_id for b in trace.behaviours} <= catalogue
+    strings = build_log(read_interactions(write_csv(tmp_path / "s.csv", tiny_log_rows(3, 3)), cols).rows)
+    with pytest.raises(ValueError, match="item ids are strings"):
+        log_as_dataset(strings, "s")
