@@ -110,10 +110,12 @@ def test_bad_rows_are_counted_with_examples_or_refused_by_row(tmp_path) -> None:
         f.write("user-1,sku-001,last tuesday,2\n")  # data row 13
         f.write(",sku-002,1600000000,1\n")  # data row 14: no user
         f.write("user-2,,1600000000,1\n")  # data row 15: no item
+        f.write("user-2,sku-001,1600000000,1,extra\n")  # data row 16: one field too many
     cols = Columns(user="uid", item="sku", timestamp="when", action="kind")
     read = read_interactions(path, cols)
-    assert read.total == 15 and len(read.rows) == 12 and read.bad_count == 3
-    assert [b.row for b in read.bad] == [13, 14, 15]
+    assert read.total == 16 and len(read.rows) == 12 and read.bad_count == 4
+    assert [b.row for b in read.bad] == [13, 14, 15, 16]
+    assert "5 fields" in read.bad[3].reason
     assert "last tuesday" in read.bad[0].reason and "uid" in read.bad[1].reason
     with pytest.raises(MalformedLog, match="row 13: timestamp 'last tuesday'"):
         read_interactions(path, cols, strict=True)

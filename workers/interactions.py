@@ -22,6 +22,7 @@ import math
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
@@ -106,7 +107,8 @@ def _fmt_of(path: Path, fmt: str | None) -> str:
     raise MalformedLog(f"{path}: cannot tell the format from the name; pass --format ({', '.join(FORMATS)})")
 
 
-def _read_table(path: Path, fmt: str):
+def _read_table(path: Path, fmt: str, ragged: list[BadRow]):
+    """The file as an Arrow table; CSV rows with the wrong number of fields go to ``ragged``."""
     import pyarrow as pa
     import pyarrow.csv as pcsv
     import pyarrow.json as pjson
@@ -118,12 +120,23 @@ def _read_table(path: Path, fmt: str):
         if fmt == "jsonl":
             return pjson.read_json(path)
         delimiter = "\t" if path.suffix.lower() in (".tsv", ".inter") else ","
-        # Every column as text: numbers are parsed row by row, so a bad value names its row.
+
+        def skip_ragged(row) -> str:
+            where = row.number - 1 if row.number is not None else 0  # a line number; the header is line 1
+            ragged.append(
+                BadRow(
+                    where,
+                    f"{row.actual_columns} fields, the header has {row.expected_columns}",
+                    {"text": row.text},
+                )
+            )
+            return "skip"
+
         table = pcsv.read_csv(
             path,
-            parse_options=pcsv.ParseOptions(delimiter=delimiter),
+            parse_options=pcsv.ParseOptions(delimiter=delimiter, invalid_row_handler=skip_ragged),
             convert_options=pcsv.ConvertOptions(strings_can_be_null=True, auto_dict_encode=False),
-            read_options=pcsv.ReadOptions(),
+            read_options=pcsv.ReadOptions(use_threads=False),  # ragged rows then know their line
         )
         # RecBole's atomic files annotate headers with types (``user_id:token``).
         return table.rename_columns([c.split(":")[0] for c in table.column_names])
@@ -134,8 +147,8 @@ def _read_table(path: Path, fmt: str):
 def _number(value: object) -> float | None:
     if value is None or isinstance(value, bool):
         return None
-    if hasattr(value, "timestamp"):  # a datetime column (Parquet, JSON)
-        return float(value.timestamp())
+    if isinstance(value, datetime):  # a timestamp column; without a zone it is UTC
+        return float((value if value.tzinfo else value.replace(tzinfo=UTC)).timestamp())
     try:
         x = float(value)  # type: ignore[arg-type]
     except (TypeError, ValueError):
@@ -166,7 +179,8 @@ def read_interactions(
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(path)
-    table = _read_table(path, _fmt_of(path, fmt))
+    ragged: list[BadRow] = []
+    table = _read_table(path, _fmt_of(path, fmt), ragged)
     wanted = {"user": columns.user, "item": columns.item, "timestamp": columns.timestamp}
     missing = [f"{what} column {name!r}" for what, name in wanted.items() if name not in table.column_names]
     if columns.action and columns.action in table.column_names:
@@ -175,14 +189,24 @@ def read_interactions(
         missing.append(f"action column {columns.action!r}")
     if missing:
         raise MalformedLog(f"{path}: no {', '.join(missing)}; columns are {table.column_names}")
-    out = ReadResult(rows=[], total=table.num_rows)
+    out = ReadResult(
+        rows=[], bad=ragged[:KEEP_BAD_EXAMPLES], bad_count=len(ragged), total=table.num_rows + len(ragged)
+    )
     cols = {k: table.column(v) for k, v in wanted.items()}
     done = 0
+    # Data row numbers count the ragged rows the reader skipped, so each names its line - 1.
+    skipped = sorted(b.row for b in ragged)
+    shift = 0
     for batch_start in range(0, table.num_rows, 65536):
         n = min(65536, table.num_rows - batch_start)
         values = {k: c.slice(batch_start, n).to_pylist() for k, c in cols.items()}
         for i in range(n):
-            row_no = batch_start + i + 1
+            row_no = batch_start + i + 1 + shift
+            while shift < len(skipped) and skipped[shift] <= row_no:
+                if strict:
+                    raise MalformedLog(f"{path}: {ragged[shift]}")
+                shift += 1
+                row_no += 1
             user, item, ts_raw = values["user"][i], values["item"][i], values["timestamp"][i]
             act_raw = values["action"][i] if "action" in values else 1
             reason = None
@@ -214,6 +238,9 @@ def read_interactions(
         done += n
         if progress is not None:
             progress(done, table.num_rows)
+    if strict and shift < len(ragged):  # after the last readable row
+        raise MalformedLog(f"{path}: {ragged[shift]}")
+    out.bad.sort(key=lambda b: b.row)
     if not out.rows:
         examples = "; ".join(str(b) for b in out.bad[:3])
         raise MalformedLog(
