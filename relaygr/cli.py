@@ -29,7 +29,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "relaygr.calibrate",
         "measure full-ranking latency here and write the trigger's latency model",
     ),
-    "train": ("relaygr.workers.train", "train the HSTU ranker on MovieLens and write a checkpoint"),
+    "train": (
+        "relaygr.tools.train_source",
+        "train the HSTU ranker on MovieLens, an interaction log file or the behaviors topic",
+    ),
     "trace": ("relaygr.tools.trace", "build a request trace of a dataset and publish it to a trace topic"),
     "replay": (
         "relaygr.tools.replay",

@@ -265,6 +265,14 @@ class RankedResult(Event):
         "prefill_<status>, prefix_evicted, prefix_invalidated, deadline_passed); baseline in the "
         "baseline mode",
     )
+    unknown_candidates: Count = Field(
+        default=0,
+        description="candidates whose item id the model's vocabulary lacks: ranked as its "
+        "out-of-vocabulary token (the result still names them by the id received)",
+    )
+    unknown_history: Count = Field(
+        default=0, description="events of the ranked history whose item id the model's vocabulary lacks"
+    )
     label_item_id: ItemId | None = None
 
 

@@ -104,6 +104,11 @@ CAPPED = PCounter(
     "Requests whose user's history is longer than the model's max_seq_len (only its tail served)",
 )
 DUPLICATES = PCounter("relaygr_history_duplicates_total", "Routed behaviours applied once already, dropped")
+UNKNOWN_ITEMS = PCounter(
+    "relaygr_rank_unknown_items_total",
+    "Item ids outside the model's vocabulary, ranked as its out-of-vocabulary token",
+    ["where"],
+)
 
 
 class OffsetTracker:
@@ -352,14 +357,17 @@ class RankingWorker:
                 if i < len(msgs) - 1:
                     await asyncio.sleep(0)
 
-    def _served_history(self, user_id: str, before_ts: float) -> tuple[Events, int, bool]:
+    def _served_history(self, user_id: str, before_ts: float) -> tuple[Events, int, bool, int]:
         """The user's events before ``before_ts`` that a ranking reads (at most max_seq_len, the
-        most recent, in a window moving by whole steps), how many there are in all, and whether
-        the window left some out."""
+        most recent, in a window moving by whole steps) in model item ids, how many there are in
+        all, whether the window left some out, and how many of its items the vocabulary lacks."""
         full = self.history.get(user_id, before_ts)
         first = self.history.first(user_id)
         hist, capped = served(full, first, self.max_seq_len, self.window_step)
-        return hist, first + len(full), capped
+        # The table keeps raw ids; the mapping is a pure function of them, so a cached prefix of
+        # the mapped history stays the prefix of the next one.
+        items, unknown = self.model.vocab.to_model_tensor(hist.item_ids)
+        return Events(items, hist.action_ids, hist.timestamps), first + len(full), capped, unknown
 
     async def _await_history(self, partition: int, needed: dict[str, int] | None, until: float) -> bool:
         """Wait until ``partition``'s history covers the behaviours ``needed`` (public partition
@@ -410,7 +418,7 @@ class RankingWorker:
         done = self.signals_seen[s.request_id] = asyncio.Event()
         while len(self.signals_seen) > 100_000:
             self.signals_seen.popitem(last=False)
-        hist, _, _ = self._served_history(s.user_id, s.model_ts)
+        hist, _, _, _ = self._served_history(s.user_id, s.model_ts)
         # Retrieval counted the history from its own table; keep the short-term suffix out of the
         # prefix by this worker's count too (it may have ingested fewer events so far).
         n = min(s.prefix_len, len(hist) - min(self.p.short_term, len(hist)))
@@ -476,19 +484,25 @@ class RankingWorker:
         t_in = time.time()
         # Wait for the behaviours produced before the request while full ranking of what is
         # there would still meet the deadline, and at most max_task_idle_ms.
-        hist, total, capped = self._served_history(r.user_id, r.model_ts)
+        hist, total, capped, unknown_history = self._served_history(r.user_id, r.model_ts)
         room_s = r.deadline_ts - t_in - self.engine.latency.predict_ms(len(hist)) / 1000
         until = time.monotonic() + max(0.0, min(room_s, self.p.max_task_idle_ms / 1000))
         t_hist = time.time()
         complete = await self._await_history(tp.partition, r.behaviors_needed, until)
         history_wait = (time.time() - t_hist) * 1000
         if history_wait > 0.05:  # behaviours were applied meanwhile
-            hist, total, capped = self._served_history(r.user_id, r.model_ts)
+            hist, total, capped, unknown_history = self._served_history(r.user_id, r.model_ts)
         if capped:
             CAPPED.inc()
         if not complete:
             INCOMPLETE.inc()
-        cands = torch.tensor(r.candidates, dtype=torch.int64)
+        # Candidates are scored in model ids; the result names them by the raw ids received.
+        raw_cands = torch.tensor(r.candidates, dtype=torch.int64)
+        cands, unknown_candidates = self.model.vocab.to_model_tensor(raw_cands)
+        if unknown_candidates:
+            UNKNOWN_ITEMS.labels("candidate").inc(unknown_candidates)
+        if unknown_history:
+            UNKNOWN_ITEMS.labels("history").inc(unknown_history)
         signal_wait = 0.0
         relay_blocker: str | None = None
         if r.prefill_expected and self.p.mode == "relay":
@@ -541,6 +555,8 @@ class RankingWorker:
             path_reason=path_reason(
                 r, path, self.p.mode, relay_blocker, self.prefill_status.get(r.request_id)
             ),
+            unknown_candidates=unknown_candidates,
+            unknown_history=unknown_history,
             label_item_id=r.label_item_id,
         )
         topic = self.reg.name("results")

@@ -17,7 +17,11 @@ Primitives:
 - ``publish_trace(settings, topics, trace)``: create the topics and write the trace.
 - ``load_trace(settings, topics, start=...)``: a trace back from its topics
   (``infra.topic_reader``).
-- CLI: ``relaygr trace build --dataset ml-100k [--topic NAME] [--min-prior N] [--synth-len L]``.
+- ``log_as_dataset(log, name)``: an interaction log (``workers.interactions``) in the form
+  ``build_trace`` reads, its items named by their raw ids again (the wire carries integers, so a
+  log with string item ids cannot become traffic).
+- CLI: ``relaygr trace build (--dataset ml-100k | --interactions PATH [column flags])
+  [--topic NAME] [--min-prior N] [--synth-len L]``.
 """
 
 from __future__ import annotations
@@ -27,14 +31,19 @@ import asyncio
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
 
 from relaygr.infra.publishing import progress_printer, send_in_order
 from relaygr.infra.settings import Settings
 from relaygr.infra.topic_reader import Start, merge_by_time, read_topic
 from relaygr.schemas import BehaviorEvent, RecommendationRequest
 from relaygr.schemas.topics import TopicSpec
-from relaygr.workers.movielens import DATASETS, MovieLens
+from relaygr.workers.interactions import InteractionLog
+from relaygr.workers.movielens import MovieLens
 from relaygr.workers.prefix_kv import Events
+from relaygr.workers.train import add_source_arguments, report_bad_rows
 
 
 @dataclass
@@ -77,6 +86,26 @@ def lengthen(past: Events, target_len: int) -> Events:
         ts[:n_syn] = floor + (ts[:n_syn] - lo) * scale
         out = Events(out.item_ids, out.action_ids, ts)
     return out
+
+
+def _user_order(user_id: str) -> tuple[int, int, str]:
+    """Numeric user ids in numeric order (MovieLens), then the others in text order."""
+    return (0, int(user_id), "") if user_id.isdigit() else (1, 0, user_id)
+
+
+def log_as_dataset(log: InteractionLog, name: str) -> MovieLens:
+    """``log`` with raw item ids, for ``build_trace``; ``ValueError`` if they are not integers."""
+    if not log.vocab.is_int:
+        raise ValueError(
+            f"{name}: item ids are strings; behaviour events carry integer item ids, so this log "
+            "can train a model but cannot be replayed as traffic"
+        )
+    histories = {}
+    for user, h in log.histories.items():
+        raw = torch.tensor(log.vocab.to_raw(h.item_ids.tolist()), dtype=torch.int64)
+        histories[user] = Events(raw, h.action_ids, h.timestamps)
+    largest = max(log.vocab.raw_ids(), default=0)
+    return MovieLens(name=name, num_items=int(largest), histories=histories)  # type: ignore[arg-type]
 
 
 def eligible_interactions(ml: MovieLens, min_prior: int = 0) -> list[tuple[float, int, int]]:
@@ -159,7 +188,7 @@ def build_trace(
     warm: list[RecommendationRequest] = []
     if warmup:
         warm = [request(u, k0 - 1) for u, k0 in first.items() if k0 >= 1]
-    reqs = sorted([*warm, *requests], key=lambda r: (r.event_ts, int(r.user_id), r.request_id))
+    reqs = sorted([*warm, *requests], key=lambda r: (r.event_ts, _user_order(r.user_id), r.request_id))
     meta = {
         "dataset": name,
         "min_prior": min_prior,
@@ -242,8 +271,10 @@ async def load_trace(settings: Settings, topics: TraceTopics, start: Start | Non
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("action", choices=["build"], help="build: the dataset as a request trace topic")
-    parser.add_argument("--dataset", default="ml-100k", choices=DATASETS)
+    parser.add_argument(
+        "action", choices=["build"], help="build: the dataset or interaction log as a request trace topic"
+    )
+    add_source_arguments(parser)
     parser.add_argument("--topic", help="trace topic (default <RELAYGR_TOPIC_PREFIX>.trace)")
     parser.add_argument(
         "--min-prior",
@@ -251,7 +282,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="only interactions with at least this many earlier ones become requests (default 0: all)",
     )
-    parser.add_argument("--users", type=int, help="only the first N users (by id)")
+    parser.add_argument("--users", type=int, help="only the first N users (by id; text order for a log)")
     parser.add_argument("--start", type=int, default=0, help="skip the first N requests (in time order)")
     parser.add_argument("--count", type=int, help="at most N requests")
     parser.add_argument(
@@ -272,12 +303,20 @@ def run(args: argparse.Namespace) -> int:
     from relaygr.infra.kafka import TopicError
     from relaygr.infra.settings import get_settings
     from relaygr.workers.movielens import load_movielens
+    from relaygr.workers.train import load_log
 
     try:
         settings, _ = ensure_broker(get_settings())
         t0 = time.monotonic()
+        if args.interactions is None:
+            source = args.dataset or "ml-100k"
+            dataset = load_movielens(source)
+        else:
+            log, source = load_log(args)
+            report_bad_rows(log)
+            dataset = log_as_dataset(log, Path(source).stem)
         trace = build_trace(
-            load_movielens(args.dataset),
+            dataset,
             min_prior=args.min_prior,
             start=args.start,
             count=args.count,
@@ -288,7 +327,7 @@ def run(args: argparse.Namespace) -> int:
         )
         topics = TraceTopics(args.topic or f"{settings.topic_prefix}.trace", settings.partitions)
         print(
-            f"== trace of {args.dataset}: {len(trace.requests)} requests, {len(trace.behaviours)} behaviours, "
+            f"== trace of {source}: {len(trace.requests)} requests, {len(trace.behaviours)} behaviours, "
             f"{trace.meta['users']} users -> {topics.requests.name} (+ {topics.behaviours.name})",
             file=sys.stderr,
             flush=True,

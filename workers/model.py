@@ -44,6 +44,7 @@ from torch import nn
 from relaygr.workers.devices import resolve_device, resolve_dtype
 from relaygr.workers.hstu_attention import wide_bias_table
 from relaygr.workers.inference import RelayInference
+from relaygr.workers.vocab import ItemVocab
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
@@ -55,8 +56,9 @@ class HSTUConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     num_items: int = Field(1682, ge=1)
-    """Largest raw item id. Ids 1..num_items have embeddings; 0 and any other id share the
-    padding/unknown embedding (row 0), so an unseen id never raises."""
+    """Items the model knows: model ids 1..num_items have embeddings; 0 and any other id share
+    the padding/out-of-vocabulary embedding (row 0), so an unseen id never raises. Raw item ids
+    become model ids through the checkpoint's ``ItemVocab`` (the identity without one)."""
     num_actions: int = Field(5, ge=1)
     """Behaviour types, ids 1..num_actions (MovieLens: the rating). 0 means none/unknown and
     num_actions + 1 is reserved for candidate tokens."""
@@ -160,6 +162,8 @@ class HSTURanker(RelayInference, nn.Module):
         nn.init.normal_(self.item_emb.weight, std=d**-0.5)
         nn.init.normal_(self.action_emb.weight, std=d**-0.5)
         self.to(device=resolve_device(config.device), dtype=resolve_dtype(config.dtype))
+        # Raw item ids <-> model ids: what serving maps incoming ids through.
+        self.vocab = ItemVocab.identity_of(config.num_items)
         self.model_version = ""
         self.refresh_version()
         self._init_inference()
@@ -183,14 +187,24 @@ class HSTURanker(RelayInference, nn.Module):
         the weights. Call after changing weights; ``load`` and training do."""
         h = hashlib.blake2b(digest_size=6)
         h.update(self.config.model_dump_json(exclude={"device"}).encode())
+        if not self.vocab.identity:  # the same weights under another catalogue are another model
+            h.update(json.dumps(self.vocab.raw_ids()).encode())
         for name, t in sorted(self.state_dict().items()):
             h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
             h.update(t.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
         self.model_version = h.hexdigest()
         return self.model_version
 
+    def set_vocab(self, vocab: ItemVocab) -> None:
+        """Attach the catalogue the model is trained on (its size must be ``num_items``)."""
+        if len(vocab) != self.config.num_items:
+            raise ValueError(f"vocabulary of {len(vocab)} items for a model of {self.config.num_items}")
+        self.vocab = vocab
+        self.refresh_version()
+
     def vocab_items(self, raw: torch.Tensor) -> torch.Tensor:
-        """Raw item ids -> embedding rows; ids outside 1..num_items map to 0 (unknown)."""
+        """Model item ids -> embedding rows; ids outside 1..num_items map to 0 (out of vocabulary).
+        Raw ids reach here through ``self.vocab`` first."""
         raw = raw.to(self.device, torch.int64)
         return torch.where((raw >= 1) & (raw <= self.config.num_items), raw, 0)
 
@@ -219,12 +233,13 @@ class HSTURanker(RelayInference, nn.Module):
     # ------------------------------------------------------------------------- checkpoints
     def save(self, directory: str | Path) -> Path:
         """Write ``model.safetensors`` (weights, with the model version in its metadata) and
-        ``config.json``. Raw item ids are the embedding rows, so there is no id mapping to save."""
+        ``config.json``, and ``vocab.json`` unless the vocabulary is the identity."""
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
         state = {k: t.detach().to("cpu").contiguous() for k, t in self.state_dict().items()}
         save_file(state, str(out / WEIGHTS_FILE), metadata={"model_version": self.model_version})
         (out / CONFIG_FILE).write_text(self.config.model_dump_json(indent=2) + "\n")
+        self.vocab.save(out)
         return out
 
     @classmethod
@@ -238,6 +253,7 @@ class HSTURanker(RelayInference, nn.Module):
         model = cls(config)
         state = load_file(str(src / WEIGHTS_FILE), device="cpu")
         model.load_state_dict({k: t.to(model.dtype) for k, t in state.items()})
+        model.vocab = ItemVocab.load(src, config.num_items)
         model.eval()
         model.refresh_version()
         return model

@@ -71,6 +71,7 @@ from relaygr.tools.report.figures import json_safe
 from relaygr.tools.report.markdown import fmt
 from relaygr.workers.latency_model import LatencyModel
 from relaygr.workers.movielens import MovieLens
+from relaygr.workers.train import add_source_arguments
 
 
 @dataclass
@@ -101,7 +102,9 @@ def prepare(args: argparse.Namespace, kind: ExperimentKind) -> Run:
     from relaygr.streams.config import PipelineSettings
     from relaygr.tools.experiment.deployment import calibrate_latency, window_start
     from relaygr.tools.prepare import ensure_model
+    from relaygr.tools.trace import log_as_dataset
     from relaygr.workers.movielens import load_movielens
+    from relaygr.workers.train import load_log, report_bad_rows
 
     settings, _ = ensure_broker(get_settings())
     model_dir = Path(args.model or PipelineSettings().model_dir)
@@ -113,7 +116,12 @@ def prepare(args: argparse.Namespace, kind: ExperimentKind) -> Run:
     say(f"{kind.name} experiment {run_id}: report in {out}")
     lat, samples = calibrate_latency(model_dir, args.threads, out / "calibration.json")
     say("latency model of full ranking: " + ", ".join(f"{n} tokens {ms:.1f} ms" for n, ms in samples))
-    ml = load_movielens("ml-100k")
+    if getattr(args, "interactions", None) is not None:
+        log, source = load_log(args)
+        report_bad_rows(log)
+        ml = log_as_dataset(log, Path(source).stem)
+    else:
+        ml = load_movielens("ml-100k")
     start = window_start(args, ml)
     return Run(kind, args, settings, model_dir, run_id, out, root, ml, start, lat, samples)
 
@@ -143,7 +151,7 @@ def fix_protocol(run: Run, xs: list[float], slo_ms: float, slo_how: str) -> Prot
         feature_fetch_ms=slo_ms / 2,
         theta=args.theta,
         short_term=EXPERIMENT_SHORT_TERM,
-        dataset="ml-100k",
+        dataset=run.ml.name,
         min_prior=args.min_prior,
         window_start=run.window_start,
         warmup=not args.no_warmup,
@@ -155,7 +163,7 @@ def fix_protocol(run: Run, xs: list[float], slo_ms: float, slo_how: str) -> Prot
         requests_per_point=text["requests_per_point"],
         history=text["history"],
         synthesis=(
-            "MovieLens-100K histories are shorter than these lengths: each user's real history "
+            f"{run.ml.name} histories are shorter than these lengths: each user's real history "
             "before the window is repeated with time shifts (each earlier copy moved back by the "
             "history's span plus one day; copies compressed in time where they would reach back "
             "before 1970-01-02) and cut to the most recent events"
@@ -300,6 +308,7 @@ def run_sweep(args: argparse.Namespace, kind: ExperimentKind) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("which", choices=sorted(KINDS), help="the experiment")
+    add_source_arguments(parser)
     parser.add_argument("--out", type=Path, help="report folder (default $RELAYGR_HOME/experiments/<run>)")
     parser.add_argument(
         "--model", type=Path, help="checkpoint (default RELAYGR_MODEL_DIR; trained if missing)"
