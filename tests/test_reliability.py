@@ -103,11 +103,16 @@ async def test_rebalance_join_and_leave_falls_back_cleanly(kafka_settings, tmp_p
     try:
         await pipe.wait_ready(timeout_s=240)
         await publish(s, reg, behaviours, [])
-        sending = asyncio.create_task(publish(s, reg, [], requests, qps=20, settle_s=0.0))
+        # Requests flow (20/s) through the whole membership change, however long a worker takes
+        # to start here: each phase ends on an event, not on a clock.
+        stop_sending = asyncio.Event()
+        sending = asyncio.create_task(_send_until(s, reg, requests, stop_sending))
         await _results_by(s, "ranker-0", at_least=5)
         pipe.start_worker(1)  # joins: half of the partitions move to it
-        await _results_by(s, "ranker-1", at_least=5)
+        await _results_by(s, "ranker-1", at_least=5, timeout_s=300)
         pipe.stop_worker(0)  # leaves cleanly: everything moves to worker 1
+        await asyncio.sleep(2.0)  # a few more requests after it left
+        stop_sending.set()
         sent = await sending
         results = await collect_results(s, reg, {r.request_id for r in sent}, timeout_s=180)
         pipe.check()
@@ -184,6 +189,18 @@ async def test_overload_sheds_prefill_truncates_and_times_out(
     # Every timeout result is counted (a request redelivered after a rebalance under this load is
     # answered, and counted, again; the results topic keeps one answer per request).
     assert m_rank.value("relaygr_rank_results_total", path="timeout") >= paths["timeout"]
+
+
+async def _send_until(s: Settings, reg, requests: list, stop: asyncio.Event) -> list:
+    """Publish ``requests`` at 20/s, round after round (fresh request ids), until ``stop``."""
+    sent: list = []
+    rounds = 0
+    while not stop.is_set():
+        batch = [r.model_copy(update={"request_id": f"{r.request_id}-r{rounds}"}) for r in requests[:20]]
+        requests = requests[20:] + requests[:20]
+        sent += await publish(s, reg, [], batch, qps=20, settle_s=0.0)
+        rounds += 1
+    return sent
 
 
 async def _results_by(s: Settings, worker: str, at_least: int, timeout_s: float = 120.0) -> None:
