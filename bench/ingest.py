@@ -221,20 +221,15 @@ async def _measure(settings: Settings, reg: TopicRegistry, pipe, args, ml, say) 
     }
 
 
-def run(args: argparse.Namespace) -> int:
+def on_fresh_pipeline(tag: str, ranking_workers: int, measure, say, *, metrics: bool = False) -> dict:
+    """Run ``await measure(settings, registry, pipeline, movielens)`` against a relay pipeline on
+    topics and a home of its own (broker, model and calibration set up if missing), then remove
+    them; returns what ``measure`` returned."""
     from relaygr.infra.cluster import ensure_broker
     from relaygr.streams.config import PipelineSettings
     from relaygr.tools.prepare import ensure_calibration, ensure_model
     from relaygr.tools.up import Pipeline
     from relaygr.workers.movielens import load_movielens
-
-    if args.min_len > args.max_len:
-        print("relaygr bench ingest: --min-len must not exceed --max-len", file=sys.stderr)
-        return 2
-
-    def say(msg: str) -> None:
-        if not args.json:
-            print(f"== {msg}", file=sys.stderr, flush=True)
 
     with contextlib.redirect_stdout(sys.stderr):  # stdout carries only the JSON line
         settings, _ = ensure_broker(get_settings())
@@ -243,18 +238,36 @@ def run(args: argparse.Namespace) -> int:
         calib = ensure_calibration(p.model_dir)
     env = {"RELAYGR_MODEL_DIR": str(p.model_dir), "RELAYGR_CALIBRATION_FILE": str(calib)}
     ml = load_movielens("ml-100k")
-    run_id = f"ingest-{uuid.uuid4().hex[:6]}"
+    run_id = f"{tag}-{uuid.uuid4().hex[:6]}"
     s = settings.model_copy(
         update={"topic_prefix": f"{settings.topic_prefix}-{run_id}", "home": Path(settings.home) / run_id}
     )
     reg = TopicRegistry(s.topic_prefix, s.partitions)
     asyncio.run(ensure_topics(reg, s))
     try:
-        with Pipeline(s, ranking_workers=args.ranking_workers, mode="relay", env=env, metrics=True) as pipe:
+        with Pipeline(s, ranking_workers=ranking_workers, mode="relay", env=env, metrics=metrics) as pipe:
             say(f"pipeline ready in {asyncio.run(pipe.wait_ready()):.1f} s")
-            line = asyncio.run(_measure(s, reg, pipe, args, ml, say))
+            return asyncio.run(measure(s, reg, pipe, ml))
     finally:
         asyncio.run(delete_topics_with_prefix(s, s.topic_prefix))
         shutil.rmtree(s.home, ignore_errors=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.min_len > args.max_len:
+        print("relaygr bench ingest: --min-len must not exceed --max-len", file=sys.stderr)
+        return 2
+
+    def say(msg: str) -> None:
+        if not args.json:
+            print(f"== {msg}", file=sys.stderr, flush=True)
+
+    line = on_fresh_pipeline(
+        "ingest",
+        args.ranking_workers,
+        lambda s, reg, pipe, ml: _measure(s, reg, pipe, args, ml, say),
+        say,
+        metrics=True,
+    )
     print(json.dumps(line))
     return 0

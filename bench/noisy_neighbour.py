@@ -17,17 +17,14 @@ import argparse
 import asyncio
 import contextlib
 import json
-import shutil
 import sys
 import time
 import uuid
 from collections import Counter
-from pathlib import Path
 
-from relaygr.bench.ingest import breakdown_percentiles, request_stream
-from relaygr.infra.kafka import delete_topics_with_prefix, ensure_topics, producer
-from relaygr.infra.settings import get_settings
-from relaygr.schemas import BehaviorEvent, RecommendationRequest, TopicRegistry, encode
+from relaygr.bench.ingest import breakdown_percentiles, on_fresh_pipeline, request_stream
+from relaygr.infra.kafka import producer
+from relaygr.schemas import BehaviorEvent, RecommendationRequest, encode
 from relaygr.tools.args import int_at_least
 
 
@@ -155,35 +152,10 @@ async def _measure(settings, reg, args, ml, say) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from relaygr.infra.cluster import ensure_broker
-    from relaygr.streams.config import PipelineSettings
-    from relaygr.tools.prepare import ensure_calibration, ensure_model
-    from relaygr.tools.up import Pipeline
-    from relaygr.workers.movielens import load_movielens
-
     def say(msg: str) -> None:
         if not args.json:
             print(f"== {msg}", file=sys.stderr, flush=True)
 
-    with contextlib.redirect_stdout(sys.stderr):  # stdout carries only the JSON line
-        settings, _ = ensure_broker(get_settings())
-        p = PipelineSettings()
-        ensure_model(p.model_dir)
-        calib = ensure_calibration(p.model_dir)
-    env = {"RELAYGR_MODEL_DIR": str(p.model_dir), "RELAYGR_CALIBRATION_FILE": str(calib)}
-    ml = load_movielens("ml-100k")
-    run_id = f"noisy-{uuid.uuid4().hex[:6]}"
-    s = settings.model_copy(
-        update={"topic_prefix": f"{settings.topic_prefix}-{run_id}", "home": Path(settings.home) / run_id}
-    )
-    reg = TopicRegistry(s.topic_prefix, s.partitions)
-    asyncio.run(ensure_topics(reg, s))
-    try:
-        with Pipeline(s, ranking_workers=1, mode="relay", env=env) as pipe:
-            say(f"pipeline ready in {asyncio.run(pipe.wait_ready()):.1f} s")
-            line = asyncio.run(_measure(s, reg, args, ml, say))
-    finally:
-        asyncio.run(delete_topics_with_prefix(s, s.topic_prefix))
-        shutil.rmtree(s.home, ignore_errors=True)
+    line = on_fresh_pipeline("noisy", 1, lambda s, reg, _pipe, ml: _measure(s, reg, args, ml, say), say)
     print(json.dumps(line))
     return 0
