@@ -26,10 +26,10 @@ import time
 import uuid
 from pathlib import Path
 
-from relaygr.cli import int_at_least
 from relaygr.infra.kafka import delete_topics_with_prefix, ensure_topics, producer
 from relaygr.infra.settings import Settings, get_settings
 from relaygr.schemas import BehaviorEvent, TopicRegistry, encode
+from relaygr.tools.args import int_at_least
 
 STAGES = ("ingress", "retrieval", "preprocess", "ranking")
 
@@ -57,18 +57,18 @@ def _applied(pipe) -> dict[str, float]:
         if stage == "ingress":
             out[stage] += sum(
                 v
-                for k, v in m.items()
-                if k.startswith("relaygr_ingress_routed_total{") and '.behaviors"' in k
+                for topic, v in m.by_label("relaygr_ingress_routed_total", "topic").items()
+                if topic.endswith(".behaviors")
             )
         else:
-            out[stage] += m.get(f'relaygr_behaviours_applied_total{{stage="{stage}"}}', 0.0)
+            out[stage] += m.value("relaygr_behaviours_applied_total", stage=stage)
     return out
 
 
 def _burst(ml, events: int, lo: int, hi: int, seed: int = 3) -> list[BehaviorEvent]:
     """Histories of new users, ``lo``..``hi`` events each, interleaved in chunks of a few events
     (a live stream's order), ``events`` in all."""
-    from relaygr.streams.traffic import synthesise
+    from relaygr.tools.traffic import synthesise
 
     rng = random.Random(seed)
     users = [u for u in sorted(ml.histories) if len(ml.histories[u]) >= 20]
@@ -125,7 +125,9 @@ async def _produce_burst(settings: Settings, reg: TopicRegistry, events: list[Be
     return t0
 
 
-async def _requests(settings, reg, requests, qps: float, stop: asyncio.Event, sent: list) -> None:
+async def request_stream(settings, reg, requests, qps: float, stop: asyncio.Event, sent: list) -> None:
+    """Send ``requests`` round-robin at ``qps`` (each re-stamped with a fresh id and the send
+    time) until ``stop`` is set; appends what was sent to ``sent``."""
     prod = producer(settings, linger_ms=0)
     await prod.start()
     try:
@@ -147,8 +149,9 @@ async def _requests(settings, reg, requests, qps: float, stop: asyncio.Event, se
         await prod.stop()
 
 
-def _hops(results: dict, sent: list, field: str = "hop_requests") -> dict[str, float]:
-    from relaygr.report import percentile
+def breakdown_percentiles(results: dict, sent: list, field: str = "hop_requests") -> dict[str, float]:
+    """P50/P99 (nearest rank) of one ``breakdown_ms`` field over the results of ``sent``."""
+    from relaygr.tools.report.figures import percentile
 
     hops = [results[r.request_id].breakdown_ms.get(field) for r in sent if r.request_id in results]
     hops = [h for h in hops if h is not None]
@@ -156,7 +159,7 @@ def _hops(results: dict, sent: list, field: str = "hop_requests") -> dict[str, f
 
 
 async def _measure(settings: Settings, reg: TopicRegistry, pipe, args, ml, say) -> dict:
-    from relaygr.streams.traffic import collect_results, leave_last_out, publish
+    from relaygr.tools.traffic import collect_results, leave_last_out, publish
 
     users = sorted(ml.histories)[: args.request_users]
     behaviours, requests = leave_last_out(ml, users, num_candidates=64)
@@ -164,7 +167,7 @@ async def _measure(settings: Settings, reg: TopicRegistry, pipe, args, ml, say) 
 
     say(f"idle: requests at {args.qps:g}/s for {args.idle_s:g} s")
     stop, idle_sent = asyncio.Event(), []
-    task = asyncio.create_task(_requests(settings, reg, requests, args.qps, stop, idle_sent))
+    task = asyncio.create_task(request_stream(settings, reg, requests, args.qps, stop, idle_sent))
     await asyncio.sleep(args.idle_s)
     stop.set()
     await task
@@ -176,7 +179,7 @@ async def _measure(settings: Settings, reg: TopicRegistry, pipe, args, ml, say) 
     )
     before = _applied(pipe)
     stop, burst_sent = asyncio.Event(), []
-    task = asyncio.create_task(_requests(settings, reg, requests, args.qps, stop, burst_sent))
+    task = asyncio.create_task(request_stream(settings, reg, requests, args.qps, stop, burst_sent))
     t0 = await _produce_burst(settings, reg, burst)
     produced_s = time.time() - t0
     done: dict[str, float] = {}
@@ -190,7 +193,7 @@ async def _measure(settings: Settings, reg: TopicRegistry, pipe, args, ml, say) 
     stop.set()
     await task
     burst_res = await collect_results(settings, reg, {r.request_id for r in burst_sent}, timeout_s=120)
-    idle, hot = _hops(idle_res, idle_sent), _hops(burst_res, burst_sent)
+    idle, hot = breakdown_percentiles(idle_res, idle_sent), breakdown_percentiles(burst_res, burst_sent)
     incomplete = sum(1 for r in burst_res.values() if not r.history_complete)
     return {
         "bench": "ingest",
@@ -205,9 +208,9 @@ async def _measure(settings: Settings, reg: TopicRegistry, pipe, args, ml, say) 
         "hop_p50_ms_idle": idle["p50"],
         "burst_over_idle_hop_p99": hot["p99"] / idle["p99"] if idle["p99"] else None,
         # The ingress's share of hop_requests (request produced -> re-keyed onto routed-requests).
-        "routing_p99_ms_burst": _hops(burst_res, burst_sent, "routing")["p99"],
-        "routing_p99_ms_idle": _hops(idle_res, idle_sent, "routing")["p99"],
-        "history_wait_p99_ms_burst": _hops(burst_res, burst_sent, "history_wait")["p99"],
+        "routing_p99_ms_burst": breakdown_percentiles(burst_res, burst_sent, "routing")["p99"],
+        "routing_p99_ms_idle": breakdown_percentiles(idle_res, idle_sent, "routing")["p99"],
+        "history_wait_p99_ms_burst": breakdown_percentiles(burst_res, burst_sent, "history_wait")["p99"],
         "requests_burst": len(burst_sent),
         "results_burst": len(burst_res),
         "requests_idle": len(idle_sent),
@@ -218,19 +221,15 @@ async def _measure(settings: Settings, reg: TopicRegistry, pipe, args, ml, say) 
     }
 
 
-def run(args: argparse.Namespace) -> int:
-    from relaygr.demo import ensure_broker, ensure_calibration, ensure_model
+def on_fresh_pipeline(tag: str, ranking_workers: int, measure, say, *, metrics: bool = False) -> dict:
+    """Run ``await measure(settings, registry, pipeline, movielens)`` against a relay pipeline on
+    topics and a home of its own (broker, model and calibration set up if missing), then remove
+    them; returns what ``measure`` returned."""
+    from relaygr.infra.cluster import ensure_broker
     from relaygr.streams.config import PipelineSettings
-    from relaygr.streams.up import Pipeline
+    from relaygr.tools.prepare import ensure_calibration, ensure_model
+    from relaygr.tools.up import Pipeline
     from relaygr.workers.movielens import load_movielens
-
-    if args.min_len > args.max_len:
-        print("relaygr bench ingest: --min-len must not exceed --max-len", file=sys.stderr)
-        return 2
-
-    def say(msg: str) -> None:
-        if not args.json:
-            print(f"== {msg}", file=sys.stderr, flush=True)
 
     with contextlib.redirect_stdout(sys.stderr):  # stdout carries only the JSON line
         settings, _ = ensure_broker(get_settings())
@@ -239,18 +238,36 @@ def run(args: argparse.Namespace) -> int:
         calib = ensure_calibration(p.model_dir)
     env = {"RELAYGR_MODEL_DIR": str(p.model_dir), "RELAYGR_CALIBRATION_FILE": str(calib)}
     ml = load_movielens("ml-100k")
-    run_id = f"ingest-{uuid.uuid4().hex[:6]}"
+    run_id = f"{tag}-{uuid.uuid4().hex[:6]}"
     s = settings.model_copy(
         update={"topic_prefix": f"{settings.topic_prefix}-{run_id}", "home": Path(settings.home) / run_id}
     )
     reg = TopicRegistry(s.topic_prefix, s.partitions)
     asyncio.run(ensure_topics(reg, s))
     try:
-        with Pipeline(s, ranking_workers=args.ranking_workers, mode="relay", env=env, metrics=True) as pipe:
+        with Pipeline(s, ranking_workers=ranking_workers, mode="relay", env=env, metrics=metrics) as pipe:
             say(f"pipeline ready in {asyncio.run(pipe.wait_ready()):.1f} s")
-            line = asyncio.run(_measure(s, reg, pipe, args, ml, say))
+            return asyncio.run(measure(s, reg, pipe, ml))
     finally:
         asyncio.run(delete_topics_with_prefix(s, s.topic_prefix))
         shutil.rmtree(s.home, ignore_errors=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.min_len > args.max_len:
+        print("relaygr bench ingest: --min-len must not exceed --max-len", file=sys.stderr)
+        return 2
+
+    def say(msg: str) -> None:
+        if not args.json:
+            print(f"== {msg}", file=sys.stderr, flush=True)
+
+    line = on_fresh_pipeline(
+        "ingest",
+        args.ranking_workers,
+        lambda s, reg, pipe, ml: _measure(s, reg, pipe, args, ml, say),
+        say,
+        metrics=True,
+    )
     print(json.dumps(line))
     return 0

@@ -8,7 +8,9 @@ pre-infers the prefix, then times, interleaved so that both see the same machine
 
 and separately ``prefill`` of the prefix and ``extend`` of the prefix by the suffix. Every line
 reports the achieved GFLOP/s of each path (projections and attention, ``HSTURanker.flops``) next to
-a plain fp32 matmul measured just before it on the same device: the machine's roofline.
+a plain fp32 matmul measured just before it on the same device: the machine's roofline, and the
+minor page faults of a ranking call (the host heap kept, ``devices.keep_host_pages``, as serving
+keeps it: a call should fault in next to nothing).
 One JSON line per measurement with ``--json``; a table otherwise.
 """
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import time
 from collections.abc import Callable
 
@@ -62,12 +65,17 @@ def synthetic_history(n: int, num_items: int, gen: torch.Generator) -> Events:
     )
 
 
-def _timed(fn: Callable[[], object], device: torch.device) -> float:
+def _timed(fn: Callable[[], object], device: torch.device, faults: list[int] | None = None) -> float:
+    """Seconds of one call; with ``faults``, also appends the minor page faults it took."""
     synchronize(device)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     t = time.perf_counter()
     fn()
     synchronize(device)
-    return time.perf_counter() - t
+    took = time.perf_counter() - t
+    if faults is not None:
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    return took
 
 
 def matmul_roofline(device: torch.device, n: int = 2048, repeats: int = 5) -> float:
@@ -133,10 +141,10 @@ def run(args: argparse.Namespace) -> int:
         relay_scores = model.rank(prefix, suffix, cands, when)  # warm-up, and the exactness check
         full_scores = model.rank_full(h, cands, when)
         max_diff = float((relay_scores - full_scores).abs().max())
-        relay, full = [], []
+        relay, full, relay_faults, full_faults = [], [], [], []
         for _ in range(args.repeats):  # interleaved: both paths see the same machine load
-            relay.append(_timed(lambda: model.rank(prefix, suffix, cands, when), device))  # noqa: B023
-            full.append(_timed(lambda: model.rank_full(h, cands, when), device))  # noqa: B023
+            relay.append(_timed(lambda: model.rank(prefix, suffix, cands, when), device, relay_faults))  # noqa: B023
+            full.append(_timed(lambda: model.rank_full(h, cands, when), device, full_faults))  # noqa: B023
         r50, r99 = _stats(relay)
         f50, f99 = _stats(full)
         rf, ff = (
@@ -163,6 +171,9 @@ def run(args: argparse.Namespace) -> int:
                 "relay_gflop": round(rf / 1e9, 3),
                 "full_gflop": round(ff / 1e9, 3),
                 "max_abs_diff": max_diff,
+                # Minor page faults per call (median), with the host heap kept as serving keeps it.
+                "relay_page_faults_p50": int(np.median(relay_faults)),
+                "full_page_faults_p50": int(np.median(full_faults)),
                 "repeats": args.repeats,
             }
         )

@@ -26,15 +26,14 @@ import shutil
 import sys
 import time
 import uuid
-from collections import Counter
 from pathlib import Path
 
-import numpy as np
-
-from relaygr.cli import int_at_least
 from relaygr.infra.kafka import delete_topics_with_prefix, ensure_topics
 from relaygr.infra.settings import Settings, get_settings
 from relaygr.schemas import TopicRegistry
+from relaygr.tools.args import int_at_least
+from relaygr.tools.report.figures import percentile
+from relaygr.tools.report.summary import RunSummary
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -78,10 +77,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _p(xs: list[float], q: float) -> float:
-    return float(np.percentile(xs, q)) if xs else math.nan
-
-
 class _Say:
     def __init__(self, quiet: bool) -> None:
         self.quiet = quiet
@@ -95,8 +90,8 @@ def _phase(
     settings: Settings, mode: str, env: dict[str, str], traffic: list[tuple[str, list, list, float]], say
 ):
     """Run one pipeline in ``mode`` and replay each (name, behaviours, requests, qps) through it."""
-    from relaygr.streams.traffic import collect_results, publish
-    from relaygr.streams.up import Pipeline
+    from relaygr.tools.traffic import collect_results, publish
+    from relaygr.tools.up import Pipeline
 
     run = f"bench-{mode}-{uuid.uuid4().hex[:6]}"
     s = settings.model_copy(
@@ -122,8 +117,9 @@ def _phase(
 
 
 def run(args: argparse.Namespace) -> int:
-    from relaygr.demo import ensure_broker, ensure_calibration, ensure_model
+    from relaygr.infra.cluster import ensure_broker
     from relaygr.streams.config import PipelineSettings
+    from relaygr.tools.prepare import ensure_calibration, ensure_model
 
     say = _Say(args.json)
     if args.results is not None:  # fail now, not after minutes of measuring
@@ -158,7 +154,7 @@ def _own_cluster(base: Settings, brokers: int, say):
 
 
 def _measure(args: argparse.Namespace, settings: Settings, p, calib: Path, say) -> int:
-    from relaygr.streams.traffic import leave_last_out
+    from relaygr.tools.traffic import leave_last_out
     from relaygr.workers.movielens import load_movielens
 
     env = {
@@ -219,15 +215,18 @@ def _measure(args: argparse.Namespace, settings: Settings, p, calib: Path, say) 
         "qps": args.qps,
         "requests": len(sent),
         "results": len(res),
-        **{f"{h}_ms_p50": _p(v, 50) for h, v in hops.items()},
-        **{f"{h}_ms_p99": _p(v, 99) for h, v in hops.items()},
+        **{f"{h}_ms_p50": percentile(v, 50) for h, v in hops.items()},
+        **{f"{h}_ms_p99": percentile(v, 99) for h, v in hops.items()},
     }
     hop_line["max_hop_ms_p99"] = max(hop_line[f"{h}_ms_p99"] for h in hops if h != "routing")
     lines.append(hop_line)
     per_mode = {}
     for mode, runs in (("relay", relay), ("baseline", base)):
         sent, res = runs["long"]
-        ranking = [r.breakdown_ms["ranking"] for r in res.values()]
+        summary = RunSummary.of(
+            sorted(res.values(), key=lambda r: r.ts), slo_ms=p.budget_ms, expected=len(sent)
+        )
+        ranking = summary.ranking
         per_mode[mode] = {
             "bench": "pipeline",
             "phase": "long_history",
@@ -235,13 +234,13 @@ def _measure(args: argparse.Namespace, settings: Settings, p, calib: Path, say) 
             "history": args.history,
             "requests": len(sent),
             "results": len(res),
-            "ranking_ms_p50": _p(ranking, 50),
-            "ranking_ms_p99": _p(ranking, 99),
-            "e2e_ms_p99": _p([r.latency_ms for r in res.values()], 99),
-            "paths": dict(Counter(r.path.value for r in res.values())),
-            "tokens_computed_mean": float(np.mean([r.tokens_computed for r in res.values()]))
-            if res
-            else math.nan,
+            "ranking_ms_p50": ranking.p50 if ranking else math.nan,
+            "ranking_ms_p99": ranking.p99 if ranking else math.nan,
+            "e2e_ms_p99": summary.latency_ms["end_to_end"].p99,
+            "timeouts": summary.slo.timeouts,
+            "paths": summary.path_counts,
+            "path_reasons": summary.path_reasons,
+            "tokens_computed_mean": summary.history.mean_tokens_computed,
         }
         lines.append(per_mode[mode])
     r, b = per_mode["relay"], per_mode["baseline"]
@@ -253,7 +252,7 @@ def _measure(args: argparse.Namespace, settings: Settings, p, calib: Path, say) 
     st = int(env["RELAYGR_SHORT_TERM"])
     flop_ratio = m.flops(args.history - st, st, 128) / m.flops(0, args.history, 128)
     compute = {
-        mode: _p([x.breakdown_ms.get("compute", math.nan) for x in runs["long"][1].values()], 50)
+        mode: percentile([x.breakdown_ms.get("compute", math.nan) for x in runs["long"][1].values()], 50)
         for mode, runs in (("relay", relay), ("baseline", base))
     }
     lines.append(

@@ -23,7 +23,7 @@ from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
-def _default_home() -> Path:
+def default_home() -> Path:
     return Path(os.environ.get("XDG_STATE_HOME", Path.home() / ".local" / "state")) / "relaygr"
 
 
@@ -59,7 +59,7 @@ class Settings(BaseSettings):
         "when there are 3 replicas.",
     )
     home: Path = Field(
-        default_factory=_default_home,
+        default_factory=default_home,
         description="Local state: the broker's state file, data directories and logs.",
     )
     cache_dir: Path = Field(

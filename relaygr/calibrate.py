@@ -11,13 +11,16 @@ import argparse
 import json
 from pathlib import Path
 
-from relaygr.cli import int_at_least
+from relaygr.tools.args import int_at_least
+from relaygr.workers.calibration import CALIBRATION_LENGTHS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", type=Path, help="checkpoint folder (default: RELAYGR_MODEL_DIR)")
     parser.add_argument("--out", type=Path, help="output JSON (default: <model>/calibration.json)")
-    parser.add_argument("--lengths", default="64,256,512,1024,2048", help="history lengths to time")
+    parser.add_argument(
+        "--lengths", default=",".join(map(str, CALIBRATION_LENGTHS)), help="history lengths to time"
+    )
     parser.add_argument("--candidates", type=int, default=128)
     parser.add_argument("--device", help="cpu, cuda[:N] or npu[:N] (default: the checkpoint's)")
     parser.add_argument(
@@ -29,17 +32,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from relaygr.streams.config import PipelineSettings
+    from relaygr.workers.calibration import calibrate_and_save
     from relaygr.workers.model import HSTURanker
-    from relaygr.workers.ranker import calibrate
 
     model_dir = args.model or PipelineSettings().model_dir
     model = HSTURanker.load(model_dir, device=args.device)
     lengths = tuple(int(x) for x in args.lengths.split(","))
     threads = args.threads if args.threads is not None else PipelineSettings().torch_threads
-    lat, samples = calibrate(model, lengths=lengths, candidates=args.candidates, threads=threads)
     out = args.out or Path(model_dir) / "calibration.json"
-    lat.save(
-        out, samples=samples, model_version=model.model_version, device=str(model.device), threads=threads
+    lat, samples = calibrate_and_save(
+        model, out, lengths=lengths, candidates=args.candidates, threads=threads
     )
     print(json.dumps({"calibration": str(out), "coeffs": lat.coeffs(), "samples": samples}))
     return 0

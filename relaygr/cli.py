@@ -23,21 +23,30 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "send one event of every schema through the broker and read it back",
     ),
     "demo": ("relaygr.demo", "the main job: broker, topics and the pipeline on MovieLens, with a summary"),
-    "up": ("relaygr.streams.up", "run and supervise every stage locally (retrieval, preprocess, N rankers)"),
+    "up": (
+        "relaygr.tools.up",
+        "run and supervise every stage locally (retrieval, preprocess, N ranking workers)",
+    ),
     "stage": ("relaygr.streams.stage_cli", "run one stage of the cascade in this process"),
     "calibrate": (
         "relaygr.calibrate",
         "measure full-ranking latency here and write the trigger's latency model",
     ),
-    "train": ("relaygr.workers.train", "train the HSTU ranker on MovieLens and write a checkpoint"),
-    "trace": ("relaygr.streams.trace", "build a request trace of a dataset and publish it to a trace topic"),
+    "train": (
+        "relaygr.tools.train_source",
+        "train the HSTU ranker on MovieLens, an interaction log file or the behaviors topic",
+    ),
+    "trace": ("relaygr.tools.trace", "build a request trace of a dataset and publish it to a trace topic"),
     "replay": (
-        "relaygr.streams.replay",
+        "relaygr.tools.replay",
         "re-publish a trace or recorded requests topic into the pipeline at a QPS or a speed",
     ),
-    "report": ("relaygr.report", "latency, SLO, cache, path and quality report of a results topic"),
+    "report": (
+        "relaygr.tools.report.command",
+        "latency, SLO, cache, path and quality report of a results topic",
+    ),
     "experiment": (
-        "relaygr.experiment",
+        "relaygr.tools.experiment.command",
         "relay vs baseline on the trace: seq-len (longest history) or throughput (highest QPS) under the SLO",
     ),
 }
@@ -55,6 +64,10 @@ GROUPS: dict[str, tuple[str, dict[str, tuple[str, str]]]] = {
                 "relaygr.bench.pipeline",
                 "Kafka hop overhead; relay vs baseline ranking P99 on the broker",
             ),
+            "noisy-neighbour": (
+                "relaygr.bench.noisy_neighbour",
+                "ordinary users' ranking P99 with and without one 60k-event user on the same worker",
+            ),
             "ingest": (
                 "relaygr.bench.ingest",
                 "every stage's ingestion rate for a burst of long histories; request hops during it vs idle",
@@ -62,22 +75,6 @@ GROUPS: dict[str, tuple[str, dict[str, tuple[str, str]]]] = {
         },
     ),
 }
-
-
-def int_at_least(low: int):
-    """An argparse type: an integer no smaller than ``low``, else a usage error that says so."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
-        return value
-
-    parse.__name__ = f"integer >= {low}"
-    return parse
 
 
 def _add_module_command(sub: argparse._SubParsersAction, name: str, module: str, help_: str) -> None:

@@ -6,8 +6,11 @@
 4. runs retrieval, pre-processing and N ranking workers as processes on fresh demo topics;
 5. replays real users: their history as behaviours, their last interaction as a request whose
    ground truth is that item;
-6. prints path mix, latencies, trigger outcomes, cache use and HR@10 / NDCG@10; deletes the demo
-   topics (the broker keeps running for the next command; `relaygr broker stop` ends it).
+6. prints the run's ``RunSummary`` (nearest-rank percentiles against the ranking budget, path mix
+   and why each result left the relay path, the admitted requests' relay share, pre-inference
+   outcomes, cache tiers, HR@10 / NDCG@10); writes ``relaygr report``'s files and the results
+   into ``<run folder>/report`` and names it on its last line; deletes the demo topics (the broker
+   keeps running for the next command; `relaygr broker stop` ends it).
 """
 
 from __future__ import annotations
@@ -15,28 +18,47 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
-import shutil
+import os
 import subprocess
 import sys
 import time
 import uuid
-from collections import Counter
 from pathlib import Path
 
-import numpy as np
-
-from relaygr.cli import int_at_least
 from relaygr.infra import broker
+from relaygr.infra.cluster import ensure_broker
 from relaygr.infra.kafka import TopicError, delete_topics_with_prefix, ensure_topics
-from relaygr.infra.settings import Settings, get_settings
+from relaygr.infra.settings import get_settings
 from relaygr.schemas import RankedResult, TopicRegistry
+from relaygr.tools.args import int_at_least
+from relaygr.tools.prepare import ensure_calibration, ensure_model
+from relaygr.tools.report.command import write_run_report
+from relaygr.tools.report.figures import json_safe
+from relaygr.tools.report.inputs import prefill_statuses, read_admitted_ids
+from relaygr.tools.report.summary import RunSummary
+
+
+def default_ranking_workers(cores: int | None = None) -> int:
+    """One ranking worker per two cores, at most two: a worker's device thread takes a core, and
+    on a small machine the other stages and the broker need the rest."""
+    cores = cores if cores is not None else (os.cpu_count() or 1)
+    return max(1, min(2, cores // 2))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--users", type=int, default=100, help="MovieLens users to replay (default 100)")
-    parser.add_argument("--qps", type=float, default=20.0, help="request rate of the replay")
-    parser.add_argument("--ranking-workers", type=int, default=2)
+    parser.add_argument(
+        "--qps",
+        type=float,
+        default=10.0,
+        help="request rate of the replay (default 10: what a two-core machine serves within the budget)",
+    )
+    parser.add_argument(
+        "--ranking-workers",
+        type=int_at_least(1),
+        default=default_ranking_workers(),
+        help="ranking worker processes (default: one per two cores, at most two)",
+    )
     parser.add_argument("--mode", choices=["relay", "baseline"], default="relay")
     parser.add_argument(
         "--synth-factor",
@@ -47,8 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-history",
         type=int_at_least(1),
-        default=2560,
-        help="keep at most this many most recent events per user (serving systems cap sequences too)",
+        default=1024,
+        help="keep at most this many most recent events per user (serving systems cap sequences too; "
+        "default 1024: a pre-inference of that many ends within the upstream window on a CPU)",
     )
     parser.add_argument("--json", action="store_true", help="also print the summary as one JSON line")
     parser.add_argument("--stop-broker", action="store_true", help="stop the local broker at the end")
@@ -58,86 +81,10 @@ def _step(msg: str) -> None:
     print(f"== {msg}", flush=True)
 
 
-def ensure_broker(settings: Settings) -> tuple[Settings, bool]:
-    if settings.bootstrap:
-        _step(f"using the Kafka cluster at {settings.bootstrap}")
-        return settings, False
-    up, state = broker.status(settings)
-    if up and state is not None:
-        _step(f"local Kafka broker already up at {state.bootstrap}")
-        return settings.model_copy(update={"bootstrap": state.bootstrap}), False
-    _step("starting the local Kafka broker (KRaft, 127.0.0.1)")
-    t0 = time.monotonic()
-    state = broker.start(settings)
-    print(f"   up in {time.monotonic() - t0:.1f} s at {state.bootstrap}; log {state.log_file}")
-    return settings.model_copy(update={"bootstrap": state.bootstrap}), True
-
-
-def ensure_model(model_dir: Path) -> None:
-    if (model_dir / "config.json").exists():
-        _step(f"using the trained model in {model_dir}")
-        return
-    _step(f"training the HSTU ranker on MovieLens-100K into {model_dir} (once)")
-    cmd = [sys.executable, "-m", "relaygr.cli", "train", "--dataset", "ml-100k", "--out", str(model_dir)]
-    subprocess.run(cmd, check=True)
-
-
-def ensure_calibration(model_dir: Path) -> Path:
-    from relaygr.workers.model import HSTURanker
-    from relaygr.workers.ranker import calibrate
-
-    path = model_dir / "calibration.json"
-    _step("calibrating full-ranking latency on this machine")
-    from relaygr.streams.config import PipelineSettings
-
-    model = HSTURanker.load(model_dir)
-    threads = PipelineSettings().torch_threads  # time it as the workers will run it
-    lat, samples = calibrate(model, threads=threads)
-    lat.save(path, samples=samples, model_version=model.model_version, threads=threads)
-    print("   " + ", ".join(f"{n} tokens {ms:.1f} ms" for n, ms in samples))
-    return path
-
-
-def _pct(xs: list[float], q: float) -> float:
-    return float(np.percentile(xs, q)) if xs else math.nan
-
-
-def summarize(results: dict[str, RankedResult], sent: int) -> dict:
-    rs = list(results.values())
-    paths = Counter(r.path.value for r in rs)
-    ranking = [r.breakdown_ms.get("ranking", math.nan) for r in rs]
-    e2e = [r.latency_ms for r in rs]
-    hits, ndcg, labelled = 0, 0.0, 0
-    for r in rs:
-        if r.label_item_id is None:
-            continue
-        labelled += 1
-        ids = [it.item_id for it in r.items[:10]]
-        if r.label_item_id in ids:
-            hits += 1
-            ndcg += 1.0 / math.log2(ids.index(r.label_item_id) + 2)
-    tiers = Counter(r.prefix_tier for r in rs if r.prefix_tier)
-    return {
-        "requests": sent,
-        "results": len(rs),
-        "paths": dict(paths),
-        "prefix_tiers": dict(tiers),
-        "workers": dict(Counter(r.worker_id for r in rs)),
-        "ranking_ms_p50": _pct(ranking, 50),
-        "ranking_ms_p99": _pct(ranking, 99),
-        "e2e_ms_p50": _pct(e2e, 50),
-        "e2e_ms_p99": _pct(e2e, 99),
-        "mean_history_len": float(np.mean([r.history_len for r in rs])) if rs else 0.0,
-        "mean_tokens_computed": float(np.mean([r.tokens_computed for r in rs])) if rs else 0.0,
-        "hr@10": hits / labelled if labelled else math.nan,
-        "ndcg@10": ndcg / labelled if labelled else math.nan,
-    }
-
-
 def run(args: argparse.Namespace) -> int:
     from relaygr.streams.config import PipelineSettings
-    from relaygr.streams.traffic import collect_results, leave_last_out, publish
-    from relaygr.streams.up import Pipeline
+    from relaygr.tools.traffic import collect_results, leave_last_out, publish
+    from relaygr.tools.up import Pipeline
     from relaygr.workers.movielens import load_movielens
 
     base = get_settings()
@@ -185,19 +132,25 @@ def run(args: argparse.Namespace) -> int:
             want = {r.request_id for r in sent}
             results = asyncio.run(collect_results(settings, reg, want, timeout_s=120))
             print(f"   {len(results)}/{len(sent)} results in {time.monotonic() - t0:.1f} s")
-            trigger = {
-                k.split('reason="')[1].rstrip('"}'): int(v)
-                for k, v in pipe.scrape("retrieval").items()
-                if k.startswith("relaygr_trigger_decisions_total{")
-            }
-        summary = summarize(results, len(sent))
-        summary["trigger"] = trigger
-        summary["prefill"] = _prefill_outcomes(Path(settings.home) / "workers")
+            admitted = asyncio.run(read_admitted_ids(settings, reg.name("prefill"), want, progress=False))
+        run_dir = Path(settings.home)
+        statuses = prefill_statuses(run_dir / "workers", want)
+        summary = RunSummary.of(
+            sorted(results.values(), key=lambda r: r.ts),
+            slo_ms=p.budget_ms,
+            expected=len(sent),
+            admitted=admitted,
+            prefill_statuses=statuses,
+        )
+        report_dir = _write_report(run_dir, results, summary, slo_ms=p.budget_ms, args=args)
         _print_summary(summary)
         if args.json:
-            print(json.dumps(summary))
+            print(json.dumps(_json_line(summary)))
         asyncio.run(delete_topics_with_prefix(settings, settings.topic_prefix))
-        shutil.rmtree(settings.home, ignore_errors=True)
+        _drop_stores(run_dir)
+        print(
+            f"== report in {report_dir} (report.md, report.json, results.jsonl, plots; logs in {run_dir / 'logs'})"
+        )
         return 0 if len(results) == len(sent) else 1
     except (broker.BrokerError, TopicError, RuntimeError, TimeoutError, subprocess.CalledProcessError) as e:
         print(f"relaygr demo: {e}", file=sys.stderr)
@@ -207,33 +160,105 @@ def run(args: argparse.Namespace) -> int:
             broker.stop(base)
 
 
-def _prefill_outcomes(workers_dir: Path) -> dict[str, int]:
-    out: Counter[str] = Counter()
-    for f in workers_dir.glob("**/events.jsonl"):
-        for line in f.read_text().splitlines():
-            e = json.loads(line)
-            if e.get("event") == "prefill":
-                out[e["status"]] += 1
-    return dict(out)
+def _write_report(
+    run_dir: Path,
+    results: dict[str, RankedResult],
+    summary: RunSummary,
+    *,
+    slo_ms: float,
+    args: argparse.Namespace,
+) -> Path:
+    """``relaygr report``'s files for this run, and its results as JSON lines, in ``run_dir/report``."""
+    out = run_dir / "report"
+    rs = sorted(results.values(), key=lambda r: r.ts)
+    inputs = {
+        "demo": run_dir.name,
+        "users": args.users,
+        "qps": args.qps,
+        "ranking_workers": args.ranking_workers,
+        "mode": args.mode,
+        "slo_ms": slo_ms,
+    }
+    write_run_report(out, rs, summary.to_dict(), slo_ms=slo_ms, inputs=inputs)
+    (out / "results.jsonl").write_text("".join(r.model_dump_json() + "\n" for r in rs))
+    return out
 
 
-def _print_summary(s: dict) -> None:
-    _step("summary")
-    print(f"   results        {s['results']}/{s['requests']}")
-    print("   paths          " + ", ".join(f"{k} {v}" for k, v in sorted(s["paths"].items())))
-    if s["prefix_tiers"]:
-        print("   prefix from    " + ", ".join(f"{k} {v}" for k, v in sorted(s["prefix_tiers"].items())))
-    if s.get("trigger"):
-        print("   trigger        " + ", ".join(f"{k} {v}" for k, v in sorted(s["trigger"].items())))
-    if s.get("prefill"):
-        print("   pre-inference  " + ", ".join(f"{k} {v}" for k, v in sorted(s["prefill"].items())))
-    print("   workers        " + ", ".join(f"{k} {v}" for k, v in sorted(s["workers"].items())))
-    print(f"   ranking stage  p50 {s['ranking_ms_p50']:.1f} ms, p99 {s['ranking_ms_p99']:.1f} ms")
-    print(f"   end to end     p50 {s['e2e_ms_p50']:.1f} ms, p99 {s['e2e_ms_p99']:.1f} ms")
+def _drop_stores(run_dir: Path) -> None:
+    """Everything but the report, the logs and the workers' event logs (the stages' tables and
+    prefix stores are large and of no use once the run is over)."""
+    keep = {run_dir / "report", run_dir / "logs"}
+    for path in sorted(run_dir.rglob("*"), key=lambda x: len(x.parts), reverse=True):
+        if any(k == path or k in path.parents for k in keep) or path.name == "events.jsonl":
+            continue
+        if path.is_dir():
+            if not any(path.iterdir()):
+                path.rmdir()
+        else:
+            path.unlink(missing_ok=True)
+
+
+def _json_line(s: RunSummary) -> dict:
+    """The headline figures, as one JSON object."""
+    ranking = s.ranking
+    return json_safe(
+        {
+            "requests": s.slo.requests,
+            "results": s.slo.results,
+            "slo_ms": s.slo.slo_ms,
+            "ranking_ms_p50": ranking.p50 if ranking else None,
+            "ranking_ms_p99": ranking.p99 if ranking else None,
+            "holds_budget": bool(ranking and ranking.p99 <= s.slo.slo_ms),
+            "e2e_ms_p99": s.latency_ms["end_to_end"].p99,
+            "timeouts": s.slo.timeouts,
+            "slo_compliance": s.slo.compliance,
+            "paths": s.path_counts,
+            "path_reasons": s.path_reasons,
+            **s.trigger.model_dump(exclude={"decisions"}),
+            "prefix_tiers": s.prefix_tiers,
+            "prefill": s.prefill,
+            "workers": s.workers,
+            "hr@10": s.quality.hr_at_10,
+            "ndcg@10": s.quality.ndcg_at_10,
+        }
+    )  # type: ignore[return-value]
+
+
+def _counts(d: dict) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted(d.items()))
+
+
+def _print_summary(s: RunSummary) -> None:
+    slo, trig, ranking, e2e = s.slo, s.trigger, s.ranking, s.latency_ms["end_to_end"]
+    _step("summary (percentiles: nearest rank)")
+    print(f"   results        {slo.results}/{slo.requests}")
+    print("   paths          " + _counts(s.path_counts))
+    if s.path_reasons:
+        print("   not relay      " + _counts(s.path_reasons))
+    if s.prefix_tiers:
+        print("   prefix from    " + _counts(s.prefix_tiers))
+    if trig.admitted:
+        print(
+            f"   trigger        admitted {trig.admitted}, of them {trig.relay_of_admitted} on a relay path "
+            f"({100 * (trig.relay_share_of_admitted or 0):.0f} %)"
+        )
+    else:
+        print("   trigger        admitted 0")
+    if s.prefill:
+        print("   pre-inference  " + _counts(s.prefill))
+    print("   workers        " + _counts(s.workers))
+    if ranking is not None:
+        held = "held" if ranking.p99 <= slo.slo_ms else "MISSED"
+        print(
+            f"   ranking stage  p50 {ranking.p50:.1f} ms, p99 {ranking.p99:.1f} ms "
+            f"(budget {slo.slo_ms:g} ms: {held}); timeouts {slo.timeouts}"
+        )
+    print(f"   end to end     p50 {e2e.p50:.1f} ms, p99 {e2e.p99:.1f} ms")
+    h, q = s.history, s.quality
     print(
-        f"   history        {s['mean_history_len']:.0f} events on average; "
-        f"{s['mean_tokens_computed']:.0f} tokens computed per request"
+        f"   history        {h.mean_history_len:.0f} events on average; "
+        f"{h.mean_tokens_computed:.0f} tokens computed per request"
     )
     print(
-        f"   quality        HR@10 {s['hr@10']:.3f}, NDCG@10 {s['ndcg@10']:.3f} (true next item among ranked)"
+        f"   quality        HR@10 {q.hr_at_10:.3f}, NDCG@10 {q.ndcg_at_10:.3f} (true next item among ranked)"
     )

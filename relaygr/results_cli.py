@@ -23,7 +23,6 @@ import os
 import sys
 from datetime import datetime
 
-from relaygr.cli import int_at_least
 from relaygr.client import (
     ClientError,
     ResultRecord,
@@ -36,6 +35,7 @@ from relaygr.client import (
 from relaygr.infra.broker import BrokerError
 from relaygr.infra.settings import Settings, get_settings
 from relaygr.schemas import TopicRegistry, encode
+from relaygr.tools.args import int_at_least
 
 TOP_ITEMS_SHOWN = 5
 

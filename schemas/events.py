@@ -11,6 +11,7 @@ Primitives:
 - ``RankedResult``       — the answer (``relaygr.results``, key ``request_id``).
 - ``DeadLetter``         — a message a stage could not use: its original bytes and the reason.
 - ``WorkerStats``        — a ranking worker's cache footprint, load and latency model.
+- ``OnBehavioursClock``  — ``model_ts`` of the request-like events (their ``event_ts``, else ``ts``).
 
 Every model is strict (no type coercion, unknown fields rejected), carries ``schema_version``, and
 bounds its ids, counts, lengths and timestamps, so a hostile message fails validation instead of
@@ -42,6 +43,18 @@ Timestamp = Annotated[float, Field(ge=0.0, le=TS_MAX, allow_inf_nan=False)]
 Millis = Annotated[float, Field(ge=0.0, le=1e9, allow_inf_nan=False)]
 Count = Annotated[int, Field(ge=0, le=10_000_000)]
 Bytes = Annotated[int, Field(ge=0, le=1 << 50)]
+EventTs = Annotated[
+    Timestamp | None,
+    Field(description="the request's time on the behaviours' clock (replays); None: same as ts"),
+]
+BehaviorsNeeded = Annotated[
+    dict[str, Count] | None,
+    Field(
+        max_length=4096,
+        description="public behaviours partition -> end offset when the ingress read the request: "
+        "the history is complete once the routed behaviours cover it",
+    ),
+]
 
 
 class Event(BaseModel):
@@ -57,6 +70,17 @@ class Event(BaseModel):
 
     def key(self) -> bytes:
         return str(getattr(self, self.key_field)).encode()
+
+
+class OnBehavioursClock:
+    """A request-like event with ``ts`` (wall clock) and ``event_ts`` (the behaviours' clock, set
+    by replays; ``EventTs``). Declares no field itself: the order of fields is each event's own."""
+
+    @property
+    def model_ts(self) -> float:
+        """The request's time as the model sees it: histories are cut before it."""
+        ts, event_ts = self.ts, self.event_ts  # type: ignore[attr-defined]
+        return ts if event_ts is None else event_ts
 
 
 class BehaviorEvent(Event):
@@ -100,26 +124,19 @@ class BehaviorBatch(Event):
         return len(self.item_ids)
 
 
-class RecommendationRequest(Event):
+class RecommendationRequest(OnBehavioursClock, Event):
     """A user's request for recommendations, as retrieval first sees it."""
 
     kind: ClassVar[str] = "request"
     request_id: Id
     user_id: Id
     ts: Timestamp
-    event_ts: Timestamp | None = Field(
-        default=None, description="the request's time on the behaviours' clock (replays); None: same as ts"
-    )
+    event_ts: EventTs = None
     num_candidates: int = Field(default=128, ge=1, le=MAX_CANDIDATES, description="how many items to rank")
     top_k: int = Field(default=10, ge=1, le=MAX_CANDIDATES, description="how many ranked items to return")
     label_item_id: ItemId | None = Field(
         default=None, description="replay only: the item the user really chose next (ground truth)"
     )
-
-    @property
-    def model_ts(self) -> float:
-        """The request's time as the model sees it: histories are cut before it."""
-        return self.ts if self.event_ts is None else self.event_ts
 
 
 class TriggerReason(StrEnum):
@@ -129,20 +146,19 @@ class TriggerReason(StrEnum):
     NOT_AT_RISK = "not_at_risk"
     FOOTPRINT_BOUND = "footprint_bound"
     RATE_BOUND = "rate_bound"
+    TOO_LONG = "too_long"  # its pre-inference would outlast the lease or the upstream window
     NO_HISTORY = "no_history"
     DISABLED = "disabled"
 
 
-class RetrievedRequest(Event):
+class RetrievedRequest(OnBehavioursClock, Event):
     """Retrieval's output: the request plus its candidates and the trigger's decision."""
 
     kind: ClassVar[str] = "retrieved"
     request_id: Id
     user_id: Id
     ts: Timestamp
-    event_ts: Timestamp | None = Field(
-        default=None, description="the request's time on the behaviours' clock (replays); None: same as ts"
-    )
+    event_ts: EventTs = None
     candidates: list[ItemId] = Field(max_length=MAX_CANDIDATES)
     top_k: int = Field(default=10, ge=1, le=MAX_CANDIDATES)
     history_len: Count = 0
@@ -151,76 +167,45 @@ class RetrievedRequest(Event):
     routed_at: Timestamp | None = Field(default=None, description="when the ingress forwarded the request")
     retrieved_at: Timestamp
     label_item_id: ItemId | None = None
-    behaviors_needed: dict[str, Count] | None = Field(
-        default=None,
-        max_length=4096,
-        description="public behaviours partition -> end offset when the ingress read the request: "
-        "the history is complete once the routed behaviours cover it",
-    )
-
-    @property
-    def model_ts(self) -> float:
-        """The request's time as the model sees it: histories are cut before it."""
-        return self.ts if self.event_ts is None else self.event_ts
+    behaviors_needed: BehaviorsNeeded = None
 
 
-class PrefillSignal(Event):
+class PrefillSignal(OnBehavioursClock, Event):
     """Order to pre-infer the long-term prefix of ``user_id``'s history, ahead of its rank request."""
 
     kind: ClassVar[str] = "prefill"
     request_id: Id
     user_id: Id
     ts: Timestamp
-    event_ts: Timestamp | None = Field(
-        default=None, description="the request's time on the behaviours' clock (replays); None: same as ts"
-    )
+    event_ts: EventTs = None
     history_len: Count = Field(description="events in the user's history when the trigger fired")
     prefix_len: Count = Field(
         description="events the prefix should cover (history minus the short-term tail)"
     )
     lease_ttl_s: float = Field(default=30.0, gt=0.0, le=3600.0, allow_inf_nan=False)
     issued_at: Timestamp
-    behaviors_needed: dict[str, Count] | None = Field(
-        default=None,
-        max_length=4096,
-        description="public behaviours partition -> end offset when the ingress read the request: "
-        "the history is complete once the routed behaviours cover it",
-    )
-
-    @property
-    def model_ts(self) -> float:
-        """The request's time as the model sees it: histories are cut before it."""
-        return self.ts if self.event_ts is None else self.event_ts
+    behaviors_needed: BehaviorsNeeded = None
 
 
-class RankRequest(Event):
+class RankRequest(OnBehavioursClock, Event):
     """Pre-processed request: unseen candidates, ready for ranking."""
 
     kind: ClassVar[str] = "rank"
     request_id: Id
     user_id: Id
     ts: Timestamp
-    event_ts: Timestamp | None = Field(
-        default=None, description="the request's time on the behaviours' clock (replays); None: same as ts"
-    )
+    event_ts: EventTs = None
     candidates: list[ItemId] = Field(max_length=MAX_CANDIDATES)
     top_k: int = Field(default=10, ge=1, le=MAX_CANDIDATES)
     deadline_ts: Timestamp = Field(description="wall-clock time by which the result is due")
     prefill_expected: bool = Field(default=False, description="a prefill signal was sent for this request")
+    trigger: Annotated[TriggerReason, Strict(False)] | None = Field(
+        default=None, description="the trigger's decision for this request (from retrieval)"
+    )
     produced_at: Timestamp
     upstream_ms: dict[str, Millis] = Field(default_factory=dict, max_length=16)
     label_item_id: ItemId | None = None
-    behaviors_needed: dict[str, Count] | None = Field(
-        default=None,
-        max_length=4096,
-        description="public behaviours partition -> end offset when the ingress read the request: "
-        "the history is complete once the routed behaviours cover it",
-    )
-
-    @property
-    def model_ts(self) -> float:
-        """The request's time as the model sees it: histories are cut before it."""
-        return self.ts if self.event_ts is None else self.event_ts
+    behaviors_needed: BehaviorsNeeded = None
 
 
 class ScoredItem(BaseModel):
@@ -270,6 +255,23 @@ class RankedResult(Event):
         default=True,
         description="False when the wait for behaviours produced before the request ran out: the "
         "history may lack some of them",
+    )
+    path_reason: str | None = Field(
+        default=None,
+        max_length=MAX_REASON_LEN,
+        description="why the request did not take a relay path (None on a relay path): the trigger's "
+        "refusal (not_at_risk, footprint_bound, rate_bound, too_long, no_history, disabled), or, for "
+        "an admitted request, what broke the relay (signal_not_seen, prefill_not_ready, "
+        "prefill_<status>, prefix_evicted, prefix_invalidated, deadline_passed); baseline in the "
+        "baseline mode",
+    )
+    unknown_candidates: Count = Field(
+        default=0,
+        description="candidates whose item id the model's vocabulary lacks: ranked as its "
+        "out-of-vocabulary token (the result still names them by the id received)",
+    )
+    unknown_history: Count = Field(
+        default=0, description="events of the ranked history whose item id the model's vocabulary lacks"
     )
     label_item_id: ItemId | None = None
 

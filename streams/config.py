@@ -4,25 +4,37 @@ Primitives:
 - ``PipelineSettings``: the model, the ranking budget, the trigger's knobs, the upstream stages'
   emulated feature-fetch time and the worker's memory budgets.
 - ``trigger_config(p, bytes_per_token)`` / ``engine_config(p)``: the typed configs they feed.
+
+Each default lives in the typed config that uses it (``EngineConfig``, ``TriggerConfig``,
+``PrefixStoreConfig``); a setting here reads it from there.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import BaseModel, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from relaygr.infra.settings import _default_home
+from relaygr.infra.settings import default_home
 from relaygr.streams.trigger import TriggerConfig
-from relaygr.workers.ranker import EngineConfig
+from relaygr.workers.engine_config import EngineConfig
+from relaygr.workers.prefix_store import PrefixStoreConfig
+
+MiB = 1 << 20
+
+
+def _default(config: type[BaseModel], field: str, per: int = 1) -> Any:
+    """The default of ``config.field`` (divided by ``per``: bytes to MiB)."""
+    value = config.model_fields[field].default
+    return value / per if per != 1 else value
 
 
 def _default_model_dir() -> Path:
     home = os.environ.get("RELAYGR_HOME")
-    return (Path(home) if home else _default_home()) / "model"
+    return (Path(home) if home else default_home()) / "model"
 
 
 class PipelineSettings(BaseSettings):
@@ -31,7 +43,7 @@ class PipelineSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="RELAYGR_", extra="ignore")
 
     mode: Literal["relay", "baseline"] = Field(
-        default="relay",
+        default=_default(EngineConfig, "mode"),
         description="relay: trigger + prefix cache; baseline: full inference on every request.",
     )
     model_dir: Path = Field(
@@ -40,26 +52,34 @@ class PipelineSettings(BaseSettings):
     device: str | None = Field(
         default=None, description="Model device (cpu, cuda, cuda:N, npu:N); default: the checkpoint's."
     )
-    budget_ms: float = Field(default=50.0, gt=0, description="Ranking-stage latency budget (P99 SLO), ms.")
+    budget_ms: float = Field(
+        default=_default(EngineConfig, "budget_ms"),
+        gt=0,
+        description="Ranking-stage latency budget (P99 SLO), ms.",
+    )
     theta: float = Field(
-        default=0.5, gt=0, description="Trigger: at risk when predicted full ranking > budget × theta."
+        default=_default(TriggerConfig, "theta"),
+        gt=0,
+        description="Trigger: at risk when predicted full ranking > budget × theta.",
     )
     short_term: int = Field(
-        default=64, ge=0, description="Most recent events computed at ranking time (the suffix)."
+        default=_default(TriggerConfig, "short_term"),
+        ge=0,
+        description="Most recent events computed at ranking time (the suffix).",
     )
     retain_suffix: bool = Field(
-        default=True,
+        default=_default(EngineConfig, "retain_suffix"),
         description="Relay: a ranking keeps the suffix it computed in the prefix store, so the user's "
         "next ranking computes only the events new since.",
     )
     burst_batch: int = Field(
-        default=8,
+        default=_default(EngineConfig, "burst_batch"),
         ge=1,
         description="Relay: one user's rankings that wait for the device together run as one job "
         "of at most this many (their new events computed once); 1 = never.",
     )
     burst_batch_events: int = Field(
-        default=8192,
+        default=_default(EngineConfig, "burst_batch_events"),
         ge=1,
         description="Relay: a burst batch holds at most this many cached events over its rankings "
         "(batching pays for short prefixes; with long ones the first ranking would wait for the rest).",
@@ -72,15 +92,37 @@ class PipelineSettings(BaseSettings):
         description="Emulated feature-fetch time in retrieval and in pre-processing each (W/2).",
     )
     footprint_bound_mb: float = Field(
-        default=512.0, ge=0, description="Trigger bound on live prefix MiB per partition."
+        default=_default(TriggerConfig, "footprint_bound_bytes", MiB),
+        ge=0,
+        description="Trigger bound on live prefix MiB per partition.",
     )
-    prefill_rate_per_s: float = Field(default=200.0, gt=0, description="Trigger bound on pre-inference rate.")
-    lease_ttl_s: float = Field(default=30.0, gt=0, description="Lease of a pre-inferred prefix.")
-    prefill_chunk: int = Field(default=512, ge=1, description="Tokens per pre-inference job on the device.")
-    device_cache_mb: float = Field(default=1024.0, ge=0, description="Prefix store: device tier MiB.")
-    host_cache_mb: float = Field(default=4096.0, ge=0, description="Prefix store: host tier MiB.")
+    prefill_rate_per_s: float = Field(
+        default=_default(TriggerConfig, "prefill_rate_per_s"),
+        gt=0,
+        description="Trigger bound on pre-inference rate.",
+    )
+    lease_ttl_s: float = Field(
+        default=_default(EngineConfig, "lease_ttl_s"), gt=0, description="Lease of a pre-inferred prefix."
+    )
+    prefill_chunk: int = Field(
+        default=_default(EngineConfig, "prefill_chunk"),
+        ge=1,
+        description="Tokens per pre-inference job on the device.",
+    )
+    device_cache_mb: float = Field(
+        default=_default(PrefixStoreConfig, "device_budget_bytes", MiB),
+        ge=0,
+        description="Prefix store: device tier MiB.",
+    )
+    host_cache_mb: float = Field(
+        default=_default(PrefixStoreConfig, "host_budget_bytes", MiB),
+        ge=0,
+        description="Prefix store: host tier MiB.",
+    )
     disk_cache_mb: float = Field(
-        default=16384.0, ge=0, description="Prefix store: RocksDB tier MiB (0 = off)."
+        default=_default(PrefixStoreConfig, "disk_budget_bytes", MiB),
+        ge=0,
+        description="Prefix store: RocksDB tier MiB (0 = off).",
     )
     calibration_file: Path | None = Field(
         default=None,
@@ -88,6 +130,31 @@ class PipelineSettings(BaseSettings):
     )
     max_inflight: int = Field(
         default=256, ge=1, description="Ranking worker: requests in flight before it pauses fetching."
+    )
+    device_slice_ms: float = Field(
+        default=_default(EngineConfig, "slice_ms"),
+        ge=0,
+        description="Ranking worker: longest device job between two scheduling decisions. Pre-inference "
+        "and a relay worker's full rankings run in chunks sized by the latency model to take about "
+        "this long (a chunk late in a long history attends to more keys, so it has fewer tokens); "
+        "0 = chunks of RELAYGR_PREFILL_CHUNK tokens, full rankings in one piece.",
+    )
+    history_retain_events: int | None = Field(
+        default=None,
+        ge=1,
+        description="Ranking worker: events kept per user in its history table (the oldest dropped "
+        "beyond it); default: twice the model's max_seq_len.",
+    )
+    too_long_ttl_factor: float = Field(
+        default=_default(TriggerConfig, "too_long_ttl_factor"),
+        gt=0,
+        description="Trigger: refuse (too_long) a pre-inference predicted to outlast this × the lease TTL.",
+    )
+    too_long_window_factor: float = Field(
+        default=_default(TriggerConfig, "too_long_window_factor"),
+        ge=0,
+        description="Trigger: refuse (too_long) a pre-inference predicted to take longer than this × the "
+        "upstream window (2 × feature fetch + budget); 0 = no such bound.",
     )
     max_task_idle_ms: float = Field(
         default=2000.0,
@@ -115,13 +182,19 @@ class PipelineSettings(BaseSettings):
     )
 
 
-def trigger_config(p: PipelineSettings, bytes_per_token: int) -> TriggerConfig:
+def trigger_config(
+    p: PipelineSettings, bytes_per_token: int, max_seq_len: int | None = None
+) -> TriggerConfig:
     return TriggerConfig(
+        max_seq_len=max_seq_len,
+        window_ms=2 * p.feature_fetch_ms + p.budget_ms,
+        too_long_ttl_factor=p.too_long_ttl_factor,
+        too_long_window_factor=p.too_long_window_factor,
         enabled=p.mode == "relay",
         budget_ms=p.budget_ms,
         theta=p.theta,
         short_term=p.short_term,
-        footprint_bound_bytes=int(p.footprint_bound_mb * (1 << 20)),
+        footprint_bound_bytes=int(p.footprint_bound_mb * MiB),
         bytes_per_token=bytes_per_token,
         prefill_rate_per_s=p.prefill_rate_per_s,
         lease_ttl_s=p.lease_ttl_s,
@@ -137,4 +210,5 @@ def engine_config(p: PipelineSettings) -> EngineConfig:
         retain_suffix=p.retain_suffix,
         burst_batch=p.burst_batch,
         burst_batch_events=p.burst_batch_events,
+        slice_ms=p.device_slice_ms,
     )

@@ -12,6 +12,9 @@ Primitives:
   from a partition, and dropping everything it contributed (its state no longer matches the
   cluster: see ``relaygr.streams.state_lineage``).
 - ``pack`` / ``unpack``: a history as fixed-width records (item int64, action int16, ts float64).
+- Retention: with ``retain_events``, a user's oldest events beyond it are dropped in whole
+  ``retain_align`` steps (``first(user)`` is the absolute index of the oldest one kept), so a
+  user with tens of thousands of events costs a bounded amount of disk and memory.
 - ``HistoryAlignment(table)``: ``await wait(partition, needed, until)`` until the partition's
   progress covers ``needed`` (event-time alignment of a request with its user's behaviours), woken
   by ``notify()`` after each applied batch.
@@ -69,7 +72,18 @@ def to_events(rec: np.ndarray) -> Events:
 
 
 class HistoryTable:
-    def __init__(self, path: str | Path, cache_bytes: int = 256 << 20) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        cache_bytes: int = 256 << 20,
+        *,
+        retain_events: int | None = None,
+        retain_align: int = 1,
+    ) -> None:
+        """``retain_events``: keep at least this many of each user's most recent events (and
+        fewer than ``retain_events`` plus a quarter), dropping older ones in multiples of
+        ``retain_align`` events (the serving window's step, so the window never loses an event
+        it serves); None keeps everything."""
         Path(path).mkdir(parents=True, exist_ok=True)
         opts = Options(raw_mode=True)
         opts.create_if_missing(True)
@@ -79,12 +93,15 @@ class HistoryTable:
         self._progress: dict[int, Positions] = {}  # routed partition -> the ingress's progress
         self._cache: OrderedDict[str, bytearray] = OrderedDict()
         self._cache_bytes, self._cache_limit = 0, cache_bytes
+        self._retain, self._align = retain_events, max(1, retain_align)
+        self.trimmed_events = 0  # events dropped by retention, since start
 
     # Keys: "o/<partition>" -> last applied offset; "n/<user>" -> event count;
     # "e/<user>\0<seq:012d>" -> one packed record (sorted by seq within the user);
     # "s/<user>" -> last applied source offset per source partition (JSON);
     # "m/<partition>" -> the ingress's progress as of the last applied progress record (JSON).
     # "u/<partition>\0<user>" -> b"": the user's events came from that partition.
+    # "f/<user>" -> seq of the user's oldest retained event (absent: 0).
     @staticmethod
     def _okey(partition: int) -> bytes:
         return b"o/" + str(partition).encode()
@@ -128,6 +145,15 @@ class HistoryTable:
     def _sources_of(self, user_id: str) -> Positions:
         raw = self._db.get(b"s/" + user_id.encode())
         return decode_positions(raw) if raw is not None else {}
+
+    def _first(self, user_id: str) -> int:
+        raw = self._db.get(b"f/" + user_id.encode())
+        return int(raw) if raw is not None else 0
+
+    def first(self, user_id: str) -> int:
+        """Absolute index of the user's oldest retained event (older ones were dropped)."""
+        with self._lock:
+            return self._first(user_id)
 
     def _count(self, user_id: str) -> int:
         raw = self._db.get(self._nkey(user_id))
@@ -196,8 +222,16 @@ class HistoryTable:
                     applied += 1
             if last is None:
                 return 0
+            trims: dict[str, int] = {}
             for u, n in counts.items():
                 wb.put(self._nkey(u), str(n).encode())
+                if self._retain is not None:
+                    first = self._first(u)
+                    if n - first > self._retain + max(self._align, self._retain // 4):
+                        keep_from = (n - self._retain) // self._align * self._align
+                        wb.delete_range(self._ekey(u, first), self._ekey(u, keep_from))
+                        wb.put(b"f/" + u.encode(), str(keep_from).encode())
+                        trims[u] = keep_from - first
             for u in moved:
                 wb.put(b"s/" + u.encode(), encode_positions(sources[u]))
             if progress:
@@ -213,6 +247,12 @@ class HistoryTable:
                     added = b"".join(recs)
                     cached += added
                     self._cache_bytes += len(added)
+            for u, dropped in trims.items():
+                self.trimmed_events += dropped
+                cached = self._cache.get(u)
+                if cached is not None:
+                    del cached[: dropped * RECORD.itemsize]
+                    self._cache_bytes -= dropped * RECORD.itemsize
             self._shrink()
             return applied
 
@@ -278,6 +318,7 @@ class HistoryTable:
                     wb.delete_range(self._ekey(u, 0), self._ekey(u, n))
                 wb.delete(self._nkey(u))
                 wb.delete(b"s/" + u.encode())  # its routed sources: a new topic starts at 0
+                wb.delete(b"f/" + u.encode())
                 wb.delete(self._ukey(partition, u))
                 cached = self._cache.pop(u, None)
                 if cached is not None:

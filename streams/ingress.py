@@ -41,7 +41,7 @@ import signal
 import time
 from typing import Any
 
-from aiokafka import TopicPartition
+from aiokafka import ConsumerRebalanceListener, TopicPartition
 from prometheus_client import Counter as PCounter
 from prometheus_client import Histogram
 
@@ -87,6 +87,8 @@ BEHAVIOUR_FETCH = 5000
 INPUTS = ("requests", "behaviors")
 # A behaviours-only router runs at this lower CPU priority (os.nice increment).
 BEHAVIOUR_NICENESS = 5
+# How often the ingress checks that the public topics are still the ones it has been reading.
+WATCH_EVERY_S = 5.0
 # How often a requests router re-reads the behaviours topic's partition count.
 PARTITIONS_REFRESH_S = 30.0
 # Records decoded between two yields to the event loop (the requests' task runs in between).
@@ -107,6 +109,8 @@ class Ingress:
         self._stop = asyncio.Event()
         self._misrouted_seen: set[str] = set()
         self._beh_partitions: tuple[int, float] = (0, 0.0)  # (count, when read)
+        self._forwarded_reset = False  # the behaviours topic was recreated: positions start over
+        self.assigned_at: dict[str, float] = {}  # topic -> when its partitions were last assigned
 
     def stop(self) -> None:
         self._stop.set()
@@ -119,9 +123,8 @@ class Ingress:
         # Requests and behaviours have their own consumers and producers (their own connections):
         # a request never waits behind a large behaviour fetch or batch on the wire.
         if "requests" in self.inputs:
-            self.req_consumer = consumer(
-                self.settings, self.reg.name("requests"), group_id=f"{prefix}-ingress-requests", **common
-            )
+            self.req_consumer = consumer(self.settings, group_id=f"{prefix}-ingress-requests", **common)
+            self.req_consumer.subscribe([self.reg.name("requests")], listener=_Assignments(self))
             # The end-offset look-ups of requests on a connection of their own as well.
             self.offsets = consumer(self.settings, group_id=None)
             self.req_producer = producer(self.settings, linger_ms=0)
@@ -130,11 +133,11 @@ class Ingress:
         if "behaviors" in self.inputs:
             self.beh_consumer = consumer(
                 self.settings,
-                self.reg.name("behaviors"),
                 group_id=f"{prefix}-ingress-behaviors",
                 max_partition_fetch_bytes=4 << 20,
                 **common,
             )
+            self.beh_consumer.subscribe([self.reg.name("behaviors")], listener=_Assignments(self))
             self.beh_producer = producer(self.settings, linger_ms=0, max_batch_size=1 << 20)
             clients += [self.beh_producer, self.beh_consumer]
             loops.append(self._behaviours)
@@ -143,6 +146,7 @@ class Ingress:
             for c in clients:
                 await c.start()
             tasks = [asyncio.create_task(loop()) for loop in loops]
+            tasks.append(asyncio.create_task(self._watch_sources()))
             stop = asyncio.create_task(self._stop.wait())
             done, _ = await asyncio.wait([*tasks, stop], return_when=asyncio.FIRST_COMPLETED)
             for t in tasks:
@@ -159,6 +163,63 @@ class Ingress:
                     await c.stop()
 
     # ------------------------------------------------------------------ checks
+
+    async def _watch_sources(self, interval_s: float = WATCH_EVERY_S) -> None:
+        """Every ``interval_s``, compare the public topics' ids with the ones read so far. A topic
+        deleted and created again (same name, new id) may cause no rebalance at all, and the
+        consumer's positions in the old one would skip the new one's first records: its assigned
+        partitions are read again from the start, logged once and counted."""
+        from relaygr.infra.cluster_identity import ClusterProbe
+        from relaygr.streams.state_lineage import DISCARDED
+
+        watched = [(c, c_topic) for c, c_topic in self._consumers()]
+        probe = ClusterProbe(self.settings)
+        known: dict[str, str] = {}
+        checked = time.monotonic()
+        try:
+            while True:
+                await asyncio.sleep(interval_s)
+                since, checked = checked, time.monotonic()
+                try:
+                    facts = await probe.facts([t for _, t in watched])
+                except Exception:  # the next round retries; routing goes on meanwhile
+                    continue
+                for cons, topic in watched:
+                    t = facts.topics.get(topic)
+                    if t is None or t.topic_id is None:
+                        continue
+                    before = known.setdefault(topic, t.topic_id)
+                    if before == t.topic_id:
+                        continue
+                    known[topic] = t.topic_id
+                    if self.assigned_at.get(topic, 0.0) > since:
+                        # Reassigned since the last check: positions came from the group's
+                        # offsets of the new topic (none yet: its start), not the old ones.
+                        continue
+                    tps = [tp for tp in cons.assignment() if tp.topic == topic]
+                    if tps:
+                        await cons.seek_to_beginning(*tps)
+                    if topic == self.reg.name("behaviors"):
+                        self._forwarded_reset = True
+                    DISCARDED.labels(STAGE, "topic_recreated").inc(len(tps))
+                    log.warning(
+                        "ingress: %s was deleted and created again (id %s, was %s): reading its %d "
+                        "assigned partition(s) from the start",
+                        topic,
+                        t.topic_id,
+                        before,
+                        len(tps),
+                    )
+        finally:
+            await probe.close()
+
+    def _consumers(self) -> list[tuple[Any, str]]:
+        out = []
+        if "requests" in self.inputs:
+            out.append((self.req_consumer, self.reg.name("requests")))
+        if "behaviors" in self.inputs:
+            out.append((self.beh_consumer, self.reg.name("behaviors")))
+        return out
 
     def _check_partition(self, topic: str, partition: int, key: bytes, count: int) -> None:
         """Count (and log once per topic) a record that the producer put on another partition
@@ -256,6 +317,10 @@ class Ingress:
         in_flight: asyncio.Future | None = None
         while True:
             batch = await self.beh_consumer.getmany(timeout_ms=50, max_records=BEHAVIOUR_FETCH)
+            if self._forwarded_reset:  # positions in the old topic say nothing about the new one
+                self._forwarded_reset = False
+                forwarded.clear()
+                marked.clear()
             count = len(self.beh_consumer.partitions_for_topic(src) or ()) or n_out
             # routed partition -> user -> columns of that user's events, in fetch order
             users: dict[int, dict[str, tuple[list, list, list, list, list]]] = {}
@@ -347,6 +412,20 @@ class Ingress:
             lambda: self.beh_producer.send_batch(builder, topic, partition=partition),
             what="routed behaviours",
         )
+
+
+class _Assignments(ConsumerRebalanceListener):
+    """Notes when each input topic's partitions were assigned (see ``_watch_sources``)."""
+
+    def __init__(self, ingress: Ingress) -> None:
+        self.ingress = ingress
+
+    async def on_partitions_revoked(self, revoked) -> None:
+        pass
+
+    async def on_partitions_assigned(self, assigned) -> None:
+        for topic in {tp.topic for tp in assigned}:
+            self.ingress.assigned_at[topic] = time.monotonic()
 
 
 def _batch_record(user_id: str, cols: tuple[list, list, list, list, list]) -> list[tuple[bytes, bytes, list]]:

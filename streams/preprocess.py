@@ -45,16 +45,32 @@ STAGE = "preprocess"
 SEEN_CHUNK = 512
 
 
+def retained_events(p: PipelineSettings) -> int:
+    """Events of a user the stages keep: RELAYGR_HISTORY_RETAIN_EVENTS, else twice the model's
+    max_seq_len (read from the checkpoint's config)."""
+    if p.history_retain_events:
+        return p.history_retain_events
+    import json
+
+    cfg = json.loads((p.model_dir / "config.json").read_text())
+    return 2 * int(cfg.get("max_seq_len", 8192))
+
+
 def _chunk_key(user_id: str, i: int) -> str:
     return f"{user_id}\x00{i}"
 
 
-def seen_add(get, put, user_id: str, items: list[tuple[int, float]]) -> None:
+def seen_add(
+    get, put, user_id: str, items: list[tuple[int, float]], *, keep_chunks: int | None = None, delete=None
+) -> None:
     """Append ``(item, ts)`` behaviours of one user: ``get(key)``/``put(key, value)`` read and
-    write the table. Key ``user_id`` holds the chunk count, ``user_id\0i`` chunk ``i`` (item ->
-    first seen within that chunk). Only the newest chunk is read and rewritten."""
-    chunks = get(user_id) or 0
-    i = max(0, chunks - 1)
+    write the table. Key ``user_id`` holds ``{"f": first chunk kept, "c": chunks written}``,
+    ``user_id\0i`` chunk ``i`` (item -> first seen within that chunk). Only the newest chunk is
+    read and rewritten. With ``keep_chunks``, older chunks are deleted (``delete(key)``) so that a
+    user's state stays bounded however long the history grows."""
+    head = get(user_id) or {"f": 0, "c": 0}
+    first, chunks = head["f"], head["c"]
+    i = max(first, chunks - 1)
     cur = (get(_chunk_key(user_id, i)) or {}) if chunks else {}
     dirty = False
     for item, ts in items:
@@ -66,16 +82,23 @@ def seen_add(get, put, user_id: str, items: list[tuple[int, float]]) -> None:
             i, cur = i + 1, {}
         cur[key] = ts
         dirty = True
-    if dirty:
-        put(_chunk_key(user_id, i), cur)
-        if i + 1 != chunks:
-            put(user_id, i + 1)
+    if not dirty:
+        return
+    put(_chunk_key(user_id, i), cur)
+    new_first = first
+    if keep_chunks is not None and i + 1 - first > keep_chunks:
+        new_first = i + 1 - keep_chunks
+        for old in range(first, new_first):
+            delete(_chunk_key(user_id, old))
+    if i + 1 != chunks or new_first != first:
+        put(user_id, {"f": new_first, "c": i + 1})
 
 
 def seen_before(get, user_id: str, ts: float) -> set[int]:
-    """Items ``user_id`` interacted with strictly before ``ts``."""
+    """Items ``user_id`` interacted with strictly before ``ts`` (among the chunks kept)."""
+    head = get(user_id) or {"f": 0, "c": 0}
     out: set[int] = set()
-    for i in range(get(user_id) or 0):
+    for i in range(head["f"], head["c"]):
         out.update(int(k) for k, t in (get(_chunk_key(user_id, i)) or {}).items() if t < ts)
     return out
 
@@ -97,6 +120,8 @@ def build(settings: Settings, p: PipelineSettings, worker_id: str = "0"):
         partitions=settings.partitions,
         extra_topic_configs=app.relaygr_changelog_configs,
     )
+    # Bounded per user: the chunks covering the most recent events a ranking can serve, twice over.
+    keep_chunks = -(-retained_events(p) // SEEN_CHUNK) + 1
     limit = settings.max_message_bytes
 
     to_dlq = faust_dead_letterer(STAGE, dlq)
@@ -110,7 +135,14 @@ def build(settings: Settings, p: PipelineSettings, worker_id: str = "0"):
             by_user.setdefault(b.user_id, (ev, []))[1].extend(zip(b.item_ids, b.timestamps, strict=True))
         for user, (ev, items) in by_user.items():
             as_event(ev)  # every write of this user goes to its partition's changelog
-            seen_add(seen.get, seen.__setitem__, user, items)
+            seen_add(
+                seen.get,
+                seen.__setitem__,
+                user,
+                items,
+                keep_chunks=keep_chunks,
+                delete=lambda k: seen.pop(k, None),
+            )
 
     async def on_retrieved(ev) -> None:
         r = decode_keyed(RetrievedRequest, ev.key, ev.value, limit)
@@ -130,6 +162,7 @@ def build(settings: Settings, p: PipelineSettings, worker_id: str = "0"):
             top_k=r.top_k,
             deadline_ts=now + p.budget_ms / 1000,
             prefill_expected=r.trigger == TriggerReason.ADMITTED,
+            trigger=r.trigger,
             produced_at=now,
             upstream_ms={
                 "hop_requests": max(0.0, ((r.received_at or r.ts) - r.ts) * 1000),

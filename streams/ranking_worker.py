@@ -24,6 +24,11 @@ Scale-out: the group uses the range assignor, which hands partition p of every s
 histories of the partitions it gets from ``routed-behaviors`` and notes how long that took
 (``history_caught_up`` in its events.jsonl, ``relaygr_history_catchup_seconds``).
 
+Off the relay path, a result says why (``path_reason``): the trigger's refusal (``RankRequest.trigger``),
+or what broke an admitted relay (``signal_not_seen``, ``prefill_not_ready``, ``prefill_<status>``,
+``prefix_evicted``, ``deadline_passed``). A pre-inference that its ranking stopped waiting for is
+abandoned between two chunks.
+
 Model work runs on the engine's device thread; this loop only fetches, schedules and publishes.
 """
 
@@ -35,7 +40,7 @@ import json
 import logging
 import signal
 import time
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 
 import torch
 from aiokafka import ConsumerRebalanceListener, TopicPartition
@@ -54,6 +59,7 @@ from relaygr.schemas import (
     SchemaError,
     ScoredItem,
     TopicRegistry,
+    TriggerReason,
     WorkerStats,
     encode,
 )
@@ -69,12 +75,14 @@ from relaygr.streams.common import (
 from relaygr.streams.config import PipelineSettings, engine_config
 from relaygr.streams.history import HistoryAlignment, HistoryTable
 from relaygr.streams.state_lineage import HistoryLineage, deployment_dir
+from relaygr.workers.calibration import calibrate
 from relaygr.workers.devices import keep_host_pages
+from relaygr.workers.history_window import served, window_step
 from relaygr.workers.latency_model import LatencyModel
 from relaygr.workers.model import HSTURanker
 from relaygr.workers.prefix_kv import Events
 from relaygr.workers.prefix_store import PrefixStore, PrefixStoreConfig
-from relaygr.workers.ranker import RankingEngine, calibrate
+from relaygr.workers.ranker import RankingEngine
 from relaygr.workers.scheduler import DeviceScheduler, Priority
 
 log = logging.getLogger(__name__)
@@ -97,6 +105,10 @@ INCOMPLETE = PCounter(
     "relaygr_rank_history_incomplete_total",
     "Requests ranked before their history covered every behaviour produced before them",
 )
+CAPPED = PCounter(
+    "relaygr_rank_history_capped_total",
+    "Requests whose user's history is longer than the model's max_seq_len (only its tail served)",
+)
 DUPLICATES = PCounter("relaygr_history_duplicates_total", "Routed behaviours applied once already, dropped")
 CATCHUP = Histogram(
     "relaygr_history_catchup_seconds",
@@ -115,6 +127,13 @@ class CatchUp:
         self.end: int | None = None
         self.t0 = time.monotonic()
         self.events = 0
+
+
+UNKNOWN_ITEMS = PCounter(
+    "relaygr_rank_unknown_items_total",
+    "Item ids outside the model's vocabulary, ranked as its out-of-vocabulary token",
+    ["where"],
+)
 
 
 class OffsetTracker:
@@ -185,16 +204,24 @@ class RankingWorker:
                 clock=time.time,
             )
         self.engine = RankingEngine(self.model, self.store, self.scheduler, engine_config(p), self.latency)
-        self.history = HistoryTable(self.dir / "history")
+        # Serve at most the model's max_seq_len most recent events; keep a bounded tail per user.
+        self.max_seq_len = self.model.config.max_seq_len
+        self.window_step = window_step(self.max_seq_len)
+        self.history = HistoryTable(
+            self.dir / "history",
+            retain_events=p.history_retain_events or 2 * self.max_seq_len,
+            retain_align=self.window_step,
+        )
         self.alignment = HistoryAlignment(self.history)
         self.lineage = HistoryLineage(STAGE, settings, self.dir, self.history, self.store)
         self.tracker = OffsetTracker()
         self.tasks: set[asyncio.Task] = set()
-        self.counts: Counter[str] = Counter()
         self.assigned: set[TopicPartition] = set()
         self.catching_up: dict[int, CatchUp] = {}  # behaviours partition -> its rebuild in progress
         self.peak_inflight = 0
         self.signals_seen: OrderedDict[str, asyncio.Event] = OrderedDict()
+        # Pre-inference outcome per request id: a result that missed its prefix says why.
+        self.prefill_status: OrderedDict[str, str] = OrderedDict()
 
         self.events_log = open(self.dir / "events.jsonl", "a", buffering=1)  # noqa: SIM115
         self._stop = asyncio.Event()
@@ -202,7 +229,7 @@ class RankingWorker:
     def _latency_model(self) -> LatencyModel:
         if self.p.calibration_file is not None and self.p.calibration_file.exists():
             return LatencyModel.load(self.p.calibration_file)
-        model, samples = calibrate(self.model, lengths=(64, 256, 512, 1024, 2048), repeats=2)
+        model, samples = calibrate(self.model, repeats=2)
         log.info("calibrated full ranking on this machine: %s -> %s", samples, model)
         return model
 
@@ -308,7 +335,6 @@ class RankingWorker:
             self.tracker.done(tp, m.offset)
         except Exception:  # not marked done: the offset stays uncommitted and is redelivered
             log.exception("handling %s@%d failed", tp, m.offset)
-            self.counts["handler_errors"] += 1
 
     async def _commit(self) -> None:
         offsets = self.tracker.committable(self.assigned)
@@ -392,6 +418,18 @@ class RankingWorker:
             seconds=round(seconds, 3),
         )
 
+    def _served_history(self, user_id: str, before_ts: float) -> tuple[Events, int, bool, int]:
+        """The user's events before ``before_ts`` that a ranking reads (at most max_seq_len, the
+        most recent, in a window moving by whole steps) in model item ids, how many there are in
+        all, whether the window left some out, and how many of its items the vocabulary lacks."""
+        full = self.history.get(user_id, before_ts)
+        first = self.history.first(user_id)
+        hist, capped = served(full, first, self.max_seq_len, self.window_step)
+        # The table keeps raw ids; the mapping is a pure function of them, so a cached prefix of
+        # the mapped history stays the prefix of the next one.
+        items, unknown = self.model.vocab.to_model_tensor(hist.item_ids)
+        return Events(items, hist.action_ids, hist.timestamps), first + len(full), capped, unknown
+
     async def _await_history(self, partition: int, needed: dict[str, int] | None, until: float) -> bool:
         """Wait until ``partition``'s history covers the behaviours ``needed`` (public partition
         -> end offset when the ingress read the request), at most until ``until`` (monotonic).
@@ -441,7 +479,7 @@ class RankingWorker:
         done = self.signals_seen[s.request_id] = asyncio.Event()
         while len(self.signals_seen) > 100_000:
             self.signals_seen.popitem(last=False)
-        hist = self.history.get(s.user_id, s.model_ts)
+        hist, _, _, _ = self._served_history(s.user_id, s.model_ts)
         # Retrieval counted the history from its own table; keep the short-term suffix out of the
         # prefix by this worker's count too (it may have ingested fewer events so far).
         n = min(s.prefix_len, len(hist) - min(self.p.short_term, len(hist)))
@@ -449,10 +487,12 @@ class RankingWorker:
             out = await self.engine.prefill(
                 s.user_id, hist, s.lease_ttl_s, prefix_len=n, owner=self.worker_id
             )
+            self.prefill_status[s.request_id] = out.status
+            while len(self.prefill_status) > 100_000:
+                self.prefill_status.popitem(last=False)
         finally:
             done.set()
         PREFILLS.labels(out.status.split(":")[0]).inc()
-        self.counts[f"prefill_{out.status}"] += 1
         self._note(
             event="prefill",
             request_id=s.request_id,
@@ -463,16 +503,18 @@ class RankingWorker:
             ms=round(out.ms, 3),
         )
 
-    async def _await_signal(self, r: RankRequest, hist: Events) -> None:
+    async def _await_signal(self, r: RankRequest, hist: Events) -> str | None:
         """The prefill signal of this request travels on its own topic and may be fetched after
         the rank request. Wait for it while full ranking would still meet the deadline, then for
         its pre-inference while ranking the suffix would (the engine decides the path after).
         No wait when the store already holds nearly what that pre-inference would compute (an
-        earlier ranking of this user kept it): see ``worth_waiting``."""
+        earlier ranking of this user kept it): see ``worth_waiting``.
+
+        Returns why a relay would fail now (``signal_not_seen``, ``prefill_not_ready``), or None."""
         store = self.engine.store
         cached = store.cached_length(r.user_id, hist) if store is not None else 0
         if not worth_waiting(len(hist), cached, self.p.short_term):
-            return
+            return None
         n = len(hist)
         lat = self.engine.latency
         until_full = time.monotonic() + r.deadline_ts - time.time() - lat.predict_ms(n) / 1000
@@ -485,29 +527,48 @@ class RankingWorker:
             room_s = (
                 r.deadline_ts - time.time() - lat.predict_ms(self.p.short_term + len(r.candidates)) / 1000
             )
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(done.wait(), max(0.0, room_s))
+            try:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(done.wait(), max(0.0, room_s))
+            finally:
+                self.engine.yield_prefill(r.user_id)  # waited enough: rank now, not behind it
+        if done is None:
+            return "signal_not_seen"
+        if done.is_set():
+            return None
+        # Late for its request: finishing it would only delay the pre-inferences still on time.
+        self.engine.abandon_prefill(r.user_id)
+        return "prefill_not_ready"
 
     async def _handle_rank(self, tp: TopicPartition, m) -> None:
         r = decode_keyed(RankRequest, m.key, m.value, self.settings.max_message_bytes)
         t_in = time.time()
         # Wait for the behaviours produced before the request while full ranking of what is
         # there would still meet the deadline, and at most max_task_idle_ms.
-        hist = self.history.get(r.user_id, r.model_ts)
+        hist, total, capped, unknown_history = self._served_history(r.user_id, r.model_ts)
         room_s = r.deadline_ts - t_in - self.engine.latency.predict_ms(len(hist)) / 1000
         until = time.monotonic() + max(0.0, min(room_s, self.p.max_task_idle_ms / 1000))
         t_hist = time.time()
         complete = await self._await_history(tp.partition, r.behaviors_needed, until)
         history_wait = (time.time() - t_hist) * 1000
         if history_wait > 0.05:  # behaviours were applied meanwhile
-            hist = self.history.get(r.user_id, r.model_ts)
+            hist, total, capped, unknown_history = self._served_history(r.user_id, r.model_ts)
+        if capped:
+            CAPPED.inc()
         if not complete:
             INCOMPLETE.inc()
-        cands = torch.tensor(r.candidates, dtype=torch.int64)
+        # Candidates are scored in model ids; the result names them by the raw ids received.
+        raw_cands = torch.tensor(r.candidates, dtype=torch.int64)
+        cands, unknown_candidates = self.model.vocab.to_model_tensor(raw_cands)
+        if unknown_candidates:
+            UNKNOWN_ITEMS.labels("candidate").inc(unknown_candidates)
+        if unknown_history:
+            UNKNOWN_ITEMS.labels("history").inc(unknown_history)
         signal_wait = 0.0
+        relay_blocker: str | None = None
         if r.prefill_expected and self.p.mode == "relay":
             t_sig = time.time()
-            await self._await_signal(r, hist)
+            relay_blocker = await self._await_signal(r, hist)
             signal_wait = (time.time() - t_sig) * 1000
         if t_in >= r.deadline_ts:
             path, items, oc = (
@@ -545,20 +606,24 @@ class RankingWorker:
             latency_ms=max(0.0, (now - r.ts) * 1000),
             worker_id=self.worker_id,
             breakdown_ms=breakdown,
-            history_len=len(hist),
+            history_len=total,
             used_len=oc.used_len if oc else 0,
             tokens_computed=oc.tokens_computed if oc else 0,
             prefix_len=oc.prefix_len if oc else 0,
             prefix_tier=oc.prefix_tier if oc else None,
             prefix_worker_id=oc.prefix_owner if oc else None,
             history_complete=complete,
+            path_reason=path_reason(
+                r, path, self.p.mode, relay_blocker, self.prefill_status.get(r.request_id)
+            ),
+            unknown_candidates=unknown_candidates,
+            unknown_history=unknown_history,
             label_item_id=r.label_item_id,
         )
         topic = self.reg.name("results")
         await deliver(lambda: self.producer.send_and_wait(topic, encode(res), key=res.key()), what="result")
         PATHS.labels(path.value).inc()
         E2E.labels(path.value).observe(now - r.produced_at)
-        self.counts[f"path_{path.value}"] += 1
         self._note(
             event="result",
             request_id=r.request_id,
@@ -591,6 +656,33 @@ class RankingWorker:
                 await self.producer.send_and_wait(self.reg.name("worker_stats"), encode(st), key=st.key())
             except Exception:
                 log.exception("publishing worker stats failed")
+
+
+def path_reason(
+    r: RankRequest, path: RankPath, mode: str, relay_blocker: str | None, prefill_status: str | None
+) -> str | None:
+    """Why ``r`` did not take a relay path (None when it did). ``relay_blocker``: what the wait
+    for its prefill signal found (``_await_signal``); ``prefill_status``: the outcome of its
+    pre-inference on this worker, if any."""
+    if path in (RankPath.RELAY, RankPath.RELAY_WAITED, RankPath.RELAY_EXTENDED):
+        return None
+    if path is RankPath.BASELINE or mode != "relay":
+        return "baseline"
+    if path is RankPath.TIMEOUT:
+        return "deadline_passed"  # the rank request reached the worker after its deadline
+    if path is RankPath.COLD_START:
+        return TriggerReason.NO_HISTORY.value
+    if not r.prefill_expected:
+        return (r.trigger or TriggerReason.NOT_AT_RISK).value
+    if relay_blocker is not None:
+        return relay_blocker
+    if prefill_status is not None and prefill_status not in _PREFIX_READY:
+        return "prefill_" + prefill_status.replace(":", "_")
+    return "prefix_evicted"  # pre-inferred (or cached earlier), gone by the ranking
+
+
+# Pre-inference outcomes that leave a prefix in the store.
+_PREFIX_READY = frozenset({"computed", "extended", "device", "host", "disk", "merged"})
 
 
 def worth_waiting(history_len: int, cached_len: int, short_term: int) -> bool:

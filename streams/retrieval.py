@@ -36,6 +36,7 @@ from relaygr.schemas import (
     decode,
     encode,
 )
+from relaygr.schemas.events import MAX_ITEM_ID
 from relaygr.streams.common import (
     decode_keyed,
     deliver,
@@ -50,6 +51,7 @@ from relaygr.streams.common import (
 from relaygr.streams.config import PipelineSettings, trigger_config
 from relaygr.streams.trigger import SequenceAwareTrigger
 from relaygr.workers.latency_model import LatencyModel
+from relaygr.workers.vocab import OOV, ItemVocab
 
 log = logging.getLogger(__name__)
 
@@ -71,32 +73,49 @@ LAT = Histogram(
 
 
 class CandidateGenerator:
-    """Top-K by inner product with the mean embedding of the user's recent items."""
+    """Top-K by inner product with the mean embedding of the user's recent items.
 
-    def __init__(self, item_emb: np.ndarray) -> None:
+    Takes and returns raw item ids: ``vocab`` (the checkpoint's) maps them to embedding rows and
+    back, so a candidate is always an item of the model's catalogue, named as producers name it."""
+
+    def __init__(self, item_emb: np.ndarray, vocab: ItemVocab | None = None) -> None:
         self.emb = np.ascontiguousarray(item_emb, dtype=np.float32)
-        self.num_items = self.emb.shape[0] - 1  # row 0 is padding/unknown
-        self.popularity: Counter[int] = Counter()
+        self.num_items = self.emb.shape[0] - 1  # row 0 is the out-of-vocabulary token
+        self.vocab = vocab if vocab is not None else ItemVocab.identity_of(self.num_items)
+        self.popularity: Counter[int] = Counter()  # by model id
 
     def observe(self, item_id: int) -> None:
-        self.popularity[item_id] += 1
+        self.observe_many([item_id])
 
     def observe_many(self, item_ids: list[int]) -> None:
-        self.popularity.update(item_ids)
+        rows, _ = self.vocab.to_model(item_ids)
+        self.popularity.update(int(r) for r in rows if r != OOV)
 
     def candidates(self, recent_items: list[int], k: int) -> list[int]:
         k = min(k, self.num_items)
-        known = [i for i in recent_items if 0 < i <= self.num_items]
+        known = [int(r) for r in self.vocab.to_model(recent_items)[0] if r != OOV] if recent_items else []
         if not known:
             popular = [i for i, _ in self.popularity.most_common(k)]
             taken = set(popular)
             rest = [i for i in range(1, self.num_items + 1) if i not in taken]
-            return popular + rest[: k - len(popular)]
+            return self._raw(popular + rest[: k - len(popular)])
         u = self.emb[known].mean(axis=0)
         scores = self.emb @ u
         scores[0] = -np.inf
         top = np.argpartition(-scores, k)[:k] if k < len(scores) - 1 else np.arange(1, len(scores))
-        return [int(i) for i in top[np.argsort(-scores[top], kind="stable")]]
+        return self._raw([int(i) for i in top[np.argsort(-scores[top], kind="stable")]])
+
+    def _raw(self, rows: list[int]) -> list[int]:
+        # The wire carries integer ids: a catalogue id that is no integer cannot be a candidate.
+        out = []
+        for r in self.vocab.to_raw(rows):
+            try:
+                wire = int(r)
+            except ValueError:
+                continue
+            if 0 < wire <= MAX_ITEM_ID:
+                out.append(wire)
+        return out
 
 
 def summary_add(summary: dict | None, batch: BehaviorBatch) -> dict:
@@ -128,13 +147,15 @@ def summary_before(summary: dict | None, ts: float) -> tuple[int, list[int]]:
     return max(0, summary["n"] - len(newer)), recent
 
 
-def load_item_embeddings(p: PipelineSettings) -> tuple[np.ndarray, int]:
-    """Item embeddings of the trained model and its KV bytes per token."""
+def load_item_embeddings(p: PipelineSettings) -> tuple[np.ndarray, ItemVocab, int, int]:
+    """Item embeddings of the trained model, its vocabulary, its KV bytes per token and its
+    served length cap."""
     from relaygr.workers.model import HSTURanker
     from relaygr.workers.ranker import kv_bytes_per_token
 
     model = HSTURanker.load(p.model_dir, device="cpu")
-    return model.item_embeddings().float().cpu().numpy(), kv_bytes_per_token(model)
+    emb = model.item_embeddings().float().cpu().numpy()
+    return emb, model.vocab, kv_bytes_per_token(model), model.config.max_seq_len
 
 
 def load_latency(p: PipelineSettings) -> LatencyModel:
@@ -157,10 +178,9 @@ def build(settings: Settings, p: PipelineSettings, worker_id: str = "0"):
         partitions=settings.partitions,
         extra_topic_configs=app.relaygr_changelog_configs,
     )
-    emb, bytes_per_token = load_item_embeddings(p)
-    gen = CandidateGenerator(emb)
-    trigger = SequenceAwareTrigger(trigger_config(p, bytes_per_token), load_latency(p))
-    app.relaygr_trigger = trigger  # for inspection
+    emb, vocab, bytes_per_token, max_seq_len = load_item_embeddings(p)
+    gen = CandidateGenerator(emb, vocab)
+    trigger = SequenceAwareTrigger(trigger_config(p, bytes_per_token, max_seq_len), load_latency(p))
     limit = settings.max_message_bytes
 
     to_dlq = faust_dead_letterer(STAGE, dlq)

@@ -5,7 +5,9 @@ Primitives:
 - ``TokenBucket``: the pre-inference rate bound.
 - ``SequenceAwareTrigger.decide(user_id, partition, history_len, now)``: a ``Decision`` with its
   ``TriggerReason``. Admit iff full ranking of this history is predicted (by the calibrated
-  ``LatencyModel``) to exceed ``budget × θ`` AND the bytes of live prefixes on that partition stay
+  ``LatencyModel``; of at most the ``max_seq_len`` served events) to exceed ``budget × θ`` AND
+  its pre-inference is predicted to end within the lease and a multiple of the upstream window
+  (else ``too_long``) AND the bytes of live prefixes on that partition stay
   under the footprint bound AND the token bucket has a token. Every decision is counted.
 
 The footprint is estimated here from admitted signals (bytes per token × prefix length, alive for
@@ -22,12 +24,18 @@ from dataclasses import dataclass
 from pydantic import BaseModel, Field
 
 from relaygr.schemas import TriggerReason
+from relaygr.workers.engine_config import EngineConfig
 from relaygr.workers.latency_model import LatencyModel
+from relaygr.workers.leases import DEFAULT_LEASE_TTL_S
 
 
 class TriggerConfig(BaseModel):
     enabled: bool = Field(default=True, description="False = never pre-infer (the baseline mode).")
-    budget_ms: float = Field(default=50.0, gt=0, description="P99 budget of the ranking stage.")
+    budget_ms: float = Field(
+        default=EngineConfig.model_fields["budget_ms"].default,
+        gt=0,
+        description="P99 budget of the ranking stage.",
+    )
     theta: float = Field(
         default=0.5, gt=0, le=10, description="At risk when predicted full ranking exceeds budget × theta."
     )
@@ -41,7 +49,28 @@ class TriggerConfig(BaseModel):
     )
     prefill_rate_per_s: float = Field(default=200.0, gt=0, description="Token-bucket rate of pre-inference.")
     prefill_burst: float = Field(default=50.0, ge=1, description="Token-bucket depth.")
-    lease_ttl_s: float = Field(default=30.0, gt=0, description="How long a pre-inferred prefix stays pinned.")
+    lease_ttl_s: float = Field(
+        default=DEFAULT_LEASE_TTL_S, gt=0, description="How long a pre-inferred prefix stays pinned."
+    )
+    max_seq_len: int | None = Field(
+        default=None, ge=1, description="Events a ranking serves at most (the model's cap); None: all."
+    )
+    window_ms: float = Field(
+        default=50.0,
+        gt=0,
+        description="Upstream window: trigger to ranking deadline (feature fetch + budget).",
+    )
+    too_long_ttl_factor: float = Field(
+        default=1.0,
+        gt=0,
+        description="Refuse (too_long) a pre-inference predicted to take longer than this × the lease TTL.",
+    )
+    too_long_window_factor: float = Field(
+        default=100.0,
+        ge=0,
+        description="Refuse (too_long) a pre-inference predicted to take longer than this × the upstream "
+        "window (0 = no such bound).",
+    )
 
 
 class TokenBucket:
@@ -103,12 +132,20 @@ class SequenceAwareTrigger:
         c = self.config
         if not c.enabled:
             return Decision(TriggerReason.DISABLED)
+        if c.max_seq_len is not None:
+            history_len = min(history_len, c.max_seq_len)  # what a ranking serves of it
         prefix_len = history_len - c.short_term
         if history_len == 0 or prefix_len < c.min_prefix:
             return Decision(TriggerReason.NO_HISTORY if history_len == 0 else TriggerReason.NOT_AT_RISK)
         predicted = self.latency.predict_ms(history_len)
         if predicted <= c.budget_ms * c.theta:
             return Decision(TriggerReason.NOT_AT_RISK, prefix_len, predicted)
+        # A pre-inference that outlives its lease, or the request by far, cannot pay off.
+        prefill_ms = self.latency.predict_ms(prefix_len)
+        if prefill_ms > c.too_long_ttl_factor * c.lease_ttl_s * 1000 or (
+            c.too_long_window_factor and prefill_ms > c.too_long_window_factor * c.window_ms
+        ):
+            return Decision(TriggerReason.TOO_LONG, prefix_len, predicted)
         est = prefix_len * c.bytes_per_token
         if self.live_bytes(partition, now) + est > c.footprint_bound_bytes:
             return Decision(TriggerReason.FOOTPRINT_BOUND, prefix_len, predicted, est)

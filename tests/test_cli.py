@@ -6,7 +6,8 @@ import argparse
 
 import pytest
 
-from relaygr.cli import int_at_least, main
+from relaygr.cli import main
+from relaygr.tools.args import int_at_least
 
 
 def test_int_at_least() -> None:
@@ -32,3 +33,9 @@ def test_bad_numbers_are_usage_errors(argv: list[str], message: str, capsys) -> 
         main(argv)
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_demo_runs_one_ranking_worker_per_two_cores_at_most_two() -> None:
+    from relaygr.demo import default_ranking_workers
+
+    assert [default_ranking_workers(c) for c in (1, 2, 3, 4, 16)] == [1, 1, 1, 2, 2]

@@ -26,7 +26,7 @@ from relaygr.schemas import (
     decode,
     encode,
 )
-from relaygr.streams.up import Pipeline
+from relaygr.tools.up import Pipeline
 
 pytestmark = pytest.mark.broker
 

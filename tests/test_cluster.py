@@ -31,8 +31,9 @@ from relaygr.infra import broker
 from relaygr.infra.kafka import admin, delete_topics_with_prefix, ensure_topics, partition_for, producer
 from relaygr.infra.settings import Settings
 from relaygr.schemas import RecommendationRequest, TopicRegistry, encode
-from relaygr.streams.traffic import collect_results, leave_last_out, publish, wait_ingested
-from relaygr.streams.up import Pipeline
+from relaygr.tools.barriers import wait_groups_caught_up
+from relaygr.tools.traffic import collect_results, leave_last_out, publish
+from relaygr.tools.up import Pipeline
 from relaygr.workers.movielens import load_movielens
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
@@ -164,7 +165,7 @@ async def test_broker_crash_during_a_replay_loses_nothing(cluster, tmp_path, mod
             ["node", str(i), "up"] for i in (1, 2, 3)
         ]
         caught_up_s = time.monotonic() - t_back
-        await wait_ingested(s, reg)
+        await wait_groups_caught_up(s, reg)
         sent += await publish(s, reg, [], later_requests, qps=20, settle_s=0.0)
         results = await collect_results(s, reg, ids(sent), timeout_s=180)
         table, copies = await read_results(s, reg)

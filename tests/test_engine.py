@@ -8,12 +8,14 @@ import time
 
 import pytest
 import torch
+from store_probe import is_leased
 
+from relaygr.workers.engine_config import EngineConfig
 from relaygr.workers.latency_model import LatencyModel
 from relaygr.workers.model import HSTUConfig, HSTURanker
 from relaygr.workers.prefix_kv import Events
 from relaygr.workers.prefix_store import PrefixStore, PrefixStoreConfig
-from relaygr.workers.ranker import EngineConfig, RankingEngine, kv_bytes_per_token
+from relaygr.workers.ranker import RankingEngine, kv_bytes_per_token
 from relaygr.workers.scheduler import DeviceScheduler, Priority
 
 FAR = 1e12  # a deadline that never passes
@@ -64,7 +66,7 @@ async def test_relay_after_prefill_equals_full(model) -> None:
     assert res.tokens_computed == 20 + 40
     full = model.rank_full(h, cands, float(h.timestamps[-1]) + 60)
     torch.testing.assert_close(res.scores, full, rtol=1e-5, atol=1e-5)
-    assert not e.store.is_leased("u")  # ranking consumed the lease
+    assert not is_leased(e.store, "u")  # ranking consumed the lease
     e.scheduler.close()
 
 
@@ -75,7 +77,7 @@ async def test_a_burst_of_one_users_rankings_shares_a_device_job(model) -> None:
     h = history(330, seed=4)
     await e.prefill("u", h.slice(0, 300))
     gate = threading.Event()
-    blocker = e.scheduler.submit(lambda: gate.wait(5), priority=Priority.RANK)
+    blocker = e.scheduler.submit(lambda: gate.wait(5), priority=Priority.RANK, deadline=0.0)  # runs first
     lengths = [305, 312, 330, 301, 320]
     ranks = [
         asyncio.create_task(
@@ -105,7 +107,7 @@ async def test_burst_batches_hold_a_bounded_number_of_cached_events(model) -> No
     h = history(610, seed=5)
     await e.prefill("u", h.slice(0, 600))
     gate = threading.Event()
-    blocker = e.scheduler.submit(lambda: gate.wait(5), priority=Priority.RANK)
+    blocker = e.scheduler.submit(lambda: gate.wait(5), priority=Priority.RANK, deadline=0.0)  # runs first
     ranks = [
         asyncio.create_task(e.rank("u", h.slice(0, 601 + i), torch.arange(1, 9), 2e9, time.time() + 30))
         for i in range(5)
@@ -188,6 +190,44 @@ async def test_expedite_prefill_moves_a_pre_inference_ahead_of_queued_rankings(m
     await asyncio.gather(pre, *others)
     assert done.index("u") < 3, done
     assert not e._urgent
+    e.scheduler.close()
+
+
+async def test_abandoned_prefill_stops_between_chunks_and_frees_its_lease(model) -> None:
+    # A ranking went ahead without this pre-inference while pre-inference is backed up (here: any
+    # backlog at all): its remaining chunks are not run.
+    e = engine(model, prefill_chunk=16, abandon_backlog=0)
+    h = history(600, seed=4)
+    blocker = threading.Event()
+    gate = e.scheduler.submit(blocker.wait, priority=Priority.RANK)  # holds the device
+    pre = asyncio.create_task(e.prefill("u", h))
+    while not e.store.in_flight("u"):
+        await asyncio.sleep(0)
+    e.abandon_prefill("u")
+    blocker.set()
+    await gate
+    out = await pre
+    assert out.status == "abandoned"
+    assert not is_leased(e.store, "u") and not e.store.in_flight("u")
+    assert e.store.cached_length("u", h) == 0
+    again = await e.prefill("u", h)  # a later signal computes it afresh
+    assert again.status == "computed" and again.prefix_len == 600
+    e.scheduler.close()
+
+
+async def test_without_a_backlog_a_late_prefill_finishes_for_the_next_request(model) -> None:
+    e = engine(model, prefill_chunk=16, abandon_backlog=2)
+    h = history(600, seed=4)
+    blocker = threading.Event()
+    gate = e.scheduler.submit(blocker.wait, priority=Priority.RANK, deadline=0.0)
+    pre = asyncio.create_task(e.prefill("u", h))
+    while not e.store.in_flight("u"):
+        await asyncio.sleep(0)
+    e.abandon_prefill("u")  # one pre-inference queued: not a backlog
+    blocker.set()
+    await gate
+    out = await pre
+    assert out.status == "computed" and e.store.cached_length("u", h) == 600
     e.scheduler.close()
 
 

@@ -14,41 +14,67 @@ from pathlib import Path
 import pytest
 import torch
 
-from relaygr.experiment import PointRun, Protocol, best, write_experiment_report
 from relaygr.infra.kafka import delete_topics_with_prefix, ensure_topics
 from relaygr.schemas import TopicRegistry
-from relaygr.streams.replay import Replayer, plan_replay, wait_ingested
-from relaygr.streams.trace import Trace, TraceTopics, build_trace, load_trace, publish_trace
-from relaygr.streams.traffic import collect_results
-from relaygr.streams.up import Pipeline
+from relaygr.tools.barriers import wait_sentinels_applied
+from relaygr.tools.experiment.kinds import KINDS
+from relaygr.tools.experiment.protocol import PointRun, Protocol, best
+from relaygr.tools.experiment.report import write_experiment_report
+from relaygr.tools.replay import Replayer, plan_replay
+from relaygr.tools.report.summary import RunSummary
+from relaygr.tools.trace import Trace, TraceTopics, build_trace, load_trace, publish_trace
+from relaygr.tools.traffic import collect_results
+from relaygr.tools.up import Pipeline
 from relaygr.workers.latency_model import LatencyModel
 from relaygr.workers.model import HSTUConfig, HSTURanker
 from relaygr.workers.movielens import load_movielens
 
 
-def _point(x: float, mode: str, holds: bool, p99: float) -> PointRun:
-    summary = {
-        "latency_ms": {
-            "ranking": {"p50": p99 / 2, "p99": p99, "p99.9": p99},
-            "end_to_end": {"p99": p99 + 50},
-        },
-        "slo": {
-            "requests": 10,
-            "compliance": 1.0 if holds else 0.5,
-            "holds_slo": holds,
-            "slo_throughput_qps": x,
-        },
-        "history": {"mean_history_len": 100.0, "mean_used_len": 100.0 if holds else 50.0},
-        "trigger": {"admission_rate": 1.0 if mode == "relay" else 0.0},
-        "hit_rates": {"prefill": {"device": 0.5, "computed": 0.5, "hit": 0.5}} if mode == "relay" else {},
-        "quality": {"hr@10": 0.1, "ndcg@10": 0.05, "labelled": 10},
-        "paths": {"relay": {"count": 10, "share": 1.0}},
-    }
-    return PointRun(x, mode, summary, {}, 10, [p99 / 2, p99])
+def _point(x: float, mode: str, holds: bool, p99: float, attempt: int = 2) -> PointRun:
+    def lat(p: float) -> dict:
+        return {"p50": p / 2, "p90": p, "p99": p, "p99.9": p, "mean": p / 2, "max": p, "n": 10}
+
+    summary = RunSummary.model_validate(
+        {
+            "latency_ms": {"ranking": lat(p99), "end_to_end": lat(p99 + 50)},
+            "slo": {
+                "slo_ms": 40.0,
+                "requests": 10,
+                "results": 10,
+                "compliant": 10 if holds else 5,
+                "compliance": 1.0 if holds else 0.5,
+                "within_latency": 10,
+                "truncated": 0,
+                "timeouts": 0,
+                "missing": 0,
+                "slo_p99_ms": p99,
+                "holds_slo": holds,
+                "duration_s": 1.0,
+                "throughput_qps": x,
+                "slo_throughput_qps": x,
+            },
+            "history": {
+                "mean_history_len": 100.0,
+                "mean_used_len": 100.0 if holds else 50.0,
+                "mean_tokens_computed": 10.0,
+                "mean_prefix_len": 90.0,
+            },
+            "trigger": {"admission_rate": 1.0 if mode == "relay" else 0.0},
+            "hit_rates": {"prefill": {"device": 0.5, "computed": 0.5, "hit": 0.5, "n": 10}}
+            if mode == "relay"
+            else {},
+            "quality": {"hr@10": 0.1, "ndcg@10": 0.05, "labelled": 10},
+            "paths": {"relay": {"count": 10, "share": 1.0}},
+            "path_reasons": {},
+        }
+    )
+    return PointRun(x, mode, summary, {}, 10, [p99 / 2, p99], attempt=attempt)
 
 
 def test_experiment_report_from_points(tmp_path) -> None:
     pts = [
+        _point(512, "relay", False, 90, attempt=1),  # the first point's first run: shown, not counted
+        _point(512, "baseline", False, 95, attempt=1),
         _point(512, "relay", True, 10),
         _point(512, "baseline", True, 12),
         _point(1024, "relay", True, 11),
@@ -74,7 +100,7 @@ def test_experiment_report_from_points(tmp_path) -> None:
         "span_s": 9,
     }
     traces = {x: Trace([], [], meta=meta) for x in (512, 1024, 2048, 4096)}
-    doc = write_experiment_report(tmp_path, "seq-len", proto, pts, traces, None)
+    doc = write_experiment_report(tmp_path, KINDS["seq-len"], proto, pts, traces, None)
     h = doc["headline"]
     assert h["relay_max_len"] == 2048 and h["baseline_max_len"] == 1024
     assert h["ratio"] == pytest.approx(2.0) and h["met_target"] is True
@@ -90,6 +116,8 @@ def test_experiment_report_from_points(tmp_path) -> None:
     md = (tmp_path / "report.md").read_text()
     assert md.index("## Protocol") < md.index("## Result") < md.index("## Points")
     assert "B = 40 ms" in md and "Ratio relay / baseline: 2.00×" in md
+    assert md.count("| first (not counted) | 512 |") == 2
+    assert [(p["x"], p["attempt"]) for p in doc["points"][:4]] == [(512, 1), (512, 2), (512, 1), (512, 2)]
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +165,7 @@ async def test_trace_replay_report_end_to_end(kafka_settings, tmp_path_factory, 
             for r in window:
                 first.setdefault(r.user_id, r.model_ts)
             await rp.preload(first)
-            await wait_ingested(settings, reg, timeout_s=120)
+            await wait_sentinels_applied(settings, reg, timeout_s=120)
             sent_w = await rp.run(plan_replay(warm, qps=20), behaviours=False)
             assert len(
                 await collect_results(settings, reg, {r.request_id for r in sent_w}, timeout_s=60)
@@ -169,3 +197,37 @@ async def test_trace_replay_report_end_to_end(kafka_settings, tmp_path_factory, 
     assert rep["summary"]["history"]["mean_history_len"] >= 128  # the synthesised length, then growth
     for name in ("latency_cdf.png", "p99_vs_qps.png", "p99_vs_seq_len.png", "hit_rates.png", "report.md"):
         assert (out / name).stat().st_size > 500, name
+
+
+def test_sweep_runs_the_first_point_twice_in_each_mode(monkeypatch) -> None:
+    import argparse
+    import types
+
+    from relaygr.tools.experiment import command, deployment
+
+    calls: list[tuple[float, str, int]] = []
+
+    def fake_run_one(run, d, trace, x, i, attempt, n_requests, slo_ms, n_points) -> PointRun:
+        calls.append((x, d.mode, attempt))
+        return _point(x, d.mode, True, 10.0, attempt=attempt)
+
+    monkeypatch.setattr(command, "_run_one", fake_run_one)
+    monkeypatch.setattr(deployment, "build_and_publish", lambda *a, **k: Trace([], [], meta={}))
+    kind = types.SimpleNamespace(
+        requests=lambda args, x: 10,
+        trace=lambda args, x, n: types.SimpleNamespace(requests=n, length=int(x), topic_suffix=f"t{x:g}"),
+    )
+    run = types.SimpleNamespace(
+        args=argparse.Namespace(patience=2), kind=kind, run_id="r", settings=None, ml=None, window_start=0
+    )
+    deps = [types.SimpleNamespace(mode="relay"), types.SimpleNamespace(mode="baseline")]
+    points, _ = command.sweep(run, deps, [512, 1024], 40.0)
+    assert calls == [
+        (512, "relay", 1),
+        (512, "relay", 2),
+        (512, "baseline", 1),
+        (512, "baseline", 2),
+        (1024, "baseline", 2),
+        (1024, "relay", 2),
+    ]
+    assert len(points) == 6

@@ -20,8 +20,9 @@ import pytest
 
 from relaygr.infra.kafka import delete_topics_with_prefix, ensure_topics
 from relaygr.schemas import TopicRegistry
-from relaygr.streams.traffic import collect_results, wait_ingested
-from relaygr.streams.up import Pipeline
+from relaygr.tools.barriers import wait_groups_caught_up
+from relaygr.tools.traffic import collect_results
+from relaygr.tools.up import Pipeline
 from relaygr.workers.movielens import load_movielens
 
 confluent_kafka = pytest.importorskip("confluent_kafka")
@@ -172,20 +173,20 @@ async def test_librdkafka_default_partitioner(deployment, movielens) -> None:
     settings, reg, pipe = deployment
     histories = _behaviours(movielens, list(range(1, 21)), "crc")
     prod, part = _send(settings, reg, histories, random_partitions=False)
-    await wait_ingested(settings, reg)
+    await wait_groups_caught_up(settings, reg)
     sent = _request_all(prod, reg, histories, part)
     results = await _ranked_with_whole_histories(settings, reg, histories, sent)
     _relay_on_its_own_worker(settings, results)
     # CRC32 put some users elsewhere than the cascade's partitioner would: counted, and harmless.
     misrouted = pipe.scrape("ingress-behaviors")
-    assert misrouted.get(f'relaygr_ingress_misrouted_total{{topic="{reg.name("behaviors")}"}}', 0) > 0
+    assert misrouted.value("relaygr_ingress_misrouted_total", topic=reg.name("behaviors")) > 0
 
 
 async def test_random_partitions(deployment, movielens) -> None:
     settings, reg, _ = deployment
     histories = _behaviours(movielens, list(range(21, 41)), "rnd")
     prod, part = _send(settings, reg, histories, random_partitions=True)
-    await wait_ingested(settings, reg)
+    await wait_groups_caught_up(settings, reg)
     sent = _request_all(prod, reg, histories, part)
     results = await _ranked_with_whole_histories(settings, reg, histories, sent)
     _relay_on_its_own_worker(settings, results)
@@ -204,4 +205,4 @@ async def test_request_right_after_its_behaviours_sees_them_all(deployment, movi
     sent = _request_all(prod, reg, histories, part)
     await _ranked_with_whole_histories(settings, reg, histories, sent)
     metrics = {name: pipe.scrape(name) for name in ("ranker-0", "ranker-1")}
-    assert all(m.get("relaygr_rank_history_incomplete_total", 0) == 0 for m in metrics.values())
+    assert all(m.value("relaygr_rank_history_incomplete_total") == 0 for m in metrics.values())

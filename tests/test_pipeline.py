@@ -19,8 +19,8 @@ import torch
 
 from relaygr.infra.kafka import consumer, delete_topics_with_prefix, ensure_topics, producer
 from relaygr.schemas import DeadLetter, RecommendationRequest, TopicRegistry, decode
-from relaygr.streams.traffic import collect_results, history_of, leave_last_out, publish
-from relaygr.streams.up import Pipeline
+from relaygr.tools.traffic import collect_results, history_of, leave_last_out, publish
+from relaygr.tools.up import Pipeline
 from relaygr.workers.model import HSTURanker
 from relaygr.workers.movielens import load_movielens
 
@@ -208,6 +208,12 @@ async def test_unknown_user_is_answered(relay_run) -> None:
     results = relay_run.results
     cold = results["cold-1"]
     assert cold.path.value == "cold_start" and len(cold.items) > 0
+    assert cold.path_reason == "no_history"
+
+
+async def test_every_result_off_the_relay_path_says_why(relay_run) -> None:
+    for res in relay_run.results.values():
+        assert (res.path_reason is None) == res.path.value.startswith("relay"), res
 
 
 async def test_baseline_mode_gives_the_same_rankings(relay_run, baseline_run) -> None:
@@ -257,14 +263,14 @@ async def test_bad_input_goes_to_dead_letters_and_good_traffic_flows(relay_run) 
 
 async def test_stages_export_prometheus_metrics(relay_run) -> None:
     m = relay_run.metrics
-    admitted = m["retrieval"].get('relaygr_trigger_decisions_total{reason="admitted"}', 0)
+    admitted = m["retrieval"].value("relaygr_trigger_decisions_total", reason="admitted")
     assert admitted >= len(USERS) // 2
     relay_paths = sum(
-        v for k, v in m["ranker-0"].items() if k.startswith('relaygr_rank_results_total{path="relay')
-    )
-    relay_paths += sum(
-        v for k, v in m["ranker-1"].items() if k.startswith('relaygr_rank_results_total{path="relay')
+        v
+        for w in ("ranker-0", "ranker-1")
+        for path, v in m[w].by_label("relaygr_rank_results_total", "path").items()
+        if path.startswith("relay")
     )
     assert relay_paths >= len(USERS) // 2
-    assert any(k.startswith("relaygr_rank_latency_seconds_bucket") for k in m["ranker-0"])
-    assert any(k.startswith('relaygr_prefix_store{name="hits_device"}') for k in m["ranker-0"])
+    assert any(s.name == "relaygr_rank_latency_seconds_bucket" for s in m["ranker-0"].samples)
+    assert "hits_device" in m["ranker-0"].by_label("relaygr_prefix_store", "name")

@@ -12,6 +12,7 @@ import threading
 import pytest
 import torch
 from rocksdict import Options, Rdict
+from store_probe import is_leased, keys_by_tier
 
 from relaygr.workers.prefix_kv import Events, PrefixKV, history_fingerprint
 from relaygr.workers.prefix_store import PrefixStore, PrefixStoreConfig
@@ -135,7 +136,7 @@ async def test_pinned_entries_are_never_evicted_or_demoted() -> None:
         assert store.where(0) == "device" and store.where(1) == "device"
         assert store.metrics()["bytes_device"] <= 3 * NB10
     # the one unpinned device slot cycles; the pinned ones stay
-    assert sorted(k[0] for k in store.debug_state()["device"]) == [0, 1, 29]
+    assert sorted(k[0] for k in keys_by_tier(store)["device"]) == [0, 1, 29]
     store.release(0)
     for u in range(30, 33):
         store.put(u, prefix_for(history(u, 10)))
@@ -184,12 +185,12 @@ def test_leases_expire_lazily_on_the_injected_clock() -> None:
     store.lease(0, ttl_s=5, expected_bytes=NB10)
     store.put(0, prefix_for(history(0, 10)))
     clock.t += 4.9
-    assert store.expire_leases() == 0 and store.is_leased(0)
+    assert store.expire_leases() == 0 and is_leased(store, 0)
     clock.t += 0.2
     # no explicit expire call: the next operation notices
     store.put(1, prefix_for(history(1, 10)))
     store.put(2, prefix_for(history(2, 10)))
-    assert not store.is_leased(0) and store.where(0) is None
+    assert not is_leased(store, 0) and store.where(0) is None
     m = store.metrics()
     assert m["lease_expiries"] == 1 and m["bytes_reserved"] == 0
     store.close()
@@ -202,7 +203,7 @@ def test_reserved_room_keeps_unpinned_entries_out() -> None:
     # leasing two users that are not resident yet demotes two unpinned entries right away
     store.lease(7, expected_bytes=NB10)
     store.lease(8, expected_bytes=NB10)
-    assert len(store.debug_state()["device"]) == 1
+    assert len(keys_by_tier(store)["device"]) == 1
     store.put(7, prefix_for(history(7, 10)))
     store.put(8, prefix_for(history(8, 10)))
     assert store.where(7) == store.where(8) == "device"
@@ -210,7 +211,7 @@ def test_reserved_room_keeps_unpinned_entries_out() -> None:
     store.lease(9, expected_bytes=0)
     store.put(9, prefix_for(history(9, 25)))
     m = store.metrics()
-    assert m["lease_revocations"] == 1 and not store.is_leased(9)
+    assert m["lease_revocations"] == 1 and not is_leased(store, 9)
     assert m["bytes_device"] <= 3 * NB10
     store.close()
 

@@ -21,6 +21,7 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from store_probe import is_leased, keys_by_tier
 
 from relaygr.workers.prefix_kv import Events, PrefixKV, history_fingerprint
 from relaygr.workers.prefix_store import PrefixStore, PrefixStoreConfig
@@ -136,11 +137,11 @@ class StoreMachine(RuleBasedStateMachine):
             assert r.reason == "pinned_budget_exceeded"
             assert r.pinned_bytes + r.reserved_bytes > r.budget_bytes or user in self.expiry
 
-    @precondition(lambda self: self.store.debug_state()["host"])
+    @precondition(lambda self: keys_by_tier(self.store)["host"])
     @rule(data=st.data(), ttl=st.floats(1, 20))
     def lease_host_entry(self, data: st.DataObject, ttl: float) -> None:
         """Lease a user whose entry sits in host memory (not promoted until its next lookup)."""
-        user = data.draw(st.sampled_from(sorted(k[0] for k in self.store.debug_state()["host"])))
+        user = data.draw(st.sampled_from(sorted(k[0] for k in keys_by_tier(self.store)["host"])))
         self.lease(user, 0, ttl)
 
     @rule(user=USERS)
@@ -183,7 +184,7 @@ class StoreMachine(RuleBasedStateMachine):
     def pins_hold(self) -> None:
         for user in self.pinned:
             assert self.store.where(user) == "device", f"pinned user {user} left the device"
-            assert self.store.is_leased(user)
+            assert is_leased(self.store, user)
 
     @invariant()
     def leased_entries_stay_in_memory(self) -> None:
@@ -193,7 +194,7 @@ class StoreMachine(RuleBasedStateMachine):
 
     @invariant()
     def one_memory_tier_per_key(self) -> None:
-        state = self.store.debug_state()
+        state = keys_by_tier(self.store)
         assert not set(state["device"]) & set(state["host"])
 
     def teardown(self) -> None:

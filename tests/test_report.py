@@ -7,7 +7,9 @@ import math
 
 import pytest
 
-from relaygr.report import (
+from relaygr.schemas import RankedResult, ScoredItem
+from relaygr.tools.report.command import write_run_report
+from relaygr.tools.report.figures import (
     admission,
     by_history_len,
     headline,
@@ -19,9 +21,7 @@ from relaygr.report import (
     stage_latencies,
     summarize,
     windows,
-    write_run_report,
 )
-from relaygr.schemas import RankedResult, ScoredItem
 
 
 def res(

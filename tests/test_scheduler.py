@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 import pytest
 
@@ -34,7 +33,9 @@ async def test_promote_lends_a_queued_job_ranking_priority() -> None:
     gate = threading.Event()
     order: list[str] = []
     try:
-        blocker = s.submit(lambda: gate.wait(5), priority=Priority.RANK)
+        blocker = s.submit(
+            lambda: gate.wait(5), priority=Priority.RANK, deadline=0.0
+        )  # first, however late the device thread wakes
         jobs = [s.submit(lambda: order.append("rank"), priority=Priority.RANK, deadline=50.0)]
         jobs.append(s.submit(lambda: order.append("other-prefill"), priority=Priority.PREFILL, tag="v"))
         jobs.append(s.submit(lambda: order.append("prefill"), priority=Priority.PREFILL, tag="u"))
@@ -106,13 +107,20 @@ async def test_runs_on_one_thread_and_propagates_errors() -> None:
 
 async def test_loop_stays_responsive_while_device_is_busy() -> None:
     s = DeviceScheduler("t")
+    gate, running = threading.Event(), threading.Event()
     try:
-        fut = s.submit(lambda: time.sleep(0.3), priority=Priority.PREFILL)
-        t0 = time.perf_counter()
-        await asyncio.sleep(0.01)
-        assert time.perf_counter() - t0 < 0.2
+        fut = s.submit(lambda: (running.set(), gate.wait(30)), priority=Priority.PREFILL)
+        assert await asyncio.to_thread(running.wait, 30)
+        # The device job holds the device until the gate opens; the loop goes on meanwhile.
+        ticks = 0
+        for _ in range(20):
+            await asyncio.sleep(0.001)
+            ticks += 1
+        assert ticks == 20 and not fut.done() and not gate.is_set()
+        gate.set()
         await fut
     finally:
+        gate.set()
         s.close()
 
 
@@ -143,7 +151,9 @@ async def test_queued_jobs_with_one_key_run_as_one_batch() -> None:
         return [f"done-{i}" for i in items]
 
     try:
-        blocker = s.submit(lambda: gate.wait(5), priority=Priority.RANK)
+        blocker = s.submit(
+            lambda: gate.wait(5), priority=Priority.RANK, deadline=0.0
+        )  # first, however late the device thread wakes
         a = [
             s.submit_batched(f"a{i}", run, key="a", priority=Priority.RANK, deadline=10.0 + i, limit=3)
             for i in range(4)
@@ -167,7 +177,9 @@ async def test_a_failing_batch_fails_every_job_in_it() -> None:
         raise RuntimeError(f"device lost ({len(items)} items)")
 
     try:
-        blocker = s.submit(lambda: gate.wait(5), priority=Priority.RANK)
+        blocker = s.submit(
+            lambda: gate.wait(5), priority=Priority.RANK, deadline=0.0
+        )  # first, however late the device thread wakes
         jobs = [s.submit_batched(i, run, key="u", priority=Priority.RANK) for i in range(3)]
         after = s.submit(lambda: "still serving", priority=Priority.RANK)
         gate.set()

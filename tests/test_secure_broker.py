@@ -29,8 +29,8 @@ from relaygr.infra.kafka import TopicError, consumer, ensure_topics, producer
 from relaygr.infra.settings import SECURITY_FIELDS, Settings
 from relaygr.infra.tls import issue_broker_tls, write_secret
 from relaygr.schemas import BehaviorEvent, DeadLetter, RecommendationRequest, TopicRegistry, decode, encode
-from relaygr.streams.traffic import collect_results, publish
-from relaygr.streams.up import Pipeline
+from relaygr.tools.traffic import collect_results, publish
+from relaygr.tools.up import Pipeline
 
 pytestmark = pytest.mark.broker
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 from aiokafka.protocol.admin import DescribeGroupsRequest_v2
 from aiokafka.protocol.api import Request
+from store_probe import is_leased
 
 from relaygr.infra import broker
 from relaygr.infra.cluster_identity import ClusterFacts, ClusterProbe, ProbeError, TopicFacts
@@ -41,8 +42,8 @@ from relaygr.streams.state_lineage import (
     deployment_dir,
     judge,
 )
-from relaygr.streams.traffic import collect_results, history_of, leave_last_out, publish
-from relaygr.streams.up import Pipeline
+from relaygr.tools.traffic import collect_results, history_of, leave_last_out, publish
+from relaygr.tools.up import Pipeline, Scrape
 from relaygr.workers.movielens import load_movielens
 from relaygr.workers.prefix_kv import Events, PrefixKV, history_fingerprint
 from relaygr.workers.prefix_store import PrefixStore, PrefixStoreConfig
@@ -145,7 +146,7 @@ def test_forgotten_prefixes_are_gone_from_every_tier(tmp_path) -> None:
     store = PrefixStore(cfg, "m")
     store.put("a", _prefix(h))  # in memory and on disk
     assert store.forget(["a", "nobody"]) == 1
-    assert store.where("a") is None and store.where("b") == "disk" and not store.is_leased("a")
+    assert store.where("a") is None and store.where("b") == "disk" and not is_leased(store, "a")
     store.close()
     store = PrefixStore(cfg, "m")
     assert store.where("a") is None and store.where("b") == "disk"
@@ -385,6 +386,9 @@ async def test_recreated_topics_a_wiped_broker_and_a_new_prefix_under_one_home(
             # the running stages: users 1..6 now have no history anywhere, 7..12 a new one.
             await _delete_and_recreate(s, reg)
             await pipe.wait_ready(timeout_s=180)
+            # A stage notices a recreated topic at its next assignment or check (seconds later):
+            # the new traffic goes out once each has, so what is asserted is the state it rebuilt.
+            await _until_discarded(pipe, ("retrieval", "preprocess", "ranker-0"), "topic_recreated")
             await _ranked_with(
                 s, reg, ml, "recreated", histories=range(7, 19), max_len=4, requests=range(1, 19)
             )
@@ -528,9 +532,16 @@ class _DescribeGroups(Request[DescribeGroupsRequest_v2]):
         return request_struct_class(self._groups)
 
 
-def _discard_counts(metrics: dict[str, float]) -> Counter[str]:
-    out: Counter[str] = Counter()
-    for key, value in metrics.items():
-        if key.startswith("relaygr_state_discarded_total{"):
-            out[key.split('reason="')[1].split('"')[0]] += int(value)
-    return out
+async def _until_discarded(pipe, stages, reason: str, timeout_s: float = 180.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    waiting = set(stages)
+    while waiting and loop.time() < deadline:
+        waiting = {name for name in waiting if not _discard_counts(pipe.scrape(name))[reason]}
+        await asyncio.sleep(0.5)
+    assert not waiting, f"{sorted(waiting)} did not notice ({reason}) in {timeout_s:.0f} s"
+
+
+def _discard_counts(metrics: Scrape) -> Counter[str]:
+    by_reason = metrics.by_label("relaygr_state_discarded_total", "reason")
+    return Counter({reason: int(n) for reason, n in by_reason.items()})

@@ -11,25 +11,11 @@ import pytest
 import torch
 
 from relaygr.infra.kafka import partition_for
+from relaygr.infra.topic_reader import Start, merge_by_time, read_topic
 from relaygr.schemas import BehaviorEvent, RecommendationRequest
-from relaygr.streams.replay import (
-    Replayer,
-    merge_by_time,
-    plan_replay,
-    poisson_offsets,
-    scaled_offsets,
-    sentinel_users,
-)
-from relaygr.streams.trace import (
-    EPOCH_FLOOR,
-    Start,
-    TraceTopics,
-    build_trace,
-    lengthen,
-    load_trace,
-    publish_trace,
-    read_topic,
-)
+from relaygr.tools.barriers import sentinel_users
+from relaygr.tools.replay import Replayer, plan_replay, poisson_offsets, scaled_offsets
+from relaygr.tools.trace import EPOCH_FLOOR, TraceTopics, build_trace, lengthen, load_trace, publish_trace
 from relaygr.workers.movielens import load_movielens
 from relaygr.workers.prefix_kv import Events
 
@@ -150,7 +136,7 @@ T0 = 1.0e9
 
 
 def _hand_trace():
-    from relaygr.streams.trace import Trace
+    from relaygr.tools.trace import Trace
 
     reqs = [
         RecommendationRequest(
@@ -192,14 +178,20 @@ async def test_replay_keeps_per_user_order_and_relative_timing(kafka_settings, r
         assert len({r.partition for r in mine}) == 1
         assert [r.offset for r in mine] == sorted(r.offset for r in mine)
         assert all(r.value.user_id == f"x-{u}" for r in mine)
-    # Relative timing: send stamps (and the records' timestamps) follow the trace at 2x speed.
-    first = recs["x-q0"].value.ts
-    assert first - t_start < 0.1
+    # Relative timing: send stamps follow the trace at 2x speed. A request never goes out before
+    # its planned offset (however loaded the machine, a late one is only late), and the pace fitted
+    # over the whole replay (offsets from the first send) is the trace's at 2x within a fifth.
+    planned = [g / speed for g in GAPS]
+    sent_at = [recs[f"x-q{i}"].value.ts - t_start for i in range(len(GAPS))]
     for i, g in enumerate(GAPS):
         r = recs[f"x-q{i}"]
         assert r.value.event_ts == T0 + g and r.value.label_item_id == 10 + i
-        assert r.value.ts - first == pytest.approx(g / speed, abs=0.06), (i, r.value.ts - first)
-        assert r.timestamp_ms / 1000 == pytest.approx(r.value.ts, abs=0.06)
+        assert sent_at[i] >= planned[i] - 0.005, (i, sent_at[i], planned[i])
+        # The record is stamped when it is handed to the producer, after the request's own stamp.
+        assert r.timestamp_ms >= int(r.value.ts * 1000) - 1
+    offsets = [t - sent_at[0] for t in sent_at]
+    pace = sum(o * p for o, p in zip(offsets, planned, strict=True)) / sum(p * p for p in planned)
+    assert 0.8 <= pace <= 1.25, (pace, offsets)
     # Every behaviour older than a request was written before that request went out.
     btimes = {(b.value.user_id, b.value.ts): b.timestamp_ms for b in beh.records}
     assert len(beh.records) == len(btimes) == 9 + len(GAPS) - 1  # the last interaction has no later request

@@ -92,3 +92,22 @@ def test_pipeline_settings_defaults_follow_relaygr_home(monkeypatch, tmp_path) -
     monkeypatch.setenv("RELAYGR_MODEL_DIR", str(tmp_path / "elsewhere"))
     assert PipelineSettings().model_dir == tmp_path / "elsewhere"
     assert PipelineSettings().torch_threads == 1
+
+
+def test_every_lease_default_is_the_one_of_the_lease_table() -> None:
+    """The wire format keeps a default of its own (the contract imports nothing of the workers):
+    it agrees with the one every config reads."""
+    from relaygr.schemas import PrefillSignal
+    from relaygr.streams.config import PipelineSettings
+    from relaygr.workers.engine_config import EngineConfig
+    from relaygr.workers.leases import DEFAULT_LEASE_TTL_S
+    from relaygr.workers.prefix_store import PrefixStoreConfig
+
+    defaults = {
+        PrefillSignal.model_fields["lease_ttl_s"].default,
+        TriggerConfig.model_fields["lease_ttl_s"].default,
+        EngineConfig.model_fields["lease_ttl_s"].default,
+        PrefixStoreConfig.model_fields["default_lease_ttl_s"].default,
+        PipelineSettings.model_fields["lease_ttl_s"].default,
+    }
+    assert defaults == {DEFAULT_LEASE_TTL_S}

@@ -35,10 +35,6 @@ def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
         raise ValueError(f"unsupported dtype {name!r}; use one of {sorted(DTYPES)}") from None
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    return next(k for k, v in DTYPES.items() if v == dtype)
-
-
 def _ensure_npu() -> None:
     try:
         importlib.import_module("torch_npu")  # registers the "npu" device type with torch

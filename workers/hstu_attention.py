@@ -14,7 +14,8 @@ Primitives:
   buckets per doubling).
 - ``time_bucket(dt)``: bucket of a time gap ``ts_i - ts_j`` in seconds (two buckets per doubling,
   gaps under 1.5 s share bucket 0, negative gaps count as 0).
-- ``pair_index(dpos, dt, ...)``: combined bucket index into a layer's bias table.
+- ``pair_index(dpos, dt, ...)``: combined bucket index into a layer's bias table;
+  ``SELF_BIAS_INDEX``: the index of a token with itself.
 - ``dense_attention``: the plain reference; materialises the full score matrix, the bias of every
   pair and an explicit visibility mask.
 - ``Segment``, ``plan_attention``, ``run_attention``: the optimised path. Keys live in segments of
@@ -37,6 +38,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+SELF_BIAS_INDEX = 0
+"""Bias index of a token with itself: position bucket 0 and time bucket 0."""
 EXACT_POSITIONS = 16
 """Position differences below this get a bucket of their own; beyond, four buckets per doubling."""
 

@@ -7,6 +7,8 @@ Primitives:
   non-negative so that the prediction grows with ``n``.
 - ``max_tokens_within(budget_ms)``: the longest history whose predicted time fits a budget (what
   full inference truncates to).
+- ``tokens_within_slice(cached, slice_ms)``: how many more tokens a chunk may compute against
+  ``cached`` keys within one device slice (the marginal cost of extending a history).
 - ``save`` / ``load``: a JSON calibration file (``relaygr calibrate`` writes it).
 """
 
@@ -39,6 +41,17 @@ class LatencyModel:
             return int(room / self.b) if self.b > 0 else 1 << 30
         n = (-self.b + math.sqrt(self.b * self.b + 4 * self.c * room)) / (2 * self.c)
         return max(0, int(n))
+
+    def tokens_within_slice(self, cached: int, slice_ms: float, *, lo: int = 16, hi: int = 1 << 20) -> int:
+        """Largest ``k`` in ``[lo, hi]`` whose marginal cost ``predict_ms(cached + k) -
+        predict_ms(cached)`` (new tokens against ``cached`` keys and each other) fits ``slice_ms``:
+        a chunk near the end of a long history attends to many keys, so it gets fewer tokens."""
+        lin = self.b + 2 * self.c * cached  # ms per extra token at this length
+        if self.c <= 0:
+            k = slice_ms / lin if lin > 0 else hi
+        else:
+            k = (-lin + math.sqrt(lin * lin + 4 * self.c * slice_ms)) / (2 * self.c)
+        return int(min(hi, max(lo, k)))
 
     @classmethod
     def fit(cls, samples: Iterable[tuple[float, float]]) -> LatencyModel:

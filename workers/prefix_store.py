@@ -19,6 +19,11 @@ Primitives:
     ``flush``, ``close``.
 - ``Lookup``, ``LeaseResult``: results.
 
+This module is the placement core; its parts live beside it: the tiers (``tiers``: byte-budgeted
+LRU maps and the RocksDB folder), the leases and their reservations (``leases``), the disk
+write-back queue (``disk_writer``), single-flight (``single_flight``) and the counters
+(``store_counters``).
+
 Placement and eviction policy (LRU per tier, pins respected): an entry goes to the highest tier
 whose budget can take it. Making room on the device demotes the least recently used *unpinned*
 device entry to host; making room on host demotes the least recently used *unleased* host entry to
@@ -32,7 +37,7 @@ leased prefix always has room when it arrives.
 Threading: state lives behind one lock; call the store from one asyncio loop (sync methods may be
 called from any thread). Copies between host and device run on ``executor`` (the worker's
 device executor, or an owned thread); disk reads and decoding run on a private reader thread, disk
-writes and deletes on a private writer thread, so disk I/O never occupies the device executor and
+writes and deletes on the disk writer's thread, so disk I/O never occupies the device executor and
 never blocks lookups. An entry whose disk write is still pending is served from memory. This
 module never imports Kafka.
 """
@@ -44,17 +49,20 @@ import itertools
 import logging
 import threading
 import time
-from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from relaygr.workers.kv_codec import CodecError, decode, encode
+from relaygr.workers.disk_writer import DiskWriter
+from relaygr.workers.kv_codec import CodecError, decode
+from relaygr.workers.leases import DEFAULT_LEASE_TTL_S, LeaseTable
 from relaygr.workers.prefix_kv import Events, PrefixKV, history_fingerprint
+from relaygr.workers.single_flight import FlightAbandoned, SingleFlight
+from relaygr.workers.store_counters import StoreCounters
 from relaygr.workers.tiers import DiskMeta, DiskTier, MemoryTier, StoreKey
 
 log = logging.getLogger(__name__)
@@ -82,7 +90,7 @@ class PrefixStoreConfig(BaseModel):
     )
     disk_budget_bytes: int = Field(16 << 30, ge=0, description="Byte budget of the disk tier (stored bytes).")
     default_lease_ttl_s: float = Field(
-        30.0, gt=0, description="Lease lifetime when lease() is called without a TTL."
+        DEFAULT_LEASE_TTL_S, gt=0, description="Lease lifetime when lease() is called without a TTL."
     )
     pin_host_memory: bool | None = Field(
         None,
@@ -150,18 +158,10 @@ class _Entry:
 
 
 @dataclass
-class _Lease:
-    expires_at: float
-    expected_bytes: int
-    reserved: int
-
-
-@dataclass
 class _Plan:
     """What lookup must do, decided under the lock."""
 
     kind: str  # "done" | "host" | "pending" | "disk"
-    result: Lookup | None = None
     entry: _Entry | None = None
     pending: tuple[int, PrefixKV] | None = None
     disk_meta: DiskMeta | None = None
@@ -199,21 +199,17 @@ class PrefixStore:
         self._device_tier: MemoryTier[StoreKey, _Entry] = MemoryTier("device", config.device_budget_bytes)
         self._host_tier: MemoryTier[StoreKey, _Entry] = MemoryTier("host", config.host_budget_bytes)
         self._entries: dict[StoreKey, _Entry] = {}
-        self._leases: dict[StoreKey, _Lease] = {}
-        self._reserved = 0
-        self._next_expiry = float("inf")
-        self._pending: dict[StoreKey, tuple[int, PrefixKV]] = {}
-        self._pending_bytes = 0
+        self._leases: LeaseTable[StoreKey] = LeaseTable(config.device_budget_bytes)
         self._gen = itertools.count(1)
-        self._computes: dict[StoreKey, asyncio.Future[tuple[PrefixKV, Source]]] = {}
-        self._loads: dict[StoreKey, asyncio.Future[Lookup]] = {}
-        self._m: Counter[str] = Counter()
+        self._computes: SingleFlight[StoreKey, tuple[PrefixKV, Source]] = SingleFlight()
+        self._loads: SingleFlight[StoreKey, Lookup] = SingleFlight()
+        self._m = StoreCounters()
         self._closed = False
         self._own_executor = executor is None
         self._executor = executor or ThreadPoolExecutor(1, thread_name_prefix="prefix-store-copy")
         self._reader: ThreadPoolExecutor | None = None
         self._disk: DiskTier | None = None
-        self._writer: ThreadPoolExecutor | None = None
+        self._writer: DiskWriter | None = None
         if config.disk_path is not None:
             self._disk = DiskTier(config.disk_path, config.disk_budget_bytes)
             if config.purge_other_model_versions:
@@ -221,8 +217,11 @@ class PrefixStore:
                     if key[1] != model_version:
                         self._disk.delete(key)
                         self._m["disk_purged_other_version"] += 1
-            self._writer = ThreadPoolExecutor(1, thread_name_prefix="prefix-store-disk-write")
+            self._writer = DiskWriter(
+                self._disk, config.disk_backlog_bytes, self._lock, self._m, self._on_disk_write
+            )
             self._reader = ThreadPoolExecutor(1, thread_name_prefix="prefix-store-disk-read")
+        self._tiers = ("device", "host", "disk") if self._disk is not None else ("device", "host")
 
     # ------------------------------------------------------------------ keys, clock, leases
 
@@ -234,20 +233,21 @@ class PrefixStore:
             raise RuntimeError("PrefixStore is closed")
 
     def _maybe_expire(self, now: float) -> None:
-        if now >= self._next_expiry:
+        if self._leases.due(now):
             self._expire(now)
 
     def _expire(self, now: float) -> int:
-        expired = [k for k, lease in self._leases.items() if lease.expires_at <= now]
+        expired = self._leases.expire(now)
         for key in expired:
-            self._drop_lease(key)
-            self._m["lease_expiries"] += 1
-        self._next_expiry = min((lease.expires_at for lease in self._leases.values()), default=float("inf"))
+            self._unpinned(key)
+        self._m["lease_expiries"] += len(expired)
         return len(expired)
 
     def _drop_lease(self, key: StoreKey) -> None:
-        lease = self._leases.pop(key)
-        self._reserved -= lease.reserved
+        self._leases.drop(key)
+        self._unpinned(key)
+
+    def _unpinned(self, key: StoreKey) -> None:
         # The entry (if on the device) is now unpinned; its bytes were inside the reservation,
         # so the device invariant still holds. It stays most recently used.
         self._device_tier.touch(key)
@@ -279,22 +279,17 @@ class PrefixStore:
             entry = self._entries.get(key)
             resident = entry.nbytes if entry is not None and entry.tier == "device" else 0
             want = max(int(expected_bytes), resident)
-            old = self._leases.get(key)
-            old_res = old.reserved if old is not None else 0
-            if self._reserved - old_res + want > budget:
+            renewal = key in self._leases
+            if not self._leases.reserve(key, want, now + ttl, int(expected_bytes)):
                 self._m["leases_refused"] += 1
-                return LeaseResult(False, "pinned_budget_exceeded", None, want, self._reserved, budget)
-            self._leases[key] = _Lease(now + ttl, int(expected_bytes), want)
-            self._reserved += want - old_res
-            # An early _next_expiry only costs one scan; a late one would keep a lease too long.
-            self._next_expiry = min(self._next_expiry, now + ttl)
+                return LeaseResult(False, "pinned_budget_exceeded", None, want, self._leases.reserved, budget)
             ok = self._make_device_room(0)
             assert ok, "reservations fit the budget, so demoting every unpinned entry must suffice"
             if entry is not None:
                 (self._device_tier if entry.tier == "device" else self._host_tier).touch(key)
-            self._m["leases_renewed" if old is not None else "leases_admitted"] += 1
+            self._m["leases_renewed" if renewal else "leases_admitted"] += 1
             return LeaseResult(
-                True, "renewed" if old else "admitted", now + ttl, want, self._reserved, budget
+                True, "renewed" if renewal else "admitted", now + ttl, want, self._leases.reserved, budget
             )
 
     def release(self, user_id: UserId) -> bool:
@@ -306,16 +301,7 @@ class PrefixStore:
                 return False
             self._drop_lease(key)
             self._m["leases_released"] += 1
-            if self._leases:
-                self._next_expiry = min(v.expires_at for v in self._leases.values())
-            else:
-                self._next_expiry = float("inf")
             return True
-
-    def is_leased(self, user_id: UserId) -> bool:
-        with self._lock:
-            self._maybe_expire(self._clock())
-            return self._key(user_id) in self._leases
 
     # ------------------------------------------------------------------ placement (lock held)
 
@@ -331,10 +317,11 @@ class PrefixStore:
         """Demote LRU unpinned device entries until ``need`` more unpinned bytes fit beside the
         reservations. False if impossible (nothing is demoted then)."""
         budget = self.config.device_budget_bytes
+        reserved = self._leases.reserved
         unpinned = self._device_tier.used_bytes - self._pinned_resident()
-        if need + self._reserved > budget:
+        if need + reserved > budget:
             return False
-        while unpinned + self._reserved + need > budget:
+        while unpinned + reserved + need > budget:
             victim = next((k for k in self._device_tier.lru_keys() if k not in self._leases), None)
             if victim is None:  # pragma: no cover - excluded by the check above
                 return False
@@ -366,15 +353,18 @@ class PrefixStore:
         else:
             self._spill(key, entry)
 
+    def _disk_has(self, key: StoreKey, entry: _Entry) -> bool:
+        """The disk holds, or is about to hold, exactly this version of ``key``."""
+        return entry.on_disk or (self._writer is not None and self._writer.pending_gen(key) == entry.gen)
+
     def _spill(self, key: StoreKey, entry: _Entry) -> None:
         """``entry`` has left memory: keep it on disk or drop it."""
         del self._entries[key]
-        if self._disk is not None:
-            pend = self._pending.get(key)
-            if entry.on_disk or (pend is not None and pend[0] == entry.gen):
-                self._m["demotions_to_disk"] += 1  # the disk has (or is about to have) this copy
+        if self._writer is not None:
+            if self._disk_has(key, entry):
+                self._m["demotions_to_disk"] += 1
                 return
-            if self._enqueue_write(key, entry.gen, entry.prefix):
+            if self._writer.enqueue(key, entry.gen, entry.prefix):
                 self._m["demotions_to_disk"] += 1
                 return
         self._m["evictions"] += 1
@@ -407,20 +397,15 @@ class PrefixStore:
         """Put ``prefix`` in the highest tier that takes it; returns "device", "host", "disk" or
         "none". The key must have no memory entry."""
         nb = prefix.nbytes()
-        budget = self.config.device_budget_bytes
         lease = self._leases.get(key)
         to_device = False
         if lease is not None:
-            want = max(lease.expected_bytes, nb)
-            if self._reserved - lease.reserved + want <= budget:
-                self._reserved += want - lease.reserved
-                lease.reserved = want
+            if self._leases.resize(key, max(lease.expected_bytes, nb)):
                 to_device = self._make_device_room(0)
             else:
                 log.info("prefix store: lease of %r revoked: %d bytes exceed the pinned budget", key, nb)
                 self._drop_lease(key)
                 self._m["lease_revocations"] += 1
-                self._next_expiry = min((v.expires_at for v in self._leases.values()), default=float("inf"))
         if not to_device and key not in self._leases:
             to_device = self._make_device_room(nb)
         if to_device:
@@ -437,68 +422,33 @@ class PrefixStore:
             self._schedule_host_copy(key, entry)
             return "host"
         self._spill(key, entry)
-        pend = self._pending.get(key)
-        return "disk" if on_disk or (pend is not None and pend[0] == gen) else "none"
+        return "disk" if self._disk_has(key, entry) else "none"
 
-    # ------------------------------------------------------------------ disk writer
+    # ------------------------------------------------------------------ the disk tier (lock held)
 
-    def _enqueue_write(self, key: StoreKey, gen: int, prefix: PrefixKV, *, force: bool = False) -> bool:
-        if self._disk is None or self._writer is None:
-            return False
-        nb = prefix.nbytes()
-        if not force and self._pending_bytes + nb > self.config.disk_backlog_bytes:
-            self._m["disk_write_drops"] += 1
-            return False
-        self._pending[key] = (gen, prefix)
-        self._pending_bytes += nb
-        self._writer.submit(self._write_job, key, gen, prefix, nb)
-        return True
-
-    def _write_job(self, key: StoreKey, gen: int, prefix: PrefixKV, nb: int) -> None:
-        assert self._disk is not None
-        written, evicted = False, []
-        try:
-            blob = encode(prefix)
-            written, evicted = self._disk.write(key, blob, prefix.length, prefix.fingerprint)
-        except Exception:
-            log.exception("prefix store: disk write of %r failed", key)
-            with self._lock:
-                self._m["disk_write_errors"] += 1
-        with self._lock:
-            self._pending_bytes -= nb
-            pend = self._pending.get(key)
-            if pend is not None and pend[0] == gen:
-                del self._pending[key]
-            if written:
-                self._m["disk_writes"] += 1
-                self._m["disk_bytes_written"] += len(blob)
-                entry = self._entries.get(key)
-                if entry is not None:
-                    entry.on_disk = entry.gen == gen
-            elif not written and pend is not None and pend[0] == gen and key not in self._entries:
-                self._m["evictions"] += 1  # it was only on its way to disk and did not fit
-            for victim in evicted:
-                self._m["evictions_disk"] += 1
-                entry = self._entries.get(victim)
-                if entry is not None:
-                    entry.on_disk = False
-
-    def _delete_job(self, key: StoreKey, seq: int | None) -> None:
-        assert self._disk is not None
-        try:
-            self._disk.delete(key, seq)
-        except Exception:
-            log.exception("prefix store: disk delete of %r failed", key)
+    def _on_disk_write(
+        self, key: StoreKey, gen: int, written: bool, was_pending: bool, evicted: list[StoreKey]
+    ) -> None:
+        """The disk writer landed (or failed) version ``gen`` of ``key``, evicting ``evicted``."""
+        entry = self._entries.get(key)
+        if written:
+            if entry is not None:
+                entry.on_disk = entry.gen == gen
+        elif was_pending and entry is None:
+            self._m["evictions"] += 1  # it was only on its way to disk and did not fit
+        for victim in evicted:
+            self._m["evictions_disk"] += 1
+            entry = self._entries.get(victim)
+            if entry is not None:
+                entry.on_disk = False
 
     def _discard_disk(self, key: StoreKey, seq: int) -> None:
-        """Hide a disk entry now and delete it on the writer thread (ordered after pending writes)."""
-        assert self._disk is not None and self._writer is not None
-        self._disk.hide(key, seq)
+        """Hide a disk entry now and delete it behind the pending writes."""
+        assert self._writer is not None
+        self._writer.discard(key, seq)
         entry = self._entries.get(key)
         if entry is not None:
             entry.on_disk = False
-        if not self._closed:
-            self._writer.submit(self._delete_job, key, seq)
 
     # ------------------------------------------------------------------ put / lookup
 
@@ -525,8 +475,12 @@ class PrefixStore:
             gen = next(self._gen)
             tier = self._place(key, prefix, gen, on_disk=False)
             self._m["puts"] += 1
-            if self.config.disk_write_policy == "write_through" and tier in ("device", "host"):
-                self._enqueue_write(key, gen, prefix)
+            if (
+                self.config.disk_write_policy == "write_through"
+                and tier in ("device", "host")
+                and self._writer is not None
+            ):
+                self._writer.enqueue(key, gen, prefix)
             return tier
 
     def _plan(self, key: StoreKey, history: Events) -> _Plan:
@@ -552,11 +506,15 @@ class PrefixStore:
                     # The history changed under this prefix: useless now and later.
                     self._remove(key)
                     invalidated += 1
-        pend = self._pending.get(key)
-        if pend is not None and best_len < pend[1].length <= n and fp(pend[1].length) == pend[1].fingerprint:
-            best_len = pend[1].length
-            plan = _Plan("pending", pending=pend)
-        if self._disk is not None:
+        if self._writer is not None and self._disk is not None:
+            pend = self._writer.pending_prefix(key)
+            if (
+                pend is not None
+                and best_len < pend[1].length <= n
+                and fp(pend[1].length) == pend[1].fingerprint
+            ):
+                best_len = pend[1].length
+                plan = _Plan("pending", pending=pend)
             meta = self._disk.meta(key)
             if meta is not None and best_len < meta.length <= n:
                 if fp(meta.length) == meta.fingerprint:
@@ -574,15 +532,7 @@ class PrefixStore:
             self._m[name] += n
 
     def _count_hit(self, tier: str) -> None:
-        m = self._m
-        m["lookups"] += 1
-        order = ("device", "host", "disk") if self._disk is not None else ("device", "host")
-        for t in order:
-            if t == tier:
-                m[f"hits_{t}"] += 1
-                return
-            m[f"misses_{t}"] += 1
-        m["misses"] += 1
+        self._m.hit(tier, self._tiers)
 
     async def lookup(self, user_id: UserId, history: Events) -> Lookup:
         """The longest cached prefix valid for ``history``, moved to the device tier.
@@ -605,12 +555,12 @@ class PrefixStore:
                 if plan.kind == "done":
                     self._count_hit("miss")
                     return Lookup(None, "miss", plan.invalidated)
-                fut = self._loads.get(key)
-            if fut is not None:
+                joining = key in self._loads
+            if joining:
                 self._count("singleflight_merges")
                 try:
-                    shared = await asyncio.shield(fut)
-                except Exception:
+                    shared = await self._loads.join(key)
+                except Exception:  # the load failed or was abandoned: plan again
                     continue
                 p = shared.prefix
                 if (
@@ -620,19 +570,7 @@ class PrefixStore:
                 ):
                     return shared
                 continue
-            fut = asyncio.get_running_loop().create_future()
-            self._loads[key] = fut
-            try:
-                result = await self._load(key, plan)
-            except BaseException as e:
-                fut.set_exception(e)
-                fut.exception()  # mark retrieved: waiters re-plan
-                raise
-            else:
-                fut.set_result(result)
-            finally:
-                if self._loads.get(key) is fut:
-                    del self._loads[key]
+            result = await self._loads.lead(key, lambda plan=plan: self._load(key, plan))
             if result.tier == "miss" and result.invalidated:
                 continue  # the disk entry was corrupt: a shorter valid prefix may remain
             return result
@@ -722,15 +660,12 @@ class PrefixStore:
         if not 0 <= n <= len(history):
             raise ValueError(f"get_or_compute: at_least={at_least} outside [0, {len(history)}]")
         while True:
-            fut = self._computes.get(key)
-            if fut is not None:
+            if key in self._computes:
                 self._count("singleflight_merges")
                 try:
-                    prefix, _ = await asyncio.shield(fut)
-                except asyncio.CancelledError:
-                    if fut.cancelled():  # the computing caller was cancelled, not this one: retry
-                        continue
-                    raise
+                    prefix, _ = await self._computes.join(key)
+                except FlightAbandoned:  # the computing caller was cancelled, not this one: retry
+                    continue
                 if prefix.length >= n and prefix.matches(history):
                     return prefix, "merged"
                 continue
@@ -739,40 +674,30 @@ class PrefixStore:
                 return found.prefix, found.tier  # type: ignore[return-value]
             if key in self._computes:  # someone started while we looked
                 continue
-            fut = asyncio.get_running_loop().create_future()
-            self._computes[key] = fut
-            try:
-                result = await compute(found.prefix)
-                if not isinstance(result, PrefixKV) or result.length < n or not result.matches(history):
-                    raise ValueError("compute returned a prefix that does not match the history")
-                with self._lock:
-                    entry = self._entries.get(key)
-                    # A ranking may have stored a longer prefix of this history meanwhile: keep it.
-                    newer = (
-                        entry is not None
-                        and entry.prefix.length > result.length
-                        and entry.prefix.matches(history)
-                    )
-                if not newer:
-                    self.put(user_id, result)
-                source: Source = "extended" if found.prefix is not None else "computed"
-                with self._lock:
-                    self._m["computations"] += 1
-                    if source == "extended":
-                        self._m["extensions"] += 1
-            except asyncio.CancelledError:
-                fut.cancel()
-                raise
-            except BaseException as e:
-                fut.set_exception(e)
-                fut.exception()  # retrieved: waiters get it through shield
-                raise
-            else:
-                fut.set_result((result, source))
-                return result, source
-            finally:
-                if self._computes.get(key) is fut:
-                    del self._computes[key]
+            return await self._computes.lead(
+                key, lambda found=found: self._compute_and_store(key, user_id, history, compute, found, n)
+            )
+
+    async def _compute_and_store(
+        self, key: StoreKey, user_id: UserId, history: Events, compute: Compute, found: Lookup, n: int
+    ) -> tuple[PrefixKV, Source]:
+        result = await compute(found.prefix)
+        if not isinstance(result, PrefixKV) or result.length < n or not result.matches(history):
+            raise ValueError("compute returned a prefix that does not match the history")
+        with self._lock:
+            entry = self._entries.get(key)
+            # A ranking may have stored a longer prefix of this history meanwhile: keep it.
+            newer = (
+                entry is not None and entry.prefix.length > result.length and entry.prefix.matches(history)
+            )
+        if not newer:
+            self.put(user_id, result)
+        source: Source = "extended" if found.prefix is not None else "computed"
+        with self._lock:
+            self._m["computations"] += 1
+            if source == "extended":
+                self._m["extensions"] += 1
+        return result, source
 
     def cached_length(self, user_id: UserId, history: Events) -> int:
         """Length of the prefix of ``history`` that the device or host tier holds for
@@ -790,13 +715,13 @@ class PrefixStore:
     async def wait_in_flight(self, user_id: UserId, timeout_s: float | None = None) -> PrefixKV | None:
         """The prefix being computed for ``user_id``, or None if nothing is in flight, it fails,
         or ``timeout_s`` passes first (the computation itself goes on)."""
-        fut = self._computes.get(self._key(user_id))
-        if fut is None:
+        key = self._key(user_id)
+        if key not in self._computes:
             return None
         self._count("singleflight_merges")
         try:
-            prefix, _ = await asyncio.wait_for(asyncio.shield(fut), timeout_s)
-        except (TimeoutError, Exception):
+            prefix, _ = await self._computes.join(key, timeout_s)
+        except Exception:  # failed, abandoned or timed out
             return None
         return prefix
 
@@ -811,17 +736,14 @@ class PrefixStore:
                 if key in self._leases:
                     self._drop_lease(key)
                 if self._disk is not None and self._writer is not None:
-                    pend = self._pending.get(key)
+                    pend = self._writer.pending_gen(key)
                     meta = self._disk.meta(key)
                     had = had or pend is not None or meta is not None
                     if meta is not None:
                         self._disk.hide(key, meta.seq)
-                    if (pend is not None or meta is not None) and not self._closed:
-                        # Behind any queued write of this key on the writer thread, so that
-                        # nothing lands on disk after it.
-                        self._writer.submit(self._delete_job, key, None)
+                    if pend is not None or meta is not None:
+                        self._writer.delete_all(key)
                 forgotten += had
-            self._next_expiry = min((v.expires_at for v in self._leases.values()), default=float("inf"))
             if forgotten:
                 self._m["forgotten"] += forgotten
         self.flush()
@@ -837,60 +759,23 @@ class PrefixStore:
             entry = self._entries.get(key)
             if entry is not None:
                 return entry.tier
-            if key in self._pending:
+            if self._writer is not None and self._writer.pending_gen(key) is not None:
                 return "pending"
         if self._disk is not None and self._disk.meta(key) is not None:
             return "disk"
         return None
 
     def metrics(self) -> dict[str, float | int]:
-        """Counters (monotonic) and gauges (bytes and entries per tier, reservations)."""
+        """Counters (monotonic, ``store_counters``) and gauges (bytes and entries per tier,
+        reservations)."""
         with self._lock:
-            out: dict[str, float | int] = {
-                name: 0
-                for name in (
-                    "lookups",
-                    "hits_device",
-                    "hits_host",
-                    "hits_disk",
-                    "misses_device",
-                    "misses_host",
-                    "misses_disk",
-                    "misses",
-                    "invalidations",
-                    "promotions_host_to_device",
-                    "promotions_disk_to_device",
-                    "demotions_device_to_host",
-                    "demotions_to_disk",
-                    "evictions",
-                    "evictions_disk",
-                    "leases_admitted",
-                    "leases_renewed",
-                    "leases_refused",
-                    "leases_released",
-                    "lease_expiries",
-                    "lease_revocations",
-                    "singleflight_merges",
-                    "computations",
-                    "extensions",
-                    "puts",
-                    "disk_writes",
-                    "disk_bytes_written",
-                    "disk_write_drops",
-                    "disk_write_errors",
-                    "disk_corrupt",
-                    "disk_purged_other_version",
-                )
-            }
-            out.update(self._m)
-            out["promotions"] = out["promotions_host_to_device"] + out["promotions_disk_to_device"]
-            out["demotions"] = out["demotions_device_to_host"] + out["demotions_to_disk"]
+            out = self._m.snapshot()
             out["bytes_device"] = self._device_tier.used_bytes
             out["bytes_host"] = self._host_tier.used_bytes
             out["bytes_disk"] = self._disk.used_bytes if self._disk is not None else 0
             out["bytes_pinned"] = self._pinned_resident()
-            out["bytes_reserved"] = self._reserved
-            out["bytes_pending_disk"] = self._pending_bytes
+            out["bytes_reserved"] = self._leases.reserved
+            out["bytes_pending_disk"] = self._writer.pending_bytes if self._writer is not None else 0
             out["entries_device"] = len(self._device_tier)
             out["entries_host"] = len(self._host_tier)
             out["entries_disk"] = len(self._disk) if self._disk is not None else 0
@@ -900,38 +785,26 @@ class PrefixStore:
             out["budget_disk_bytes"] = self.config.disk_budget_bytes if self._disk is not None else 0
             return out
 
-    def debug_state(self) -> dict[str, Any]:
-        """Keys per tier and leases, for tests and diagnostics."""
-        with self._lock:
-            return {
-                "device": self._device_tier.keys(),
-                "host": self._host_tier.keys(),
-                "pending": list(self._pending),
-                "disk": self._disk.list_keys() if self._disk is not None else [],
-                "leases": {k: (v.expires_at, v.reserved) for k, v in self._leases.items()},
-            }
-
     # ------------------------------------------------------------------ shutdown
 
     def flush(self, timeout_s: float | None = None) -> None:
         """Block until every disk write queued so far has landed."""
         if self._writer is not None and not self._closed:
-            self._writer.submit(lambda: None).result(timeout_s)
+            self._writer.flush(timeout_s)
 
     def close(self) -> None:
         """Persist memory entries the disk lacks (``persist_on_close``), flush and close. Idempotent."""
         if self._closed:
             return
-        if self._disk is not None and self.config.persist_on_close:
+        if self._writer is not None and self.config.persist_on_close:
             with self._lock:
                 for key, entry in list(self._entries.items()):
-                    pend = self._pending.get(key)
-                    if not entry.on_disk and (pend is None or pend[0] != entry.gen):
-                        self._enqueue_write(key, entry.gen, entry.prefix, force=True)
+                    if not self._disk_has(key, entry):
+                        self._writer.enqueue(key, entry.gen, entry.prefix, force=True)
         self.flush()
         self._closed = True
         if self._writer is not None:
-            self._writer.shutdown(wait=True)
+            self._writer.close()
         if self._reader is not None:
             self._reader.shutdown(wait=True)
         if self._own_executor:

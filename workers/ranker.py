@@ -1,11 +1,14 @@
 """The ranking engine of one worker: model + prefix store + device scheduler, no Kafka.
 
 Primitives:
-- ``EngineConfig``: mode (``relay`` or ``baseline``), the ranking budget, chunking, leases.
+- ``EngineConfig`` (``engine_config``): mode (``relay`` or ``baseline``), the ranking budget, chunking, leases.
 - ``RankingEngine.prefill(user_id, history, ttl_s, prefix_len=n)``: pre-inference on a prefill
   signal — lease, then promote, extend or compute the first ``n`` events' prefix (chunked on the
   device scheduler, so a ranking job waits for at most one chunk); a cached prefix that already
   covers them is a hit. Returns a ``PrefillOutcome``.
+- ``RankingEngine.abandon_prefill(user_id)``: the ranking that needed this pre-inference was
+  served without it: its chunks not yet run are dropped (outcome ``abandoned``), so that a late
+  pre-inference does not delay the ones that can still be on time.
 - ``RankingEngine.rank(user_id, history, candidates, request_ts, deadline)``: a ``RankOutcome``.
   Relay path when a valid cached prefix exists; wait for an in-flight prefix only while that
   still meets the deadline — and lend it the request's priority and deadline meanwhile, so that
@@ -16,8 +19,7 @@ Primitives:
   together (a burst) run as one job against their shared prefix (``burst_batch``). ``drain()``
   waits for the stores.
   Baseline mode is full inference on the same code.
-- ``calibrate(model, ...)``: measure full ranking at a few history lengths and fit the
-  ``LatencyModel`` the trigger and the truncation use.
+- ``kv_bytes_per_token(model)``: device bytes one cached token takes.
 """
 
 from __future__ import annotations
@@ -25,17 +27,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import statistics
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Literal, TypeVar
+from typing import TypeVar
 
 import torch
-from pydantic import BaseModel, Field
 
-from relaygr.workers.devices import keep_host_pages
+from relaygr.workers.engine_config import EngineConfig
 from relaygr.workers.latency_model import LatencyModel
 from relaygr.workers.model import HSTURanker
 from relaygr.workers.prefix_kv import Events, PrefixKV
@@ -43,49 +43,8 @@ from relaygr.workers.prefix_store import PrefixStore
 from relaygr.workers.scheduler import DeviceScheduler, Priority, SchedulerClosed
 
 T = TypeVar("T")
+_NEVER = object()  # sentinel of ``iter(step, _NEVER)``: a step function as a step iterator
 log = logging.getLogger(__name__)
-
-
-class EngineConfig(BaseModel):
-    mode: Literal["relay", "baseline"] = Field(
-        default="relay", description="relay: cached prefixes; baseline: full inference, no trigger, no cache."
-    )
-    budget_ms: float = Field(default=50.0, gt=0, description="Ranking-stage latency budget (P99 target).")
-    prefill_chunk: int = Field(default=512, ge=1, description="Tokens per pre-inference job on the device.")
-    lease_ttl_s: float = Field(default=30.0, gt=0, description="Lease of a pre-inferred prefix.")
-    truncate_to_budget: bool = Field(
-        default=True, description="Full inference keeps only the most recent events that fit the budget."
-    )
-    min_truncated_len: int = Field(default=16, ge=0, description="Never truncate below this many events.")
-    wait_margin_ms: float = Field(
-        default=2.0, ge=0, description="Slack kept when deciding to wait for an in-flight prefix."
-    )
-    retain_suffix: bool = Field(
-        default=True,
-        description=(
-            "A relay ranking keeps the keys and values it computed for the suffix: the cached "
-            "prefix grows to the whole ranked history, so the user's next pre-inference is a hit "
-            "and its ranking computes only the events that are new since."
-        ),
-    )
-    burst_batch: int = Field(
-        default=8,
-        ge=1,
-        description=(
-            "Relay rankings of one user that wait for the device together (a burst of requests) "
-            "run as one job of at most this many: the events new since the cached prefix are "
-            "computed once. 1 = never."
-        ),
-    )
-    burst_batch_events: int = Field(
-        default=8192,
-        ge=1,
-        description=(
-            "A burst batch holds at most this many cached events summed over its rankings (and "
-            "at least one ranking). Batching saves each ranking's fixed costs, which dominate for "
-            "short prefixes; a batch of long ones would make its first ranking wait for the rest."
-        ),
-    )
 
 
 @dataclass
@@ -119,6 +78,10 @@ class _BurstItem:
     batch: int = 1
 
 
+class PrefillAbandoned(Exception):
+    """A pre-inference stopped between two chunks: the ranking that needed it went ahead."""
+
+
 class RankingEngine:
     def __init__(
         self,
@@ -140,6 +103,9 @@ class RankingEngine:
         self.bytes_per_token = kv_bytes_per_token(model)
         # Users whose in-flight pre-inference a waiting ranking job has promoted: (priority, deadline).
         self._urgent: dict[str, tuple[Priority, float]] = {}
+        self._waiters: dict[str, int] = {}  # rankings waiting for a user's pre-inference
+        # Users whose pre-inference is no longer wanted: its next chunk stops it (device thread reads).
+        self._abandoned: set[str] = set()
         # Background tasks storing the prefixes that rankings grew (``retain_suffix``).
         self._keeping: set[asyncio.Task] = set()
         self.batched_rankings = 0  # rankings that shared their device job with others of a burst
@@ -171,9 +137,12 @@ class RankingEngine:
         lease = self.store.lease(user_id, ttl_s or self.config.lease_ttl_s, n * self.bytes_per_token)
         if not lease:
             return PrefillOutcome(f"refused:{lease.reason}", n)
+        self._abandoned.discard(user_id)
 
         async def compute(best: PrefixKV | None) -> PrefixKV:
-            steps = self.model.prefill_steps(history.slice(0, n), self.config.prefill_chunk, prefix=best)
+            steps = self._unless_abandoned(
+                user_id, self.model.prefill_steps(history.slice(0, n), self._chunk_size(), prefix=best)
+            )
             # A request may already wait for this prefix (its lookup found it in flight).
             prio, deadline = self._urgent.get(user_id, (Priority.PREFILL, math.inf))
             out = await self.scheduler.submit_steps(
@@ -185,16 +154,64 @@ class RankingEngine:
 
         try:
             got, source = await self.store.get_or_compute(user_id, history, compute, at_least=n)
+        except PrefillAbandoned:
+            self.store.release(user_id)
+            return PrefillOutcome("abandoned", n, (time.perf_counter() - t0) * 1000)
         finally:
             self._urgent.pop(user_id, None)
+            self._abandoned.discard(user_id)
         return PrefillOutcome(source, got.length, (time.perf_counter() - t0) * 1000)
+
+    def _unless_abandoned(self, user_id: str, steps: Iterator[PrefixKV | None]) -> Iterator[PrefixKV | None]:
+        """``steps``, checked before each chunk: ``abandon_prefill`` stops them there."""
+        while True:
+            if user_id in self._abandoned:
+                raise PrefillAbandoned(user_id)
+            try:
+                out = next(steps)
+            except StopIteration:
+                return
+            yield out
+
+    def abandon_prefill(self, user_id: str) -> None:
+        """``user_id``'s ranking went ahead without its pre-inference: drop the chunks not run yet
+        (a prefix of a later request is ordered by that request's own signal) when pre-inference
+        is backed up (more than ``abandon_backlog`` queued): late ones would make the next ones
+        late too. Otherwise it finishes at pre-inference priority: the user's next requests (a
+        heavy user's capped prefix) find it cached."""
+        if self.scheduler.queue_depth(Priority.PREFILL) <= self.config.abandon_backlog:
+            return
+        if self.store is not None and self.store.in_flight(user_id):
+            self._abandoned.add(user_id)
+
+    def _chunk_size(self) -> int | Callable[[int], int]:
+        """Tokens per device chunk: sliced by time (``slice_ms``) with the latency model, so that
+        a chunk against many cached keys gets fewer tokens; at most ``prefill_chunk``."""
+        if not self.config.slice_ms:
+            return self.config.prefill_chunk
+        hi, slice_ms = self.config.prefill_chunk, self.config.slice_ms
+        return lambda cached: self.latency.tokens_within_slice(cached, slice_ms, lo=16, hi=hi)
 
     def expedite_prefill(self, user_id: str, deadline: float) -> None:
         """A ranking waits for ``user_id``'s pre-inference: its remaining chunks run at ranking
-        priority with the ranking's deadline (priority inheritance)."""
+        priority with the ranking's deadline (priority inheritance), until every waiter has
+        either got it or given up (``yield_prefill``)."""
         _, before = self._urgent.get(user_id, (Priority.RANK, math.inf))
         self._urgent[user_id] = (Priority.RANK, min(before, deadline))
+        self._waiters[user_id] = self._waiters.get(user_id, 0) + 1
         self.scheduler.promote(("prefill", user_id), Priority.RANK, deadline)
+
+    def yield_prefill(self, user_id: str) -> None:
+        """A waiter of ``user_id``'s pre-inference stopped waiting. When none is left, the rest of
+        it goes back to pre-inference priority: the ranking that gave up runs now, never behind
+        its own user's prefill."""
+        left = self._waiters.get(user_id, 0) - 1
+        if left > 0:
+            self._waiters[user_id] = left
+            return
+        self._waiters.pop(user_id, None)
+        if self._urgent.pop(user_id, None) is not None:
+            self.scheduler.restore(("prefill", user_id), Priority.PREFILL, math.inf)
 
     # ------------------------------------------------------------------ ranking
 
@@ -225,13 +242,20 @@ class RankingEngine:
                 if room_s > 0:
                     self.expedite_prefill(user_id, deadline)
                     t1 = time.perf_counter()
-                    waited = await self.store.wait_in_flight(user_id, room_s)
+                    try:
+                        waited = await self.store.wait_in_flight(user_id, room_s)
+                    finally:
+                        self.yield_prefill(user_id)
                     bd["prefix_wait"] = (time.perf_counter() - t1) * 1000
                     if waited is not None and waited.matches(history):
                         prefix, tier, path = waited, "inflight", "relay_waited"
             if prefix is not None:
                 suffix = history.slice(prefix.length)
-                if self.config.retain_suffix and len(suffix):
+                if self._slice_relay(prefix.length, len(suffix), len(candidates)):
+                    scores = await self._rank_relay_sliced(
+                        user_id, prefix, history, candidates, request_ts, deadline, bd
+                    )
+                elif self.config.retain_suffix and len(suffix):
                     scores, grow = await self._rank_in_burst(
                         user_id, prefix, history, candidates, request_ts, deadline, bd
                     )
@@ -261,7 +285,10 @@ class RankingEngine:
             if fit < n:
                 used = history.slice(n - fit)
                 path = "full_truncated"
-        scores = await self._run(None, used, candidates, request_ts, deadline, bd)
+        if self.config.mode == "relay" and self.config.slice_ms:
+            scores = await self._run_sliced(used, candidates, request_ts, deadline, bd)
+        else:  # the baseline: one job, as the paper's
+            scores = await self._run(None, used, candidates, request_ts, deadline, bd)
         self.samples.append((len(used), bd["compute"]))
         return RankOutcome(scores, path, bd, n, len(used), len(used) + len(candidates), 0, "miss")
 
@@ -353,6 +380,109 @@ class RankingEngine:
             lambda: self.model.rank(prefix, events, candidates, request_ts), deadline, bd
         )
 
+    def _slice_relay(self, cached: int, new: int, candidates: int) -> bool:
+        """Whether a relay ranking is predicted to take longer than a device slice: then it runs
+        in slices too (a capped heavy user's ranking against thousands of keys would otherwise
+        hold every other ranking up for its whole length)."""
+        if not self.config.slice_ms:
+            return False
+        lat = self.latency
+        return lat.predict_ms(cached + new + candidates) - lat.predict_ms(cached) > 2 * self.config.slice_ms
+
+    async def _rank_relay_sliced(
+        self,
+        user_id: str,
+        prefix: PrefixKV,
+        history: Events,
+        candidates: torch.Tensor,
+        request_ts: float,
+        deadline: float,
+        bd: dict[str, float],
+    ) -> torch.Tensor:
+        """A relay ranking as a chunked ranking job: the new events extend the cached prefix in
+        time slices, then the candidates are scored against it a slice's worth at a time (each
+        candidate attends to the history and itself only, so groups score as the whole would).
+        The grown prefix is kept (``retain_suffix``)."""
+        model, chunk = self.model, self._chunk_size()
+        n = len(history)
+        per_slice = self.latency.tokens_within_slice(
+            n, self.config.slice_ms, lo=8, hi=max(8, len(candidates))
+        )
+        grown_box: list[PrefixKV] = []
+        timing: list[float] = []
+
+        def steps():
+            grown = prefix
+            if n > prefix.length:
+                for out in model.prefill_steps(history, chunk, prefix=prefix):
+                    if out is None:
+                        yield None
+                    else:
+                        grown = out
+            grown_box.append(grown)
+            parts = []
+            rest = history.slice(n)
+            for c0 in range(0, len(candidates), per_slice):
+                parts.append(model.rank(grown, rest, candidates[c0 : c0 + per_slice], request_ts))
+                if c0 + per_slice < len(candidates):
+                    yield None
+            yield torch.cat(parts)
+
+        scores = await self._submit_steps_timed(steps(), deadline, timing)
+        bd["device_queue"] = (timing[0] - timing[-1]) * 1000
+        bd["compute"] = sum(b - a for a, b in zip(timing[:-1:2], timing[1:-1:2], strict=True)) * 1000
+        if self.config.retain_suffix and n > prefix.length and grown_box:
+            assert self.store is not None
+            self.store.put(user_id, grown_box[0], keep_longer=True)
+        return scores
+
+    async def _submit_steps_timed(self, it, deadline: float, timing: list[float]):
+        """``it`` as a chunked ranking job; ``timing`` gets each step's (start, end), then the
+        submission time last."""
+        t_submit = time.perf_counter()
+
+        def step():
+            t0 = time.perf_counter()
+            out = next(it)
+            timing.extend((t0, time.perf_counter()))
+            return out
+
+        try:
+            return await self.scheduler.submit_steps(
+                iter(step, _NEVER), priority=Priority.RANK, deadline=deadline
+            )
+        finally:
+            timing.append(t_submit)
+
+    async def _run_sliced(
+        self,
+        history: Events,
+        candidates: torch.Tensor,
+        request_ts: float,
+        deadline: float,
+        bd: dict[str, float],
+    ) -> torch.Tensor:
+        """Full ranking as a chunked ranking job: the history's keys and values in time slices
+        (``_chunk_size``), then the candidates against them — other rankings with earlier
+        deadlines run between two slices instead of waiting for the whole. Equal to ``rank``
+        with no prefix (the prefix property, tested)."""
+        model, chunk = self.model, self._chunk_size()
+        timing: list[float] = []
+
+        def steps():
+            prefix = None
+            for out in model.prefill_steps(history, chunk):
+                if out is None:
+                    yield None
+                else:
+                    prefix = out
+            yield model.rank(prefix, history.slice(len(history)), candidates, request_ts)
+
+        out = await self._submit_steps_timed(steps(), deadline, timing)
+        bd["device_queue"] = (timing[0] - timing[-1]) * 1000
+        bd["compute"] = sum(b - a for a, b in zip(timing[:-1:2], timing[1:-1:2], strict=True)) * 1000
+        return out
+
     async def _on_device(self, fn: Callable[[], T], deadline: float, bd: dict[str, float]) -> T:
         """``fn()`` as a ranking job on the device thread; ``bd`` gets ``device_queue`` (waiting
         for the device) and ``compute`` (the call) in ms."""
@@ -382,39 +512,3 @@ def kv_bytes_per_token(model: HSTURanker) -> int:
     elem = torch.empty((), dtype=model.dtype).element_size()
     # keys + values per layer, plus the position (int64) and timestamp (float64) of the token.
     return len(model.layers) * c.heads * (c.attn_dim + c.linear_dim) * elem + 16
-
-
-def calibrate(
-    model: HSTURanker,
-    lengths: tuple[int, ...] = (64, 256, 512, 1024, 2048),
-    candidates: int = 128,
-    repeats: int = 3,
-    threads: int = 0,
-) -> tuple[LatencyModel, list[tuple[int, float]]]:
-    """Median time of ``rank_full`` per history length on this machine, and the fitted model.
-    ``threads`` (0 = leave as is): the torch CPU threads to time with — the worker's own count."""
-    keep_host_pages()  # time it the way a worker runs it
-    if threads:
-        old = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
-            return calibrate(model, lengths, candidates, repeats)
-        finally:
-            torch.set_num_threads(old)
-    gen = torch.Generator().manual_seed(0)
-    cands = torch.randint(1, model.config.num_items + 1, (candidates,), generator=gen)
-    samples = []
-    for n in lengths:
-        hist = Events(
-            torch.randint(1, model.config.num_items + 1, (n,), generator=gen),
-            torch.randint(1, model.config.num_actions + 1, (n,), generator=gen),
-            torch.arange(n, dtype=torch.float64) * 60.0,
-        )
-        model.rank_full(hist, cands, float(n) * 60.0)  # warm-up
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            model.rank_full(hist, cands, float(n) * 60.0)
-            times.append((time.perf_counter() - t0) * 1000)
-        samples.append((n, statistics.median(times)))
-    return LatencyModel.fit(samples), samples

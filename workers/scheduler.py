@@ -12,6 +12,9 @@ Primitives:
 - ``DeviceScheduler.promote(tag, priority, deadline)``: raise the jobs carrying ``tag``, queued or
   running chunked (priority inheritance: a ranking job that waits for a pre-inference lends it
   its urgency).
+- ``DeviceScheduler.restore(tag, priority, deadline)``: set the jobs carrying ``tag`` back to
+  ``priority`` and ``deadline`` (the waiter that lent its urgency gave up: a deadline must not be
+  spent on work that can no longer meet it).
 - ``DeviceScheduler.submit_batched(item, run_batch, key, ...)``: a job that may share its turn.
   When it runs, the queued jobs with the same ``key`` (up to ``limit`` in all) run with it as one
   call ``run_batch([items])``, which returns one result per item (dynamic batching: it happens
@@ -142,20 +145,30 @@ class DeviceScheduler:
     def promote(self, tag: Any, priority: Priority, deadline: float = math.inf) -> int:
         """Raise the jobs tagged ``tag`` to at least ``priority`` and ``deadline``: the queued ones,
         and a chunked one between two of its steps. Returns how many were found."""
+        return self._retag(tag, lambda j: (min(j.priority, int(priority)), min(j.deadline, deadline)))
+
+    def restore(self, tag: Any, priority: Priority, deadline: float = math.inf) -> int:
+        """Set the jobs tagged ``tag`` (queued, or chunked between two steps) to exactly
+        ``priority`` and ``deadline``. Returns how many were found."""
+        return self._retag(tag, lambda _j: (int(priority), deadline))
+
+    def _retag(self, tag: Any, new: Callable[[_Job], tuple[int, float]]) -> int:
+        """Give every job tagged ``tag`` (queued, or the running chunked one, whose next step goes
+        in with it) the ``(priority, deadline)`` that ``new(job)`` says; keeps the heap in order."""
         if tag is None:
             return 0
         with self._cv:
             hit = 0
             for _, _, _, job in self._heap:
                 if job.tag == tag:
-                    job.priority, job.deadline = min(job.priority, int(priority)), min(job.deadline, deadline)
+                    job.priority, job.deadline = new(job)
                     hit += 1
             if hit:
                 self._heap = [(j.priority, j.deadline, seq, j) for _, _, seq, j in self._heap]
                 heapq.heapify(self._heap)
             run = self._running
-            if run is not None and run.steps and run.tag == tag:  # its next step goes in raised
-                run.priority, run.deadline = min(run.priority, int(priority)), min(run.deadline, deadline)
+            if run is not None and run.steps and run.tag == tag:
+                run.priority, run.deadline = new(run)
                 hit += 1
             return hit
 

@@ -55,10 +55,6 @@ class MemoryTier(Generic[K, V]):
     def __contains__(self, key: object) -> bool:
         return key in self._items
 
-    @property
-    def free_bytes(self) -> int:
-        return self.budget_bytes - self.used_bytes
-
     def can_ever_hold(self, nbytes: int) -> bool:
         """False when ``nbytes`` exceeds the whole budget: such an entry skips this tier."""
         return nbytes <= self.budget_bytes
@@ -70,10 +66,6 @@ class MemoryTier(Generic[K, V]):
         if touch:
             self._items.move_to_end(key)
         return item[0]
-
-    def nbytes_of(self, key: K) -> int:
-        item = self._items.get(key)
-        return 0 if item is None else item[1]
 
     def touch(self, key: K) -> None:
         if key in self._items:

@@ -1,4 +1,4 @@
-"""Train the HSTU ranker on MovieLens (next item, target-aware sampled softmax) and write a checkpoint.
+"""Train the HSTU ranker on an interaction log (next item, target-aware sampled softmax) and write a checkpoint.
 
 Primitives:
 - ``make_batch``: a padded batch of training windows with cut points; at each cut the true next
@@ -7,11 +7,16 @@ Primitives:
 - ``train_model``: AdamW over shuffled, length-bucketed batches; progress to stderr.
 - ``evaluate``: leave-last-out. Each user's last event is the target; the candidates are every
   item the user has not seen; the history (all earlier events, or only the last N) is ranked
-  through the serving API (``rank_full``). HR@10, NDCG@10, MRR.
+  through the serving API (``rank_full``). HR@10, NDCG@10, MRR, each with a 95 % bootstrap
+  confidence interval over users.
 - ``popularity_metrics``: the same protocol for a most-popular baseline.
-- ``add_arguments`` / ``run``: ``relaygr train --dataset ml-100k --out DIR`` writes
-  ``model.safetensors``, ``config.json`` and ``metrics.json`` (with quality against the history
-  length used at inference).
+- ``load_log``: the training data: MovieLens from recbole (``--dataset``, identity vocabulary) or
+  any log file (``--interactions``, read by ``interactions.read_interactions``).
+- ``add_arguments`` / ``run(args, log=None)``: ``relaygr train --dataset ml-100k --out DIR`` or
+  ``--interactions PATH`` writes ``model.safetensors``, ``config.json``, ``vocab.json`` (raw item
+  ids -> model ids) and ``metrics.json`` (quality against the history length used at inference).
+  ``log``: events already read (from the ``behaviors`` topic, by ``relaygr.tools.train_source``),
+  so this module never touches Kafka.
 """
 
 from __future__ import annotations
@@ -30,11 +35,15 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from relaygr.workers.dense import train_scores
+from relaygr.workers.interactions import Columns, InteractionLog, build_log, print_progress, read_interactions
 from relaygr.workers.model import HSTUConfig, HSTURanker
 from relaygr.workers.movielens import DATASETS, MovieLens, load_movielens
 from relaygr.workers.prefix_kv import Events
+from relaygr.workers.vocab import ItemVocab
 
-DEFAULT_LENGTHS: tuple[int | None, ...] = (16, 32, 64, 128, None)  # None: the whole history
+DEFAULT_LENGTHS: tuple[int | None, ...] = (16, 64, 256, None)  # None: the whole history
+BOOTSTRAP_SAMPLES = 1000
 
 
 def _log(msg: str) -> None:
@@ -115,7 +124,8 @@ def batch_loss(model: HSTURanker, batch: Batch, aux_weight: float = 0.0) -> torc
     final states (``state_t . item_embedding``, predicting event ``t + 1``): a dense, cheap
     signal for the shared embeddings and layers. The ranking score itself is only ever the
     candidate-token path above."""
-    out = model.train_scores(
+    out = train_scores(
+        model,
         batch.items,
         batch.actions,
         batch.timestamps,
@@ -147,16 +157,26 @@ def batch_loss(model: HSTURanker, batch: Batch, aux_weight: float = 0.0) -> torc
     return loss
 
 
-def split_leave_last_out(ml: MovieLens) -> tuple[dict[int, Events], dict[int, Events]]:
+def split_leave_last_out(log: InteractionLog | MovieLens) -> tuple[dict, dict]:
     """Per user: history without the last event (training and ranking input), and the last event."""
-    train = {u: h.slice(0, len(h) - 1) for u, h in ml.histories.items() if len(h) >= 2}
-    test = {u: ml.histories[u].slice(len(ml.histories[u]) - 1) for u in train}
+    train = {u: h.slice(0, len(h) - 1) for u, h in log.histories.items() if len(h) >= 2}
+    test = {u: log.histories[u].slice(len(log.histories[u]) - 1) for u in train}
     return train, test
+
+
+def movielens_log(name: str) -> InteractionLog:
+    """A MovieLens dataset with the identity vocabulary (its raw ids are the model ids)."""
+    ml = load_movielens(name)
+    return InteractionLog(
+        histories={str(u): h for u, h in ml.histories.items()},
+        vocab=ItemVocab.identity_of(ml.num_items),
+        num_actions=5,
+    )
 
 
 def train_model(
     model: HSTURanker,
-    sequences: dict[int, Events],
+    sequences: dict[str, Events],
     *,
     epochs: int,
     batch_size: int = 32,
@@ -234,13 +254,27 @@ def train_model(
     return losses
 
 
-def _metrics(ranks: np.ndarray) -> dict[str, float]:
+def _per_user(ranks: np.ndarray) -> dict[str, np.ndarray]:
     hit = ranks <= 10
     return {
-        "HR@10": float(hit.mean()),
-        "NDCG@10": float(np.where(hit, 1.0 / np.log2(ranks + 1.0), 0.0).mean()),
-        "MRR": float((1.0 / ranks).mean()),
+        "HR@10": hit.astype(np.float64),
+        "NDCG@10": np.where(hit, 1.0 / np.log2(ranks + 1.0), 0.0),
+        "MRR": 1.0 / ranks,
     }
+
+
+def _metrics(ranks: np.ndarray, seed: int = 0) -> dict[str, float | list[float]]:
+    """Means over users, each with a 95 % confidence interval (percentile bootstrap over users;
+    one resampling shared by the three metrics)."""
+    per_user = _per_user(ranks)
+    rng = np.random.default_rng(seed)
+    resample = rng.integers(0, len(ranks), size=(BOOTSTRAP_SAMPLES, len(ranks)))
+    out: dict[str, float | list[float]] = {}
+    for name, values in per_user.items():
+        means = values[resample].mean(axis=1)
+        out[name] = float(values.mean())
+        out[f"{name}_ci95"] = [float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))]
+    return out
 
 
 def _rank_of_target(scores: np.ndarray, target_pos: int) -> float:
@@ -262,8 +296,8 @@ def _candidates(num_items: int, history: Events, target: int) -> tuple[torch.Ten
 
 def evaluate(
     model: HSTURanker,
-    history: dict[int, Events],
-    test: dict[int, Events],
+    history: dict[str, Events],
+    test: dict[str, Events],
     *,
     lengths: Sequence[int | None] = DEFAULT_LENGTHS,
     max_users: int | None = None,
@@ -296,7 +330,7 @@ def _length_key(n: int | None) -> str:
 
 
 def popularity_metrics(
-    history: dict[int, Events], test: dict[int, Events], num_items: int
+    history: dict[str, Events], test: dict[str, Events], num_items: int
 ) -> dict[str, float]:
     """Most popular items first (counts over the training histories), same protocol."""
     counts = np.zeros(num_items + 1)
@@ -310,11 +344,46 @@ def popularity_metrics(
     return {**_metrics(np.asarray(ranks)), "users": len(ranks)}
 
 
+def add_source_arguments(parser: argparse.ArgumentParser) -> argparse._MutuallyExclusiveGroup:
+    """Where the interactions come from; returns the group so that a caller can add a source."""
+    src = parser.add_mutually_exclusive_group()
+    src.add_argument(
+        "--dataset", choices=DATASETS, help="a dataset bundled with recbole (the default: ml-100k)"
+    )
+    src.add_argument(
+        "--interactions",
+        type=Path,
+        metavar="PATH",
+        help="an interaction log: CSV (or TSV), Parquet or JSON lines, one interaction a row",
+    )
+    cols = parser.add_argument_group("columns of --interactions (defaults: MovieLens-style headers)")
+    cols.add_argument("--format", choices=["csv", "parquet", "jsonl"], help="default: from the file name")
+    cols.add_argument("--user-col", default="user_id", help="user id column")
+    cols.add_argument("--item-col", default="item_id", help="item id column (integers or strings)")
+    cols.add_argument("--time-col", default="timestamp", help="timestamp column (seconds since the epoch)")
+    cols.add_argument(
+        "--action-col",
+        default="rating",
+        help="action or rating column (a number 0..255); 'none' for a log without one "
+        "(the default 'rating' is used only if present)",
+    )
+    cols.add_argument(
+        "--strict", action="store_true", help="stop at the first bad row instead of counting and skipping it"
+    )
+    return src
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dataset", default="ml-100k", choices=DATASETS, help="dataset bundled with recbole")
+    add_source_arguments(parser)
     parser.add_argument("--out", required=True, type=Path, help="output directory for the checkpoint")
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--max-len", type=int, default=200, help="training window (events)")
+    parser.add_argument(
+        "--max-seq-len",
+        type=int,
+        default=8192,
+        help="most recent events of a user that serving reads (stored with the checkpoint)",
+    )
     parser.add_argument("--device", default="cpu", help="cpu, cuda[:N] or npu[:N]")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--seed", type=int, default=0)
@@ -340,34 +409,76 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eval-users", type=int, default=None, help="evaluate on the first N users only")
     parser.add_argument(
         "--eval-lengths",
-        default="16,32,64,128,all",
+        default="16,64,256,all",
         help="history lengths used at inference for the quality table (comma separated, 'all')",
     )
 
 
-def run(args: argparse.Namespace) -> int:
+def columns_of(args: argparse.Namespace) -> Columns:
+    action = None if str(args.action_col).lower() in ("none", "") else args.action_col
+    return Columns(user=args.user_col, item=args.item_col, timestamp=args.time_col, action=action)
+
+
+def load_log(args: argparse.Namespace) -> tuple[InteractionLog, str]:
+    """The log named by ``--interactions`` or ``--dataset``, and how to name it in the metrics."""
+    if args.interactions is None:
+        name = args.dataset or "ml-100k"
+        return movielens_log(name), name
+    read = read_interactions(
+        args.interactions,
+        columns_of(args),
+        fmt=args.format,
+        strict=args.strict,
+        progress=print_progress(f"read {args.interactions}"),
+    )
+    log = build_log(read.rows, bad=read.bad, bad_count=read.bad_count)
+    return log, str(args.interactions)
+
+
+def report_bad_rows(log: InteractionLog, total: int | None = None) -> None:
+    if not log.bad_count:
+        return
+    of = f" of {total}" if total is not None else ""
+    _log(f"skipped {log.bad_count}{of} bad rows; first ones:")
+    for bad in log.bad:
+        _log(f"  {bad}")
+
+
+def _fmt_metric(row: dict, name: str) -> str:
+    lo, hi = row[f"{name}_ci95"]
+    return f"{name} {row[name]:.4f} [{lo:.4f}, {hi:.4f}]"
+
+
+def run(args: argparse.Namespace, log: InteractionLog | None = None, source: str | None = None) -> int:
     t0 = time.perf_counter()
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    ml = load_movielens(args.dataset)
-    history, test = split_leave_last_out(ml)
+    if log is None:
+        log, source = load_log(args)
+    report_bad_rows(log)
+    history, test = split_leave_last_out(log)
+    if not history:
+        raise SystemExit(f"{source}: no user has two interactions; nothing to train on")
     head = args.dim // args.heads
     config = HSTUConfig(
-        num_items=ml.num_items,
+        num_items=log.num_items,
+        num_actions=max(5, log.num_actions),
         layers=args.layers,
         heads=args.heads,
         dim=args.dim,
         attn_dim=head,
         linear_dim=head,
         max_len=args.max_len,
+        max_seq_len=args.max_seq_len,
         dropout=args.dropout,
         dtype=args.dtype,
         device=args.device,
     )
     model = HSTURanker(config)
+    model.set_vocab(log.vocab)
     _log(
-        f"{args.dataset}: {len(history)} users, {ml.num_items} items, {ml.num_events} events; "
+        f"{source}: {len(history)} users, {log.num_items} items, {log.num_events} events; "
         f"model {sum(p.numel() for p in model.parameters())} parameters"
     )
     t_train = time.perf_counter()
@@ -393,13 +504,19 @@ def run(args: argparse.Namespace) -> int:
     by_len = evaluate(model, history, test, lengths=lengths, max_users=args.eval_users)
     eval_secs = time.perf_counter() - t_eval
     metrics = {
-        "dataset": args.dataset,
-        "protocol": "leave-last-out; candidates: every item the user has not seen; ranked via rank_full",
+        "dataset": source,
+        "items": log.num_items,
+        "users": len(history),
+        "events": log.num_events,
+        "bad_rows": log.bad_count,
+        "bad_row_examples": [str(b) for b in log.bad],
+        "protocol": "leave-last-out; candidates: every item the user has not seen; ranked via rank_full; "
+        "95 % confidence intervals: percentile bootstrap over users",
         "model_version": model.model_version,
         **by_len["all"],
         "by_history_length": [{"history": k, **v} for k, v in by_len.items()],
         "popularity_baseline": popularity_metrics(
-            {u: history[u] for u in sorted(history)[: args.eval_users]}, test, ml.num_items
+            {u: history[u] for u in sorted(history)[: args.eval_users]}, test, log.num_items
         ),
         "train": {
             "epochs": len(losses),
@@ -419,10 +536,11 @@ def run(args: argparse.Namespace) -> int:
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     for row in metrics["by_history_length"]:
         _log(
-            f"history {row['history']:>4}: HR@10 {row['HR@10']:.4f}  NDCG@10 {row['NDCG@10']:.4f}  MRR {row['MRR']:.4f}"
+            f"history {row['history']:>4}: "
+            + "  ".join(_fmt_metric(row, m) for m in ("HR@10", "NDCG@10", "MRR"))
         )
     pop = metrics["popularity_baseline"]
-    _log(f"popularity : HR@10 {pop['HR@10']:.4f}  NDCG@10 {pop['NDCG@10']:.4f}  MRR {pop['MRR']:.4f}")
+    _log("popularity  : " + "  ".join(_fmt_metric(pop, m) for m in ("HR@10", "NDCG@10", "MRR")))
     print(
         json.dumps({k: metrics[k] for k in ("HR@10", "NDCG@10", "MRR", "model_version")} | {"out": str(out)})
     )

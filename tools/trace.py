@@ -1,4 +1,4 @@
-"""Request traces from real interactions, trace topics, and reading any topic back.
+"""Request traces from real interactions, and their topics.
 
 A trace turns a dataset into traffic: every interaction of a user becomes, at its time, a request
 for that user whose ground truth (``label_item_id``) is the interacted item; the user's earlier
@@ -10,16 +10,18 @@ Primitives:
 - ``build_trace(ml, ...)``: a trace of MovieLens, whole or a window of it. ``min_prior`` keeps
   only interactions with that many real earlier ones; ``target_len`` lengthens each user's history
   before their first request to exactly that many events by time-shifted repetition of their real
-  history (``streams.traffic.synthesise``); ``warmup`` adds, per user, a request for their last
+  history (``tools.traffic.synthesise``); ``warmup`` adds, per user, a request for their last
   interaction before the window (``Trace.warmup_ids``).
 - ``TraceTopics(name, partitions)``: the trace topic (requests, key user_id) and its companion
   ``<name>-behaviors`` (behaviours, key user_id); kept forever (``retention.ms=-1``).
 - ``publish_trace(settings, topics, trace)``: create the topics and write the trace.
-- ``read_topic(settings, topic, event_type, start=...)``: the records of a topic from the
-  beginning, an offset (one for every partition, or per partition) or a timestamp, up to the end
-  seen when reading starts. Undecodable records are counted, not returned.
-- ``load_trace(settings, topics, start=...)``: a trace back from its topics.
-- CLI: ``relaygr trace build --dataset ml-100k [--topic NAME] [--min-prior N] [--synth-len L]``.
+- ``load_trace(settings, topics, start=...)``: a trace back from its topics
+  (``infra.topic_reader``).
+- ``log_as_dataset(log, name)``: an interaction log (``workers.interactions``) in the form
+  ``build_trace`` reads, its items named by their raw ids again (the wire carries integers, so a
+  log with string item ids cannot become traffic).
+- CLI: ``relaygr trace build (--dataset ml-100k | --interactions PATH [column flags])
+  [--topic NAME] [--min-prior N] [--synth-len L]``.
 """
 
 from __future__ import annotations
@@ -28,18 +30,20 @@ import argparse
 import asyncio
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime
-from typing import Generic, TypeVar
+from pathlib import Path
 
+import torch
+
+from relaygr.infra.publishing import progress_printer, send_in_order
 from relaygr.infra.settings import Settings
-from relaygr.schemas import BehaviorEvent, Event, RecommendationRequest, SchemaError, decode, encode
+from relaygr.infra.topic_reader import Start, merge_by_time, read_topic
+from relaygr.schemas import BehaviorEvent, RecommendationRequest
 from relaygr.schemas.topics import TopicSpec
-from relaygr.workers.movielens import DATASETS, MovieLens
+from relaygr.workers.interactions import InteractionLog
+from relaygr.workers.movielens import MovieLens
 from relaygr.workers.prefix_kv import Events
-
-E = TypeVar("E", bound=Event)
+from relaygr.workers.train import add_source_arguments, report_bad_rows
 
 
 @dataclass
@@ -60,11 +64,11 @@ EPOCH_FLOOR = 86400.0
 
 def lengthen(past: Events, target_len: int) -> Events:
     """Exactly ``target_len`` events (the most recent ones) of ``past`` repeated with time shifts
-    (``streams.traffic.synthesise``). Where the shifted copies would reach back before
+    (``tools.traffic.synthesise``). Where the shifted copies would reach back before
     ``EPOCH_FLOOR``, the synthesised part is compressed linearly in time to end one day (at most a
     quarter of the time since the epoch) before the first real event (order kept; the real history
     is untouched)."""
-    from relaygr.streams.traffic import DAY, synthesise
+    from relaygr.tools.traffic import DAY, synthesise
 
     real = len(past)
     if real == 0 or target_len <= real:
@@ -82,6 +86,26 @@ def lengthen(past: Events, target_len: int) -> Events:
         ts[:n_syn] = floor + (ts[:n_syn] - lo) * scale
         out = Events(out.item_ids, out.action_ids, ts)
     return out
+
+
+def _user_order(user_id: str) -> tuple[int, int, str]:
+    """Numeric user ids in numeric order (MovieLens), then the others in text order."""
+    return (0, int(user_id), "") if user_id.isdigit() else (1, 0, user_id)
+
+
+def log_as_dataset(log: InteractionLog, name: str) -> MovieLens:
+    """``log`` with raw item ids, for ``build_trace``; ``ValueError`` if they are not integers."""
+    if not log.vocab.is_int:
+        raise ValueError(
+            f"{name}: item ids are strings; behaviour events carry integer item ids, so this log "
+            "can train a model but cannot be replayed as traffic"
+        )
+    histories = {}
+    for user, h in log.histories.items():
+        raw = torch.tensor(log.vocab.to_raw(h.item_ids.tolist()), dtype=torch.int64)
+        histories[user] = Events(raw, h.action_ids, h.timestamps)
+    largest = max(log.vocab.raw_ids(), default=0)
+    return MovieLens(name=name, num_items=int(largest), histories=histories)  # type: ignore[arg-type]
 
 
 def eligible_interactions(ml: MovieLens, min_prior: int = 0) -> list[tuple[float, int, int]]:
@@ -164,7 +188,7 @@ def build_trace(
     warm: list[RecommendationRequest] = []
     if warmup:
         warm = [request(u, k0 - 1) for u, k0 in first.items() if k0 >= 1]
-    reqs = sorted([*warm, *requests], key=lambda r: (r.event_ts, int(r.user_id), r.request_id))
+    reqs = sorted([*warm, *requests], key=lambda r: (r.event_ts, _user_order(r.user_id), r.request_id))
     meta = {
         "dataset": name,
         "min_prior": min_prior,
@@ -213,30 +237,14 @@ class TraceTopics:
         return [self.requests.name, self.behaviours.name]
 
 
-def _progress(what: str, every: int = 50_000) -> Callable[[int], None]:
-    def tick(n: int) -> None:
-        if n and n % every == 0:
-            print(f"   {what}: {n}", file=sys.stderr, flush=True)
-
-    return tick
-
-
 async def publish_events(settings: Settings, topic: str, events: list, *, what: str = "events") -> None:
     """Write ``events`` to ``topic`` in order (keyed by each event's key) and wait for the acks."""
     from relaygr.infra.kafka import producer
 
     prod = producer(settings, linger_ms=5)
     await prod.start()
-    tick = _progress(f"{what} written")
     try:
-        futs = []
-        for i, e in enumerate(events, 1):
-            futs.append(await prod.send(topic, encode(e), key=e.key()))
-            if len(futs) >= 5000:
-                await asyncio.gather(*futs)
-                futs.clear()
-            tick(i)
-        await asyncio.gather(*futs)
+        await send_in_order(prod, topic, events, on_chunk=progress_printer(f"{what} written"))
     finally:
         await prod.stop()
 
@@ -249,114 +257,9 @@ async def publish_trace(settings: Settings, topics: TraceTopics, trace: Trace) -
     await publish_events(settings, topics.requests.name, trace.requests, what="trace requests")
 
 
-# ---------------------------------------------------------------------- reading topics back
-
-
-@dataclass(frozen=True)
-class Record(Generic[E]):
-    partition: int
-    offset: int
-    timestamp_ms: int
-    value: E
-
-
-@dataclass(frozen=True)
-class Start:
-    """Where reading starts: the beginning, an offset (all partitions, or per partition), or a time."""
-
-    offset: int | dict[int, int] | None = None
-    timestamp: float | None = None
-
-    @classmethod
-    def parse(cls, offset: str | None = None, timestamp: str | None = None) -> Start:
-        if offset is not None and timestamp is not None:
-            raise ValueError("give an offset or a timestamp, not both")
-        if offset is not None:
-            if ":" in offset:
-                return cls(offset={int(p): int(o) for p, o in (x.split(":") for x in offset.split(","))})
-            return cls(offset=int(offset))
-        if timestamp is not None:
-            try:
-                return cls(timestamp=float(timestamp))
-            except ValueError:
-                return cls(timestamp=datetime.fromisoformat(timestamp).timestamp())
-        return cls()
-
-
-@dataclass
-class TopicRead(Generic[E]):
-    records: list[Record[E]]
-    undecodable: int = 0
-
-
-async def read_topic(
-    settings: Settings,
-    topic: str,
-    event_type: type[E],
-    start: Start | None = None,
-    *,
-    max_records: int | None = None,
-    progress: bool = False,
-) -> TopicRead[E]:
-    """Records of ``topic`` from ``start`` up to the end offsets seen when reading starts."""
-    from aiokafka import TopicPartition
-
-    from relaygr.infra.kafka import consumer, describe_partitions
-
-    start = start or Start()
-    counts = await describe_partitions(settings, [topic])
-    if topic not in counts:
-        raise LookupError(f"topic {topic} does not exist")
-    tps = [TopicPartition(topic, p) for p in range(counts[topic])]
-    cons = consumer(settings, group_id=None, enable_auto_commit=False, max_partition_fetch_bytes=4 << 20)
-    await cons.start()
-    out: list[Record[E]] = []
-    bad = 0
-    tick = _progress(f"{topic} read") if progress else (lambda n: None)
-    try:
-        cons.assign(tps)
-        ends = await cons.end_offsets(tps)
-        begins = await cons.beginning_offsets(tps)
-        firsts: dict[TopicPartition, int] = {}
-        if start.timestamp is not None:
-            found = await cons.offsets_for_times({tp: int(start.timestamp * 1000) for tp in tps})
-            firsts = {tp: (found[tp].offset if found.get(tp) is not None else ends[tp]) for tp in tps}
-        elif isinstance(start.offset, dict):
-            firsts = {tp: start.offset.get(tp.partition, begins[tp]) for tp in tps}
-        elif isinstance(start.offset, int):
-            firsts = {tp: start.offset for tp in tps}
-        else:
-            firsts = dict(begins)
-        for tp in tps:
-            firsts[tp] = min(max(firsts[tp], begins[tp]), ends[tp])
-            cons.seek(tp, firsts[tp])
-        todo = {tp for tp in tps if firsts[tp] < ends[tp]}
-        while todo and (max_records is None or len(out) < max_records):
-            batch = await cons.getmany(*todo, timeout_ms=500, max_records=5000)
-            for tp, msgs in batch.items():
-                for m in msgs:
-                    if m.offset >= ends[tp]:
-                        break
-                    try:
-                        out.append(Record(tp.partition, m.offset, m.timestamp, decode(event_type, m.value)))
-                    except SchemaError:
-                        bad += 1
-                    tick(len(out))
-            for tp in list(todo):
-                if await cons.position(tp) >= ends[tp]:
-                    todo.discard(tp)
-    finally:
-        await cons.stop()
-    if max_records is not None:
-        out = out[:max_records]
-    return TopicRead(out, bad)
-
-
 async def load_trace(settings: Settings, topics: TraceTopics, start: Start | None = None) -> Trace:
     """The requests of a trace topic from ``start`` (each partition's order kept, merged by time)
     and all of its behaviours."""
-    from relaygr.streams.replay import merge_by_time
-
     reqs = await read_topic(settings, topics.requests.name, RecommendationRequest, start)
     behs = await read_topic(settings, topics.behaviours.name, BehaviorEvent)
     requests = merge_by_time(reqs.records, lambda r: r.value.model_ts)
@@ -368,8 +271,10 @@ async def load_trace(settings: Settings, topics: TraceTopics, start: Start | Non
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("action", choices=["build"], help="build: the dataset as a request trace topic")
-    parser.add_argument("--dataset", default="ml-100k", choices=DATASETS)
+    parser.add_argument(
+        "action", choices=["build"], help="build: the dataset or interaction log as a request trace topic"
+    )
+    add_source_arguments(parser)
     parser.add_argument("--topic", help="trace topic (default <RELAYGR_TOPIC_PREFIX>.trace)")
     parser.add_argument(
         "--min-prior",
@@ -377,7 +282,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="only interactions with at least this many earlier ones become requests (default 0: all)",
     )
-    parser.add_argument("--users", type=int, help="only the first N users (by id)")
+    parser.add_argument("--users", type=int, help="only the first N users (by id; text order for a log)")
     parser.add_argument("--start", type=int, default=0, help="skip the first N requests (in time order)")
     parser.add_argument("--count", type=int, help="at most N requests")
     parser.add_argument(
@@ -393,17 +298,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import json
 
-    from relaygr.demo import ensure_broker
     from relaygr.infra.broker import BrokerError
+    from relaygr.infra.cluster import ensure_broker
     from relaygr.infra.kafka import TopicError
     from relaygr.infra.settings import get_settings
     from relaygr.workers.movielens import load_movielens
+    from relaygr.workers.train import load_log
 
     try:
         settings, _ = ensure_broker(get_settings())
         t0 = time.monotonic()
+        if args.interactions is None:
+            source = args.dataset or "ml-100k"
+            dataset = load_movielens(source)
+        else:
+            log, source = load_log(args)
+            report_bad_rows(log)
+            dataset = log_as_dataset(log, Path(source).stem)
         trace = build_trace(
-            load_movielens(args.dataset),
+            dataset,
             min_prior=args.min_prior,
             start=args.start,
             count=args.count,
@@ -414,7 +327,7 @@ def run(args: argparse.Namespace) -> int:
         )
         topics = TraceTopics(args.topic or f"{settings.topic_prefix}.trace", settings.partitions)
         print(
-            f"== trace of {args.dataset}: {len(trace.requests)} requests, {len(trace.behaviours)} behaviours, "
+            f"== trace of {source}: {len(trace.requests)} requests, {len(trace.behaviours)} behaviours, "
             f"{trace.meta['users']} users -> {topics.requests.name} (+ {topics.behaviours.name})",
             file=sys.stderr,
             flush=True,

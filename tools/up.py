@@ -5,6 +5,9 @@ comes back ranked, then runs until Ctrl-C (or SIGTERM), which stops them all. Lo
 $RELAYGR_HOME/logs/<stage>.log. The stages are supervised (``relaygr.infra.supervisor``): a stage
 that dies is started again with backoff while the others keep running, each restart logged and
 counted; only a crash loop (too many exits of one stage in a short window) stops the deployment.
+
+Primitives: ``Pipeline`` (start, wait_ready, scrape, check, stop), ``Scrape`` (one stage's
+Prometheus samples, parsed by ``prometheus_client.parser``: ``value``, ``by_label``).
 """
 
 from __future__ import annotations
@@ -18,12 +21,39 @@ import sys
 import time
 import uuid
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 from relaygr.infra.broker import BrokerError, free_port
 from relaygr.infra.settings import SECURITY_FIELDS, Settings, get_settings, security_env
 from relaygr.infra.supervisor import CrashLoop, RestartPolicy, Supervisor
 from relaygr.streams.config import PipelineSettings
+
+
+@dataclass(frozen=True)
+class Scrape:
+    """The samples of one stage's /metrics page."""
+
+    samples: tuple[Sample, ...]
+
+    @classmethod
+    def parse(cls, text: str) -> Scrape:
+        return cls(tuple(s for fam in text_string_to_metric_families(text) for s in fam.samples))
+
+    def value(self, name: str, **labels: str) -> float:
+        """The sum of the samples called ``name`` whose labels include ``labels`` (0 if none)."""
+        return sum(s.value for s in self.samples if s.name == name and labels.items() <= s.labels.items())
+
+    def by_label(self, name: str, label: str) -> dict[str, float]:
+        """The samples called ``name``, summed per value of ``label``."""
+        out: dict[str, float] = {}
+        for s in self.samples:
+            if s.name == name and label in s.labels:
+                out[s.labels[label]] = out.get(s.labels[label], 0.0) + s.value
+        return out
 
 
 class Pipeline:
@@ -114,18 +144,12 @@ class Pipeline:
         os.kill(pid, signal.SIGKILL)
         return pid
 
-    def scrape(self, name: str) -> dict[str, float]:
-        """The Prometheus samples of stage ``name`` (``metric{labels}`` -> value)."""
+    def scrape(self, name: str) -> Scrape:
+        """The Prometheus samples of stage ``name``."""
         import urllib.request
 
         with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_ports[name]}/metrics", timeout=5) as r:
-            text = r.read().decode()
-        out = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                key, _, value = line.rpartition(" ")
-                out[key] = float(value)
-        return out
+            return Scrape.parse(r.read().decode())
 
     def check(self) -> None:
         """Raise (``CrashLoop``, a RuntimeError) once the supervisor gave up on a stage."""

@@ -13,16 +13,11 @@ that user's first request), each later one just before the first request that is
 Publishing a behaviour early changes no history (stages cut at ``event_ts``); late would.
 
 Primitives:
-- ``merge_by_time(records, key)``: one stream of several partitions' records, each partition's
-  order kept.
 - ``poisson_offsets(n, qps, seed)``: send times of Poisson arrivals (exponential gaps).
 - ``scaled_offsets(times, speed)``: the original inter-arrival times divided by ``speed``.
 - ``plan_replay(requests, qps=|speed=, duration_s, max_requests)``: requests and their send offsets.
 - ``Replayer(settings, registry, behaviours, user_prefix)``: ``preload(before_ts)`` and
   ``run(plan)`` against one pipeline's topics (an async context manager).
-- ``wait_ingested(settings, registry)``: wait until the stages have applied every behaviour
-  published so far (consumer-group offsets of retrieval and pre-processing; a sentinel behaviour
-  and probe request per partition for the ranking workers' history tables).
 - CLI: ``relaygr replay --topic T (--qps Q | --speed S) [--duration D] [--from-offset|--from-timestamp]``.
 """
 
@@ -30,40 +25,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import heapq
 import json
 import math
 import random
 import sys
 import time
-import uuid
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
-from relaygr.infra.kafka import partition_for
+from relaygr.infra.publishing import send_in_order
 from relaygr.infra.settings import Settings
-from relaygr.schemas import (
-    BehaviorEvent,
-    RankedResult,
-    RecommendationRequest,
-    TopicRegistry,
-    decode,
-    encode,
-)
-from relaygr.streams.traffic import ingest_lags
-
-T = TypeVar("T")
-
-
-def merge_by_time(records: Iterable[T], key: Callable[[T], float]) -> list[T]:
-    """Merge records of several partitions (each with a ``partition`` attribute, given in each
-    partition's order) by ``key``; within a partition the given order is kept even where ``key``
-    is not monotone."""
-    parts: dict[int, list[T]] = {}
-    for r in records:
-        parts.setdefault(r.partition, []).append(r)  # type: ignore[attr-defined]
-    return list(heapq.merge(*parts.values(), key=key))
+from relaygr.infra.topic_reader import merge_by_time
+from relaygr.schemas import BehaviorEvent, RecommendationRequest, TopicRegistry, encode
+from relaygr.tools.barriers import wait_sentinels_applied
 
 
 def poisson_offsets(n: int, qps: float, seed: int = 0) -> list[float]:
@@ -173,41 +148,37 @@ class Replayer:
         if self.progress:
             print(f"   {msg}", file=sys.stderr, flush=True)
 
+    def _due(self, ts: float) -> Iterator[BehaviorEvent]:
+        """The pending behaviours older than ``ts``, renamed; each counts as published once taken."""
+        while self.next_behaviour < len(self.behaviours) and self.behaviours[self.next_behaviour].ts < ts:
+            yield renamed(self.behaviours[self.next_behaviour], self.user_prefix)
+            self.next_behaviour += 1
+
     async def _behaviours_before(self, ts: float) -> int:
         """Publish every pending behaviour older than ``ts``; wait for the broker's acks."""
-        topic, futs = self.reg.name("behaviors"), []
-        while self.next_behaviour < len(self.behaviours) and self.behaviours[self.next_behaviour].ts < ts:
-            b = renamed(self.behaviours[self.next_behaviour], self.user_prefix)
-            futs.append(await self.prod.send(topic, encode(b), key=b.key()))
-            self.next_behaviour += 1
-            if len(futs) >= 5000:
-                await asyncio.gather(*futs)
-                futs.clear()
-                self._say(f"behaviours published: {self.next_behaviour}/{len(self.behaviours)}")
-        await asyncio.gather(*futs)
-        return len(futs)
+        n0 = self.next_behaviour
+        return await send_in_order(
+            self.prod,
+            self.reg.name("behaviors"),
+            self._due(ts),
+            on_chunk=lambda n: self._say(f"behaviours published: {n0 + n}/{len(self.behaviours)}"),
+        )
 
     async def preload(self, before_ts: float | Mapping[str, float] = math.inf) -> int:
         """Publish the behaviours older than ``before_ts`` (all by default), or, given a mapping,
         each listed user's behaviours older than that user's time. Returns how many."""
         if not isinstance(before_ts, Mapping):
-            n0 = self.next_behaviour
-            await self._behaviours_before(before_ts)
-            return self.next_behaviour - n0
+            return await self._behaviours_before(before_ts)
         rest = self.behaviours[self.next_behaviour :]
         now = [b for b in rest if b.ts < before_ts.get(b.user_id, -math.inf)]
         self.behaviours = [b for b in rest if not b.ts < before_ts.get(b.user_id, -math.inf)]
         self.next_behaviour = 0
-        topic, futs = self.reg.name("behaviors"), []
-        for i, b in enumerate(now, 1):
-            b = renamed(b, self.user_prefix)
-            futs.append(await self.prod.send(topic, encode(b), key=b.key()))
-            if len(futs) >= 5000:
-                await asyncio.gather(*futs)
-                futs.clear()
-                self._say(f"behaviours preloaded: {i}/{len(now)}")
-        await asyncio.gather(*futs)
-        return len(now)
+        return await send_in_order(
+            self.prod,
+            self.reg.name("behaviors"),
+            (renamed(b, self.user_prefix) for b in now),
+            on_chunk=lambda n: self._say(f"behaviours preloaded: {n}/{len(now)}"),
+        )
 
     async def run(self, plan: ReplayPlan, *, behaviours: bool = True) -> list[RecommendationRequest]:
         """Send ``plan``'s requests at their offsets, each preceded by the behaviours older than it
@@ -232,84 +203,6 @@ class Replayer:
                 self._say(f"replayed {len(sent)}/{len(plan.requests)} requests in {last_note - t0:.0f} s")
         await asyncio.gather(*futs)
         return sent
-
-
-# ---------------------------------------------------------------------- ingestion barrier
-
-
-def sentinel_users(partitions: int, nonce: str) -> dict[int, str]:
-    """One user id per partition."""
-    out: dict[int, str] = {}
-    i = 0
-    while len(out) < partitions:
-        uid = f"~sentinel-{nonce}-{i}"
-        out.setdefault(partition_for(uid.encode(), partitions), uid)
-        i += 1
-    return out
-
-
-async def wait_ingested(
-    settings: Settings,
-    reg: TopicRegistry,
-    *,
-    timeout_s: float = 300.0,
-    stages: Sequence[str] | None = None,
-    progress: bool = False,
-) -> float:
-    """Block until every behaviour published so far is applied by the stages; seconds waited."""
-    from relaygr.infra.kafka import admin, consumer, producer
-
-    t0 = time.monotonic()
-    stages = list(stages if stages is not None else ("retrieval", "preprocess"))
-    nonce = uuid.uuid4().hex[:8]
-    sentinels = sentinel_users(reg.partitions, nonce)
-    prod = producer(settings)
-    results = consumer(settings, reg.name("results"), group_id=None, auto_offset_reset="latest")
-    client = admin(settings)
-    await prod.start()
-    await results.start()
-    await client.start()
-    try:
-        await results.seek_to_end()
-        for p, uid in sentinels.items():
-            b = BehaviorEvent(user_id=uid, item_id=1, ts=1.0, action=1)
-            await prod.send_and_wait(reg.name("behaviors"), encode(b), key=b.key(), partition=p)
-        pending = dict(sentinels)
-        probes: dict[str, int] = {}
-        last_probe = last_note = 0.0
-        lag = -1
-        while time.monotonic() - t0 < timeout_s:
-            if stages and lag != 0:
-                lags = await ingest_lags(client, results, reg, stages)
-                lag = -1 if -1 in lags.values() else sum(lags.values())
-            if pending and time.monotonic() - last_probe > 1.0:
-                for p, uid in pending.items():
-                    rid = f"{uid}-{len(probes)}"
-                    req = RecommendationRequest(request_id=rid, user_id=uid, ts=time.time(), num_candidates=8)
-                    await prod.send_and_wait(reg.name("requests"), encode(req), key=req.key())
-                    probes[rid] = p
-                last_probe = time.monotonic()
-            for msgs in (await results.getmany(timeout_ms=200)).values():
-                for m in msgs:
-                    res = decode(RankedResult, m.value)
-                    p = probes.get(res.request_id)
-                    if p is not None and res.history_len >= 1:
-                        pending.pop(p, None)
-            if not pending and (not stages or lag == 0):
-                return time.monotonic() - t0
-            if progress and time.monotonic() - last_note > 5:
-                last_note = time.monotonic()
-                print(
-                    f"   waiting for the stages to apply the behaviours: group lag {lag}, "
-                    f"{len(pending)} partition(s) of the ranking workers behind",
-                    file=sys.stderr,
-                    flush=True,
-                )
-        raise TimeoutError(f"stages did not apply the behaviours within {timeout_s:.0f} s (lag {lag})")
-    finally:
-        await client.close()
-        await results.stop()
-        await prod.stop()
 
 
 # ---------------------------------------------------------------------- CLI
@@ -353,11 +246,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from relaygr.demo import ensure_broker
     from relaygr.infra.broker import BrokerError
+    from relaygr.infra.cluster import ensure_broker
     from relaygr.infra.kafka import describe_partitions
     from relaygr.infra.settings import get_settings
-    from relaygr.streams.trace import Start, read_topic
+    from relaygr.infra.topic_reader import Start, read_topic
 
     try:
         settings, _ = ensure_broker(get_settings())
@@ -409,7 +302,7 @@ def run(args: argparse.Namespace) -> int:
                 first = plan.requests[0].model_ts if plan.requests else math.inf
                 pre = await rp.preload(first)
                 if pre and not args.no_wait:
-                    await wait_ingested(settings, reg, progress=True)
+                    await wait_sentinels_applied(settings, reg, progress=True)
                 t0 = time.monotonic()
                 sent = await rp.run(plan)
                 secs = time.monotonic() - t0

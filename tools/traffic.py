@@ -18,13 +18,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterable
-from typing import Any
 
 import torch
 
-from relaygr.infra.kafka import consumer, group_lag, producer
+from relaygr.infra.kafka import consumer, producer
+from relaygr.infra.publishing import send_in_order
 from relaygr.infra.settings import Settings
 from relaygr.schemas import BehaviorEvent, RankedResult, RecommendationRequest, TopicRegistry, decode, encode
+from relaygr.tools.barriers import wait_groups_caught_up
 from relaygr.workers.movielens import MovieLens
 from relaygr.workers.prefix_kv import Events
 
@@ -103,53 +104,6 @@ def history_of(behaviours: list[BehaviorEvent], user_id: str, before_ts: float |
     )
 
 
-STAGE_GROUPS = ("retrieval", "preprocess", "ranking")
-
-
-async def ingest_lags(
-    client: Any, cons: Any, reg: TopicRegistry, stages: Iterable[str] = STAGE_GROUPS
-) -> dict[str, int]:
-    """Behaviours not yet applied, per stage: the ingress's lag on the public topic, then each
-    stage's on the routed one (measured after the ingress's, so a 0 everywhere means that every
-    behaviour published before the call is applied). -1: a group not known yet."""
-    lags = {
-        "ingress": await group_lag(client, cons, f"{reg.prefix}-ingress-behaviors", reg.name("behaviors"))
-    }
-    for stage in stages:
-        lags[stage] = await group_lag(client, cons, f"{reg.prefix}-{stage}", reg.name("routed_behaviors"))
-    return lags
-
-
-async def wait_ingested(settings: Settings, reg: TopicRegistry, *, timeout_s: float = 600.0) -> float:
-    """Wait until every stage has applied every behaviour published so far (progress on
-    stderr); returns the seconds waited."""
-    import sys
-
-    from relaygr.infra.kafka import admin
-
-    t0 = time.monotonic()
-    client = admin(settings)
-    cons = consumer(settings, group_id=None)
-    await client.start()
-    await cons.start()
-    try:
-        while True:
-            lags = await ingest_lags(client, cons, reg)
-            if all(v == 0 for v in lags.values()):
-                return time.monotonic() - t0
-            if time.monotonic() - t0 > timeout_s:
-                raise TimeoutError(f"behaviours not ingested after {timeout_s:.0f} s: lag {lags}")
-            print(
-                "   ingesting behaviours, still to apply: " + ", ".join(f"{k} {v}" for k, v in lags.items()),
-                file=sys.stderr,
-                flush=True,
-            )
-            await asyncio.sleep(1.0)
-    finally:
-        await cons.stop()
-        await client.close()
-
-
 async def publish(
     settings: Settings,
     reg: TopicRegistry,
@@ -167,10 +121,9 @@ async def publish(
     await prod.start()
     sent = []
     try:
-        futs = [await prod.send(reg.name("behaviors"), encode(b), key=b.key()) for b in behaviours]
-        await asyncio.gather(*futs)
+        await send_in_order(prod, reg.name("behaviors"), behaviours)
         if wait_for_ingest and behaviours:
-            await wait_ingested(settings, reg)
+            await wait_groups_caught_up(settings, reg)
         await asyncio.sleep(settle_s)
         t0 = time.monotonic()
         for i, r in enumerate(requests):

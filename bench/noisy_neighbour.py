@@ -1,0 +1,161 @@
+"""Noisy-neighbour benchmark on the real broker: one heavy user must not stall a ranking worker.
+
+One pipeline (relay mode, one ranking worker, so every user shares its device), trained model:
+0. --users MovieLens users' real histories are published and applied; their requests warm the
+   pipeline up for --warmup-s seconds (not measured);
+1. quiet: the same users' requests at --qps for --duration-s seconds;
+2. heavy: one user with --heavy-events behaviours (a MovieLens history lengthened by time-shifted
+   repetition) is published at once; from then on, the ordinary requests at --qps again for
+   --duration-s, and the heavy user's own request every --heavy-every-s seconds.
+It prints one JSON line: the ordinary users' ranking-stage P99 (nearest rank) in both phases side
+by side and their ratio (target ≤ 1.2), the heavy user's latencies, paths and ``used_len``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import sys
+import time
+import uuid
+from collections import Counter
+
+from relaygr.bench.ingest import breakdown_percentiles, on_fresh_pipeline, request_stream
+from relaygr.infra.kafka import producer
+from relaygr.schemas import BehaviorEvent, RecommendationRequest, encode
+from relaygr.tools.args import int_at_least
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print only the JSON line")
+    parser.add_argument("--users", type=int_at_least(1), default=50, help="ordinary users")
+    parser.add_argument("--qps", type=float, default=10.0, help="ordinary request rate")
+    parser.add_argument("--duration-s", type=float, default=20.0, help="length of each measured phase")
+    parser.add_argument("--warmup-s", type=float, default=5.0, help="unmeasured requests first")
+    parser.add_argument(
+        "--heavy-events", type=int_at_least(1), default=60_000, help="the heavy user's history"
+    )
+    parser.add_argument("--heavy-every-s", type=float, default=2.0, help="the heavy user's request period")
+
+
+async def _publish_heavy(settings, reg, events: list[BehaviorEvent]) -> None:
+    prod = producer(settings, linger_ms=5, max_batch_size=1 << 20)
+    await prod.start()
+    try:
+        futs = [await prod.send(reg.name("behaviors"), encode(b), key=b.key()) for b in events]
+        await asyncio.gather(*futs)
+    finally:
+        await prod.stop()
+
+
+async def _heavy_requests(
+    settings, reg, user_id: str, every_s: float, stop: asyncio.Event, sent: list
+) -> None:
+    prod = producer(settings, linger_ms=0)
+    await prod.start()
+    try:
+        while not stop.is_set():
+            r = RecommendationRequest(
+                request_id=f"heavy-{uuid.uuid4().hex[:8]}",
+                user_id=user_id,
+                ts=time.time(),
+                num_candidates=128,
+            )
+            await prod.send_and_wait(reg.name("requests"), encode(r), key=r.key())
+            sent.append(r)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), every_s)
+    finally:
+        await prod.stop()
+
+
+async def _phase(settings, reg, requests, qps: float, seconds: float, *, heavy=None) -> tuple[list, list]:
+    """Ordinary requests at ``qps`` for ``seconds`` (and the heavy user's, if given)."""
+    stop, sent, heavy_sent = asyncio.Event(), [], []
+    tasks = [asyncio.create_task(request_stream(settings, reg, requests, qps, stop, sent))]
+    if heavy is not None:
+        user, every = heavy
+        tasks.append(asyncio.create_task(_heavy_requests(settings, reg, user, every, stop, heavy_sent)))
+    await asyncio.sleep(seconds)
+    stop.set()
+    await asyncio.gather(*tasks)
+    return sent, heavy_sent
+
+
+async def _measure(settings, reg, args, ml, say) -> dict:
+    from relaygr.tools.report.figures import percentile
+    from relaygr.tools.traffic import collect_results, leave_last_out, publish, synthesise
+
+    users = sorted(ml.histories)[: args.users]
+    behaviours, requests = leave_last_out(ml, users, num_candidates=128)
+    await publish(settings, reg, behaviours, [], wait_for_ingest=True, settle_s=0)
+    say(f"warm-up: {args.warmup_s:g} s at {args.qps:g} req/s")
+    await _phase(settings, reg, requests, args.qps, args.warmup_s)
+
+    say(f"quiet: {args.duration_s:g} s at {args.qps:g} req/s")
+    quiet_sent, _ = await _phase(settings, reg, requests, args.qps, args.duration_s)
+
+    base = max(ml.histories, key=lambda u: len(ml.histories[u]))
+    h = ml.histories[base]
+    h = synthesise(h, -(-args.heavy_events // len(h)))
+    h = h.slice(len(h) - args.heavy_events)
+    heavy_user = f"heavy-{base}"
+    heavy_events = [
+        BehaviorEvent(user_id=heavy_user, item_id=int(i), ts=float(t), action=int(a))
+        for i, a, t in zip(h.item_ids.tolist(), h.action_ids.tolist(), h.timestamps.tolist(), strict=True)
+    ]
+    say(f"heavy: {len(heavy_events)} behaviours of one user, then {args.duration_s:g} s as before")
+    await _publish_heavy(settings, reg, heavy_events)
+    hot_sent, heavy_sent = await _phase(
+        settings, reg, requests, args.qps, args.duration_s, heavy=(heavy_user, args.heavy_every_s)
+    )
+    every = {r.request_id for r in quiet_sent + hot_sent + heavy_sent}
+    results = await collect_results(settings, reg, every, timeout_s=180)
+    quiet = breakdown_percentiles(results, quiet_sent, "ranking")
+    hot = breakdown_percentiles(results, hot_sent, "ranking")
+    heavy = [results[r.request_id] for r in heavy_sent if r.request_id in results]
+    heavy_ranking = [r.breakdown_ms.get("ranking", float("nan")) for r in heavy]
+    return {
+        "bench": "noisy_neighbour",
+        "heavy_events": len(heavy_events),
+        "qps": args.qps,
+        "ordinary_ranking_p99_ms_quiet": quiet["p99"],
+        "ordinary_ranking_p99_ms_heavy": hot["p99"],
+        "ordinary_ranking_p50_ms_quiet": quiet["p50"],
+        "ordinary_ranking_p50_ms_heavy": hot["p50"],
+        "heavy_over_quiet_p99": hot["p99"] / quiet["p99"] if quiet["p99"] else None,
+        "ordinary_requests": [len(quiet_sent), len(hot_sent)],
+        "ordinary_answered": [quiet["n"], hot["n"]],
+        "heavy_requests": len(heavy_sent),
+        "heavy_answered": len(heavy),
+        "heavy_ranking_ms": [round(x, 1) for x in heavy_ranking],
+        "heavy_ranking_p99_ms": percentile(heavy_ranking, 99) if heavy else None,
+        "heavy_paths": dict(Counter(r.path.value for r in heavy)),
+        "heavy_used_len": [r.used_len for r in heavy],
+        "heavy_history_len": max((r.history_len for r in heavy), default=0),
+        # What the slowest ordinary rankings of the heavy phase waited for (ms).
+        "ordinary_slowest_heavy": [
+            {
+                k: round(v, 1)
+                for k, v in r.breakdown_ms.items()
+                if k not in ("hop_requests", "retrieval", "preprocess", "hop_retrieved", "routing")
+            }
+            for r in sorted(
+                (results[x.request_id] for x in hot_sent if x.request_id in results),
+                key=lambda r: -r.breakdown_ms.get("ranking", 0),
+            )[:3]
+        ],
+        "target_ratio": 1.2,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    def say(msg: str) -> None:
+        if not args.json:
+            print(f"== {msg}", file=sys.stderr, flush=True)
+
+    line = on_fresh_pipeline("noisy", 1, lambda s, reg, _pipe, ml: _measure(s, reg, args, ml, say), say)
+    print(json.dumps(line))
+    return 0

@@ -1,0 +1,252 @@
+"""One heavy user never stalls a worker: the served window, bounded state, device work sliced by
+time, deadlines that win over a waited-for pre-inference, and the trigger's ``too_long``."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from relaygr.schemas import BehaviorEvent, TriggerReason
+from relaygr.streams.history import HistoryTable
+from relaygr.streams.preprocess import SEEN_CHUNK, seen_add, seen_before
+from relaygr.streams.trigger import SequenceAwareTrigger, TriggerConfig
+from relaygr.workers.history_window import served, window_start, window_step
+from relaygr.workers.latency_model import LatencyModel
+from relaygr.workers.model import HSTUConfig, HSTURanker
+from relaygr.workers.prefix_kv import Events
+from relaygr.workers.prefix_store import PrefixStore, PrefixStoreConfig
+from relaygr.workers.ranker import EngineConfig, RankingEngine
+from relaygr.workers.scheduler import DeviceScheduler, Priority
+
+FAR = 1e12
+
+
+@pytest.fixture(scope="module")
+def model() -> HSTURanker:
+    torch.manual_seed(5)
+    m = HSTURanker(HSTUConfig(layers=2, heads=2, dim=32, attn_dim=16, linear_dim=16, num_items=500))
+    m.refresh_version()
+    return m
+
+
+def history(n: int, seed: int = 0) -> Events:
+    g = torch.Generator().manual_seed(seed)
+    return Events(
+        torch.randint(1, 500, (n,), generator=g),
+        torch.randint(1, 6, (n,), generator=g),
+        torch.cumsum(torch.rand(n, generator=g, dtype=torch.float64) * 3600, 0) + 1e9,
+    )
+
+
+# ---------------------------------------------------------------------- the served window
+
+
+@given(st.integers(0, 100_000), st.sampled_from([64, 512, 8192]))
+def test_the_window_serves_at_most_the_cap_and_moves_by_whole_steps(total: int, cap: int) -> None:
+    step = window_step(cap)
+    start = window_start(total, cap, step)
+    assert start % step == 0 and 0 <= start <= total
+    assert total - start <= cap  # never more than the cap
+    if total > cap:
+        assert total - start > cap - step  # never much less
+    # One more event moves the start by a whole step or not at all: the cached prefix of the
+    # window stays valid in between.
+    assert window_start(total + 1, cap, step) - start in (0, step)
+
+
+def test_served_keeps_the_tail_of_a_trimmed_history() -> None:
+    h = history(3000)
+    tail, capped = served(h.slice(1000), 1000, max_len=1024, step=128)  # events 1000.. retained
+    assert capped and len(tail) <= 1024 and len(tail) > 1024 - 128
+    assert torch.equal(tail.item_ids, h.item_ids[3000 - len(tail) :])
+    short, capped = served(h.slice(0, 500), 0, max_len=1024, step=128)
+    assert not capped and len(short) == 500
+
+
+# ---------------------------------------------------------------------- bounded state
+
+
+def _ev(i: int) -> BehaviorEvent:
+    return BehaviorEvent(user_id="heavy", item_id=1 + i % 400, ts=float(i), action=1)
+
+
+def test_history_table_keeps_a_bounded_step_aligned_tail(tmp_path) -> None:
+    h = HistoryTable(tmp_path / "h", retain_events=1000, retain_align=128)
+    offset = 0
+    for start in range(0, 60_000, 5000):  # a 60k-event user, in batches
+        h.append_many(0, [(offset + i, _ev(start + i)) for i in range(5000)])
+        offset += 5000
+        first = h.first("heavy")
+        kept = h.get("heavy")
+        assert first % 128 == 0
+        assert 1000 <= len(kept) <= 1000 + 250 + 128  # bounded, and never below what is retained
+        assert kept.timestamps[-1].item() == start + 4999  # the newest event is there
+        assert kept.timestamps[0].item() == first  # and the oldest kept one is event `first`
+    assert h.trimmed_events == 60_000 - len(h.get("heavy"))
+    h.close()
+    again = HistoryTable(tmp_path / "h", retain_events=1000, retain_align=128)
+    assert again.first("heavy") == first and len(again.get("heavy")) == len(kept)  # from disk too
+    again.close()
+
+
+def test_seen_items_keep_a_bounded_number_of_chunks() -> None:
+    table: dict = {}
+    for start in range(0, 20 * SEEN_CHUNK, 700):
+        seen_add(
+            table.get,
+            table.__setitem__,
+            "u",
+            [(i, float(i)) for i in range(start, start + 700)],
+            keep_chunks=3,
+            delete=lambda k: table.pop(k, None),
+        )
+    chunks = [k for k in table if k.startswith("u\x00")]
+    assert len(chunks) <= 3
+    seen = seen_before(table.get, "u", 1e12)
+    newest = 20 * SEEN_CHUNK + 700 - 1
+    assert newest - 700 in seen and 0 not in seen  # the recent items are kept, the oldest dropped
+
+
+# ---------------------------------------------------------------------- device time slices
+
+
+def test_chunks_shrink_as_cached_keys_grow() -> None:
+    lat = LatencyModel(1.0, 0.01, 2e-6)  # quadratic: attention to many keys costs
+    sizes = [lat.tokens_within_slice(cached, 5.0, lo=16, hi=4096) for cached in (0, 1000, 10_000, 60_000)]
+    assert sizes == sorted(sizes, reverse=True) and sizes[0] > sizes[-1]
+    for cached, k in zip((0, 1000, 10_000, 60_000), sizes, strict=True):
+        if k > 16:  # above the floor, a chunk's predicted time fits the slice
+            assert lat.predict_ms(cached + k) - lat.predict_ms(cached) <= 5.0 + 1e-9
+
+
+def test_time_sliced_prefill_equals_one_shot(model) -> None:
+    h = history(700, seed=3)
+    sizes: list[int] = []
+
+    def chunk(cached: int) -> int:
+        size = 200 if cached < 300 else 37
+        sizes.append(size)
+        return size
+
+    *steps, prefix = list(model.prefill_steps(h, chunk))
+    assert all(s is None for s in steps) and len(steps) == len(sizes) - 1
+    whole = model.prefill(h)
+    assert prefix.length == whole.length == 700 and prefix.fingerprint == whole.fingerprint
+    for got, want in zip(prefix.keys + prefix.values, whole.keys + whole.values, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _engine(model, latency, **kw) -> RankingEngine:
+    store = PrefixStore(PrefixStoreConfig(device_budget_bytes=1 << 26), model.model_version)
+    return RankingEngine(model, store, DeviceScheduler("test"), EngineConfig(mode="relay", **kw), latency)
+
+
+async def test_a_sliced_full_ranking_equals_full_inference_and_lets_earlier_deadlines_in(model) -> None:
+    # 0.01 ms per token against a 1 ms slice: a 5000-event full ranking takes ~50 slices.
+    e = _engine(model, LatencyModel(0.0, 0.01, 0.0), slice_ms=1.0, prefill_chunk=512)
+    h = history(5000, seed=4)
+    cands = torch.arange(1, 33)
+    order: list[str] = []
+
+    async def full() -> torch.Tensor:
+        res = await e.rank("big", h, cands, 2e9, time.time() + 60)
+        order.append("full")
+        assert res.path == "full" and res.used_len == 5000
+        return res.scores
+
+    async def urgent() -> None:
+        # Runs on the device thread: is the full ranking still waiting for its next slice?
+        def job() -> None:
+            order.append("urgent" if e.scheduler.queue_depth(Priority.RANK) else "urgent-after")
+
+        await e.scheduler.submit(job, priority=Priority.RANK, deadline=time.time() + 1)
+
+    big = asyncio.create_task(full())
+    while e.scheduler.jobs_done[Priority.RANK] == 0 and not e.scheduler._running:
+        await asyncio.sleep(0)
+    await urgent()
+    scores = await big
+    assert order == ["urgent", "full"]  # ran between two slices, not after the whole ranking
+    torch.testing.assert_close(scores, model.rank_full(h, cands, 2e9), rtol=1e-4, atol=1e-4)
+    e.scheduler.close()
+
+
+async def test_a_ranking_that_gives_up_waiting_is_not_queued_behind_its_prefill(model) -> None:
+    # A long pre-inference in many slices; the user's request waits for it, gives up when its
+    # deadline no longer allows, and ranks at once: the rest of the prefill goes back to
+    # pre-inference priority instead of running ahead of that ranking with its deadline.
+    e = _engine(model, LatencyModel(0.0, 0.002, 0.0), slice_ms=0.2, prefill_chunk=64)
+    h = history(8000, seed=6)
+    done: list[str] = []
+
+    async def prefill() -> None:
+        await e.prefill("heavy", h.slice(0, 7990))
+        done.append("prefill")
+
+    pre = asyncio.create_task(prefill())
+    while not e.store.in_flight("heavy"):
+        await asyncio.sleep(0)
+    res = await e.rank("heavy", h, torch.arange(1, 17), 2e9, time.time() + 0.01)
+    done.append("rank")
+    await pre
+    assert res.path in ("full", "full_truncated")
+    assert done == ["rank", "prefill"]
+    assert not e._urgent and not e._waiters  # the loan was returned
+    e.scheduler.close()
+
+
+async def test_restore_sets_a_tagged_job_back() -> None:
+    s = DeviceScheduler("t")
+    gate = asyncio.Event()
+    order: list[str] = []
+
+    def slow() -> None:
+        time.sleep(0.05)
+
+    blocker = s.submit(slow, priority=Priority.RANK)
+    pf = s.submit(lambda: order.append("prefill"), priority=Priority.PREFILL, tag=("prefill", "u"))
+    s.promote(("prefill", "u"), Priority.RANK, time.time())
+    assert s.restore(("prefill", "u"), Priority.PREFILL, math.inf) == 1
+    rk = s.submit(lambda: order.append("rank"), priority=Priority.RANK, deadline=time.time() + 10)
+    gate.set()
+    await asyncio.gather(blocker, pf, rk)
+    assert order == ["rank", "prefill"]
+    s.close()
+
+
+# ---------------------------------------------------------------------- the trigger
+
+
+def test_trigger_refuses_a_prefill_that_cannot_pay_off_and_caps_what_it_predicts() -> None:
+    lat = LatencyModel(1.0, 0.0, 1e-5)  # 60k events: ~36 s; 8192: ~0.67 s
+    base = dict(budget_ms=50, theta=0.5, short_term=64, lease_ttl_s=30.0, window_ms=50.0)
+    uncapped = SequenceAwareTrigger(TriggerConfig(**base, too_long_window_factor=0), lat)
+    d = uncapped.decide(0, 60_000, 0.0)
+    assert d.reason is TriggerReason.TOO_LONG and uncapped.counts["too_long"] == 1
+    capped = SequenceAwareTrigger(TriggerConfig(**base, max_seq_len=8192, too_long_window_factor=0), lat)
+    assert capped.decide(0, 60_000, 0.0).reason is TriggerReason.ADMITTED  # only the window is pre-inferred
+    window = SequenceAwareTrigger(TriggerConfig(**base, max_seq_len=8192, too_long_window_factor=10), lat)
+    assert window.decide(0, 60_000, 0.0).reason is TriggerReason.TOO_LONG  # 0.67 s > 10 × 50 ms
+
+
+async def test_a_relay_ranking_against_many_keys_runs_in_slices_and_keeps_its_suffix(model) -> None:
+    # 0.01 ms per token, 0.5 ms slices: ranking 40 new events and 64 candidates against a
+    # 3000-event prefix is ~1 ms, so it is cut into slices: the new events, then candidate groups.
+    e = _engine(model, LatencyModel(0.0, 0.01, 0.0), slice_ms=0.5, prefill_chunk=512)
+    h = history(3040, seed=8)
+    cands = torch.arange(1, 65)
+    await e.prefill("u", h.slice(0, 3000))
+    steps_before = e.scheduler.jobs_done[Priority.RANK]
+    res = await e.rank("u", h, cands, 2e9, FAR)
+    assert res.path == "relay" and res.prefix_len == 3000 and res.used_len == 3040
+    assert e._slice_relay(3000, 40, 64)
+    torch.testing.assert_close(res.scores, model.rank_full(h, cands, 2e9), rtol=1e-4, atol=1e-4)
+    assert e.scheduler.jobs_done[Priority.RANK] == steps_before + 1  # one (chunked) ranking job
+    assert e.store.cached_length("u", h) == 3040  # the grown prefix is kept for the next request
+    e.scheduler.close()

@@ -1,0 +1,368 @@
+"""Relay vs baseline on the MovieLens trace, side by side: longest history or highest QPS under the SLO.
+
+`relaygr experiment seq-len`: the longest history whose ranking P99 stays within the SLO, per mode.
+`relaygr experiment throughput`: the highest QPS whose ranking P99 stays within the SLO at a fixed
+long history, per mode. Each prints (and writes) both modes and their ratio.
+
+The protocol is fixed before anything is measured and written at the top of the report; nothing
+in it depends on the mode:
+- model: the trained checkpoint (its architecture is in the report); one ranking worker per mode
+  with ``--threads`` torch threads; the latency model of full ranking is calibrated once, here,
+  with the same thread count, and given to both modes' workers (the baseline truncates with it);
+- SLO: a P99 bound B on ranking latency (rank request produced -> result produced). Unless
+  ``--slo-ms`` gives it, B is measured so that the baseline serves about ``--slo-tokens`` (1024)
+  tokens: a baseline pipeline without truncation ranks the trace window at that history length
+  at the reference load (``--slo-qps``, 10); B = the largest of the ranking P99s of
+  ``--slo-slices`` (3) consecutive slices of that run × (1 + ``--slo-headroom``, 0.25), rounded up
+  to a whole millisecond (on a shared machine the tail of one short run is noisy, and the
+  baseline must hold the SLO at its own calibration point);
+- upstream time W = B: retrieval and pre-processing each emulate feature fetching for B/2;
+- trigger: θ = ``--theta`` (0.1: pre-infer every history whose full ranking is predicted to take
+  more than a tenth of B), short-term suffix 64 events; cache budgets at their defaults;
+- traffic: a window of the ML-100k trace (interactions with at least ``--min-prior`` real earlier
+  ones, in time order, from ``--window-start``): each interaction is a request for that user at its
+  time whose ground truth is the interacted item; the user's earlier interactions are behaviours.
+  Requests go out in trace order with Poisson arrivals at the point's QPS (same seed in both
+  modes), so users come back as they did. Before measuring, each user's last interaction before
+  the window is replayed as an unmeasured warm-up request (the user's previous visit). Users get
+  a fresh id prefix per point, so no state carries over between points;
+- every fresh pipeline (the calibration's too) first ranks ``--pipeline-warmup`` (100) unmeasured
+  requests of the reference trace (the window at ``--slo-tokens``) on users of its own: a
+  pipeline's first requests run slower (caches, allocators, lazily set-up paths);
+- the first point runs twice in each mode, with fresh users each time, and both runs are reported;
+  only the second counts (the first point would otherwise be the only one measured on pipelines
+  that had served nothing of this shape yet);
+- histories: each user's real history before the window, lengthened to exactly the point's length
+  by time-shifted repetition (``tools.trace.lengthen``); their real interactions in the window
+  then extend it;
+- a point holds the SLO when at least 99 % of its requests were ranked within B using their
+  whole history (equivalently: the P99 of ranking latency, counting missing, timed-out and
+  truncated requests as infinitely late, is at most B);
+- both pipelines run at once on one broker, each on its own topics and state; at every point the
+  two modes run back to back, the order flipping from point to point.
+
+The parts: ``kinds`` (one spec per experiment: what is swept and what its report adds),
+``protocol``, ``deployment`` (pipelines, points, the SLO bound), ``report``, ``plots``; this
+module runs the sweep and is the command.
+
+Outputs in ``--out``: ``report.md`` (protocol, tables, plots), ``report.json``, the plots, and
+``results/<mode>-<point>.jsonl`` (every result of every point).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import sys
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from relaygr.infra.settings import Settings
+from relaygr.tools.experiment.kinds import KINDS, ExperimentKind
+from relaygr.tools.experiment.protocol import EXPERIMENT_SHORT_TERM, MODES, PointRun, Protocol
+from relaygr.tools.experiment.report import print_headline, say, write_experiment_report
+from relaygr.tools.report.figures import json_safe
+from relaygr.tools.report.markdown import fmt
+from relaygr.workers.latency_model import LatencyModel
+from relaygr.workers.movielens import MovieLens
+from relaygr.workers.train import add_source_arguments
+
+
+@dataclass
+class Run:
+    """One run of an experiment: where it writes, what it measures with, what it created."""
+
+    kind: ExperimentKind
+    args: argparse.Namespace
+    settings: Settings
+    model_dir: Path
+    run_id: str
+    out: Path  # the report
+    root: Path  # the pipelines' state
+    ml: MovieLens
+    window_start: int
+    latency: LatencyModel
+    samples: list[tuple[int, float]]
+
+    @property
+    def calibration(self) -> Path:
+        return self.out / "calibration.json"
+
+
+def prepare(args: argparse.Namespace, kind: ExperimentKind) -> Run:
+    """Broker, model, folders and the latency model of full ranking, before any pipeline."""
+    from relaygr.infra.cluster import ensure_broker
+    from relaygr.infra.settings import get_settings
+    from relaygr.streams.config import PipelineSettings
+    from relaygr.tools.experiment.deployment import calibrate_latency, window_start
+    from relaygr.tools.prepare import ensure_model
+    from relaygr.tools.trace import log_as_dataset
+    from relaygr.workers.movielens import load_movielens
+    from relaygr.workers.train import load_log, report_bad_rows
+
+    settings, _ = ensure_broker(get_settings())
+    model_dir = Path(args.model or PipelineSettings().model_dir)
+    ensure_model(model_dir)
+    run_id = f"exp-{kind.name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
+    out = Path(args.out or Path(settings.home) / "experiments" / run_id)
+    out.mkdir(parents=True, exist_ok=True)
+    root = Path(settings.home) / "experiments" / "state" / run_id
+    say(f"{kind.name} experiment {run_id}: report in {out}")
+    lat, samples = calibrate_latency(model_dir, args.threads, out / "calibration.json")
+    say("latency model of full ranking: " + ", ".join(f"{n} tokens {ms:.1f} ms" for n, ms in samples))
+    if getattr(args, "interactions", None) is not None:
+        log, source = load_log(args)
+        report_bad_rows(log)
+        ml = log_as_dataset(log, Path(source).stem)
+    else:
+        ml = load_movielens("ml-100k")
+    start = window_start(args, ml)
+    return Run(kind, args, settings, model_dir, run_id, out, root, ml, start, lat, samples)
+
+
+def fix_protocol(run: Run, xs: list[float], slo_ms: float, slo_how: str) -> Protocol:
+    from relaygr.tools.experiment.deployment import model_info
+
+    args, kind = run.args, run.kind
+    model_cfg, version = model_info(run.model_dir)
+    text = kind.protocol_text(args)
+    return Protocol(
+        experiment=kind.name,
+        model_dir=str(run.model_dir),
+        model=model_cfg,
+        model_version=version,
+        threads=args.threads,
+        ranking_workers=1,
+        partitions=run.settings.partitions,
+        latency_model={
+            "coeffs": run.latency.coeffs(),
+            "samples": run.samples,
+            "text": ", ".join(f"{n}: {ms:.1f}" for n, ms in run.samples),
+        },
+        slo_ms=slo_ms,
+        slo_method=slo_how,
+        upstream_ms=slo_ms,
+        feature_fetch_ms=slo_ms / 2,
+        theta=args.theta,
+        short_term=EXPERIMENT_SHORT_TERM,
+        dataset=run.ml.name,
+        min_prior=args.min_prior,
+        window_start=run.window_start,
+        warmup=not args.no_warmup,
+        pipeline_warmup=args.pipeline_warmup,
+        arrivals=text["arrivals"] + f" (seed {args.seed})",
+        seed=args.seed,
+        points=xs,
+        point_label=kind.point_label,
+        requests_per_point=text["requests_per_point"],
+        history=text["history"],
+        synthesis=(
+            f"{run.ml.name} histories are shorter than these lengths: each user's real history "
+            "before the window is repeated with time shifts (each earlier copy moved back by the "
+            "history's span plus one day; copies compressed in time where they would reach back "
+            "before 1970-01-02) and cut to the most recent events"
+        ),
+        criterion=">= 99 % of requests ranked within B with their whole history (missing, timed-out "
+        "and truncated requests count as violations)",
+    )
+
+
+def sweep(run: Run, deps: list, xs: list[float], slo_ms: float) -> tuple[list[PointRun], dict]:
+    """Every point, both modes back to back (the order flipping from point to point); a mode
+    that failed ``--patience`` points in a row stops. Returns the points and their traces."""
+    from relaygr.tools.experiment.deployment import build_and_publish
+
+    args, kind = run.args, run.kind
+    built: dict[str, object] = {}  # topic -> trace: points of one shape share it
+    traces = {}
+    points: list[PointRun] = []
+    active = dict.fromkeys(MODES, True)
+    fails: Counter[str] = Counter()
+    for i, x in enumerate(xs):
+        if not any(active.values()):
+            break
+        n_requests = kind.requests(args, x)
+        shape = kind.trace(args, x, n_requests)
+        topic = f"{run.run_id}.{shape.topic_suffix}"
+        if topic not in built:
+            built[topic] = build_and_publish(
+                run.settings, run.ml, args, run.window_start, shape.requests, shape.length, topic
+            )
+        traces[x] = built[topic]
+        for d in deps if i % 2 == 0 else deps[::-1]:
+            if not active[d.mode]:
+                continue
+            for attempt in (1, 2) if i == 0 else (2,):
+                pr = _run_one(run, d, traces[x], x, i, attempt, n_requests, slo_ms, len(xs))
+                points.append(pr)
+            fails[d.mode] = 0 if pr.holds else fails[d.mode] + 1
+            if args.patience and fails[d.mode] >= args.patience:
+                active[d.mode] = False
+    return points, traces
+
+
+def _run_one(
+    run: Run, d, trace, x: float, i: int, attempt: int, n_requests: int, slo_ms: float, n_points: int
+) -> PointRun:
+    """One run of point ``x`` on deployment ``d``, on users of its own (``p<i>-``, ``p<i>a-`` for
+    the first point's first run)."""
+    from relaygr.tools.experiment.deployment import run_point
+
+    args, kind = run.args, run.kind
+    t0 = time.monotonic()
+    pr = asyncio.run(
+        run_point(
+            d,
+            trace,
+            x=x,
+            qps=kind.qps(args, x),
+            n_requests=n_requests,
+            user_prefix=f"p{i}{'a' if attempt == 1 else ''}-",
+            slo_ms=slo_ms,
+            seed=args.seed + i,
+            out_dir=run.out / "results",
+        )
+    )
+    pr.attempt = attempt
+    s = pr.summary
+    say(
+        f"[{i + 1}/{n_points}] {kind.point_label.split(' (')[0]} {x:g} {d.mode:8s}"
+        f"{' (first run)' if attempt == 1 else ''}: "
+        f"{s.slo.results}/{pr.requests} results, ranking P50 "
+        f"{fmt(s.ranking.p50 if s.ranking else None)} P99 "
+        f"{fmt(s.ranking.p99 if s.ranking else None)} ms, compliance "
+        f"{fmt(s.slo.compliance, 3)} -> {'holds' if pr.holds else 'misses'} the SLO "
+        f"({time.monotonic() - t0:.0f} s)"
+    )
+    return pr
+
+
+def run_sweep(args: argparse.Namespace, kind: ExperimentKind) -> int:
+    from relaygr.infra.kafka import delete_topics_with_prefix
+    from relaygr.tools.experiment.deployment import (
+        Deployment,
+        build_and_publish,
+        measure_slo,
+        pipeline_env,
+        warm_pipeline,
+    )
+
+    t_start = time.monotonic()
+    run = prepare(args, kind)
+    deps: list[Deployment] = []
+    done = False
+    try:
+        ref = build_and_publish(
+            run.settings, run.ml, args, run.window_start, max(args.slo_requests, args.pipeline_warmup),
+            args.slo_tokens, f"{run.run_id}.trace-ref",
+        )  # fmt: skip
+        slo_ms, slo_how = measure_slo(
+            run.settings, args, run.model_dir, run.calibration, run.latency, ref, run.root, run.run_id
+        )
+        xs = kind.points(args)
+        proto = fix_protocol(run, xs, slo_ms, slo_how)
+        (run.out / "protocol.json").write_text(proto.model_dump_json(indent=2))
+        say(f"protocol fixed: B = {slo_ms:g} ms, W = {slo_ms:g} ms, points {', '.join(f'{x:g}' for x in xs)}")
+
+        env = pipeline_env(args, run.model_dir, run.calibration, slo_ms)
+        deps = [Deployment(run.settings, m, env, run.root, run.run_id, 1) for m in MODES]
+
+        async def start_all() -> None:
+            for d in deps:
+                await d.start()
+            for d in deps:
+                say(f"{d.mode} pipeline ready in {await d.pipe.wait_ready(timeout_s=300):.1f} s")
+            for d in deps:
+                await warm_pipeline(d, ref, args, run.root / "warmup")
+            say(f"pipelines warmed up ({args.pipeline_warmup} unmeasured requests each)")
+
+        asyncio.run(start_all())
+        points, traces = sweep(run, deps, xs, slo_ms)
+        doc = write_experiment_report(run.out, kind, proto, points, traces, args)
+        done = True
+    finally:
+        for d in deps:
+            d.pipe.stop()
+        if not args.keep:
+            asyncio.run(delete_topics_with_prefix(run.settings, run.run_id))
+            if done:  # after a failure the pipelines' logs and state stay for inspection
+                shutil.rmtree(run.root, ignore_errors=True)
+            else:
+                say(f"logs and state kept in {run.root}")
+    doc["headline"]["seconds"] = round(time.monotonic() - t_start, 1)
+    (run.out / "report.json").write_text(json.dumps(json_safe(doc), indent=2))
+    print_headline(doc, kind)
+    if args.json:
+        print(json.dumps(json_safe(doc["headline"])))
+    return 0
+
+
+# ---------------------------------------------------------------------- CLI
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("which", choices=sorted(KINDS), help="the experiment")
+    add_source_arguments(parser)
+    parser.add_argument("--out", type=Path, help="report folder (default $RELAYGR_HOME/experiments/<run>)")
+    parser.add_argument(
+        "--model", type=Path, help="checkpoint (default RELAYGR_MODEL_DIR; trained if missing)"
+    )
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads of each ranking worker (default 1)"
+    )
+    parser.add_argument("--theta", type=float, default=0.1, help="trigger threshold θ (default 0.1)")
+    parser.add_argument("--slo-ms", type=float, help="fix B instead of measuring it")
+    parser.add_argument(
+        "--slo-tokens", type=int, default=1024, help="history the baseline must serve within B"
+    )
+    parser.add_argument("--slo-qps", type=float, default=10.0, help="reference load of the SLO calibration")
+    parser.add_argument("--slo-requests", type=int, default=300, help="requests of the SLO calibration")
+    parser.add_argument(
+        "--slo-slices", type=int, default=3, help="B from the largest P99 of this many slices"
+    )
+    parser.add_argument("--slo-headroom", type=float, default=0.25, help="B = measured P99 × (1 + this)")
+    parser.add_argument(
+        "--pipeline-warmup", type=int, default=100, help="unmeasured requests through each fresh pipeline"
+    )
+    parser.add_argument("--min-prior", type=int, default=20, help="real earlier interactions a request needs")
+    parser.add_argument("--window-start", type=int, help="first request of the window (default: mid-trace)")
+    parser.add_argument("--no-warmup", action="store_true", help="don't replay each user's previous visit")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--patience", type=int, help="stop a mode after this many failing points in a row")
+    parser.add_argument("--keep", action="store_true", help="keep the topics and the pipelines' state")
+    parser.add_argument("--json", action="store_true", help="print the headline figures as one JSON line")
+    g = parser.add_argument_group("seq-len")
+    g.add_argument("--lengths", default="512,1024,2048,4096,8192", help="history lengths (events)")
+    g.add_argument("--qps", type=float, default=10.0, help="request rate of every point")
+    g.add_argument("--requests", type=int, default=150, help="measured requests per point")
+    g = parser.add_argument_group("throughput")
+    g.add_argument("--history", type=int, default=1024, help="history length (events)")
+    g.add_argument(
+        "--qps-list",
+        default="10,15,20,25,30,35,40,50,60,70,80,90,100,110,120,140",
+        help="offered QPS of the points (steps of at most 25 %% past 20, so a ratio is read to that)",
+    )
+    g.add_argument("--duration", type=float, default=8.0, help="seconds of traffic per point")
+    g.add_argument("--min-requests", type=int, default=150)
+    g.add_argument("--max-requests", type=int, default=1200)
+
+
+def run(args: argparse.Namespace) -> int:
+    from relaygr.infra.broker import BrokerError
+    from relaygr.infra.kafka import TopicError
+
+    kind = KINDS[args.which]
+    if args.patience is None:
+        args.patience = kind.default_patience
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    try:
+        return run_sweep(args, kind)
+    except (BrokerError, TopicError, RuntimeError, TimeoutError) as e:
+        print(f"relaygr experiment: {e}", file=sys.stderr)
+        return 1

@@ -1,0 +1,246 @@
+"""Running an experiment's pipelines: one mode's deployment, one point on it, and the SLO bound.
+
+Primitives:
+- ``Deployment``: one mode's pipeline (``tools.up.Pipeline``) on its own topics and state.
+- ``run_point(deployment, trace, ...) -> PointRun``: preload the window's users, replay their
+  previous visits unmeasured, then the window at the point's QPS; summarise the results.
+- ``warm_pipeline``: unmeasured traffic through a fresh pipeline.
+- ``measure_slo(...) -> (B, how)``: the SLO bound from a baseline pipeline without truncation
+  (see ``tools.experiment`` for the protocol).
+- ``calibrate_latency``, ``pipeline_env``, ``window_start``, ``build_and_publish``: the set-up
+  both modes share.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from pathlib import Path
+
+from relaygr.tools.barriers import wait_sentinels_applied
+from relaygr.tools.experiment.protocol import EXPERIMENT_SHORT_TERM, PointRun
+from relaygr.tools.experiment.report import say
+from relaygr.tools.replay import Replayer, plan_replay
+from relaygr.tools.report.figures import percentile, ranking_ms
+from relaygr.tools.report.inputs import prefill_statuses
+from relaygr.tools.report.summary import RunSummary
+from relaygr.tools.trace import TraceTopics, build_trace, eligible_interactions, load_trace, publish_trace
+from relaygr.tools.traffic import collect_results
+
+
+class Deployment:
+    """One mode's pipeline on its own topics and state."""
+
+    def __init__(
+        self, settings, mode: str, env: dict[str, str], root: Path, run_id: str, workers: int
+    ) -> None:
+        from relaygr.schemas import TopicRegistry
+        from relaygr.tools.up import Pipeline
+
+        self.mode = mode
+        self.settings = settings.model_copy(update={"topic_prefix": f"{run_id}-{mode}", "home": root / mode})
+        self.reg = TopicRegistry(self.settings.topic_prefix, self.settings.partitions)
+        self.pipe = Pipeline(self.settings, ranking_workers=workers, mode=mode, env=env, metrics=True)
+
+    async def start(self) -> None:
+        from relaygr.infra.kafka import ensure_topics
+
+        await ensure_topics(self.reg, self.settings)
+        self.pipe.start()
+
+    def trigger_counts(self) -> dict[str, int]:
+        try:
+            decisions = self.pipe.scrape("retrieval").by_label("relaygr_trigger_decisions_total", "reason")
+        except OSError:
+            return {}
+        return {reason: int(n) for reason, n in decisions.items()}
+
+    async def wait_idle(self, timeout_s: float = 120.0) -> None:
+        """Until every ranking worker has nothing in flight (pre-inference included), twice in a row."""
+        deadline = time.monotonic() + timeout_s
+        quiet = 0
+        while time.monotonic() < deadline and quiet < 2:
+            busy = 0.0
+            for name in self.pipe.procs:
+                if name.startswith("ranker-"):
+                    try:
+                        busy += self.pipe.scrape(name).value("relaygr_rank_inflight")
+                    except OSError:
+                        busy += 1
+            quiet = quiet + 1 if busy == 0 else 0
+            await asyncio.sleep(0.2)
+
+
+async def run_point(
+    dep: Deployment,
+    trace,
+    *,
+    x: float,
+    qps: float,
+    n_requests: int,
+    user_prefix: str,
+    slo_ms: float,
+    seed: int,
+    out_dir: Path,
+    allow_truncated: bool = False,
+) -> PointRun:
+    """Preload, warm up, then replay ``n_requests`` window requests at ``qps`` into ``dep``."""
+    warm_ids = trace.warmup_ids
+    window = [r for r in trace.requests if r.request_id not in warm_ids][:n_requests]
+    users = {r.user_id for r in window}
+    warm = [r for r in trace.requests if r.request_id in warm_ids and r.user_id in users]
+    behaviours = [b for b in trace.behaviours if b.user_id in users]
+    s, reg = dep.settings, dep.reg
+    dep.pipe.check()
+    first: dict[str, float] = {}
+    for r in window:
+        first.setdefault(r.user_id, r.model_ts)
+    async with Replayer(s, reg, behaviours, user_prefix=user_prefix) as rp:
+        # Each user's whole history before the window up front; the window's interactions in time.
+        await rp.preload(first)
+        await wait_sentinels_applied(s, reg, progress=True)
+        if warm:
+            # The users' previous visits: their histories are preloaded; the window's interactions
+            # must not go out ahead of time (retrieval's history summary assumes ordered input).
+            sent_w = await rp.run(plan_replay(warm, qps=qps, seed=seed + 1), behaviours=False)
+            await collect_results(s, reg, {r.request_id for r in sent_w}, timeout_s=120)
+            await dep.wait_idle()
+        before = dep.trigger_counts()
+        plan = plan_replay(window, qps=qps, seed=seed)
+        sent = await rp.run(plan)
+    ids = {r.request_id for r in sent}
+    res = await collect_results(s, reg, ids, timeout_s=60 + plan.duration_s)
+    await dep.wait_idle()
+    after = dep.trigger_counts()
+    trig = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    results = sorted(res.values(), key=lambda r: r.ts)
+    statuses = prefill_statuses(Path(s.home) / "workers", ids)
+    summary = RunSummary.of(
+        results,
+        slo_ms=slo_ms,
+        expected=len(sent),
+        duration_s=len(sent) / qps,
+        admitted=trig.get("admitted", 0) if trig else len(statuses),
+        prefill_statuses=statuses,
+        allow_truncated=allow_truncated,
+        decisions=trig,
+    )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / f"{dep.mode}-{x:g}.jsonl", "w") as f:
+        for r in results:
+            f.write(r.model_dump_json() + "\n")
+    return PointRun(x, dep.mode, summary, trig, len(sent), [ranking_ms(r) for r in results])
+
+
+def model_info(model_dir: Path) -> tuple[dict, str]:
+    cfg = json.loads((model_dir / "config.json").read_text())
+    from relaygr.workers.model import HSTURanker
+
+    m = HSTURanker.load(model_dir, device="cpu")
+    return cfg.get("config", cfg), m.model_version
+
+
+def calibrate_latency(model_dir: Path, threads: int, out: Path):
+    from relaygr.workers.calibration import calibrate_and_save
+    from relaygr.workers.model import HSTURanker
+
+    return calibrate_and_save(HSTURanker.load(model_dir), out, repeats=5, threads=threads)
+
+
+def pipeline_env(
+    args, model_dir: Path, calib: Path, slo_ms: float, *, budget_ms: float | None = None
+) -> dict:
+    return {
+        "RELAYGR_MODEL_DIR": str(model_dir),
+        "RELAYGR_CALIBRATION_FILE": str(calib),
+        "RELAYGR_BUDGET_MS": f"{budget_ms if budget_ms is not None else slo_ms:g}",
+        "RELAYGR_FEATURE_FETCH_MS": f"{slo_ms / 2:g}",
+        "RELAYGR_THETA": f"{args.theta:g}",
+        "RELAYGR_SHORT_TERM": str(EXPERIMENT_SHORT_TERM),
+        "RELAYGR_TORCH_THREADS": str(args.threads),
+        "RELAYGR_DISK_CACHE_MB": "1024",
+    }
+
+
+def window_start(args, ml) -> int:
+    if args.window_start is not None:
+        return args.window_start
+    return len(eligible_interactions(ml, args.min_prior)) // 2
+
+
+def build_and_publish(settings, ml, args, start: int, count: int, length: int, topic: str):
+    """Build the window's trace at ``length``, publish it to ``topic`` and read it back."""
+    tr = build_trace(
+        ml, min_prior=args.min_prior, start=start, count=count, target_len=length, warmup=not args.no_warmup
+    )
+    topics = TraceTopics(topic, settings.partitions)
+
+    async def go():
+        await publish_trace(settings, topics, tr)
+        back = await load_trace(settings, topics)
+        back.warmup_ids, back.meta = tr.warmup_ids, tr.meta
+        return back
+
+    return asyncio.run(go())
+
+
+async def warm_pipeline(dep: Deployment, ref, args, scratch: Path) -> None:
+    """Unmeasured traffic through a fresh pipeline (its first requests run slower: caches, allocators,
+    lazily set-up paths), on users of its own."""
+    n = min(args.pipeline_warmup, len(ref.requests))
+    if n > 0:
+        await run_point(
+            dep, ref, x=0, qps=args.slo_qps, n_requests=n, user_prefix="w-", slo_ms=60000,
+            seed=args.seed + 1000, out_dir=scratch,
+        )  # fmt: skip
+
+
+def measure_slo(settings, args, model_dir, calib, lat, ref, root: Path, run_id: str) -> tuple[float, str]:
+    """B from a baseline pipeline without truncation at ``--slo-tokens`` (see the module doc)."""
+    if args.slo_ms:
+        return float(args.slo_ms), "given with --slo-ms"
+    guess = math.ceil(lat.predict_ms(args.slo_tokens) + 10.0)
+    say(
+        f"SLO calibration: baseline, {args.slo_tokens}-event histories, {args.slo_requests} requests at "
+        f"{args.slo_qps:g} QPS, no truncation (W = {guess} ms meanwhile)"
+    )
+    env = pipeline_env(args, model_dir, calib, guess, budget_ms=60000)
+    dep = Deployment(settings, "baseline", env, root / "slo", run_id + "-slo", 1)
+
+    async def go() -> PointRun:
+        await dep.start()
+        try:
+            await dep.pipe.wait_ready(timeout_s=300)
+            await warm_pipeline(dep, ref, args, root / "slo-results")
+            return await run_point(
+                dep,
+                ref,
+                x=args.slo_tokens,
+                qps=args.slo_qps,
+                n_requests=args.slo_requests,
+                user_prefix="slo-",
+                slo_ms=60000,
+                seed=args.seed,
+                out_dir=root / "slo-results",
+            )
+        finally:
+            dep.pipe.stop()
+
+    pr = asyncio.run(go())
+    # The tail of one short run is noisy, and the baseline must hold its own calibration point:
+    # B comes from the largest of the P99s of consecutive slices.
+    n = max(1, args.slo_slices)
+    size = max(1, len(pr.ranking) // n)
+    p99s = [percentile(pr.ranking[i * size : (i + 1) * size], 99.0) for i in range(n)]
+    p99 = max(p99s)
+    b = float(math.ceil(p99 * (1 + args.slo_headroom)))
+    how = (
+        f"measured: a baseline pipeline without truncation ranked {len(pr.ranking)} requests at "
+        f"{args.slo_tokens}-event histories and {args.slo_qps:g} QPS; the ranking P99 of its {n} consecutive "
+        f"slices were {', '.join(f'{x:.1f}' for x in p99s)} ms; B = the largest × {1 + args.slo_headroom:g}, "
+        "rounded up"
+    )
+    say(f"SLO: B = {b:g} ms ({how})")
+    return b, how

@@ -1,0 +1,42 @@
+"""What a run needs before its pipeline starts: a trained model and its latency calibration.
+
+Primitives:
+- ``ensure_model(model_dir)``: train the HSTU ranker on MovieLens-100K into ``model_dir`` (in a
+  child process, through ``relaygr train``) unless a checkpoint is there.
+- ``ensure_calibration(model_dir)``: time full ranking of that model on this machine, with the
+  workers' thread count, and write ``model_dir/calibration.json``; returns its path.
+Each step is printed as a ``== ...`` line.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+
+def _step(msg: str) -> None:
+    print(f"== {msg}", flush=True)
+
+
+def ensure_model(model_dir: Path) -> None:
+    if (model_dir / "config.json").exists():
+        _step(f"using the trained model in {model_dir}")
+        return
+    _step(f"training the HSTU ranker on MovieLens-100K into {model_dir} (once)")
+    cmd = [sys.executable, "-m", "relaygr.cli", "train", "--dataset", "ml-100k", "--out", str(model_dir)]
+    subprocess.run(cmd, check=True)
+
+
+def ensure_calibration(model_dir: Path) -> Path:
+    from relaygr.streams.config import PipelineSettings
+    from relaygr.workers.calibration import calibrate_and_save
+    from relaygr.workers.model import HSTURanker
+
+    path = model_dir / "calibration.json"
+    _step("calibrating full-ranking latency on this machine")
+    model = HSTURanker.load(model_dir)
+    threads = PipelineSettings().torch_threads  # time it as the workers will run it
+    _, samples = calibrate_and_save(model, path, threads=threads)
+    print("   " + ", ".join(f"{n} tokens {ms:.1f} ms" for n, ms in samples))
+    return path

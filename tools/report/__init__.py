@@ -1,0 +1,1 @@
+"""relaygr.tools.report: the report of a run, in parts (see ``command``)."""

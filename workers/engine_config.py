@@ -1,0 +1,78 @@
+"""The ranking engine's configuration, apart from the engine so that light modules can read its
+defaults (the trigger, the pipeline settings) without loading the model.
+
+Primitives: ``EngineConfig``: mode, ranking budget, pre-inference chunk, lease, truncation,
+suffix retention and burst batching.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from relaygr.workers.leases import DEFAULT_LEASE_TTL_S
+
+
+class EngineConfig(BaseModel):
+    """How one worker's ranking engine serves; every default of the ranking path lives here."""
+
+    mode: Literal["relay", "baseline"] = Field(
+        default="relay", description="relay: cached prefixes; baseline: full inference, no trigger, no cache."
+    )
+    budget_ms: float = Field(default=50.0, gt=0, description="Ranking-stage latency budget (P99 target).")
+    prefill_chunk: int = Field(default=512, ge=1, description="Tokens per pre-inference job on the device.")
+    lease_ttl_s: float = Field(
+        default=DEFAULT_LEASE_TTL_S, gt=0, description="Lease of a pre-inferred prefix."
+    )
+    truncate_to_budget: bool = Field(
+        default=True, description="Full inference keeps only the most recent events that fit the budget."
+    )
+    min_truncated_len: int = Field(default=16, ge=0, description="Never truncate below this many events.")
+    wait_margin_ms: float = Field(
+        default=2.0, ge=0, description="Slack kept when deciding to wait for an in-flight prefix."
+    )
+    retain_suffix: bool = Field(
+        default=True,
+        description=(
+            "A relay ranking keeps the keys and values it computed for the suffix: the cached "
+            "prefix grows to the whole ranked history, so the user's next pre-inference is a hit "
+            "and its ranking computes only the events that are new since."
+        ),
+    )
+    burst_batch: int = Field(
+        default=8,
+        ge=1,
+        description=(
+            "Relay rankings of one user that wait for the device together (a burst of requests) "
+            "run as one job of at most this many: the events new since the cached prefix are "
+            "computed once. 1 = never."
+        ),
+    )
+    abandon_backlog: int = Field(
+        default=2,
+        ge=0,
+        description=(
+            "A pre-inference whose ranking went ahead without it is dropped only while more than "
+            "this many pre-inference jobs are queued (a backlog that would make the next ones late "
+            "too); otherwise it finishes and serves the user's next requests."
+        ),
+    )
+    slice_ms: float = Field(
+        default=5.0,
+        ge=0,
+        description=(
+            "Device time of one chunk of pre-inference, of a relay worker's full ranking, and of a "
+            "long relay ranking, sized by the latency model (keys already cached included); 0 = "
+            "prefill_chunk tokens a chunk, rankings in one piece."
+        ),
+    )
+    burst_batch_events: int = Field(
+        default=8192,
+        ge=1,
+        description=(
+            "A burst batch holds at most this many cached events summed over its rankings (and "
+            "at least one ranking). Batching saves each ranking's fixed costs, which dominate for "
+            "short prefixes; a batch of long ones would make its first ranking wait for the rest."
+        ),
+    )
