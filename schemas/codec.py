@@ -42,6 +42,14 @@ def _loc(loc: tuple[int | str, ...]) -> str:
     return out or "$"
 
 
+def _shown(value: object, limit: int = 60) -> str:
+    """A rejected value for a reason: its repr, cut short (a long string keeps its length)."""
+    if isinstance(value, str) and len(value) > limit:
+        return f"{value[:limit]!r}... ({len(value)} characters)"
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}..."
+
+
 def decode(
     event_type: type[E], data: bytes | bytearray | memoryview | None, *, max_bytes: int = DEFAULT_MAX_BYTES
 ) -> E:
@@ -77,4 +85,8 @@ def decode(
             ) from None
         if field == "$" and err.get("type") == "model_type":
             raise SchemaError("$", "expected a JSON object", event_type=name) from None
+        if err.get("type") == "item_id":  # the rule alone does not say which value broke it
+            raise SchemaError(
+                field, f"{err['msg']}, got {_shown(err.get('input'))}", event_type=name
+            ) from None
         raise SchemaError(field, err.get("msg", "invalid value"), event_type=name) from None

@@ -12,6 +12,8 @@ Primitives:
 - ``DeadLetter``         — a message a stage could not use: its original bytes and the reason.
 - ``WorkerStats``        — a ranking worker's cache footprint, load and latency model.
 - ``OnBehavioursClock``  — ``model_ts`` of the request-like events (their ``event_ts``, else ``ts``).
+- ``ItemId``             — an item as the producer's catalogue names it: an integer or a string;
+  ``is_item_id(value)`` says whether a value is one.
 
 Every model is strict (no type coercion, unknown fields rejected), carries ``schema_version``, and
 bounds its ids, counts, lengths and timestamps, so a hostile message fails validation instead of
@@ -22,14 +24,26 @@ from __future__ import annotations
 
 import math
 from enum import StrEnum
-from typing import Annotated, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    GetCoreSchemaHandler,
+    Strict,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import CoreSchema
 
 SCHEMA_VERSION = 1
 
 MAX_ID_LEN = 128
 MAX_ITEM_ID = 2**31 - 1
+MAX_ITEM_ID_LEN = 256
 MAX_CANDIDATES = 2000
 MAX_SHORT_TERM = 4096
 MAX_REASON_LEN = 2000
@@ -38,7 +52,44 @@ MAX_REASON_LEN = 2000
 TS_MAX = 1e11
 
 Id = Annotated[str, Field(min_length=1, max_length=MAX_ID_LEN, pattern=r"^[^\x00-\x1f]+$")]
-ItemId = Annotated[int, Field(ge=0, le=MAX_ITEM_ID)]
+
+ITEM_ID_RULE = (
+    f"an item id is an integer 0..{MAX_ITEM_ID} or a string of 1..{MAX_ITEM_ID_LEN} characters "
+    "without control characters"
+)
+
+
+class _OneItemIdError:
+    """Reports a failed item id as one error at the field itself (not one per union member), with
+    the whole rule: the member tags of a union would otherwise be named as the faulty field."""
+
+    def __get_pydantic_core_schema__(self, source: Any, handler: GetCoreSchemaHandler) -> CoreSchema:
+        schema = handler(source)
+        schema["custom_error_type"] = "item_id"  # type: ignore[typeddict-unknown-key]
+        schema["custom_error_message"] = ITEM_ID_RULE  # type: ignore[typeddict-unknown-key]
+        return schema
+
+
+# A producer's catalogue names items by integers or by strings. Strict and left to right: a JSON
+# number stays an int (3.0, 3.5 and true are refused) and a JSON string stays a string.
+ItemId = Annotated[
+    Annotated[int, Field(ge=0, le=MAX_ITEM_ID)]
+    | Annotated[str, Field(min_length=1, max_length=MAX_ITEM_ID_LEN, pattern=r"^[^\x00-\x1f\x7f]+$")],
+    Field(union_mode="left_to_right"),
+    _OneItemIdError(),
+]
+_ITEM_ID = TypeAdapter(ItemId, config=ConfigDict(strict=True))
+
+
+def is_item_id(value: object) -> bool:
+    """Whether ``value`` is an item id the wire carries (``ItemId``, as every event checks it)."""
+    try:
+        _ITEM_ID.validate_python(value)
+    except ValidationError:
+        return False
+    return True
+
+
 Timestamp = Annotated[float, Field(ge=0.0, le=TS_MAX, allow_inf_nan=False)]
 Millis = Annotated[float, Field(ge=0.0, le=1e9, allow_inf_nan=False)]
 Count = Annotated[int, Field(ge=0, le=10_000_000)]

@@ -44,6 +44,14 @@ PUBLIC_EVENTS: dict[str, type[Event]] = {
 _TOPICS = TopicRegistry("<prefix>")
 
 
+def _string_id_examples(ts: float = 1_700_000_000.0) -> list[Event]:
+    """The inputs again from a catalogue whose item ids are strings."""
+    return [
+        BehaviorEvent(user_id="u-81", item_id="sku-00017", ts=ts - 60, action=1),
+        RecommendationRequest(request_id="req-2", user_id="u-81", ts=ts, label_item_id="sku-00342"),
+    ]
+
+
 def _role_of(event_type: type[Event]) -> str:
     for role, public in PUBLIC_EVENTS.items():
         if public is event_type:
@@ -80,7 +88,7 @@ def json_schema(event_type: type[Event]) -> dict[str, Any]:
         "x-kafka-key": key,
     }
     body.pop("title", None)
-    ex = [json.loads(encode(e)) for e in examples() if type(e) is event_type]
+    ex = [json.loads(encode(e)) for e in [*examples(), *_string_id_examples()] if type(e) is event_type]
     return {**head, **body, "examples": ex}
 
 

@@ -12,6 +12,9 @@ Primitives:
   from a partition, and dropping everything it contributed (its state no longer matches the
   cluster: see ``relaygr.streams.state_lineage``).
 - ``pack`` / ``unpack``: a history as fixed-width records (item int64, action int16, ts float64).
+  The item column holds ``relaygr.workers.vocab.item_key`` of the raw id: an integer id as is, a
+  string id as its 64-bit hash. Keys, not model ids, so the table does not depend on the
+  checkpoint: a model with another vocabulary maps the same table when it serves it.
 - Retention: with ``retain_events``, a user's oldest events beyond it are dropped in whole
   ``retain_align`` steps (``first(user)`` is the absolute index of the oldest one kept), so a
   user with tens of thousands of events costs a bounded amount of disk and memory.
@@ -46,6 +49,7 @@ from rocksdict import Options, Rdict, WriteBatch
 from relaygr.schemas import BehaviorBatch, BehaviorEvent
 from relaygr.schemas.routing import Positions, covers, decode_positions, encode_positions
 from relaygr.workers.prefix_kv import Events
+from relaygr.workers.vocab import item_key
 
 RECORD = np.dtype([("item", "<i8"), ("action", "<i2"), ("ts", "<f8")])
 # One record packed without numpy (the ingestion hot path): the same 18 bytes as RECORD.
@@ -215,7 +219,7 @@ class HistoryTable:
                         counts[u] = self._count(u)
                         if counts[u] == 0:
                             wb.put(self._ukey(partition, u), b"")
-                    rec = _RECORD_STRUCT.pack(item, action, ts)
+                    rec = _RECORD_STRUCT.pack(item_key(item), action, ts)
                     wb.put(self._ekey(u, counts[u]), rec)
                     counts[u] += 1
                     new.setdefault(u, []).append(rec)

@@ -39,6 +39,7 @@ from relaygr.streams.common import (
     send_acked,
 )
 from relaygr.streams.config import PipelineSettings
+from relaygr.workers.vocab import RawId
 
 STAGE = "preprocess"
 # Items per chunk of a user's seen items: a write costs at most this, whatever the history's length.
@@ -61,7 +62,7 @@ def _chunk_key(user_id: str, i: int) -> str:
 
 
 def seen_add(
-    get, put, user_id: str, items: list[tuple[int, float]], *, keep_chunks: int | None = None, delete=None
+    get, put, user_id: str, items: list[tuple[RawId, float]], *, keep_chunks: int | None = None, delete=None
 ) -> None:
     """Append ``(item, ts)`` behaviours of one user: ``get(key)``/``put(key, value)`` read and
     write the table. Key ``user_id`` holds ``{"f": first chunk kept, "c": chunks written}``,
@@ -74,7 +75,7 @@ def seen_add(
     cur = (get(_chunk_key(user_id, i)) or {}) if chunks else {}
     dirty = False
     for item, ts in items:
-        key = str(item)  # JSON object keys are strings
+        key = seen_key(item)
         if key in cur and cur[key] <= ts:
             continue
         if key not in cur and len(cur) >= SEEN_CHUNK:
@@ -94,12 +95,21 @@ def seen_add(
         put(user_id, {"f": new_first, "c": i + 1})
 
 
-def seen_before(get, user_id: str, ts: float) -> set[int]:
-    """Items ``user_id`` interacted with strictly before ``ts`` (among the chunks kept)."""
+def seen_key(item: RawId) -> str:
+    """An item in the ``seen`` table: its id as text. JSON object keys are strings, and the text
+    of an integer is the string the vocabulary takes for the same item (``vocab.canonical``:
+    17 and "17" are one item, "017" another), so integer and string ids share one format and
+    integer deployments keep theirs."""
+    return str(item)
+
+
+def seen_before(get, user_id: str, ts: float) -> set[str]:
+    """Items ``user_id`` interacted with strictly before ``ts`` (among the chunks kept), as
+    ``seen_key``s."""
     head = get(user_id) or {"f": 0, "c": 0}
-    out: set[int] = set()
+    out: set[str] = set()
     for i in range(head["f"], head["c"]):
-        out.update(int(k) for k, t in (get(_chunk_key(user_id, i)) or {}).items() if t < ts)
+        out.update(k for k, t in (get(_chunk_key(user_id, i)) or {}).items() if t < ts)
     return out
 
 
@@ -150,7 +160,7 @@ def build(settings: Settings, p: PipelineSettings, worker_id: str = "0"):
         before = seen_before(seen.get, r.user_id, r.model_ts)
         if p.feature_fetch_ms:
             await asyncio.sleep(p.feature_fetch_ms / 1000)
-        cands = [c for c in r.candidates if c not in before]
+        cands = [c for c in r.candidates if seen_key(c) not in before]
         DROPPED.inc(len(r.candidates) - len(cands))
         now = time.time()
         out = RankRequest(

@@ -84,6 +84,7 @@ from relaygr.workers.prefix_kv import Events
 from relaygr.workers.prefix_store import PrefixStore, PrefixStoreConfig
 from relaygr.workers.ranker import RankingEngine
 from relaygr.workers.scheduler import DeviceScheduler, Priority
+from relaygr.workers.vocab import item_keys
 
 log = logging.getLogger(__name__)
 STAGE = "ranking"
@@ -425,8 +426,9 @@ class RankingWorker:
         full = self.history.get(user_id, before_ts)
         first = self.history.first(user_id)
         hist, capped = served(full, first, self.max_seq_len, self.window_step)
-        # The table keeps raw ids; the mapping is a pure function of them, so a cached prefix of
-        # the mapped history stays the prefix of the next one.
+        # The table keeps the raw ids' keys (``item_key``), whatever the model; the mapping is a
+        # pure function of them, so a cached prefix of the mapped history stays the prefix of the
+        # next one, and a new checkpoint with another vocabulary reads the same table.
         items, unknown = self.model.vocab.to_model_tensor(hist.item_ids)
         return Events(items, hist.action_ids, hist.timestamps), first + len(full), capped, unknown
 
@@ -558,8 +560,9 @@ class RankingWorker:
         if not complete:
             INCOMPLETE.inc()
         # Candidates are scored in model ids; the result names them by the raw ids received.
-        raw_cands = torch.tensor(r.candidates, dtype=torch.int64)
-        cands, unknown_candidates = self.model.vocab.to_model_tensor(raw_cands)
+        cands, unknown_candidates = self.model.vocab.to_model_tensor(
+            torch.from_numpy(item_keys(r.candidates))
+        )
         if unknown_candidates:
             UNKNOWN_ITEMS.labels("candidate").inc(unknown_candidates)
         if unknown_history:

@@ -36,7 +36,7 @@ from relaygr.schemas import (
     decode,
     encode,
 )
-from relaygr.schemas.events import MAX_ITEM_ID
+from relaygr.schemas.events import is_item_id
 from relaygr.streams.common import (
     decode_keyed,
     deliver,
@@ -51,7 +51,7 @@ from relaygr.streams.common import (
 from relaygr.streams.config import PipelineSettings, trigger_config
 from relaygr.streams.trigger import SequenceAwareTrigger
 from relaygr.workers.latency_model import LatencyModel
-from relaygr.workers.vocab import OOV, ItemVocab
+from relaygr.workers.vocab import OOV, ItemVocab, RawId
 
 log = logging.getLogger(__name__)
 
@@ -84,14 +84,14 @@ class CandidateGenerator:
         self.vocab = vocab if vocab is not None else ItemVocab.identity_of(self.num_items)
         self.popularity: Counter[int] = Counter()  # by model id
 
-    def observe(self, item_id: int) -> None:
+    def observe(self, item_id: RawId) -> None:
         self.observe_many([item_id])
 
-    def observe_many(self, item_ids: list[int]) -> None:
+    def observe_many(self, item_ids: list[RawId]) -> None:
         rows, _ = self.vocab.to_model(item_ids)
         self.popularity.update(int(r) for r in rows if r != OOV)
 
-    def candidates(self, recent_items: list[int], k: int) -> list[int]:
+    def candidates(self, recent_items: list[RawId], k: int) -> list[RawId]:
         k = min(k, self.num_items)
         known = [int(r) for r in self.vocab.to_model(recent_items)[0] if r != OOV] if recent_items else []
         if not known:
@@ -105,17 +105,10 @@ class CandidateGenerator:
         top = np.argpartition(-scores, k)[:k] if k < len(scores) - 1 else np.arange(1, len(scores))
         return self._raw([int(i) for i in top[np.argsort(-scores[top], kind="stable")]])
 
-    def _raw(self, rows: list[int]) -> list[int]:
-        # The wire carries integer ids: a catalogue id that is no integer cannot be a candidate.
-        out = []
-        for r in self.vocab.to_raw(rows):
-            try:
-                wire = int(r)
-            except ValueError:
-                continue
-            if 0 < wire <= MAX_ITEM_ID:
-                out.append(wire)
-        return out
+    def _raw(self, rows: list[int]) -> list[RawId]:
+        # A catalogue id that the wire cannot carry (an integer beyond MAX_ITEM_ID, a string too
+        # long or with control characters) cannot be a candidate; nor can 0, as before strings.
+        return [r for r in self.vocab.to_raw(rows) if r != 0 and is_item_id(r)]
 
 
 def summary_add(summary: dict | None, batch: BehaviorBatch) -> dict:
@@ -137,13 +130,13 @@ def summary_add(summary: dict | None, batch: BehaviorBatch) -> dict:
     return s
 
 
-def summary_before(summary: dict | None, ts: float) -> tuple[int, list[int]]:
+def summary_before(summary: dict | None, ts: float) -> tuple[int, list[RawId]]:
     """History length and recent items strictly before ``ts`` (events newer than the request that
     arrived first are discounted; beyond the kept window the count is exact only for ordered input)."""
     if not summary:
         return 0, []
     newer = [x for x in summary["r"] if x[1] >= ts]
-    recent = [int(i) for i, t in summary["r"] if t < ts]
+    recent = [i for i, t in summary["r"] if t < ts]  # raw ids as the producer sent them
     return max(0, summary["n"] - len(newer)), recent
 
 

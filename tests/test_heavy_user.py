@@ -110,7 +110,7 @@ def test_seen_items_keep_a_bounded_number_of_chunks() -> None:
     assert len(chunks) <= 3
     seen = seen_before(table.get, "u", 1e12)
     newest = 20 * SEEN_CHUNK + 700 - 1
-    assert newest - 700 in seen and 0 not in seen  # the recent items are kept, the oldest dropped
+    assert str(newest - 700) in seen and "0" not in seen  # the recent items are kept, the oldest dropped
 
 
 # ---------------------------------------------------------------------- device time slices

@@ -19,7 +19,7 @@ from relaygr.streams.retrieval import CandidateGenerator
 from relaygr.workers import train
 from relaygr.workers.interactions import Columns, MalformedLog, build_log, read_interactions
 from relaygr.workers.model import HSTUConfig, HSTURanker
-from relaygr.workers.vocab import OOV, VOCAB_FILE, ItemVocab
+from relaygr.workers.vocab import OOV, VOCAB_FILE, ItemVocab, item_key, item_keys
 
 TINY = ["--layers", "1", "--heads", "1", "--dim", "16", "--epochs", "1", "--max-steps", "2", "--threads", "1"]
 
@@ -130,10 +130,26 @@ def test_vocabularies_map_both_ways_and_count_the_unknown() -> None:
     assert ids.tolist() == [3, OOV, 1, OOV] and unknown == 2
     assert ints.to_raw([1, 3]) == [17, 3_000_000]
     numeric_strings = ItemVocab.build(["12", "7"])  # ids that all read as integers are integers
-    assert numeric_strings.is_int and numeric_strings.to_model([7])[0].tolist() == [1]
+    assert numeric_strings.is_int and numeric_strings.to_model([7, "7", "07"])[0].tolist() == [1, 1, OOV]
+    padded = ItemVocab.build(["007", "12"])  # "007" is no integer's plain form: kept as written
+    assert not padded.is_int and padded.raw_ids() == ["007", "12"]
+    assert padded.to_model(["007", 7, 12, "12"])[0].tolist() == [1, OOV, 2, 2]
     ident = ItemVocab.identity_of(10)
     mapped, unknown = ident.to_model_tensor(torch.tensor([1, 10, 11, 0]))
     assert mapped.tolist() == [1, 10, 0, 0] and unknown == 2
+
+
+def test_item_keys_stand_for_raw_ids_in_integer_columns() -> None:
+    keys = item_keys([17, "17", "017", "sku-1", "sku-2", 0])
+    assert keys.dtype == np.int64 and keys[0] == keys[1] == 17 and keys[5] == 0
+    assert (keys[2:5] < 0).all() and len(set(keys[2:5].tolist())) == 3  # strings: negative, distinct
+    assert item_key("sku-1") == keys[3]  # the same hash in every process (no PYTHONHASHSEED)
+    vocab = ItemVocab.build(["sku-2", "sku-1", "17"])
+    raw = ["sku-1", "nope", 17, "sku-2", "017"]
+    by_raw, unknown = vocab.to_model(raw)
+    by_key, unknown_keys = vocab.to_model_tensor(torch.from_numpy(item_keys(raw)))
+    assert by_key.tolist() == by_raw.tolist() == [2, OOV, 1, 3, OOV] and unknown == unknown_keys == 2
+    assert vocab.to_raw([1, 2, 3]) == ["17", "sku-1", "sku-2"]
 
 
 def test_a_checkpoint_without_vocabulary_loads_as_the_identity(tmp_path) -> None:
@@ -159,7 +175,7 @@ def test_retrieval_answers_with_catalogue_ids_only() -> None:
     assert set(gen.candidates([999_999], 5)) <= catalogue  # only unknown ids: the cold answer
 
 
-def test_a_log_with_integer_ids_becomes_a_trace_and_one_with_strings_is_refused(tmp_path) -> None:
+def test_a_log_becomes_a_trace_named_by_its_own_ids_integers_or_strings(tmp_path) -> None:
     from relaygr.tools.trace import build_trace, log_as_dataset
 
     rows = [{**r, "sku": 70_000 + int(r["sku"][4:])} for r in tiny_log_rows(users=4, events=5)]
@@ -170,6 +186,12 @@ def test_a_log_with_integer_ids_becomes_a_trace_and_one_with_strings_is_refused(
     catalogue = {r["sku"] for r in rows}
     assert {r.label_item_id for r in trace.requests} <= catalogue
     assert {b.item_id for b in trace.behaviours} <= catalogue
-    strings = build_log(read_interactions(write_csv(tmp_path / "s.csv", tiny_log_rows(3, 3)), cols).rows)
-    with pytest.raises(ValueError, match="item ids are strings"):
-        log_as_dataset(strings, "s")
+    string_rows = tiny_log_rows(3, 3)
+    strings = build_log(read_interactions(write_csv(tmp_path / "s.csv", string_rows), cols).rows)
+    trace = build_trace(log_as_dataset(strings, "s"), min_prior=1)
+    assert len(trace.requests) == 3 * 2
+    skus = {r["sku"] for r in string_rows}
+    assert {r.label_item_id for r in trace.requests} <= skus
+    assert {b.item_id for b in trace.behaviours} <= skus
+    first = min(trace.behaviours, key=lambda b: (b.user_id, b.ts))  # user-0's first interaction
+    assert first.user_id == "user-0" and first.item_id == "sku-000"

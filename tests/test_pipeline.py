@@ -83,7 +83,7 @@ async def _run(kafka_settings, tmp_path_factory, model_dir, traffic, mode: str, 
 # Bad input mixed into the real traffic: (topic role, key, value, what the reason must say).
 BAD = [
     ("behaviors", b"1", b"\xff\xfe not utf-8", "invalid UTF-8"),
-    ("behaviors", b"2", b'{"user_id": "2", "item_id": "x", "ts": 1.0}', "item_id"),
+    ("behaviors", b"2", b'{"user_id": "2", "item_id": "", "ts": 1.0}', "item_id"),
     ("behaviors", b"3", b'{"user_id": "4", "item_id": 5, "ts": 1.0}', "disagrees"),
     ("requests", b"5", b"{not json", "invalid JSON"),
     (

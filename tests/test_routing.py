@@ -130,5 +130,5 @@ def test_seen_items_are_chunked_and_exact() -> None:
         seen_add(table.get, put, "u", history[start : start + 700])
     assert max(writes) <= SEEN_CHUNK  # no write grows with the history
     for ts in (0.0, 1.0, 999.5, 3500.0, 1e9):
-        assert seen_before(table.get, "u", ts) == {i for i, t in history if t < ts}
+        assert seen_before(table.get, "u", ts) == {str(i) for i, t in history if t < ts}
     assert seen_before(table.get, "nobody", 1e9) == set()

@@ -10,15 +10,18 @@ from hypothesis import strategies as st
 
 from relaygr.schemas import (
     ALL_EVENTS,
+    BehaviorBatch,
     BehaviorEvent,
     RankedResult,
     RankRequest,
     RecommendationRequest,
+    RetrievedRequest,
     SchemaError,
     TopicRegistry,
     decode,
     encode,
 )
+from relaygr.schemas.events import is_item_id
 from relaygr.schemas.examples import examples
 
 
@@ -69,8 +72,8 @@ GOOD = {"user_id": "u1", "item_id": 5, "ts": 1.5}
         (b"", "$", "empty"),
         (b"[1, 2]", "$", "JSON object"),
         (json.dumps({"user_id": "u1", "ts": 1.0}).encode(), "item_id", "missing"),
-        (json.dumps({**GOOD, "item_id": "5"}).encode(), "item_id", "integer"),
-        (json.dumps({**GOOD, "item_id": -1}).encode(), "item_id", "greater than or equal"),
+        (json.dumps({**GOOD, "item_id": 5.5}).encode(), "item_id", "got 5.5"),
+        (json.dumps({**GOOD, "item_id": -1}).encode(), "item_id", "integer 0..2147483647"),
         (json.dumps({**GOOD, "user_id": 7}).encode(), "user_id", "string"),
         (json.dumps({**GOOD, "user_id": ""}).encode(), "user_id", "at least 1"),
         (json.dumps({**GOOD, "user_id": "x" * 129}).encode(), "user_id", "at most 128"),
@@ -86,6 +89,86 @@ def test_bad_behavior_input_names_the_field(data: bytes, field: str, needle: str
     assert ei.value.field == field
     assert needle in ei.value.reason
     assert f"'{field}'" in str(ei.value) and "BehaviorEvent" in str(ei.value)
+
+
+ITEM_ID_FIELDS = [  # (event, field holding item ids, whether it is a list)
+    (BehaviorEvent, "item_id", False),
+    (BehaviorBatch, "item_ids", True),
+    (RecommendationRequest, "label_item_id", False),
+    (RetrievedRequest, "candidates", True),
+    (RetrievedRequest, "label_item_id", False),
+    (RankRequest, "candidates", True),
+    (RankRequest, "label_item_id", False),
+    (RankedResult, "items", True),
+    (RankedResult, "label_item_id", False),
+]
+
+
+def _with_item(event_type, field: str, is_list: bool, value):
+    doc = json.loads(encode(next(e for e in examples() if type(e) is event_type)))
+    if field == "items":
+        doc["items"] = [{"item_id": value, "score": 1.0}]
+        return doc, "items[0].item_id"
+    doc[field] = [value, *doc[field][1:]] if is_list else value  # a batch keeps its columns' length
+    return doc, f"{field}[0]" if is_list else field
+
+
+@pytest.mark.parametrize(("event_type", "field", "is_list"), ITEM_ID_FIELDS)
+@pytest.mark.parametrize("value", [0, 17, 2**31 - 1, "sku-00017", "17", "x" * 256, "é商品 ✓"])
+def test_item_ids_are_integers_or_strings_and_keep_their_type(event_type, field, is_list, value) -> None:
+    doc, _ = _with_item(event_type, field, is_list, value)
+    event = decode(event_type, json.dumps(doc).encode())
+    again = json.loads(encode(event))
+    got = again["items"][0]["item_id"] if field == "items" else again[field]
+    if is_list and field != "items":
+        got = got[0]
+    assert got == value and type(got) is type(value)  # "17" stays a string, 17 an integer
+
+
+@pytest.mark.parametrize(("event_type", "field", "is_list"), ITEM_ID_FIELDS)
+@pytest.mark.parametrize(
+    ("value", "shown"),
+    [
+        ("", "''"),
+        ("x" * 257, "(257 characters)"),
+        ("sku\n1", "'sku\\n1'"),
+        ("sku\x7f", "'sku\\x7f'"),
+        (-1, "-1"),
+        (2**31, str(2**31)),
+        (3.5, "3.5"),
+        (3.0, "3.0"),
+        (True, "True"),
+        ([1], "[1]"),
+        ({"id": 1}, "{'id': 1}"),
+    ],
+)
+def test_a_bad_item_id_is_refused_naming_the_field_and_the_value(
+    event_type, field, is_list, value, shown
+) -> None:
+    doc, where = _with_item(event_type, field, is_list, value)
+    with pytest.raises(SchemaError) as ei:
+        decode(event_type, json.dumps(doc).encode())
+    assert ei.value.field == where
+    assert "integer 0..2147483647 or a string of 1..256 characters" in ei.value.reason
+    assert shown in ei.value.reason.split(", got ", 1)[1]
+
+
+def test_a_null_item_id_is_refused_where_it_is_required() -> None:
+    with pytest.raises(SchemaError, match="got None") as ei:
+        decode(BehaviorEvent, json.dumps({**GOOD, "item_id": None}).encode())
+    assert ei.value.field == "item_id"
+    # Where the id is optional (a request's label), null is its absence.
+    req = decode(
+        RecommendationRequest, b'{"request_id": "r", "user_id": "u", "ts": 1, "label_item_id": null}'
+    )
+    assert req.label_item_id is None
+
+
+def test_is_item_id_is_the_events_rule() -> None:
+    good = [0, 2**31 - 1, "a", "x" * 256]
+    bad = [-1, 2**31, True, 3.0, "", "x" * 257, "a\tb", None]
+    assert [is_item_id(v) for v in good] == [True] * len(good)
+    assert [is_item_id(v) for v in bad] == [False] * len(bad)
 
 
 def test_oversized_message_is_rejected_before_parsing() -> None:
@@ -120,16 +203,25 @@ ids = st.text(
 )
 
 
+item_texts = st.text(
+    st.characters(
+        min_codepoint=32, max_codepoint=0x10FFFF, exclude_categories=("Cs",), exclude_characters="\x7f"
+    ),
+    min_size=1,
+    max_size=256,
+)
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     request_id=ids,
     user_id=ids,
     ts=st.floats(min_value=0, max_value=1e11, allow_nan=False),
     n=st.integers(1, 2000),
-    label=st.none() | st.integers(0, 2**31 - 1),
+    label=st.none() | st.integers(0, 2**31 - 1) | item_texts,
 )
 def test_request_round_trip_property(
-    request_id: str, user_id: str, ts: float, n: int, label: int | None
+    request_id: str, user_id: str, ts: float, n: int, label: int | str | None
 ) -> None:
     ev = RecommendationRequest(
         request_id=request_id, user_id=user_id, ts=ts, num_candidates=n, label_item_id=label

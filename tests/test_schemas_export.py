@@ -140,7 +140,8 @@ def _malformed() -> list[tuple[str, str, dict[str, Any]]]:
     bad_score["items"] = copy.deepcopy(bad_score["items"])
     bad_score["items"][1]["score"] = "high"
     return [
-        ("behavior", "item_id", changed("behavior", item_id="242")),
+        ("behavior", "item_id", changed("behavior", item_id=24.2)),
+        ("behavior", "item_id", changed("behavior", item_id="")),
         ("behavior", "user_id", without("behavior", "user_id")),
         ("behavior", "user_id", changed("behavior", user_id="a\nb")),
         ("behavior", "ts", changed("behavior", ts=-1.0)),

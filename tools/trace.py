@@ -18,8 +18,7 @@ Primitives:
 - ``load_trace(settings, topics, start=...)``: a trace back from its topics
   (``infra.topic_reader``).
 - ``log_as_dataset(log, name)``: an interaction log (``workers.interactions``) in the form
-  ``build_trace`` reads, its items named by their raw ids again (the wire carries integers, so a
-  log with string item ids cannot become traffic).
+  ``build_trace`` reads, its items named by their raw ids again (integers or strings).
 - CLI: ``relaygr trace build (--dataset ml-100k | --interactions PATH [column flags])
   [--topic NAME] [--min-prior N] [--synth-len L]``.
 """
@@ -94,12 +93,10 @@ def _user_order(user_id: str) -> tuple[int, int, str]:
 
 
 def log_as_dataset(log: InteractionLog, name: str) -> MovieLens:
-    """``log`` with raw item ids, for ``build_trace``; ``ValueError`` if they are not integers."""
+    """``log`` in the form ``build_trace`` reads: raw integer ids in the histories, or, for string
+    ids, model ids with the log's vocabulary to name them."""
     if not log.vocab.is_int:
-        raise ValueError(
-            f"{name}: item ids are strings; behaviour events carry integer item ids, so this log "
-            "can train a model but cannot be replayed as traffic"
-        )
+        return MovieLens(name=name, num_items=len(log.vocab), histories=dict(log.histories), vocab=log.vocab)
     histories = {}
     for user, h in log.histories.items():
         raw = torch.tensor(log.vocab.to_raw(h.item_ids.tolist()), dtype=torch.int64)
@@ -157,7 +154,7 @@ def build_trace(
             event_ts=t,
             num_candidates=num_candidates,
             top_k=top_k,
-            label_item_id=int(h.item_ids[k]),
+            label_item_id=ml.raw_items([int(h.item_ids[k])])[0],
         )
 
     beh: list[tuple[float, int, int, BehaviorEvent]] = []
@@ -171,13 +168,18 @@ def build_trace(
             past = lengthen(past, target_len)
             synthesised += len(past) - min(real, len(past))
         seq = [
-            (float(t), int(i), int(a))
+            (float(t), i, int(a))
             for i, a, t in zip(
-                past.item_ids.tolist(), past.action_ids.tolist(), past.timestamps.tolist(), strict=True
+                ml.raw_items(past.item_ids.tolist()),
+                past.action_ids.tolist(),
+                past.timestamps.tolist(),
+                strict=True,
             )
         ]
+        tail = range(k0, last_k + 1)
         seq += [
-            (float(h.timestamps[k]), int(h.item_ids[k]), int(h.action_ids[k])) for k in range(k0, last_k + 1)
+            (float(h.timestamps[k]), i, int(h.action_ids[k]))
+            for k, i in zip(tail, ml.raw_items([int(h.item_ids[k]) for k in tail]), strict=True)
         ]
         beh += [
             (t, u, j, BehaviorEvent(user_id=str(u), item_id=i, ts=t, action=a))

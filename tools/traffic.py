@@ -28,6 +28,7 @@ from relaygr.schemas import BehaviorEvent, RankedResult, RecommendationRequest, 
 from relaygr.tools.barriers import wait_groups_caught_up
 from relaygr.workers.movielens import MovieLens
 from relaygr.workers.prefix_kv import Events
+from relaygr.workers.vocab import item_keys
 
 DAY = 86400.0
 
@@ -75,9 +76,12 @@ def leave_last_out(
             past = past.slice(len(past) - max_len)
         uid = str(u)
         behaviours += [
-            BehaviorEvent(user_id=uid, item_id=int(i), ts=float(t), action=int(a))
+            BehaviorEvent(user_id=uid, item_id=i, ts=float(t), action=int(a))
             for i, a, t in zip(
-                past.item_ids.tolist(), past.action_ids.tolist(), past.timestamps.tolist(), strict=True
+                ml.raw_items(past.item_ids.tolist()),
+                past.action_ids.tolist(),
+                past.timestamps.tolist(),
+                strict=True,
             )
         ]
         requests.append(
@@ -88,17 +92,18 @@ def leave_last_out(
                 event_ts=float(h.timestamps[-1]),
                 num_candidates=num_candidates,
                 top_k=top_k,
-                label_item_id=int(h.item_ids[-1]),
+                label_item_id=ml.raw_items([int(h.item_ids[-1])])[0],
             )
         )
     return behaviours, requests
 
 
 def history_of(behaviours: list[BehaviorEvent], user_id: str, before_ts: float | None = None) -> Events:
-    """The history a stage sees for ``user_id`` at ``before_ts``: its events strictly before it."""
+    """The history a stage sees for ``user_id`` at ``before_ts``: its events strictly before it,
+    items as the ranking worker's history table keeps them (``item_key``: integers as is)."""
     mine = [b for b in behaviours if b.user_id == user_id and (before_ts is None or b.ts < before_ts)]
     return Events(
-        torch.tensor([b.item_id for b in mine], dtype=torch.int64),
+        torch.from_numpy(item_keys([b.item_id for b in mine])),
         torch.tensor([b.action for b in mine], dtype=torch.int64),
         torch.tensor([b.ts for b in mine], dtype=torch.float64),
     )

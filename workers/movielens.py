@@ -4,7 +4,9 @@ Primitives:
 - ``read_atomic(dataset, suffix)``: one of RecBole's atomic files (tab separated, typed headers
   such as ``user_id:token``), read through ``importlib.resources``; nothing is copied anywhere.
 - ``MovieLens``: users' histories as ``Events`` (item id, action = rating 1..5, timestamp),
-  oldest first with a fixed tie-break (timestamp, then item id, then file order).
+  oldest first with a fixed tie-break (timestamp, then item id, then file order). With a
+  ``vocab`` (a log whose item ids are strings) the histories hold model ids and
+  ``raw_items(ids)`` names them as the log did; without one the ids are the raw integers.
 - ``load_movielens(name)``: the above for ``ml-100k``.
 """
 
@@ -17,6 +19,7 @@ import numpy as np
 import torch
 
 from relaygr.workers.prefix_kv import Events
+from relaygr.workers.vocab import ItemVocab, RawId
 
 DATASETS = ("ml-100k",)
 
@@ -46,6 +49,11 @@ class MovieLens:
     name: str
     num_items: int
     histories: dict[int, Events]
+    vocab: ItemVocab | None = None  # None: item ids in ``histories`` are the raw ids
+
+    def raw_items(self, ids: list[int]) -> list[RawId]:
+        """The raw ids of item ids taken from ``histories``."""
+        return [int(i) for i in ids] if self.vocab is None else self.vocab.to_raw(ids)
 
     @property
     def num_events(self) -> int:

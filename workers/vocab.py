@@ -13,10 +13,19 @@ Primitives:
   ``unknown`` is how many raw ids fell on ``OOV``.
 - ``save(directory)`` / ``ItemVocab.load(directory)``: ``vocab.json`` next to the weights; a
   checkpoint without one loads as the identity of its ``num_items``.
+- ``canonical(raw)``: an id as vocabularies compare it: an integer, or a string that is the plain
+  decimal form of one (``"17"``, not ``"017"``), is that integer; any other string is itself.
+- ``item_key(raw)`` / ``item_keys(raws)``: a raw id as one int64, for state that stores ids in
+  fixed-width integer columns (the ranking worker's history, tensors of a history): an integer is
+  its own key; any other string is a 64-bit BLAKE2b hash with the top bit set, i.e. a negative
+  key, which no integer id has. ``to_model`` and ``to_model_tensor`` take keys as well as raw ids.
+  A vocabulary refuses two of its own ids with one key; an unknown string whose hash equals a
+  catalogue item's key (odds about ``len(vocab) / 2**63`` per id) would read as that item.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -30,15 +39,42 @@ OOV = 0
 RawId = int | str
 
 
-def _as_int(value: RawId) -> int | None:
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return value
+# Decimal strings up to this many digits fit an int64 key (19 digits might not).
+_MAX_DIGITS = 18
+
+
+def canonical(raw: RawId) -> RawId:
+    """``raw`` as a vocabulary compares it: integers, and strings that are the plain decimal form
+    of a non-negative integer, are that integer; other strings stay themselves."""
+    if isinstance(raw, bool):
+        raise TypeError("an item id is an integer or a string, not a bool")
+    if isinstance(raw, int | np.integer):
+        return int(raw)
+    text = str(raw)
+    if text.isascii() and text.isdigit() and len(text) <= _MAX_DIGITS and (text == "0" or text[0] != "0"):
+        return int(text)
+    return text
+
+
+def _string_key(text: str) -> int:
+    h = int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "little")
+    return (h | (1 << 63)) - (1 << 64)  # top bit set: negative as int64, never an integer's key
+
+
+def item_key(raw: RawId) -> int:
+    """The int64 that stands for ``raw`` in integer columns (an integer stands for itself)."""
+    c = canonical(raw)
+    return c if isinstance(c, int) else _string_key(c)
+
+
+def item_keys(raws: Sequence[RawId]) -> np.ndarray:
+    """``item_key`` of each id, as an int64 array (a list of integers converts at once)."""
     try:
-        return int(value)
-    except (TypeError, ValueError):
-        return None
+        if all(type(r) is int for r in raws):
+            return np.asarray(raws, dtype=np.int64).reshape(-1)
+    except OverflowError:
+        pass
+    return np.fromiter((item_key(r) for r in raws), dtype=np.int64, count=len(raws))
 
 
 class ItemVocab:
@@ -47,23 +83,29 @@ class ItemVocab:
     def __init__(self, raw_ids: Sequence[RawId], *, identity: bool = False) -> None:
         self.identity = identity
         self.is_int = identity or all(isinstance(r, int) and not isinstance(r, bool) for r in raw_ids)
+        self._strs: list[str] = []
         if identity:
             self._size = len(raw_ids)
             self._ints = np.arange(1, self._size + 1, dtype=np.int64)
-            self._strs: list[str] = []
-            self._index: dict[str, int] = {}
-            return
-        if self.is_int:
+        elif self.is_int:
             self._ints = np.asarray(sorted(set(int(r) for r in raw_ids)), dtype=np.int64)
             self._size = len(self._ints)
-            self._strs, self._index = [], {}
         else:
             self._strs = sorted(set(str(r) for r in raw_ids))
-            self._index = {s: i + 1 for i, s in enumerate(self._strs)}
             self._size = len(self._strs)
             self._ints = np.empty(0, dtype=np.int64)
         if len(raw_ids) != self._size:
             raise ValueError("vocabulary ids must be unique")
+        # Lookup by key: sorted keys and the model id of each. An integer vocabulary's raw ids are
+        # already its sorted keys, model ids 1..size in order.
+        if self.is_int:
+            self._keys, self._key_ids = self._ints, None
+        else:
+            keys = item_keys(self._strs)
+            order = np.argsort(keys, kind="stable")
+            self._keys, self._key_ids = keys[order], (order + 1).astype(np.int64)
+            if len(np.unique(self._keys)) != self._size:
+                raise ValueError("two item ids of the vocabulary have the same key (e.g. '17' and 17)")
 
     # ------------------------------------------------------------------------ construction
     @classmethod
@@ -73,12 +115,12 @@ class ItemVocab:
 
     @classmethod
     def build(cls, raw_ids: Iterable[RawId]) -> ItemVocab:
-        """The vocabulary of these ids (duplicates allowed): integers if every id reads as one."""
-        unique = set(raw_ids)
-        ints = [_as_int(r) for r in unique]
-        if all(i is not None for i in ints):
-            return cls(sorted(set(ints)))  # type: ignore[arg-type]
-        return cls(sorted(set(str(r) for r in unique)))
+        """The vocabulary of these ids (duplicates allowed): integers if every id is one or is the
+        plain decimal form of one (``canonical``); strings otherwise, named as given."""
+        unique = {canonical(r) for r in raw_ids}
+        if all(isinstance(c, int) for c in unique):
+            return cls(sorted(unique))  # type: ignore[arg-type]
+        return cls(sorted({str(c) for c in unique}))
 
     def __len__(self) -> int:
         return self._size
@@ -92,32 +134,30 @@ class ItemVocab:
 
     # ----------------------------------------------------------------------------- mapping
     def to_model(self, raw: Sequence[RawId] | np.ndarray | torch.Tensor) -> tuple[np.ndarray, int]:
-        """Model ids of ``raw`` (``OOV`` for ids not in the vocabulary) and how many were unknown."""
-        if self.is_int:
-            if isinstance(raw, torch.Tensor):
-                arr = raw.detach().cpu().numpy().astype(np.int64, copy=False)
-            elif isinstance(raw, np.ndarray) and raw.dtype.kind in "iu":
-                arr = raw.astype(np.int64, copy=False)
-            else:  # a string that is no integer cannot be in an integer vocabulary
-                arr = np.asarray([-1 if (i := _as_int(r)) is None else i for r in raw], dtype=np.int64)
-            if len(self._ints) == 0:
-                out = np.zeros(len(arr), dtype=np.int64)
-            else:
-                pos = np.searchsorted(self._ints, arr)
-                found = self._ints[np.minimum(pos, len(self._ints) - 1)] == arr
-                out = np.where(found, pos + 1, OOV).astype(np.int64)
+        """Model ids of ``raw`` (``OOV`` for ids not in the vocabulary) and how many were unknown.
+        ``raw`` holds raw ids, or keys (``item_key``) in an integer array or tensor."""
+        if isinstance(raw, torch.Tensor):
+            keys = raw.detach().cpu().numpy().astype(np.int64, copy=False).reshape(-1)
+        elif isinstance(raw, np.ndarray) and raw.dtype.kind in "iu":
+            keys = raw.astype(np.int64, copy=False).reshape(-1)
         else:
-            values = raw.tolist() if isinstance(raw, torch.Tensor | np.ndarray) else raw
-            out = np.asarray([self._index.get(str(r), OOV) for r in values], dtype=np.int64)
+            keys = item_keys(list(raw))
+        if len(self._keys) == 0:
+            out = np.zeros(len(keys), dtype=np.int64)
+        else:
+            pos = np.minimum(np.searchsorted(self._keys, keys), len(self._keys) - 1)
+            found = self._keys[pos] == keys
+            ids = pos + 1 if self._key_ids is None else self._key_ids[pos]
+            out = np.where(found, ids, OOV).astype(np.int64)
         return out, int((out == OOV).sum())
 
-    def to_model_tensor(self, raw: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """``to_model`` for a tensor of integer raw ids; the identity vocabulary is a no-op."""
+    def to_model_tensor(self, keys: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """``to_model`` for a tensor of keys (``item_key``); the identity vocabulary is a no-op."""
         if self.identity:
-            known = (raw >= 1) & (raw <= self._size)
-            return torch.where(known, raw, 0), int((~known).sum())
-        ids, unknown = self.to_model(raw)
-        return torch.from_numpy(ids).to(raw.device), unknown
+            known = (keys >= 1) & (keys <= self._size)
+            return torch.where(known, keys, 0), int((~known).sum())
+        ids, unknown = self.to_model(keys)
+        return torch.from_numpy(ids).to(keys.device), unknown
 
     def to_raw(self, model_ids: Sequence[int] | np.ndarray) -> list[RawId]:
         """Raw ids of model ids ``1..size`` (``OOV`` has no raw id: ``ValueError``)."""
