@@ -586,6 +586,7 @@ class RankingWorker:
                     ts=time.time(),
                     partitions=sorted({tp.partition for tp in self.assigned}),
                     cache_bytes={t: int(m.get(f"bytes_{t}", 0)) for t in ("device", "host", "disk")},
+                    # Device bytes only: leases reserve device memory; spilled prefixes do not count.
                     pinned_bytes=int(m.get("bytes_reserved", 0)),
                     queue_depth=self.scheduler.queue_depth(),
                     prefill_inflight=self.scheduler.queue_depth(Priority.PREFILL),
