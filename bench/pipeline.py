@@ -9,6 +9,9 @@ Both modes run in one invocation, back to back, on the same broker, model and tr
    request produced -> result produced), P50/P99, and the relay/baseline ratio, next to the
    model's FLOP bound on that ratio (suffix + candidates against the cached prefix over full).
 One JSON line per phase and mode, then one line with the headline figures and ratios.
+The ranking worker's device thread has a CPU core of its own and every other process (stages,
+broker, this load generator) the other cores, where the machine has one to spare (``--no-pin``:
+not; ``workers.cores``); the hop line says which.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import asyncio
 import contextlib
 import json
 import math
+import os
 import shutil
 import sys
 import time
@@ -63,6 +67,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--results", type=Path, default=None, help="also write every result as JSON lines to this file"
     )
+    parser.add_argument(
+        "--no-pin",
+        action="store_true",
+        help="don't give the ranking worker's device thread a core of its own",
+    )
 
 
 class _Say:
@@ -75,7 +84,12 @@ class _Say:
 
 
 def _phase(
-    settings: Settings, mode: str, env: dict[str, str], traffic: list[tuple[str, list, list, float]], say
+    settings: Settings,
+    mode: str,
+    env: dict[str, str],
+    traffic: list[tuple[str, list, list, float]],
+    say,
+    cores=None,
 ):
     """Run one pipeline in ``mode`` and replay each (name, behaviours, requests, qps) through it."""
     from relaygr.tools.traffic import collect_results, publish
@@ -89,7 +103,7 @@ def _phase(
     asyncio.run(ensure_topics(reg, s))
     out = {}
     try:
-        with Pipeline(s, ranking_workers=1, mode=mode, env=env) as pipe:
+        with Pipeline(s, ranking_workers=1, mode=mode, env=env, cores=cores) as pipe:
             say(f"{mode}: pipeline ready in {asyncio.run(pipe.wait_ready()):.1f} s")
             for name, behaviours, requests, qps in traffic:
                 say(f"{mode}/{name}: {len(behaviours)} behaviours, {len(requests)} requests at {qps:g}/s")
@@ -102,6 +116,23 @@ def _phase(
         asyncio.run(delete_topics_with_prefix(s, s.topic_prefix))
         shutil.rmtree(s.home, ignore_errors=True)
     return out
+
+
+def _pin(settings: Settings, off: bool):
+    """The core layout of one ranking worker; pinned, this process and the local broker move off
+    its device core."""
+    from relaygr.infra.broker import status
+    from relaygr.workers.cores import CoreLayout, available_cores, pin_tasks, plan_cores
+
+    if off:
+        return CoreLayout((), tuple(sorted(available_cores())), False, "--no-pin")
+    cores = plan_cores(1)
+    if cores.pinned:
+        pin_tasks(os.getpid(), cores.shared)
+        alive, state = status(settings)
+        if alive and state is not None:
+            pin_tasks(state.pid, cores.shared)
+    return cores
 
 
 def run(args: argparse.Namespace) -> int:
@@ -144,6 +175,8 @@ def run(args: argparse.Namespace) -> int:
         r.model_copy(update={"user_id": f"L{r.user_id}", "request_id": f"L{r.request_id}"}) for r in long_r
     ]
 
+    cores = _pin(settings, args.no_pin)
+    say(f"cores: {cores.describe()}")
     t0 = time.monotonic()
     relay = _phase(
         settings,
@@ -155,6 +188,7 @@ def run(args: argparse.Namespace) -> int:
             ("long", long_b, long_r, args.long_qps),
         ],
         say,
+        cores,
     )
     # The baseline pipeline gets the same warm-up as the relay one before its long-history phase.
     base = _phase(
@@ -163,6 +197,7 @@ def run(args: argparse.Namespace) -> int:
         env,
         [("warmup", hop_b, warm_r, args.qps), ("long", long_b, long_r, args.long_qps)],
         say,
+        cores,
     )
 
     lines = []
@@ -182,6 +217,7 @@ def run(args: argparse.Namespace) -> int:
         **{f"{h}_ms_p99": percentile(v, 99) for h, v in hops.items()},
     }
     hop_line["max_hop_ms_p99"] = max(hop_line[f"{h}_ms_p99"] for h in hops if h != "routing")
+    hop_line["cores"] = cores.describe()
     lines.append(hop_line)
     per_mode = {}
     for mode, runs in (("relay", relay), ("baseline", base)):

@@ -218,7 +218,12 @@ def test_sweep_runs_the_first_point_twice_in_each_mode(monkeypatch) -> None:
         trace=lambda args, x, n: types.SimpleNamespace(requests=n, length=int(x), topic_suffix=f"t{x:g}"),
     )
     run = types.SimpleNamespace(
-        args=argparse.Namespace(patience=2), kind=kind, run_id="r", settings=None, ml=None, window_start=0
+        args=argparse.Namespace(patience=2, no_isolate=True),
+        kind=kind,
+        run_id="r",
+        settings=None,
+        ml=None,
+        window_start=0,
     )
     deps = [types.SimpleNamespace(mode="relay"), types.SimpleNamespace(mode="baseline")]
     points, _ = command.sweep(run, deps, [512, 1024], 40.0)

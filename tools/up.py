@@ -4,7 +4,11 @@
 comes back ranked, then runs until Ctrl-C (or SIGTERM), which stops them all. Logs go to
 $RELAYGR_HOME/logs/<stage>.log.
 
-Primitives: ``Pipeline`` (start, wait_ready, scrape, check, stop), ``Scrape`` (one stage's
+With ``--pin-cores`` (off by default; experiments and benchmarks pin), each ranking worker's device
+thread runs on a CPU core of its own and every other process on the other cores
+(``workers.cores``).
+
+Primitives: ``Pipeline`` (start, wait_ready, scrape, check, pause, resume, stop), ``Scrape`` (one stage's
 Prometheus samples, parsed by ``prometheus_client.parser``: ``value``, ``by_label``).
 """
 
@@ -27,6 +31,7 @@ from prometheus_client.samples import Sample
 from relaygr.infra.broker import BrokerError, free_port
 from relaygr.infra.settings import SECURITY_FIELDS, Settings, get_settings, security_env
 from relaygr.streams.config import PipelineSettings
+from relaygr.workers.cores import CoreLayout, format_cores, pin_tasks, plan_cores
 
 
 @dataclass(frozen=True)
@@ -65,8 +70,11 @@ class Pipeline:
         log_dir: Path | None = None,
         metrics_base_port: int = 0,
         metrics: bool = False,
+        cores: CoreLayout | None = None,
     ) -> None:
         self.settings = settings
+        self.cores = cores if cores is not None and cores.pinned else None
+        self.paused = False
         self.n = ranking_workers
         self.mode = mode
         self.env = {**os.environ, **(env or {})}
@@ -97,9 +105,16 @@ class Pipeline:
             port = self.metrics_base_port + port_index if self.metrics_base_port else free_port()
             self.metrics_ports[name] = port
             cmd += ["--metrics-port", str(port)]
+        env = self.env
+        if self.cores is not None:
+            env = {**env, "RELAYGR_CPU_CORES": format_cores(self.cores.shared)}
+            if name.startswith("ranker-"):
+                env["RELAYGR_DEVICE_CORE"] = str(self.cores.device_core(port_index - 4))
         log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
-        self.procs[name] = subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+        self.procs[name] = p = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
         log.close()
+        if self.cores is not None:  # at once, too: the child pins itself only once it has started up
+            pin_tasks(p.pid, self.cores.shared)
 
     def start(self) -> Pipeline:
         # One ingress process per input: a behaviour burst never shares a CPU slice with requests.
@@ -132,7 +147,22 @@ class Pipeline:
                     f"stage {name} exited with code {p.returncode}; see {self.log_dir / (name + '.log')}"
                 )
 
+    def pause(self) -> None:
+        """Stop every stage process (SIGSTOP): none of them takes CPU time until ``resume``."""
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGSTOP)
+        self.paused = True
+
+    def resume(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGCONT)
+        self.paused = False
+
     def stop(self) -> None:
+        if self.paused:
+            self.resume()  # a stopped process would not act on SIGTERM
         for p in self.procs.values():
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
@@ -200,6 +230,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--metrics-base-port", type=int, default=0, help="Prometheus ports from here, one per stage"
     )
+    parser.add_argument(
+        "--pin-cores",
+        action="store_true",
+        help="each ranking worker's device thread on a core of its own, every other stage off it",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -217,8 +252,11 @@ def run(args: argparse.Namespace) -> int:
             ranking_workers=args.ranking_workers,
             mode=args.mode,
             metrics_base_port=args.metrics_base_port,
+            cores=plan_cores(args.ranking_workers) if args.pin_cores else None,
         ) as pipe:
             waited = asyncio.run(pipe.wait_ready())
+            if pipe.cores is not None:
+                print(f"cores: {pipe.cores.describe()}", flush=True)
             print(
                 f"pipeline up in {waited:.1f} s: ingress, retrieval, preprocess, {args.ranking_workers} ranking worker(s); "
                 f"logs in {pipe.log_dir}. Ctrl-C stops.",
