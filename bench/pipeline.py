@@ -135,6 +135,19 @@ def _pin(settings: Settings, off: bool):
     return cores
 
 
+def _unpin(settings: Settings, cores) -> None:
+    """The local broker and this process back on every core."""
+    from relaygr.infra.broker import status
+    from relaygr.workers.cores import pin_tasks
+
+    if cores.pinned:
+        every = set(cores.shared) | set(cores.device)
+        pin_tasks(os.getpid(), every)
+        alive, state = status(settings)
+        if alive and state is not None:
+            pin_tasks(state.pid, every)
+
+
 def run(args: argparse.Namespace) -> int:
     from relaygr.infra.cluster import ensure_broker
     from relaygr.streams.config import PipelineSettings
@@ -177,28 +190,31 @@ def run(args: argparse.Namespace) -> int:
 
     cores = _pin(settings, args.no_pin)
     say(f"cores: {cores.describe()}")
-    t0 = time.monotonic()
-    relay = _phase(
-        settings,
-        "relay",
-        env,
-        [
-            ("warmup", hop_b, warm_r, args.qps),
-            ("hops", [], hop_r, args.qps),
-            ("long", long_b, long_r, args.long_qps),
-        ],
-        say,
-        cores,
-    )
-    # The baseline pipeline gets the same warm-up as the relay one before its long-history phase.
-    base = _phase(
-        settings,
-        "baseline",
-        env,
-        [("warmup", hop_b, warm_r, args.qps), ("long", long_b, long_r, args.long_qps)],
-        say,
-        cores,
-    )
+    try:
+        t0 = time.monotonic()
+        relay = _phase(
+            settings,
+            "relay",
+            env,
+            [
+                ("warmup", hop_b, warm_r, args.qps),
+                ("hops", [], hop_r, args.qps),
+                ("long", long_b, long_r, args.long_qps),
+            ],
+            say,
+            cores,
+        )
+        # The baseline pipeline gets the same warm-up as the relay one before its long-history phase.
+        base = _phase(
+            settings,
+            "baseline",
+            env,
+            [("warmup", hop_b, warm_r, args.qps), ("long", long_b, long_r, args.long_qps)],
+            say,
+            cores,
+        )
+    finally:
+        _unpin(settings, cores)
 
     lines = []
     sent, res = relay["hops"]

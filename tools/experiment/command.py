@@ -358,8 +358,10 @@ def run_sweep(args: argparse.Namespace, kind: ExperimentKind) -> dict:
     finally:
         for d in deps:
             d.pipe.stop()
-        if run.cores.pinned:
-            _pin_broker(run.settings, available_cores() | set(run.cores.device))
+        if run.cores.pinned:  # back on every core: the broker, and this process for a next run
+            every = set(run.cores.shared) | set(run.cores.device)
+            _pin_broker(run.settings, every)
+            pin_tasks(os.getpid(), every)
         if not args.keep:
             asyncio.run(delete_topics_with_prefix(run.settings, run.run_id))
             if done:  # after a failure the pipelines' logs and state stay for inspection
