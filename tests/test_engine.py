@@ -272,9 +272,10 @@ async def test_a_ranking_keeps_its_suffix_for_the_users_next_request(model) -> N
     h = history(330, seed=7)
     cands = torch.arange(1, 33)
     first = h.slice(0, 300)  # the first request; 30 more events arrive before the second
-    assert (await e.prefill("u", first, prefix_len=236)).status == "computed"
+    assert (await e.prefill("u", first, prefix_len=236, owner="w0")).status == "computed"
     res = await e.rank("u", first, cands, 2e9, FAR)
     assert res.path == "relay" and res.prefix_len == 236 and res.tokens_computed == 64 + 32
+    assert res.prefix_owner == "w0"
     await e.drain()  # the grown prefix is stored in the background
     assert (await e.store.lookup("u", first)).length == 300  # grown by the ranked suffix
     # The second request's pre-inference (all but its last 64 events) finds them already cached.
@@ -284,6 +285,7 @@ async def test_a_ranking_keeps_its_suffix_for_the_users_next_request(model) -> N
     assert e.scheduler.jobs_done == jobs  # no device work
     res = await e.rank("u", h, cands, 2e9 + 60, FAR)
     assert res.path == "relay" and res.prefix_len == 300 and res.tokens_computed == 30 + 32
+    assert res.prefix_owner == "w0"  # a grown prefix keeps who computed it
     torch.testing.assert_close(res.scores, model.rank_full(h, cands, 2e9 + 60), rtol=1e-5, atol=1e-5)
     e.scheduler.close()
 
