@@ -58,7 +58,7 @@ def test_requests_to_hold() -> None:
 
 
 def test_stop_rule_decisions() -> None:
-    rule = StopRule(cap=1000, min_round=50)
+    rule = StopRule(cap=1000, min_round=50, max_round=500)
     assert rule.decide(299, 0) == "holds"
     assert rule.decide(298, 0) == "continue"
     assert rule.decide(500, 1) == "holds"
@@ -71,6 +71,7 @@ def test_stop_rule_decisions() -> None:
     assert rule.next_round(299, 1) == 473 - 299
     assert rule.next_round(470, 1) == 50  # at least a round
     assert rule.next_round(980, 3) == 20  # never past the cap
+    assert StopRule(max_round=100).next_round(0, 0) == 100  # short rounds: a failing point stops early
 
 
 @pytest.mark.parametrize(("p", "verdict"), [(0.0005, "holds"), (0.05, "fails")])

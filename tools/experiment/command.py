@@ -148,7 +148,7 @@ def prepare(args: argparse.Namespace, kind: ExperimentKind) -> Run:
     else:
         ml = load_movielens("ml-100k")
     start = window_start(args, ml)
-    rule = StopRule(args.miss_rate, args.confidence, args.max_requests, args.min_round)
+    rule = StopRule(args.miss_rate, args.confidence, args.max_requests, args.min_round, args.max_round)
     return Run(kind, args, settings, model_dir, run_id, out, root, ml, start, lat, samples, cores, rule)
 
 
@@ -445,7 +445,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--max-requests", type=int, default=1000, help="cap of a point's requests (the rule decides first)"
     )
-    g.add_argument("--min-round", type=int, default=50, help="fewest requests of a round after the first")
+    g.add_argument("--min-round", type=int, default=50, help="fewest requests of a round")
+    g.add_argument(
+        "--max-round", type=int, default=100, help="most requests of a round (the rule is asked after each)"
+    )
     g.add_argument("--miss-rate", type=float, default=0.01, help="miss rate the bound must stay under")
     g.add_argument("--confidence", type=float, default=0.95, help="one-sided confidence of the bound")
     g = parser.add_argument_group("isolation")

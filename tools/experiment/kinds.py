@@ -202,7 +202,7 @@ def _rounds_text(args: argparse.Namespace) -> str:
     return (
         "in rounds of the window's next requests until the confidence rule decides, at most "
         f"{args.max_requests} (the first ones of the window; each round's results are collected "
-        f"before the rule is asked, rounds of at least {args.min_round}); the window's users are "
+        f"before the rule is asked, rounds of {args.min_round} to {args.max_round}); the window's users are "
         "preloaded and replayed for the cap"
     )
 

@@ -14,8 +14,9 @@ Primitives:
   one-sided exact (Clopper-Pearson) bounds, by bisection on ``binom_cdf``.
 - ``requests_to_hold(k, miss_rate, confidence)``: the fewest requests with which ``k`` misses can
   still hold (k = 0: 299; k = 1: 473 at 1 % and 95 %).
-- ``StopRule(miss_rate, confidence, cap, min_round)``: ``decide(n, k)`` -> ``holds`` | ``fails``
-  | ``continue``; ``next_round(n, k)``: how many requests the next round sends.
+- ``StopRule(miss_rate, confidence, cap, min_round, max_round)``: ``decide(n, k)`` -> ``holds`` |
+  ``fails`` | ``continue``; ``next_round(n, k)``: how many requests the next round sends (at most
+  ``max_round``, so that a failing point stops soon after its misses).
 """
 
 from __future__ import annotations
@@ -97,12 +98,13 @@ def requests_to_hold(k: int, miss_rate: float = 0.01, confidence: float = 0.95) 
 @dataclass(frozen=True)
 class StopRule:
     """Holds iff the upper bound of the miss rate is at most ``miss_rate`` at ``confidence``;
-    requests in rounds of at least ``min_round``, at most ``cap`` in all."""
+    requests in rounds of ``min_round`` to ``max_round``, at most ``cap`` in all."""
 
     miss_rate: float = 0.01
     confidence: float = 0.95
     cap: int = 1000
     min_round: int = 50
+    max_round: int = 100
 
     def upper(self, n: int, k: int) -> float:
         return miss_rate_upper_bound(n, k, self.confidence)
@@ -119,6 +121,6 @@ class StopRule:
 
     def next_round(self, n: int, k: int) -> int:
         """Requests of the next round: enough to hold if none of them misses, at least
-        ``min_round``, never past the cap."""
+        ``min_round`` and at most ``max_round``, never past the cap."""
         need = requests_to_hold(k, self.miss_rate, self.confidence) - n
-        return max(0, min(self.cap - n, max(self.min_round, need)))
+        return max(0, min(self.cap - n, self.max_round, max(self.min_round, need)))
