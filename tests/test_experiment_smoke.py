@@ -236,3 +236,22 @@ def test_sweep_runs_the_first_point_twice_in_each_mode(monkeypatch) -> None:
         (1024, "relay", 2),
     ]
     assert len(points) == 6
+
+
+def test_repeat_reports_each_run_the_median_and_the_worst(monkeypatch, capsys) -> None:
+    import argparse
+
+    from relaygr.tools.experiment import command
+
+    ratios = iter([4.0, None, 6.0, 3.0])
+
+    def fake_sweep(args, kind) -> dict:
+        print("== chatter that must stay off stdout")
+        return {"ratio": next(ratios)}
+
+    monkeypatch.setattr(command, "run_sweep", fake_sweep)
+    args = argparse.Namespace(repeat=4, json=True)
+    assert command.run_repeated(args, KINDS["throughput"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["ratios"] == [4.0, None, 6.0, 3.0]
+    assert out["median_ratio"] == 4.0 and out["worst_ratio"] == 3.0 and out["runs_without_ratio"] == 1

@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -383,21 +384,25 @@ def run_repeated(args: argparse.Namespace, kind: ExperimentKind) -> int:
     for r in range(max(1, args.repeat)):
         if args.repeat > 1:
             say(f"run {r + 1} of {args.repeat}")
-        heads.append(run_sweep(args, kind))
+        with contextlib.redirect_stdout(sys.stderr):  # stdout carries only the JSON line
+            heads.append(run_sweep(args, kind))
     ratios = [h["ratio"] for h in heads]
-    known = sorted(x if x is not None else 0.0 for x in ratios)
+    # A run in which either mode held no point has no ratio: it is counted, not guessed.
+    known = sorted(x for x in ratios if x is not None)
     out = {
         "experiment": kind.name,
         "runs": heads,
         "ratios": ratios,
         "median_ratio": statistics.median(known) if known else None,
         "worst_ratio": known[0] if known else None,
+        "runs_without_ratio": len(ratios) - len(known),
         "target_ratio": kind.target_ratio,
     }
     if args.repeat > 1:
         say(
             f"{kind.name}: ratios {', '.join(fmt(x, 2) for x in ratios)}; median "
-            f"{fmt(out['median_ratio'], 2)}, worst {fmt(out['worst_ratio'], 2)}"
+            f"{fmt(out['median_ratio'], 2)}, worst {fmt(out['worst_ratio'], 2)} (runs without a ratio: "
+            f"{out['runs_without_ratio']})"
         )
     if args.json:
         print(json.dumps(json_safe(out if args.repeat > 1 else heads[0])))
