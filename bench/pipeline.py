@@ -13,6 +13,10 @@ One JSON line per phase and mode, then one line with the headline figures and ra
 ``--brokers N`` (N > 1) runs it all on a local N-node cluster of its own (replication min(3, N),
 min ISR 2 with 3), started for the run and stopped after it; every line then says ``"brokers": N``.
 Against a cluster of your own, set RELAYGR_BOOTSTRAP to its nodes instead.
+
+The ranking worker's device thread has a CPU core of its own and every other process (stages,
+broker, this load generator) the other cores, where the machine has one to spare (``--no-pin``:
+not; ``workers.cores``); the hop line says which.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import asyncio
 import contextlib
 import json
 import math
+import os
 import shutil
 import sys
 import time
@@ -75,6 +80,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "N > 1: a local N-node cluster started for this run (replication factor min(3, N), min ISR 2 "
         "with 3) and stopped after it",
     )
+    parser.add_argument(
+        "--no-pin",
+        action="store_true",
+        help="don't give the ranking worker's device thread a core of its own",
+    )
 
 
 class _Say:
@@ -87,7 +97,12 @@ class _Say:
 
 
 def _phase(
-    settings: Settings, mode: str, env: dict[str, str], traffic: list[tuple[str, list, list, float]], say
+    settings: Settings,
+    mode: str,
+    env: dict[str, str],
+    traffic: list[tuple[str, list, list, float]],
+    say,
+    cores=None,
 ):
     """Run one pipeline in ``mode`` and replay each (name, behaviours, requests, qps) through it."""
     from relaygr.tools.traffic import collect_results, publish
@@ -101,7 +116,7 @@ def _phase(
     asyncio.run(ensure_topics(reg, s))
     out = {}
     try:
-        with Pipeline(s, ranking_workers=1, mode=mode, env=env) as pipe:
+        with Pipeline(s, ranking_workers=1, mode=mode, env=env, cores=cores) as pipe:
             say(f"{mode}: pipeline ready in {asyncio.run(pipe.wait_ready()):.1f} s")
             for name, behaviours, requests, qps in traffic:
                 say(f"{mode}/{name}: {len(behaviours)} behaviours, {len(requests)} requests at {qps:g}/s")
@@ -114,6 +129,38 @@ def _phase(
         asyncio.run(delete_topics_with_prefix(s, s.topic_prefix))
         shutil.rmtree(s.home, ignore_errors=True)
     return out
+
+
+def _broker_pids(broker_settings: Settings) -> list[int]:
+    """The pids of every node of the local broker or cluster recorded under ``broker_settings``."""
+    from relaygr.infra.broker import status
+
+    alive, state = status(broker_settings)
+    return [n.pid for n in state.nodes] if alive and state is not None else []
+
+
+def _pin(broker_settings: Settings, off: bool):
+    """The core layout of one ranking worker; pinned, this process and the local broker's nodes
+    move off its device core."""
+    from relaygr.workers.cores import CoreLayout, available_cores, pin_tasks, plan_cores
+
+    if off:
+        return CoreLayout((), tuple(sorted(available_cores())), False, "--no-pin")
+    cores = plan_cores(1)
+    if cores.pinned:
+        for pid in [os.getpid(), *_broker_pids(broker_settings)]:
+            pin_tasks(pid, cores.shared)
+    return cores
+
+
+def _unpin(broker_settings: Settings, cores) -> None:
+    """The local broker and this process back on every core."""
+    from relaygr.workers.cores import pin_tasks
+
+    if cores.pinned:
+        every = set(cores.shared) | set(cores.device)
+        for pid in [os.getpid(), *_broker_pids(broker_settings)]:
+            pin_tasks(pid, every)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -131,15 +178,17 @@ def run(args: argparse.Namespace) -> int:
             ensure_model(p.model_dir)
             calib = ensure_calibration(p.model_dir)
             if args.brokers > 1:  # stopped when the measurement ends, however it ends
-                settings = cluster.enter_context(_own_cluster(get_settings(), args.brokers, say))
+                settings, nodes = cluster.enter_context(_own_cluster(get_settings(), args.brokers, say))
             else:
                 settings, _ = ensure_broker(get_settings())
-        return _measure(args, settings, p, calib, say)
+                nodes = settings
+        return _measure(args, settings, nodes, p, calib, say)
 
 
 @contextlib.contextmanager
 def _own_cluster(base: Settings, brokers: int, say):
-    """A local cluster of ``brokers`` nodes in a folder of its own under RELAYGR_HOME, for one run."""
+    """A local cluster of ``brokers`` nodes in a folder of its own under RELAYGR_HOME, for one run:
+    the clients' settings, and those its nodes are recorded under."""
     from relaygr.infra import broker
 
     own = base.model_copy(update={"home": Path(base.home) / f"bench-cluster-{uuid.uuid4().hex[:6]}"})
@@ -147,13 +196,13 @@ def _own_cluster(base: Settings, brokers: int, say):
     state = broker.start(own, brokers=brokers)
     say(f"local cluster of {brokers} nodes up in {time.monotonic() - t0:.1f} s at {state.bootstrap}")
     try:
-        yield own.model_copy(update={"bootstrap": state.bootstrap, "home": base.home})
+        yield own.model_copy(update={"bootstrap": state.bootstrap, "home": base.home}), own
     finally:
         broker.stop(own)
         shutil.rmtree(own.home, ignore_errors=True)
 
 
-def _measure(args: argparse.Namespace, settings: Settings, p, calib: Path, say) -> int:
+def _measure(args: argparse.Namespace, settings: Settings, nodes: Settings, p, calib: Path, say) -> int:
     from relaygr.tools.traffic import leave_last_out
     from relaygr.workers.movielens import load_movielens
 
@@ -181,26 +230,33 @@ def _measure(args: argparse.Namespace, settings: Settings, p, calib: Path, say) 
         r.model_copy(update={"user_id": f"L{r.user_id}", "request_id": f"L{r.request_id}"}) for r in long_r
     ]
 
-    t0 = time.monotonic()
-    relay = _phase(
-        settings,
-        "relay",
-        env,
-        [
-            ("warmup", hop_b, warm_r, args.qps),
-            ("hops", [], hop_r, args.qps),
-            ("long", long_b, long_r, args.long_qps),
-        ],
-        say,
-    )
-    # The baseline pipeline gets the same warm-up as the relay one before its long-history phase.
-    base = _phase(
-        settings,
-        "baseline",
-        env,
-        [("warmup", hop_b, warm_r, args.qps), ("long", long_b, long_r, args.long_qps)],
-        say,
-    )
+    cores = _pin(nodes, args.no_pin)
+    say(f"cores: {cores.describe()}")
+    try:
+        t0 = time.monotonic()
+        relay = _phase(
+            settings,
+            "relay",
+            env,
+            [
+                ("warmup", hop_b, warm_r, args.qps),
+                ("hops", [], hop_r, args.qps),
+                ("long", long_b, long_r, args.long_qps),
+            ],
+            say,
+            cores,
+        )
+        # The baseline pipeline gets the same warm-up as the relay one before its long-history phase.
+        base = _phase(
+            settings,
+            "baseline",
+            env,
+            [("warmup", hop_b, warm_r, args.qps), ("long", long_b, long_r, args.long_qps)],
+            say,
+            cores,
+        )
+    finally:
+        _unpin(nodes, cores)
 
     lines = []
     sent, res = relay["hops"]
@@ -219,6 +275,7 @@ def _measure(args: argparse.Namespace, settings: Settings, p, calib: Path, say) 
         **{f"{h}_ms_p99": percentile(v, 99) for h, v in hops.items()},
     }
     hop_line["max_hop_ms_p99"] = max(hop_line[f"{h}_ms_p99"] for h in hops if h != "routing")
+    hop_line["cores"] = cores.describe()
     lines.append(hop_line)
     per_mode = {}
     for mode, runs in (("relay", relay), ("baseline", base)):

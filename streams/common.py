@@ -18,7 +18,8 @@ Primitives:
   time (bad events to the dead-letter topic, one table write per user per batch; the ingress's progress
   records skipped).
 - ``deliver(send)``: a produce that retries until the broker acknowledges it.
-- ``commit_existing(consumer, offsets)``: a bounded commit that skips topics gone from the cluster.
+- ``commit_existing(consumer, offsets)``: a bounded commit that skips topics gone from the cluster
+  and survives a rebalance that happened meanwhile.
 - ``serve_metrics(port)``: the Prometheus endpoint of this process, bound to 127.0.0.1.
 - ``freeze_heap()``: exempt what a stage set up at start from Python's full collections.
 """
@@ -82,12 +83,19 @@ async def deliver(send: Any, *, what: str, attempts: int = 0, max_backoff_s: flo
 async def commit_existing(consumer: Any, offsets: dict[Any, int], *, timeout_s: float = 2.0) -> None:
     """Commit ``offsets`` of the topics the consumer's metadata still knows, giving up after
     ``timeout_s``. aiokafka retries a commit to a deleted topic without end, which would hold up
-    the consuming loop and any rebalance until the topic came back."""
+    the consuming loop and any rebalance until the topic came back. A commit refused because the
+    group rebalanced meanwhile (this member was away longer than its session: stopped, or starved
+    of CPU) is dropped: the consumer rejoins on its next fetch, and whoever owns the partitions
+    then resumes from the last committed offsets (at least once)."""
+    from aiokafka.errors import CommitFailedError
+
     live = {tp: o for tp, o in offsets.items() if consumer.partitions_for_topic(tp.topic)}
     if not live:
         return
     try:
         await asyncio.wait_for(consumer.commit(live), timeout_s)
+    except CommitFailedError as e:
+        log.warning("committing offsets failed after a rebalance (%s); rejoining", e)
     except TimeoutError:
         log.warning(
             "committing offsets of %s timed out; the next commit retries", sorted({t.topic for t in live})

@@ -170,6 +170,17 @@ class PipelineSettings(BaseSettings):
         description="Ranking worker: torch CPU threads (0 = torch's default). On CPU a worker shares "
         "cores with its Kafka client and the other stages; one thread keeps its tail steady.",
     )
+    cpu_cores: str | None = Field(
+        default=None,
+        description="Cores every thread of this stage process runs on, e.g. '0' or '0-2' (the "
+        "launcher's core layout, ``workers.cores``); None = wherever the OS puts them.",
+    )
+    device_core: int | None = Field(
+        default=None,
+        ge=0,
+        description="Ranking worker: the core of its own that the device thread runs on (an "
+        "emulated accelerator on a CPU machine); None = not pinned.",
+    )
     switch_interval_ms: float = Field(
         default=0.5,
         gt=0,

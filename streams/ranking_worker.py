@@ -76,6 +76,7 @@ from relaygr.streams.config import PipelineSettings, engine_config
 from relaygr.streams.history import HistoryAlignment, HistoryTable
 from relaygr.streams.state_lineage import HistoryLineage, deployment_dir
 from relaygr.workers.calibration import calibrate
+from relaygr.workers.cores import pin_this_thread
 from relaygr.workers.devices import keep_host_pages
 from relaygr.workers.history_window import served, window_step
 from relaygr.workers.latency_model import LatencyModel
@@ -185,10 +186,15 @@ class RankingWorker:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.model = HSTURanker.load(p.model_dir, device=p.device)
         self.latency = self._latency_model()
-        threads = p.torch_threads
-        self.scheduler = DeviceScheduler(
-            worker_id, on_start=(lambda: torch.set_num_threads(threads)) if threads else None
-        )
+        threads, core = p.torch_threads, p.device_core
+
+        def device_thread_setup() -> None:
+            if core is not None:  # the emulated accelerator: a core of its own (``workers.cores``)
+                pin_this_thread(core)
+            if threads:
+                torch.set_num_threads(threads)
+
+        self.scheduler = DeviceScheduler(worker_id, on_start=device_thread_setup)
         self.store: PrefixStore | None = None
         if p.mode == "relay":
             mib = 1 << 20
@@ -650,6 +656,7 @@ class RankingWorker:
                     ts=time.time(),
                     partitions=sorted({tp.partition for tp in self.assigned}),
                     cache_bytes={t: int(m.get(f"bytes_{t}", 0)) for t in ("device", "host", "disk")},
+                    # Device bytes only: leases reserve device memory; spilled prefixes do not count.
                     pinned_bytes=int(m.get("bytes_reserved", 0)),
                     queue_depth=self.scheduler.queue_depth(),
                     prefill_inflight=self.scheduler.queue_depth(Priority.PREFILL),

@@ -264,7 +264,7 @@ def build(settings: Settings, p: PipelineSettings, worker_id: str = "0"):
                         log.warning("worker %s sent an unusable latency model: %s", st.worker_id, e)
                 if st.partitions:
                     for part in st.partitions:
-                        trigger.report_footprint(part, st.pinned_bytes // len(st.partitions))
+                        trigger.report_footprint(part, st.pinned_bytes // len(st.partitions), as_of=st.ts)
         finally:
             await cons.stop()
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from relaygr.infra.broker import BrokerError
@@ -48,6 +49,11 @@ def run(args: argparse.Namespace) -> int:
     if args.mode:
         p = p.model_copy(update={"mode": args.mode})
     sys.setswitchinterval(p.switch_interval_ms / 1000)
+    if p.cpu_cores:
+        from relaygr.workers.cores import parse_cores, pin_tasks
+
+        # Before any thread starts: threads inherit the mask (the device thread re-pins itself).
+        pin_tasks(os.getpid(), parse_cores(p.cpu_cores))
     if args.stage == "ingress":
         from relaygr.streams.ingress import main as ingress_main
 

@@ -10,9 +10,10 @@ Primitives:
   (else ``too_long``) AND the bytes of live prefixes on that partition stay
   under the footprint bound AND the token bucket has a token. Every decision is counted.
 
-The footprint is estimated here from admitted signals (bytes per token × prefix length, alive for
-the lease TTL); ranking workers' reports (``WorkerStats``) replace the estimate with measured
-bytes when they arrive.
+The footprint bound counts device bytes only. It is estimated here from admitted signals (bytes
+per token × prefix length, alive for the lease TTL); a ranking worker's report (``WorkerStats``:
+the device bytes its leases reserve) replaces the estimates of the admissions it has seen, so a
+prefix that was ranked and released, or spilled to the host or disk tier, stops counting.
 """
 
 from __future__ import annotations
@@ -65,6 +66,12 @@ class TriggerConfig(BaseModel):
         gt=0,
         description="Refuse (too_long) a pre-inference predicted to take longer than this × the lease TTL.",
     )
+    report_grace_s: float = Field(
+        default=1.0,
+        ge=0,
+        description="A worker's footprint report replaces the estimates of admissions at least this "
+        "much older than the report (younger signals may not have reached the worker yet).",
+    )
     too_long_window_factor: float = Field(
         default=100.0,
         ge=0,
@@ -106,22 +113,35 @@ class SequenceAwareTrigger:
         self.latency = latency
         self.bucket = TokenBucket(config.prefill_rate_per_s, config.prefill_burst)
         self.counts: Counter[str] = Counter()
-        # Live estimated prefixes per partition: heap of (expiry, bytes) and their running sum.
-        self._live: dict[int, list[tuple[float, int]]] = {}
+        # Estimated prefixes per partition not yet covered by a report: heap of
+        # (expiry, admitted at, bytes) and their running sum.
+        self._live: dict[int, list[tuple[float, float, int]]] = {}
         self._live_bytes: dict[int, int] = {}
         self._reported: dict[int, int] = {}
 
     def live_bytes(self, partition: int, now: float) -> int:
+        """Device bytes of live prefixes on ``partition``: the last report plus the estimates of
+        the admissions it does not cover yet."""
         heap = self._live.setdefault(partition, [])
         total = self._live_bytes.get(partition, 0)
         while heap and heap[0][0] <= now:
-            total -= heapq.heappop(heap)[1]
+            total -= heapq.heappop(heap)[2]
         self._live_bytes[partition] = total
-        return max(total, self._reported.get(partition, 0))
+        return total + self._reported.get(partition, 0)
 
-    def report_footprint(self, partition: int, measured_bytes: int) -> None:
-        """A worker's measured pinned bytes for ``partition`` (from its stats)."""
-        self._reported[partition] = measured_bytes
+    def report_footprint(self, partition: int, device_bytes: int, as_of: float | None = None) -> None:
+        """A worker's measured device bytes of live prefixes on ``partition`` (its leases'
+        reservations) at ``as_of``: they replace the estimates of admissions made more than
+        ``report_grace_s`` before (the worker has seen those; released or spilled ones are gone
+        from its device). Without ``as_of`` every estimate stays and the report adds to them."""
+        self._reported[partition] = device_bytes
+        if as_of is None:
+            return
+        cut = as_of - self.config.report_grace_s
+        keep = [e for e in self._live.get(partition, []) if e[1] > cut]
+        heapq.heapify(keep)
+        self._live[partition] = keep
+        self._live_bytes[partition] = sum(e[2] for e in keep)
 
     def decide(self, partition: int, history_len: int, now: float) -> Decision:
         d = self._decide(partition, history_len, now)
@@ -151,6 +171,6 @@ class SequenceAwareTrigger:
             return Decision(TriggerReason.FOOTPRINT_BOUND, prefix_len, predicted, est)
         if not self.bucket.take(now):
             return Decision(TriggerReason.RATE_BOUND, prefix_len, predicted, est)
-        heapq.heappush(self._live.setdefault(partition, []), (now + c.lease_ttl_s, est))
+        heapq.heappush(self._live.setdefault(partition, []), (now + c.lease_ttl_s, now, est))
         self._live_bytes[partition] = self._live_bytes.get(partition, 0) + est
         return Decision(TriggerReason.ADMITTED, prefix_len, predicted, est)

@@ -275,6 +275,7 @@ async def test_a_ranking_keeps_its_suffix_for_the_users_next_request(model) -> N
     assert (await e.prefill("u", first, prefix_len=236, owner="w0")).status == "computed"
     res = await e.rank("u", first, cands, 2e9, FAR)
     assert res.path == "relay" and res.prefix_len == 236 and res.tokens_computed == 64 + 32
+    assert res.prefix_owner == "w0"
     await e.drain()  # the grown prefix is stored in the background
     assert (await e.store.lookup("u", first)).length == 300  # grown by the ranked suffix
     # The second request's pre-inference (all but its last 64 events) finds them already cached.
@@ -284,7 +285,7 @@ async def test_a_ranking_keeps_its_suffix_for_the_users_next_request(model) -> N
     assert e.scheduler.jobs_done == jobs  # no device work
     res = await e.rank("u", h, cands, 2e9 + 60, FAR)
     assert res.path == "relay" and res.prefix_len == 300 and res.tokens_computed == 30 + 32
-    assert res.prefix_owner == "w0"  # a grown prefix still says which worker computed it
+    assert res.prefix_owner == "w0"  # a grown prefix keeps who computed it
     torch.testing.assert_close(res.scores, model.rank_full(h, cands, 2e9 + 60), rtol=1e-5, atol=1e-5)
     e.scheduler.close()
 
@@ -330,3 +331,71 @@ async def test_baseline_and_cold_start(model) -> None:
 def test_kv_bytes_per_token_matches_a_real_prefix(model) -> None:
     p = model.prefill(history(100))
     assert p.nbytes() == 100 * kv_bytes_per_token(model)
+
+
+class _Spy:
+    """The model, recording the order of the device work: a miss's full-ranking chunks and the
+    relay rankings; the first chunk holds the device until ``gate`` is set."""
+
+    def __init__(self, model: HSTURanker) -> None:
+        self.model = model
+        self.order: list[str] = []
+        self.started, self.gate = threading.Event(), threading.Event()
+
+    def __getattr__(self, name: str):
+        return getattr(self.model, name)
+
+    def prefill_steps(self, events, chunk, prefix=None):
+        for i, out in enumerate(self.model.prefill_steps(events, chunk, prefix=prefix)):
+            self.order.append("chunk")
+            if i == 0:
+                self.started.set()
+                self.gate.wait(5)
+            yield out
+
+    def rank(self, prefix, events, candidates, request_ts):
+        self.order.append("score" if prefix is not None else "full")
+        return self.model.rank(prefix, events, candidates, request_ts)
+
+    def rank_and_extend(self, prefix, history, candidates, request_ts):
+        self.order.append("relay")
+        return self.model.rank_and_extend(prefix, history, candidates, request_ts)
+
+
+async def test_a_relay_ranking_runs_between_the_chunks_of_a_miss_full_ranking(model) -> None:
+    """Relay mode: a miss's full ranking is prefill of the history in chunks, then scoring, at
+    ranking priority; a relay ranking submitted meanwhile (with a later deadline) completes before
+    the full ranking's remaining chunks. Scores are unchanged."""
+    e = engine(model, prefill_chunk=64)
+    hr, hm = history(264, seed=5), history(512, seed=6)
+    cands = torch.arange(1, 17)
+    assert (await e.prefill("r", hr.slice(0, 200))).status == "computed"
+    spy = _Spy(model)
+    e.model = spy
+    now = time.time()
+    full = asyncio.create_task(e.rank("m", hm, cands, 2e9, now + 100))
+    assert await asyncio.to_thread(spy.started.wait, 5)
+    relay = asyncio.create_task(e.rank("r", hr, cands, 2e9, now + 200))
+    for _ in range(500):  # until the relay ranking waits for the device
+        if e.scheduler.queue_depth(Priority.RANK):
+            break
+        await asyncio.sleep(0.01)
+    spy.gate.set()
+    got_full, got_relay = await asyncio.gather(full, relay)
+    assert got_full.path == "full" and got_relay.path == "relay"
+    chunks = len(range(0, 512, 64))
+    assert spy.order == ["chunk", "relay", *["chunk"] * (chunks - 1), "score"]
+    torch.testing.assert_close(got_full.scores, model.rank_full(hm, cands, 2e9), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_relay.scores, model.rank_full(hr, cands, 2e9), rtol=1e-5, atol=1e-5)
+    await e.drain()
+    e.scheduler.close()
+
+
+async def test_the_baselines_full_ranking_stays_one_device_job(model) -> None:
+    e = engine(model, mode="baseline", prefill_chunk=64)
+    spy = _Spy(model)
+    e.model = spy
+    h = history(512, seed=7)
+    res = await e.rank("b", h, torch.arange(1, 17), 2e9, time.time() + 100)
+    assert res.path == "baseline" and spy.order == ["full"]
+    e.scheduler.close()

@@ -218,7 +218,12 @@ def test_sweep_runs_the_first_point_twice_in_each_mode(monkeypatch) -> None:
         trace=lambda args, x, n: types.SimpleNamespace(requests=n, length=int(x), topic_suffix=f"t{x:g}"),
     )
     run = types.SimpleNamespace(
-        args=argparse.Namespace(patience=2), kind=kind, run_id="r", settings=None, ml=None, window_start=0
+        args=argparse.Namespace(patience=2, no_isolate=True),
+        kind=kind,
+        run_id="r",
+        settings=None,
+        ml=None,
+        window_start=0,
     )
     deps = [types.SimpleNamespace(mode="relay"), types.SimpleNamespace(mode="baseline")]
     points, _ = command.sweep(run, deps, [512, 1024], 40.0)
@@ -231,3 +236,22 @@ def test_sweep_runs_the_first_point_twice_in_each_mode(monkeypatch) -> None:
         (1024, "relay", 2),
     ]
     assert len(points) == 6
+
+
+def test_repeat_reports_each_run_the_median_and_the_worst(monkeypatch, capsys) -> None:
+    import argparse
+
+    from relaygr.tools.experiment import command
+
+    ratios = iter([4.0, None, 6.0, 3.0])
+
+    def fake_sweep(args, kind) -> dict:
+        print("== chatter that must stay off stdout")
+        return {"ratio": next(ratios)}
+
+    monkeypatch.setattr(command, "run_sweep", fake_sweep)
+    args = argparse.Namespace(repeat=4, json=True)
+    assert command.run_repeated(args, KINDS["throughput"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["ratios"] == [4.0, None, 6.0, 3.0]
+    assert out["median_ratio"] == 4.0 and out["worst_ratio"] == 3.0 and out["runs_without_ratio"] == 1

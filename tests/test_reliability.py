@@ -83,6 +83,32 @@ async def test_sigkill_of_a_ranking_worker_loses_nothing(kafka_settings, tmp_pat
     )
 
 
+async def test_a_pipeline_stopped_past_its_sessions_serves_again_once_resumed(
+    kafka_settings, tmp_path, model_dir, ml
+) -> None:
+    """An experiment stops the pipeline of the mode it does not measure (SIGSTOP): its consumers
+    leave their groups meanwhile. Resumed, every stage rejoins and ranks again; none exits."""
+    s, reg = await deployment(kafka_settings, tmp_path)
+    behaviours, requests = leave_last_out(ml, range(1, 41), num_candidates=32)
+    pipe = Pipeline(s, ranking_workers=1, env=env(model_dir))
+    pipe.start()
+    try:
+        await pipe.wait_ready(timeout_s=240)
+        await publish(s, reg, behaviours, requests[:20], qps=20)  # offsets to commit on resume
+        pipe.pause()
+        await asyncio.sleep(15)  # past the 10 s session timeout of the stages' consumers
+        pipe.resume()
+        await pipe.wait_ready(timeout_s=240)
+        sent = await publish(s, reg, [], requests[20:], qps=20)
+        results = await collect_results(s, reg, {r.request_id for r in sent}, timeout_s=120)
+        await asyncio.sleep(3)  # a crash on a failed commit would come now
+        pipe.check()
+    finally:
+        pipe.stop()
+        await delete_topics_with_prefix(s, s.topic_prefix)
+    assert len(results) == len(sent)
+
+
 async def test_broker_restart_mid_run_loses_nothing(kafka_settings, tmp_path, model_dir, ml) -> None:
     own = Settings(home=tmp_path / "broker-home")  # a broker of this test's own, to restart
     state = broker.start(own, quiet=True)

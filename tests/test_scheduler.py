@@ -76,6 +76,75 @@ async def test_chunked_job_yields_between_steps_but_keeps_its_turn() -> None:
         s.close()
 
 
+@pytest.mark.parametrize("yields", [True, False])
+async def test_a_yielding_chunked_job_lets_the_jobs_waiting_at_each_boundary_go_first(yields: bool) -> None:
+    """Chunked prefill: a long ranking job (a miss's full ranking) with an early deadline lets the
+    short rankings that arrived during a chunk run before its next chunk; one that arrives later
+    waits for the next boundary, so the long job still advances a chunk per round."""
+    s = DeviceScheduler("t")
+    gates = [threading.Event() for _ in range(2)]
+    started = [threading.Event() for _ in range(2)]
+    order: list[str] = []
+
+    def full():
+        for i in range(4):
+            order.append(f"full{i}")
+            if i < 2:
+                started[i].set()
+                gates[i].wait(5)
+            yield None
+        yield "full"
+
+    def short(name: str) -> str:
+        order.append(name)
+        return name
+
+    try:
+        f = s.submit_steps(full(), priority=Priority.RANK, deadline=10.0, yields=yields)
+        assert await asyncio.to_thread(started[0].wait, 5)
+        # Later deadlines than the full ranking's: under plain EDF they would wait for all of it.
+        r1 = s.submit(lambda: short("relay1"), priority=Priority.RANK, deadline=50.0)
+        p = s.submit(lambda: short("prefill"), priority=Priority.PREFILL)
+        gates[0].set()
+        assert await asyncio.to_thread(started[1].wait, 5)
+        r2 = s.submit(lambda: short("relay2"), priority=Priority.RANK, deadline=60.0)
+        gates[1].set()
+        assert await asyncio.gather(f, r1, r2, p) == ["full", "relay1", "relay2", "prefill"]
+        if yields:
+            assert order == ["full0", "relay1", "full1", "relay2", "full2", "full3", "prefill"]
+        else:  # the baseline's order: earliest deadline first, the whole job at once
+            assert order == ["full0", "full1", "full2", "full3", "relay1", "relay2", "prefill"]
+        assert s.queue_depth() == 0
+    finally:
+        s.close()
+
+
+async def test_a_yielding_chunked_job_between_two_steps_is_failed_on_close() -> None:
+    s = DeviceScheduler("t")
+    gate, hold, started, holding = (threading.Event() for _ in range(4))
+
+    def full():
+        started.set()
+        gate.wait(5)
+        yield None
+        yield "done"
+
+    def blocker() -> None:
+        holding.set()
+        hold.wait(5)
+
+    f = s.submit_steps(full(), priority=Priority.RANK, deadline=1.0, yields=True)
+    assert await asyncio.to_thread(started.wait, 5)
+    b = s.submit(blocker, priority=Priority.RANK, deadline=2.0)
+    gate.set()  # the blocker goes first at the boundary and holds the device
+    assert await asyncio.to_thread(holding.wait, 5)
+    threading.Timer(0.2, hold.set).start()
+    s.close()
+    await b
+    with pytest.raises(SchedulerClosed):
+        await f
+
+
 async def test_on_start_sets_up_the_device_thread_before_any_job() -> None:
     local = threading.local()
     s = DeviceScheduler("t", on_start=lambda: setattr(local, "ready", threading.current_thread().name))

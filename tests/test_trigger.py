@@ -40,6 +40,26 @@ def test_reported_footprint_is_respected() -> None:
     assert t.decide(3, 4064, 0.0).reason is TriggerReason.FOOTPRINT_BOUND
 
 
+def test_footprint_counts_device_bytes_only() -> None:
+    """Prefixes that were ranked and released, or spilled to host or disk, leave the device: a
+    worker's report of its device bytes replaces the estimates of the admissions it has seen."""
+    t = trig(footprint_bound_bytes=10_000_000, lease_ttl_s=30.0, report_grace_s=1.0)
+    assert t.decide(0, 4064, 0.0).admitted
+    assert t.decide(0, 4064, 1.0).admitted
+    assert t.decide(0, 4064, 2.0).reason is TriggerReason.FOOTPRINT_BOUND  # 8 MB estimated
+    # The worker saw both; their prefixes are off the device (host/disk tiers): 0 device bytes.
+    t.report_footprint(0, 0, as_of=3.0)
+    assert t.live_bytes(0, 3.0) == 0
+    assert t.decide(0, 4064, 3.0).admitted
+    # A report covers only admissions older than the grace: the one at 3.0 still counts at 3.5.
+    t.report_footprint(0, 3_000_000, as_of=3.5)
+    assert t.live_bytes(0, 3.5) == 3_000_000 + 4_000_000
+    assert t.decide(0, 4064, 3.5).reason is TriggerReason.FOOTPRINT_BOUND  # 7 + 4 MB > 10 MB
+    # Device bytes the worker reports do count.
+    t.report_footprint(0, 9_000_000, as_of=10.0)
+    assert t.decide(0, 4064, 10.0).reason is TriggerReason.FOOTPRINT_BOUND
+
+
 def test_rate_bound_token_bucket() -> None:
     t = trig(prefill_rate_per_s=2.0, prefill_burst=2.0, footprint_bound_bytes=1 << 40)
     reasons = [t.decide(0, 5000, 0.0).reason for _ in range(3)]

@@ -6,7 +6,11 @@ $RELAYGR_HOME/logs/<stage>.log. The stages are supervised (``relaygr.infra.super
 that dies is started again with backoff while the others keep running, each restart logged and
 counted; only a crash loop (too many exits of one stage in a short window) stops the deployment.
 
-Primitives: ``Pipeline`` (start, wait_ready, scrape, check, stop), ``Scrape`` (one stage's
+With ``--pin-cores`` (off by default; experiments and benchmarks pin), each ranking worker's device
+thread runs on a CPU core of its own and every other process on the other cores
+(``workers.cores``).
+
+Primitives: ``Pipeline`` (start, wait_ready, scrape, check, pause, resume, stop), ``Scrape`` (one stage's
 Prometheus samples, parsed by ``prometheus_client.parser``: ``value``, ``by_label``).
 """
 
@@ -31,6 +35,7 @@ from relaygr.infra.broker import BrokerError, free_port
 from relaygr.infra.settings import SECURITY_FIELDS, Settings, get_settings, security_env
 from relaygr.infra.supervisor import CrashLoop, RestartPolicy, Supervisor
 from relaygr.streams.config import PipelineSettings
+from relaygr.workers.cores import CoreLayout, format_cores, pin_tasks, plan_cores
 
 
 @dataclass(frozen=True)
@@ -72,8 +77,11 @@ class Pipeline:
         metrics_base_port: int = 0,
         metrics: bool = False,
         restart_policy: RestartPolicy | None = None,
+        cores: CoreLayout | None = None,
     ) -> None:
         self.settings = settings
+        self.cores = cores if cores is not None and cores.pinned else None
+        self.paused = False
         self.n = ranking_workers
         self.mode = mode
         self.env = {**os.environ, **(env or {})}
@@ -113,7 +121,14 @@ class Pipeline:
             port = self.metrics_base_port + port_index if self.metrics_base_port else free_port()
             self.metrics_ports[name] = port
             cmd += ["--metrics-port", str(port)]
-        self.supervisor.spawn(name, cmd, {**self.env, **(env or {})})
+        env = {**self.env, **(env or {})}
+        if self.cores is not None:
+            env["RELAYGR_CPU_CORES"] = format_cores(self.cores.shared)
+            if name.startswith("ranker-"):
+                env["RELAYGR_DEVICE_CORE"] = str(self.cores.device_core(port_index - 4))
+        p = self.supervisor.spawn(name, cmd, env)
+        if self.cores is not None:  # at once, too: the child pins itself only once it has started up
+            pin_tasks(p.pid, self.cores.shared)
 
     def start(self) -> Pipeline:
         # One ingress process per input: a behaviour burst never shares a CPU slice with requests.
@@ -155,7 +170,22 @@ class Pipeline:
         """Raise (``CrashLoop``, a RuntimeError) once the supervisor gave up on a stage."""
         self.supervisor.check()
 
+    def pause(self) -> None:
+        """Stop every stage process (SIGSTOP): none of them takes CPU time until ``resume``."""
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGSTOP)
+        self.paused = True
+
+    def resume(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGCONT)
+        self.paused = False
+
     def stop(self) -> None:
+        if self.paused:
+            self.resume()  # a stopped process would not act on SIGTERM
         self.supervisor.stop()
 
     def __enter__(self) -> Pipeline:
@@ -237,6 +267,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=RestartPolicy.window_s,
         help=f"seconds over which a stage's exits are counted (default {RestartPolicy.window_s:g})",
     )
+    parser.add_argument(
+        "--pin-cores",
+        action="store_true",
+        help="each ranking worker's device thread on a core of its own, every other stage off it",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -256,8 +291,11 @@ def run(args: argparse.Namespace) -> int:
             mode=args.mode,
             metrics_base_port=args.metrics_base_port,
             restart_policy=RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window),
+            cores=plan_cores(args.ranking_workers) if args.pin_cores else None,
         ) as pipe:
             waited = asyncio.run(pipe.wait_ready())
+            if pipe.cores is not None:
+                print(f"cores: {pipe.cores.describe()}", flush=True)
             print(
                 f"pipeline up in {waited:.1f} s: ingress, retrieval, preprocess, {args.ranking_workers} ranking worker(s); "
                 f"logs in {pipe.log_dir}. Ctrl-C stops.",

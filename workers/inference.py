@@ -378,6 +378,8 @@ class RelayInference:
             length=len(history),
             fingerprint=history_fingerprint(history),
             model_version=self.model_version,
+            # A grown prefix keeps who computed it (the worker that grows it is the same one).
+            meta=dict(prefix.meta) if prefix is not None else {},
         )
 
     def prefill(self, history: Events, chunk_size: int | None = None) -> PrefixKV:

@@ -436,9 +436,9 @@ class RankingEngine:
             self.store.put(user_id, grown_box[0], keep_longer=True)
         return scores
 
-    async def _submit_steps_timed(self, it, deadline: float, timing: list[float]):
-        """``it`` as a chunked ranking job; ``timing`` gets each step's (start, end), then the
-        submission time last."""
+    async def _submit_steps_timed(self, it, deadline: float, timing: list[float], *, yields: bool = False):
+        """``it`` as a chunked ranking job (``yields``: see ``DeviceScheduler.submit_steps``);
+        ``timing`` gets each step's (start, end), then the submission time last."""
         t_submit = time.perf_counter()
 
         def step():
@@ -449,7 +449,7 @@ class RankingEngine:
 
         try:
             return await self.scheduler.submit_steps(
-                iter(step, _NEVER), priority=Priority.RANK, deadline=deadline
+                iter(step, _NEVER), priority=Priority.RANK, deadline=deadline, yields=yields
             )
         finally:
             timing.append(t_submit)
@@ -462,10 +462,12 @@ class RankingEngine:
         deadline: float,
         bd: dict[str, float],
     ) -> torch.Tensor:
-        """Full ranking as a chunked ranking job: the history's keys and values in time slices
-        (``_chunk_size``), then the candidates against them — other rankings with earlier
-        deadlines run between two slices instead of waiting for the whole. Equal to ``rank``
-        with no prefix (the prefix property, tested)."""
+        """Full ranking (a relay worker's cache miss) as a chunked ranking job: the history's keys
+        and values in time slices (``_chunk_size``), then the candidates against them. It yields
+        at every slice boundary (chunked prefill): the relay rankings that arrived during a slice
+        run before the next one, whatever their deadlines, so a miss never holds the short
+        rankings up for its whole length. Equal to ``rank`` with no prefix (the prefix property,
+        tested)."""
         model, chunk = self.model, self._chunk_size()
         timing: list[float] = []
 
@@ -478,7 +480,7 @@ class RankingEngine:
                     prefix = out
             yield model.rank(prefix, history.slice(len(history)), candidates, request_ts)
 
-        out = await self._submit_steps_timed(steps(), deadline, timing)
+        out = await self._submit_steps_timed(steps(), deadline, timing, yields=True)
         bd["device_queue"] = (timing[0] - timing[-1]) * 1000
         bd["compute"] = sum(b - a for a, b in zip(timing[:-1:2], timing[1:-1:2], strict=True)) * 1000
         return out

@@ -9,6 +9,11 @@ Primitives:
   one ``next(steps)`` per turn until it yields a result. Between two steps the device takes any
   more urgent queued job, so a ranking job waits for at most one chunk; the next step is queued
   by the device thread itself, so a chunked job never loses its turn to a less urgent one.
+- ``submit_steps(..., yields=True)``: a chunked job that lets the jobs waiting at each chunk
+  boundary go first (chunked prefill as in LLM serving: a miss's full ranking is a long job at
+  ranking priority; the short relay rankings that arrived during a chunk run before its next one,
+  whatever their deadlines). Only the jobs queued at the boundary go ahead, so the chunked job
+  still gets a chunk per round and cannot starve.
 - ``DeviceScheduler.promote(tag, priority, deadline)``: raise the jobs carrying ``tag``, queued or
   running chunked (priority inheritance: a ranking job that waits for a pre-inference lends it
   its urgency).
@@ -30,7 +35,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any, TypeVar
 
@@ -60,6 +65,8 @@ class _Job:
     item: Any = None
     run_batch: Callable[[list[Any]], list[Any]] | None = None
     limit: int = 1
+    yields: bool = False  # a chunked job that lets the jobs waiting at a chunk boundary go first
+    wait_for: set[int] = field(default_factory=set)  # seqs of the jobs a parked step waits for
 
 
 class DeviceScheduler:
@@ -73,6 +80,8 @@ class DeviceScheduler:
         self._seq = itertools.count()
         self._closed = False
         self._running: _Job | None = None
+        # Yielding chunked jobs between two steps, until the jobs queued at their boundary ran.
+        self._parked: list[_Job] = []
         self.busy_s = {Priority.RANK: 0.0, Priority.PREFILL: 0.0}
         self.jobs_done = {Priority.RANK: 0, Priority.PREFILL: 0}
         self.batches_run = 0  # turns that ran more than one batched job
@@ -81,7 +90,8 @@ class DeviceScheduler:
 
     def queue_depth(self, priority: Priority | None = None) -> int:
         with self._cv:
-            return sum(1 for *_, j in self._heap if priority is None or j.priority == priority)
+            jobs = [j for *_, j in self._heap] + self._parked
+            return sum(1 for j in jobs if priority is None or j.priority == priority)
 
     def submit(
         self, fn: Callable[[], T], *, priority: Priority, deadline: float = math.inf, tag: Any = None
@@ -89,9 +99,18 @@ class DeviceScheduler:
         return self._submit(fn, priority, deadline, tag, steps=False)
 
     def submit_steps(
-        self, steps: Iterator[T | None], *, priority: Priority, deadline: float = math.inf, tag: Any = None
+        self,
+        steps: Iterator[T | None],
+        *,
+        priority: Priority,
+        deadline: float = math.inf,
+        tag: Any = None,
+        yields: bool = False,
     ) -> asyncio.Future[T]:
-        return self._submit(lambda: next(steps), priority, deadline, tag, steps=True)
+        """A chunked job: one ``next(steps)`` per turn until it yields a result. ``yields``: at
+        each chunk boundary, the jobs then queued at this priority or above (other than yielding
+        ones) run before the next chunk, whatever their deadlines."""
+        return self._submit(lambda: next(steps), priority, deadline, tag, steps=True, yields=yields)
 
     def submit_batched(
         self,
@@ -127,9 +146,11 @@ class DeviceScheduler:
         *,
         steps: bool,
         batch: tuple[Any, Any, Callable[[list[Any]], list[Any]], int] | None = None,
+        yields: bool = False,
     ):
         loop = asyncio.get_running_loop()
         job = _Job(int(priority), deadline, fn, loop.create_future(), loop, tag, steps, next(self._seq))
+        job.yields = yields and steps
         if batch is not None:
             job.batch_key, job.item, job.run_batch, job.limit = batch
         with self._cv:
@@ -166,10 +187,10 @@ class DeviceScheduler:
             if hit:
                 self._heap = [(j.priority, j.deadline, seq, j) for _, _, seq, j in self._heap]
                 heapq.heapify(self._heap)
-            run = self._running
-            if run is not None and run.steps and run.tag == tag:
-                run.priority, run.deadline = new(run)
-                hit += 1
+            for job in [self._running, *self._parked]:
+                if job is not None and job.steps and job.tag == tag:
+                    job.priority, job.deadline = new(job)
+                    hit += 1
             return hit
 
     def _run(self) -> None:
@@ -184,6 +205,7 @@ class DeviceScheduler:
                 *_, job = heapq.heappop(self._heap)
                 self._running = job
                 mates = self._take_batch(job) if job.batch_key is not None else []
+                self._unpark({job.seq, *(m.seq for m in mates)})
             if mates:
                 self._run_batch([job, *mates])
                 continue
@@ -199,10 +221,34 @@ class DeviceScheduler:
             with self._cv:
                 self._running = None
                 if job.steps and exc is None and result is None and not self._closed:
-                    self._push(job)  # next step, before anything else is picked
+                    ahead = self._waiting_ahead(job) if job.yields else set()
+                    if ahead:  # those run first; the next step goes in once they have
+                        job.wait_for = ahead
+                        self._parked.append(job)
+                    else:
+                        self._push(job)  # next step, before anything else is picked
                     continue
             self.jobs_done[prio] += 1
             job.loop.call_soon_threadsafe(_settle, job.fut, result, exc)
+
+    def _waiting_ahead(self, job: _Job) -> set[int]:
+        """The queued jobs a yielding ``job`` lets go first at its chunk boundary: those at its
+        priority or above that do not yield themselves. Called with the lock held."""
+        return {seq for prio, _, seq, j in self._heap if prio <= job.priority and not j.yields}
+
+    def _unpark(self, taken: set[int]) -> None:
+        """Jobs ``taken`` off the queue: parked steps that waited only for them go back in.
+        Called with the lock held."""
+        if not self._parked:
+            return
+        still: list[_Job] = []
+        for p in self._parked:
+            p.wait_for -= taken
+            if p.wait_for:
+                still.append(p)
+            else:
+                self._push(p)
+        self._parked = still
 
     def _take_batch(self, job: _Job) -> list[_Job]:
         """Remove and return the queued jobs that share ``job``'s batch key (oldest first, at most
@@ -243,9 +289,10 @@ class DeviceScheduler:
     def close(self) -> None:
         with self._cv:
             self._closed = True
-            pending, self._heap = self._heap, []
+            pending = [j for *_, j in self._heap] + self._parked
+            self._heap, self._parked = [], []
             self._cv.notify_all()
-        for *_, job in pending:
+        for job in pending:
             job.loop.call_soon_threadsafe(_settle, job.fut, None, SchedulerClosed("device scheduler closed"))
         self._thread.join(timeout=30)
 

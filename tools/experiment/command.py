@@ -35,11 +35,19 @@ in it depends on the mode:
 - histories: each user's real history before the window, lengthened to exactly the point's length
   by time-shifted repetition (``tools.trace.lengthen``); their real interactions in the window
   then extend it;
-- a point holds the SLO when at least 99 % of its requests were ranked within B using their
-  whole history (equivalently: the P99 of ranking latency, counting missing, timed-out and
-  truncated requests as infinitely late, is at most B);
-- both pipelines run at once on one broker, each on its own topics and state; at every point the
-  two modes run back to back, the order flipping from point to point.
+- a point holds the SLO when its P99 of ranking latency (counting missing, timed-out and
+  truncated requests as infinitely late) is at most B with 95 % confidence: with n requests of
+  which k missed B, the one-sided Clopper-Pearson upper bound of the miss rate is at most 1 %
+  (``stopping``). Requests go out in rounds until that rule decides, at most ``--max-requests``;
+- both pipelines run on one broker, each on its own topics and state; at every point the two
+  modes run back to back, the order flipping from point to point, and only the measured mode's
+  processes run: the other mode's are stopped (SIGSTOP) for the point (``--no-isolate``: both
+  live);
+- cores (``--pin``, on by default where the machine has a core to spare): each ranking worker's
+  device thread has a CPU core of its own, every other process of the experiment (stages,
+  broker, this load generator) the other cores (``tools.cores``);
+- ``--repeat N`` runs the whole experiment N times (calibration and B included) and reports each
+  run's ratio, their median and the worst.
 
 The parts: ``kinds`` (one spec per experiment: what is swept and what its report adds),
 ``protocol``, ``deployment`` (pipelines, points, the SLO bound), ``report``, ``plots``; this
@@ -53,9 +61,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import shutil
+import signal
+import statistics
 import sys
 import time
 import uuid
@@ -67,8 +78,10 @@ from relaygr.infra.settings import Settings
 from relaygr.tools.experiment.kinds import KINDS, ExperimentKind
 from relaygr.tools.experiment.protocol import EXPERIMENT_SHORT_TERM, MODES, PointRun, Protocol
 from relaygr.tools.experiment.report import print_headline, say, write_experiment_report
+from relaygr.tools.experiment.stopping import StopRule
 from relaygr.tools.report.figures import json_safe
 from relaygr.tools.report.markdown import fmt
+from relaygr.workers.cores import CoreLayout, available_cores, pin_tasks, plan_cores
 from relaygr.workers.latency_model import LatencyModel
 from relaygr.workers.movielens import MovieLens
 from relaygr.workers.train import add_source_arguments
@@ -89,6 +102,8 @@ class Run:
     window_start: int
     latency: LatencyModel
     samples: list[tuple[int, float]]
+    cores: CoreLayout
+    rule: StopRule
 
     @property
     def calibration(self) -> Path:
@@ -114,7 +129,18 @@ def prepare(args: argparse.Namespace, kind: ExperimentKind) -> Run:
     out.mkdir(parents=True, exist_ok=True)
     root = Path(settings.home) / "experiments" / "state" / run_id
     say(f"{kind.name} experiment {run_id}: report in {out}")
+    cores = (
+        plan_cores(1)
+        if not args.no_pin
+        else CoreLayout((), tuple(sorted(available_cores())), False, "--no-pin")
+    )
+    say(f"cores: {cores.describe()}")
+    if cores.pinned:  # the latency model is the device's: calibrate on the device core
+        pin_tasks(os.getpid(), {cores.device[0]})
     lat, samples = calibrate_latency(model_dir, args.threads, out / "calibration.json")
+    if cores.pinned:
+        pin_tasks(os.getpid(), cores.shared)
+        _pin_broker(settings, cores.shared)
     say("latency model of full ranking: " + ", ".join(f"{n} tokens {ms:.1f} ms" for n, ms in samples))
     if getattr(args, "interactions", None) is not None:
         log, source = load_log(args)
@@ -123,7 +149,17 @@ def prepare(args: argparse.Namespace, kind: ExperimentKind) -> Run:
     else:
         ml = load_movielens("ml-100k")
     start = window_start(args, ml)
-    return Run(kind, args, settings, model_dir, run_id, out, root, ml, start, lat, samples)
+    rule = StopRule(args.miss_rate, args.confidence, args.max_requests, args.min_round, args.max_round)
+    return Run(kind, args, settings, model_dir, run_id, out, root, ml, start, lat, samples, cores, rule)
+
+
+def _pin_broker(settings: Settings, cores: tuple[int, ...] | set[int]) -> None:
+    """The local broker's threads onto ``cores`` (a broker this RELAYGR_HOME started)."""
+    from relaygr.infra.broker import status
+
+    alive, state = status(settings)
+    if alive and state is not None:
+        pin_tasks(state.pid, cores)
 
 
 def fix_protocol(run: Run, xs: list[float], slo_ms: float, slo_how: str) -> Protocol:
@@ -168,8 +204,21 @@ def fix_protocol(run: Run, xs: list[float], slo_ms: float, slo_how: str) -> Prot
             "history's span plus one day; copies compressed in time where they would reach back "
             "before 1970-01-02) and cut to the most recent events"
         ),
-        criterion=">= 99 % of requests ranked within B with their whole history (missing, timed-out "
-        "and truncated requests count as violations)",
+        criterion=(
+            f"P99 ≤ B with {args.confidence:.0%} confidence: with n requests of which k were not ranked "
+            "within B with their whole history (missing, timed-out and truncated ones count), the "
+            f"one-sided Clopper-Pearson upper bound of the miss rate is ≤ {args.miss_rate:.0%} (k = 0 "
+            f"needs n ≥ 299); a point fails as soon as not even {args.max_requests} requests could "
+            "bring the bound there, or undecided at that cap"
+        ),
+        core_layout=run.cores.describe(),
+        isolation=(
+            "both modes' pipelines live at once"
+            if args.no_isolate
+            else "only the measured mode's processes run during a point: the other mode's pipeline "
+            "is stopped (SIGSTOP) and, when its turn comes, resumed (SIGCONT) and probed until it "
+            "answers again before its point starts"
+        ),
     )
 
 
@@ -198,6 +247,8 @@ def sweep(run: Run, deps: list, xs: list[float], slo_ms: float) -> tuple[list[Po
         for d in deps if i % 2 == 0 else deps[::-1]:
             if not active[d.mode]:
                 continue
+            if not args.no_isolate:
+                _isolate(d, deps)
             for attempt in (1, 2) if i == 0 else (2,):
                 pr = _run_one(run, d, traces[x], x, i, attempt, n_requests, slo_ms, len(xs))
                 points.append(pr)
@@ -205,6 +256,17 @@ def sweep(run: Run, deps: list, xs: list[float], slo_ms: float) -> tuple[list[Po
             if args.patience and fails[d.mode] >= args.patience:
                 active[d.mode] = False
     return points, traces
+
+
+def _isolate(d, deps: list) -> None:
+    """Only ``d``'s processes run: the others' are stopped; ``d``'s, if stopped, resume and answer
+    a probe before the point (a stopped consumer may have left its group meanwhile)."""
+    for other in deps:
+        if other is not d and not other.pipe.paused:
+            other.pipe.pause()
+    if d.pipe.paused:
+        d.pipe.resume()
+        asyncio.run(d.pipe.wait_ready(timeout_s=300))
 
 
 def _run_one(
@@ -227,6 +289,7 @@ def _run_one(
             slo_ms=slo_ms,
             seed=args.seed + i,
             out_dir=run.out / "results",
+            rule=run.rule,
         )
     )
     pr.attempt = attempt
@@ -234,7 +297,7 @@ def _run_one(
     say(
         f"[{i + 1}/{n_points}] {kind.point_label.split(' (')[0]} {x:g} {d.mode:8s}"
         f"{' (first run)' if attempt == 1 else ''}: "
-        f"{s.slo.results}/{pr.requests} results, ranking P50 "
+        f"n {pr.requests}, k {pr.misses}, UB {fmt(pr.upper, 4)}, {s.slo.results} results, ranking P50 "
         f"{fmt(s.ranking.p50 if s.ranking else None)} P99 "
         f"{fmt(s.ranking.p99 if s.ranking else None)} ms, compliance "
         f"{fmt(s.slo.compliance, 3)} -> {'holds' if pr.holds else 'misses'} the SLO "
@@ -243,7 +306,7 @@ def _run_one(
     return pr
 
 
-def run_sweep(args: argparse.Namespace, kind: ExperimentKind) -> int:
+def run_sweep(args: argparse.Namespace, kind: ExperimentKind) -> dict:
     from relaygr.infra.kafka import delete_topics_with_prefix
     from relaygr.tools.experiment.deployment import (
         Deployment,
@@ -263,15 +326,16 @@ def run_sweep(args: argparse.Namespace, kind: ExperimentKind) -> int:
             args.slo_tokens, f"{run.run_id}.trace-ref",
         )  # fmt: skip
         slo_ms, slo_how = measure_slo(
-            run.settings, args, run.model_dir, run.calibration, run.latency, ref, run.root, run.run_id
-        )
+            run.settings, args, run.model_dir, run.calibration, run.latency, ref, run.root, run.run_id,
+            run.cores,
+        )  # fmt: skip
         xs = kind.points(args)
         proto = fix_protocol(run, xs, slo_ms, slo_how)
         (run.out / "protocol.json").write_text(proto.model_dump_json(indent=2))
         say(f"protocol fixed: B = {slo_ms:g} ms, W = {slo_ms:g} ms, points {', '.join(f'{x:g}' for x in xs)}")
 
         env = pipeline_env(args, run.model_dir, run.calibration, slo_ms)
-        deps = [Deployment(run.settings, m, env, run.root, run.run_id, 1) for m in MODES]
+        deps = [Deployment(run.settings, m, env, run.root, run.run_id, 1, run.cores) for m in MODES]
 
         async def start_all() -> None:
             for d in deps:
@@ -279,6 +343,13 @@ def run_sweep(args: argparse.Namespace, kind: ExperimentKind) -> int:
             for d in deps:
                 say(f"{d.mode} pipeline ready in {await d.pipe.wait_ready(timeout_s=300):.1f} s")
             for d in deps:
+                if not args.no_isolate:
+                    for other in deps:
+                        if other is not d:
+                            other.pipe.pause()
+                    if d.pipe.paused:
+                        d.pipe.resume()
+                        await d.pipe.wait_ready(timeout_s=300)
                 await warm_pipeline(d, ref, args, run.root / "warmup")
             say(f"pipelines warmed up ({args.pipeline_warmup} unmeasured requests each)")
 
@@ -289,6 +360,10 @@ def run_sweep(args: argparse.Namespace, kind: ExperimentKind) -> int:
     finally:
         for d in deps:
             d.pipe.stop()
+        if run.cores.pinned:  # back on every core: the broker, and this process for a next run
+            every = set(run.cores.shared) | set(run.cores.device)
+            _pin_broker(run.settings, every)
+            pin_tasks(os.getpid(), every)
         if not args.keep:
             asyncio.run(delete_topics_with_prefix(run.settings, run.run_id))
             if done:  # after a failure the pipelines' logs and state stay for inspection
@@ -296,10 +371,41 @@ def run_sweep(args: argparse.Namespace, kind: ExperimentKind) -> int:
             else:
                 say(f"logs and state kept in {run.root}")
     doc["headline"]["seconds"] = round(time.monotonic() - t_start, 1)
+    doc["headline"]["cores"] = run.cores.describe()
+    doc["headline"]["load_average"] = list(os.getloadavg())
     (run.out / "report.json").write_text(json.dumps(json_safe(doc), indent=2))
     print_headline(doc, kind)
+    return doc["headline"]
+
+
+def run_repeated(args: argparse.Namespace, kind: ExperimentKind) -> int:
+    """``--repeat`` runs of the whole experiment: each run's headline, the median and worst ratio."""
+    heads = []
+    for r in range(max(1, args.repeat)):
+        if args.repeat > 1:
+            say(f"run {r + 1} of {args.repeat}")
+        with contextlib.redirect_stdout(sys.stderr):  # stdout carries only the JSON line
+            heads.append(run_sweep(args, kind))
+    ratios = [h["ratio"] for h in heads]
+    # A run in which either mode held no point has no ratio: it is counted, not guessed.
+    known = sorted(x for x in ratios if x is not None)
+    out = {
+        "experiment": kind.name,
+        "runs": heads,
+        "ratios": ratios,
+        "median_ratio": statistics.median(known) if known else None,
+        "worst_ratio": known[0] if known else None,
+        "runs_without_ratio": len(ratios) - len(known),
+        "target_ratio": kind.target_ratio,
+    }
+    if args.repeat > 1:
+        say(
+            f"{kind.name}: ratios {', '.join(fmt(x, 2) for x in ratios)}; median "
+            f"{fmt(out['median_ratio'], 2)}, worst {fmt(out['worst_ratio'], 2)} (runs without a ratio: "
+            f"{out['runs_without_ratio']})"
+        )
     if args.json:
-        print(json.dumps(json_safe(doc["headline"])))
+        print(json.dumps(json_safe(out if args.repeat > 1 else heads[0])))
     return 0
 
 
@@ -337,10 +443,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--patience", type=int, help="stop a mode after this many failing points in a row")
     parser.add_argument("--keep", action="store_true", help="keep the topics and the pipelines' state")
     parser.add_argument("--json", action="store_true", help="print the headline figures as one JSON line")
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="run the whole experiment this many times (median, worst)"
+    )
+    g = parser.add_argument_group("holding the SLO")
+    g.add_argument(
+        "--max-requests", type=int, default=1000, help="cap of a point's requests (the rule decides first)"
+    )
+    g.add_argument("--min-round", type=int, default=50, help="fewest requests of a round")
+    g.add_argument(
+        "--max-round", type=int, default=100, help="most requests of a round (the rule is asked after each)"
+    )
+    g.add_argument("--miss-rate", type=float, default=0.01, help="miss rate the bound must stay under")
+    g.add_argument("--confidence", type=float, default=0.95, help="one-sided confidence of the bound")
+    g = parser.add_argument_group("isolation")
+    g.add_argument(
+        "--no-pin",
+        action="store_true",
+        help="don't give the ranking workers' device threads cores of their own",
+    )
+    g.add_argument(
+        "--no-isolate", action="store_true", help="keep the other mode's pipeline live during a point"
+    )
     g = parser.add_argument_group("seq-len")
     g.add_argument("--lengths", default="512,1024,2048,4096,8192", help="history lengths (events)")
     g.add_argument("--qps", type=float, default=10.0, help="request rate of every point")
-    g.add_argument("--requests", type=int, default=150, help="measured requests per point")
     g = parser.add_argument_group("throughput")
     g.add_argument("--history", type=int, default=1024, help="history length (events)")
     g.add_argument(
@@ -348,9 +475,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="10,15,20,25,30,35,40,50,60,70,80,90,100,110,120,140",
         help="offered QPS of the points (steps of at most 25 %% past 20, so a ratio is read to that)",
     )
-    g.add_argument("--duration", type=float, default=8.0, help="seconds of traffic per point")
-    g.add_argument("--min-requests", type=int, default=150)
-    g.add_argument("--max-requests", type=int, default=1200)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -361,8 +485,10 @@ def run(args: argparse.Namespace) -> int:
     if args.patience is None:
         args.patience = kind.default_patience
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    # Stopped from outside: unwind, so that the pipelines (some of them SIGSTOPped) are stopped too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
-        return run_sweep(args, kind)
+        return run_repeated(args, kind)
     except (BrokerError, TopicError, RuntimeError, TimeoutError) as e:
         print(f"relaygr experiment: {e}", file=sys.stderr)
         return 1

@@ -3,7 +3,8 @@
 Primitives:
 - ``Deployment``: one mode's pipeline (``tools.up.Pipeline``) on its own topics and state.
 - ``run_point(deployment, trace, ...) -> PointRun``: preload the window's users, replay their
-  previous visits unmeasured, then the window at the point's QPS; summarise the results.
+  previous visits unmeasured, then the window at the point's QPS (a fixed number of requests, or
+  in rounds until a ``StopRule`` decides); summarise the results.
 - ``warm_pipeline``: unmeasured traffic through a fresh pipeline.
 - ``measure_slo(...) -> (B, how)``: the SLO bound from a baseline pipeline without truncation
   (see ``tools.experiment`` for the protocol).
@@ -22,8 +23,9 @@ from pathlib import Path
 from relaygr.tools.barriers import wait_sentinels_applied
 from relaygr.tools.experiment.protocol import EXPERIMENT_SHORT_TERM, PointRun
 from relaygr.tools.experiment.report import say
+from relaygr.tools.experiment.stopping import StopRule
 from relaygr.tools.replay import Replayer, plan_replay
-from relaygr.tools.report.figures import percentile, ranking_ms
+from relaygr.tools.report.figures import meets_slo, percentile, ranking_ms
 from relaygr.tools.report.inputs import prefill_statuses
 from relaygr.tools.report.summary import RunSummary
 from relaygr.tools.trace import TraceTopics, build_trace, eligible_interactions, load_trace, publish_trace
@@ -34,7 +36,7 @@ class Deployment:
     """One mode's pipeline on its own topics and state."""
 
     def __init__(
-        self, settings, mode: str, env: dict[str, str], root: Path, run_id: str, workers: int
+        self, settings, mode: str, env: dict[str, str], root: Path, run_id: str, workers: int, cores=None
     ) -> None:
         from relaygr.schemas import TopicRegistry
         from relaygr.tools.up import Pipeline
@@ -42,7 +44,9 @@ class Deployment:
         self.mode = mode
         self.settings = settings.model_copy(update={"topic_prefix": f"{run_id}-{mode}", "home": root / mode})
         self.reg = TopicRegistry(self.settings.topic_prefix, self.settings.partitions)
-        self.pipe = Pipeline(self.settings, ranking_workers=workers, mode=mode, env=env, metrics=True)
+        self.pipe = Pipeline(
+            self.settings, ranking_workers=workers, mode=mode, env=env, metrics=True, cores=cores
+        )
 
     async def start(self) -> None:
         from relaygr.infra.kafka import ensure_topics
@@ -85,10 +89,13 @@ async def run_point(
     seed: int,
     out_dir: Path,
     allow_truncated: bool = False,
+    rule: StopRule | None = None,
 ) -> PointRun:
-    """Preload, warm up, then replay ``n_requests`` window requests at ``qps`` into ``dep``."""
+    """Preload, warm up, then replay ``n_requests`` window requests at ``qps`` into ``dep``; with
+    ``rule``, rounds of window requests (at most ``rule.cap``) until the rule decides."""
     warm_ids = trace.warmup_ids
-    window = [r for r in trace.requests if r.request_id not in warm_ids][:n_requests]
+    cap = rule.cap if rule is not None else n_requests
+    window = [r for r in trace.requests if r.request_id not in warm_ids][:cap]
     users = {r.user_id for r in window}
     warm = [r for r in trace.requests if r.request_id in warm_ids and r.user_id in users]
     behaviours = [b for b in trace.behaviours if b.user_id in users]
@@ -108,10 +115,14 @@ async def run_point(
             await collect_results(s, reg, {r.request_id for r in sent_w}, timeout_s=120)
             await dep.wait_idle()
         before = dep.trigger_counts()
-        plan = plan_replay(window, qps=qps, seed=seed)
-        sent = await rp.run(plan)
+        if rule is None:
+            plan = plan_replay(window, qps=qps, seed=seed)
+            sent = await rp.run(plan)
+            res = await collect_results(s, reg, {r.request_id for r in sent}, timeout_s=60 + plan.duration_s)
+            verdict, misses = None, None
+        else:
+            sent, res, verdict, misses = await _rounds(rp, s, reg, window, rule, qps, seed, slo_ms)
     ids = {r.request_id for r in sent}
-    res = await collect_results(s, reg, ids, timeout_s=60 + plan.duration_s)
     await dep.wait_idle()
     after = dep.trigger_counts()
     trig = {k: after.get(k, 0) - before.get(k, 0) for k in after}
@@ -131,7 +142,33 @@ async def run_point(
     with open(out_dir / f"{dep.mode}-{x:g}.jsonl", "w") as f:
         for r in results:
             f.write(r.model_dump_json() + "\n")
-    return PointRun(x, dep.mode, summary, trig, len(sent), [ranking_ms(r) for r in results])
+    pr = PointRun(x, dep.mode, summary, trig, len(sent), [ranking_ms(r) for r in results])
+    if rule is not None and misses is not None:
+        pr.misses, pr.upper, pr.verdict = misses, rule.upper(len(sent), misses), verdict
+    return pr
+
+
+async def _rounds(rp: Replayer, s, reg, window: list, rule: StopRule, qps: float, seed: int, slo_ms: float):
+    """Rounds of the window's next requests at ``qps`` until ``rule`` decides (or the window ends):
+    each round's results are collected before the rule is asked. Returns the requests sent, their
+    results, the verdict and the misses (results not within B with their whole history, and
+    missing ones)."""
+    sent: list = []
+    res: dict = {}
+    misses, verdict, rnd = 0, "continue", 0
+    while verdict == "continue":
+        chunk = window[len(sent) : len(sent) + rule.next_round(len(sent), misses)]
+        if not chunk:
+            verdict = "fails"  # undecided when the trace (or the cap) ran out
+            break
+        plan = plan_replay(chunk, qps=qps, seed=seed + 7919 * rnd)
+        got = await rp.run(plan)
+        sent += got
+        res.update(await collect_results(s, reg, {r.request_id for r in got}, timeout_s=30 + plan.duration_s))
+        misses = len(sent) - sum(meets_slo(r, slo_ms) for r in res.values())
+        verdict = rule.decide(len(sent), misses)
+        rnd += 1
+    return sent, res, verdict, misses
 
 
 def model_info(model_dir: Path) -> tuple[dict, str]:
@@ -197,7 +234,9 @@ async def warm_pipeline(dep: Deployment, ref, args, scratch: Path) -> None:
         )  # fmt: skip
 
 
-def measure_slo(settings, args, model_dir, calib, lat, ref, root: Path, run_id: str) -> tuple[float, str]:
+def measure_slo(
+    settings, args, model_dir, calib, lat, ref, root: Path, run_id: str, cores=None
+) -> tuple[float, str]:
     """B from a baseline pipeline without truncation at ``--slo-tokens`` (see the module doc)."""
     if args.slo_ms:
         return float(args.slo_ms), "given with --slo-ms"
@@ -207,7 +246,7 @@ def measure_slo(settings, args, model_dir, calib, lat, ref, root: Path, run_id: 
         f"{args.slo_qps:g} QPS, no truncation (W = {guess} ms meanwhile)"
     )
     env = pipeline_env(args, model_dir, calib, guess, budget_ms=60000)
-    dep = Deployment(settings, "baseline", env, root / "slo", run_id + "-slo", 1)
+    dep = Deployment(settings, "baseline", env, root / "slo", run_id + "-slo", 1, cores)
 
     async def go() -> PointRun:
         await dep.start()

@@ -85,7 +85,7 @@ class SeqLen(ExperimentKind):
         return [float(x) for x in args.lengths.split(",")]
 
     def requests(self, args: argparse.Namespace, x: float) -> int:
-        return args.requests
+        return args.max_requests
 
     def qps(self, args: argparse.Namespace, x: float) -> float:
         return args.qps
@@ -96,7 +96,7 @@ class SeqLen(ExperimentKind):
     def protocol_text(self, args: argparse.Namespace) -> dict[str, str]:
         return {
             "arrivals": f"Poisson at {args.qps:g} QPS in trace order",
-            "requests_per_point": f"{args.requests} (window requests; the users they involve are replayed)",
+            "requests_per_point": _rounds_text(args),
             "history": "the point's length at each user's first request in the window",
         }
 
@@ -147,7 +147,7 @@ class Throughput(ExperimentKind):
         return [float(x) for x in args.qps_list.split(",")]
 
     def requests(self, args: argparse.Namespace, x: float) -> int:
-        return max(args.min_requests, min(args.max_requests, int(x * args.duration)))
+        return args.max_requests
 
     def qps(self, args: argparse.Namespace, x: float) -> float:
         return x
@@ -160,10 +160,7 @@ class Throughput(ExperimentKind):
     def protocol_text(self, args: argparse.Namespace) -> dict[str, str]:
         return {
             "arrivals": "Poisson at the point's QPS in trace order",
-            "requests_per_point": (
-                f"QPS × {args.duration:g} s, at least {args.min_requests} and at most {args.max_requests} "
-                "(the first ones of the window)"
-            ),
+            "requests_per_point": _rounds_text(args),
             "history": f"{args.history} events at each user's first request in the window (fixed)",
         }
 
@@ -199,6 +196,15 @@ class Throughput(ExperimentKind):
             at = [p for p in points if p.mode == mode and p.x == bx]
             extra[f"{mode}_slo_throughput_qps"] = at[0].summary.slo.slo_throughput_qps if at else None
         return extra
+
+
+def _rounds_text(args: argparse.Namespace) -> str:
+    return (
+        "in rounds of the window's next requests until the confidence rule decides, at most "
+        f"{args.max_requests} (the first ones of the window; each round's results are collected "
+        f"before the rule is asked, rounds of {args.min_round} to {args.max_round}); the window's users are "
+        "preloaded and replayed for the cap"
+    )
 
 
 KINDS: dict[str, ExperimentKind] = {kind.name: kind for kind in (SeqLen(), Throughput())}

@@ -53,6 +53,8 @@ class Protocol(BaseModel):
     history: str
     synthesis: str
     criterion: str
+    core_layout: str = "not pinned"
+    isolation: str = "both modes' pipelines live at once"
 
     def markdown(self) -> str:
         rows = [
@@ -88,6 +90,8 @@ class Protocol(BaseModel):
             ["histories", self.history],
             ["synthesis", self.synthesis],
             ["SLO held when", self.criterion],
+            ["cores", self.core_layout],
+            ["isolation", self.isolation],
             ["partitions", str(self.partitions)],
         ]
         return table(["protocol", ""], rows)
@@ -108,9 +112,16 @@ class PointRun:
     ranking: list[float] = field(repr=False, default_factory=list)
     # 1 for the first of the first point's two runs (reported, never counted), else 2.
     attempt: int = 2
+    # The confidence rule (``stopping.StopRule``): misses k of ``requests``, the upper bound of
+    # the miss rate, and its verdict; None when the point ran a fixed number of requests.
+    misses: int | None = None
+    upper: float | None = None
+    verdict: str | None = None
 
     @property
     def holds(self) -> bool:
+        if self.verdict is not None:
+            return self.verdict == "holds"
         return self.summary.slo.holds_slo
 
 

@@ -31,12 +31,14 @@ def point_row(p: PointRun) -> list:
         plain_number(p.x),
         p.mode,
         s.slo.requests,
+        p.misses,
+        p.upper,
+        p.holds,
         lat.p50 if lat else None,
         lat.p99 if lat else None,
         lat.p99_9 if lat else None,
         s.latency_ms["end_to_end"].p99,
         s.slo.compliance,
-        s.slo.holds_slo,
         s.slo.slo_throughput_qps,
         s.history.mean_history_len,
         s.history.mean_used_len,
@@ -55,13 +57,15 @@ def _run_name(p: PointRun) -> str:
 ROW_HEADER = [
     "point",
     "mode",
-    "requests",
+    "n",
+    "k (> B)",
+    "miss-rate UB",
+    "holds SLO",
     "rank P50",
     "rank P99",
     "rank P99.9",
     "e2e P99",
     "compliance",
-    "holds SLO",
     "SLO-compliant req/s",
     "mean history",
     "mean used",
@@ -110,6 +114,20 @@ def write_experiment_report(
         "quality_at_relay_max": quality_at,
         "report": str(out / "report.md"),
         "plots": [p.name for p in plots],
+        # Every run of every point: n requests, k over B, the miss rate's upper bound, P99.
+        "points": [
+            {
+                "x": plain_number(p.x),
+                "mode": p.mode,
+                "counted": p.attempt == 2,
+                "n": p.requests,
+                "k": p.misses,
+                "ub": round(p.upper, 5) if p.upper is not None else None,
+                "p99_ms": round(p.summary.ranking.p99, 1) if p.summary.ranking else None,
+                "holds": p.holds,
+            }
+            for p in runs
+        ],
         **kind.headline_extra(args, points, r_best, b_best),
     }
     trace_meta = {f"{x:g}": t.meta for x, t in traces.items()}
@@ -133,7 +151,10 @@ def write_experiment_report(
         "## Points",
         table(["run", *ROW_HEADER], [[_run_name(p), *point_row(p)] for p in runs], 3),
         "The first point runs twice in each mode (fresh users each time); only its second run counts. "
-        "Latencies in ms. *compliance*: share of requests ranked within B with their whole history; "
+        "Latencies in ms. *n*: requests sent; *k*: those not ranked within B with their whole history "
+        "(missing and timed-out ones included); *miss-rate UB*: the one-sided 95 % Clopper-Pearson "
+        "upper bound of the miss rate; *holds SLO*: UB ≤ 1 % (P99 ≤ B with 95 % confidence). "
+        "*compliance*: share of requests ranked within B with their whole history; "
         "*mean used*: events the ranking read (less than the history when truncated); *prefill hit*: "
         "pre-inferences served from a cached prefix (device/host/disk/extended/merged).",
     ]
@@ -179,7 +200,19 @@ def write_experiment_report(
         "protocol": proto.model_dump(),
         "headline": headline,
         "points": [
-            {"x": p.x, "mode": p.mode, "attempt": p.attempt, "summary": p.summary.to_dict()} for p in runs
+            {
+                "x": p.x,
+                "mode": p.mode,
+                "attempt": p.attempt,
+                "n": p.requests,
+                "k": p.misses,
+                "miss_rate_upper_bound": p.upper,
+                "verdict": p.verdict,
+                "holds": p.holds,
+                "p99_ms": p.summary.ranking.p99 if p.summary.ranking else None,
+                "summary": p.summary.to_dict(),
+            }
+            for p in runs
         ],
         "traces": trace_meta,
     }
