@@ -269,6 +269,9 @@ class RankingWorker:
             partition_assignment_strategy=(RangePartitionAssignor,),
             **kw,
         )
+        # Before joining the group: the first requests must not pay the process's cold start.
+        took = await self.engine.warm_up()
+        log.info("%s: warmed up the device in %.2f s", self.worker_id, took)
         self.consumer.subscribe(topics, listener=_Rebalance(self))
         self.producer = producer(self.settings)
         await self.producer.start()

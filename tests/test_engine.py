@@ -399,3 +399,13 @@ async def test_the_baselines_full_ranking_stays_one_device_job(model) -> None:
     res = await e.rank("b", h, torch.arange(1, 17), 2e9, time.time() + 100)
     assert res.path == "baseline" and spy.order == ["full"]
     e.scheduler.close()
+
+
+async def test_warm_up_runs_on_the_device_thread_and_leaves_no_trace(model) -> None:
+    e = engine(model, prefill_chunk=64)
+    before = e.scheduler.jobs_done[Priority.PREFILL]
+    took = await e.warm_up(history_len=200, num_candidates=16, rounds=1)
+    assert took > 0 and e.scheduler.jobs_done[Priority.PREFILL] == before + 1
+    assert not e.samples  # not a ranking: the latency model does not learn from it
+    assert e.store is not None and e.store.metrics().get("bytes_device", 0) == 0
+    e.scheduler.close()
