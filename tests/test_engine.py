@@ -9,10 +9,11 @@ import time
 import pytest
 import torch
 from store_probe import is_leased
+from synthetic import history, tiny_model
 
 from relaygr.workers.engine_config import EngineConfig
 from relaygr.workers.latency_model import LatencyModel
-from relaygr.workers.model import HSTUConfig, HSTURanker
+from relaygr.workers.model import HSTURanker
 from relaygr.workers.prefix_kv import Events
 from relaygr.workers.prefix_store import PrefixStore, PrefixStoreConfig
 from relaygr.workers.ranker import RankingEngine, kv_bytes_per_token
@@ -23,19 +24,7 @@ FAR = 1e12  # a deadline that never passes
 
 @pytest.fixture(scope="module")
 def model() -> HSTURanker:
-    torch.manual_seed(3)
-    m = HSTURanker(HSTUConfig(layers=2, heads=2, dim=32, attn_dim=16, linear_dim=16, num_items=500))
-    m.refresh_version()
-    return m
-
-
-def history(n: int, seed: int = 0) -> Events:
-    g = torch.Generator().manual_seed(seed)
-    return Events(
-        torch.randint(1, 500, (n,), generator=g),
-        torch.randint(1, 6, (n,), generator=g),
-        torch.cumsum(torch.rand(n, generator=g, dtype=torch.float64) * 3600, 0) + 1e9,
-    )
+    return tiny_model(3)
 
 
 FLAT = LatencyModel(1.0, 0.0, 0.0)

@@ -11,6 +11,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from synthetic import history, tiny_model
 
 from relaygr.schemas import BehaviorEvent, TriggerReason
 from relaygr.streams.history import HistoryTable
@@ -18,8 +19,7 @@ from relaygr.streams.preprocess import SEEN_CHUNK, seen_add, seen_before
 from relaygr.streams.trigger import SequenceAwareTrigger, TriggerConfig
 from relaygr.workers.history_window import served, window_start, window_step
 from relaygr.workers.latency_model import LatencyModel
-from relaygr.workers.model import HSTUConfig, HSTURanker
-from relaygr.workers.prefix_kv import Events
+from relaygr.workers.model import HSTURanker
 from relaygr.workers.prefix_store import PrefixStore, PrefixStoreConfig
 from relaygr.workers.ranker import EngineConfig, RankingEngine
 from relaygr.workers.scheduler import DeviceScheduler, Priority
@@ -29,19 +29,7 @@ FAR = 1e12
 
 @pytest.fixture(scope="module")
 def model() -> HSTURanker:
-    torch.manual_seed(5)
-    m = HSTURanker(HSTUConfig(layers=2, heads=2, dim=32, attn_dim=16, linear_dim=16, num_items=500))
-    m.refresh_version()
-    return m
-
-
-def history(n: int, seed: int = 0) -> Events:
-    g = torch.Generator().manual_seed(seed)
-    return Events(
-        torch.randint(1, 500, (n,), generator=g),
-        torch.randint(1, 6, (n,), generator=g),
-        torch.cumsum(torch.rand(n, generator=g, dtype=torch.float64) * 3600, 0) + 1e9,
-    )
+    return tiny_model(5)
 
 
 # ---------------------------------------------------------------------- the served window

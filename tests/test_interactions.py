@@ -6,14 +6,13 @@ its row named; retrieval answers with catalogue ids only; old checkpoints keep t
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import random
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from synthetic import write_csv, write_parquet
 
 from relaygr.streams.retrieval import CandidateGenerator
 from relaygr.workers import train
@@ -39,22 +38,6 @@ def tiny_log_rows(users: int = 12, events: int = 10, seed: int = 3) -> list[dict
                 }
             )
     return rows
-
-
-def write_csv(path: Path, rows: list[dict]) -> Path:
-    with path.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    return path
-
-
-def write_parquet(path: Path, rows: list[dict]) -> Path:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    pq.write_table(pa.Table.from_pylist(rows), path)
-    return path
 
 
 def train_args(parser_args: list[str]) -> argparse.Namespace:

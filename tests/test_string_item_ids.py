@@ -14,7 +14,6 @@ invalid item id goes to the dead-letter topic with its reason while the stages k
 from __future__ import annotations
 
 import base64
-import csv
 import json
 import time
 import uuid
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from synthetic import write_csv, write_parquet
 
 from relaygr.cli import main
 from relaygr.infra.kafka import delete_topics_with_prefix, ensure_topics
@@ -52,22 +52,6 @@ def shop_log(users: int = 16, events: int = 12) -> list[dict]:
         for u in range(users)
         for j in range(events)
     ]
-
-
-def write_csv(path: Path, rows: list[dict]) -> Path:
-    with path.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    return path
-
-
-def write_parquet(path: Path, rows: list[dict]) -> Path:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    pq.write_table(pa.Table.from_pylist(rows), path)
-    return path
 
 
 @pytest.fixture(scope="module")
