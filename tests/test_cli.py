@@ -26,6 +26,12 @@ def test_int_at_least() -> None:
         (["calibrate", "--threads", "-2"], "--threads: must be at least 0, got -2"),
         (["bench", "pipeline", "--users", "0"], "--users: must be at least 1, got 0"),
         (["bench", "pipeline", "--warmup-requests", "many"], "--warmup-requests: 'many' is not an integer"),
+        (["experiment", "throughput", "--repeat", "0"], "--repeat: must be at least 1, got 0"),
+        (["experiment", "seq-len", "--max-requests", "-5"], "--max-requests: must be at least 1, got -5"),
+        (["experiment", "throughput", "--confidence", "1.5"], "--confidence: must be between 0 and 1"),
+        (["experiment", "throughput", "--miss-rate", "nan"], "--miss-rate: must be a finite number"),
+        (["up", "--max-restarts", "-1"], "--max-restarts: must be at least 0, got -1"),
+        (["up", "--restart-window", "0"], "--restart-window: must be greater than 0, got 0"),
     ],
 )
 def test_bad_numbers_are_usage_errors(argv: list[str], message: str, capsys) -> None:

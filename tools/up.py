@@ -35,6 +35,7 @@ from relaygr.infra.broker import BrokerError, free_port
 from relaygr.infra.settings import SECURITY_FIELDS, Settings, get_settings, security_env
 from relaygr.infra.supervisor import CrashLoop, RestartPolicy, Supervisor
 from relaygr.streams.config import PipelineSettings
+from relaygr.tools.args import float_above, int_at_least
 from relaygr.workers.cores import CoreLayout, format_cores, pin_tasks, plan_cores
 
 
@@ -256,14 +257,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--max-restarts",
-        type=int,
+        type=int_at_least(0),
         default=RestartPolicy.max_restarts,
         help=f"restarts of one stage within --restart-window that still count as recovering "
         f"(default {RestartPolicy.max_restarts}); one more is a crash loop and stops everything",
     )
     parser.add_argument(
         "--restart-window",
-        type=float,
+        type=float_above(0),
         default=RestartPolicy.window_s,
         help=f"seconds over which a stage's exits are counted (default {RestartPolicy.window_s:g})",
     )

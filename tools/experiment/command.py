@@ -75,6 +75,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from relaygr.infra.settings import Settings
+from relaygr.tools.args import int_at_least, open_fraction
 from relaygr.tools.experiment.kinds import KINDS, ExperimentKind
 from relaygr.tools.experiment.protocol import EXPERIMENT_SHORT_TERM, MODES, PointRun, Protocol
 from relaygr.tools.experiment.report import print_headline, say, write_experiment_report
@@ -444,18 +445,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keep", action="store_true", help="keep the topics and the pipelines' state")
     parser.add_argument("--json", action="store_true", help="print the headline figures as one JSON line")
     parser.add_argument(
-        "--repeat", type=int, default=1, help="run the whole experiment this many times (median, worst)"
+        "--repeat",
+        type=int_at_least(1),
+        default=1,
+        help="run the whole experiment this many times (median, worst)",
     )
     g = parser.add_argument_group("holding the SLO")
     g.add_argument(
-        "--max-requests", type=int, default=1000, help="cap of a point's requests (the rule decides first)"
+        "--max-requests",
+        type=int_at_least(1),
+        default=1000,
+        help="cap of a point's requests (the rule decides first)",
     )
-    g.add_argument("--min-round", type=int, default=50, help="fewest requests of a round")
+    g.add_argument("--min-round", type=int_at_least(1), default=50, help="fewest requests of a round")
     g.add_argument(
-        "--max-round", type=int, default=100, help="most requests of a round (the rule is asked after each)"
+        "--max-round",
+        type=int_at_least(1),
+        default=100,
+        help="most requests of a round (the rule is asked after each)",
     )
-    g.add_argument("--miss-rate", type=float, default=0.01, help="miss rate the bound must stay under")
-    g.add_argument("--confidence", type=float, default=0.95, help="one-sided confidence of the bound")
+    g.add_argument(
+        "--miss-rate", type=open_fraction, default=0.01, help="miss rate the bound must stay under"
+    )
+    g.add_argument("--confidence", type=open_fraction, default=0.95, help="one-sided confidence of the bound")
     g = parser.add_argument_group("isolation")
     g.add_argument(
         "--no-pin",
