@@ -224,11 +224,12 @@ async def _measure(settings: Settings, reg: TopicRegistry, pipe, args, ml, say) 
 def on_fresh_pipeline(tag: str, ranking_workers: int, measure, say, *, metrics: bool = False) -> dict:
     """Run ``await measure(settings, registry, pipeline, movielens)`` against a relay pipeline on
     topics and a home of its own (broker, model and calibration set up if missing), then remove
-    them; returns what ``measure`` returned."""
+    them; returns what ``measure`` returned, with the core layout under ``cores``."""
     from relaygr.infra.cluster import ensure_broker
     from relaygr.streams.config import PipelineSettings
     from relaygr.tools.prepare import ensure_calibration, ensure_model
     from relaygr.tools.up import Pipeline
+    from relaygr.workers.cores import plan_cores
     from relaygr.workers.movielens import load_movielens
 
     with contextlib.redirect_stdout(sys.stderr):  # stdout carries only the JSON line
@@ -244,10 +245,13 @@ def on_fresh_pipeline(tag: str, ranking_workers: int, measure, say, *, metrics: 
     )
     reg = TopicRegistry(s.topic_prefix, s.partitions)
     asyncio.run(ensure_topics(reg, s))
+    cores = plan_cores(ranking_workers, pin=False)
     try:
-        with Pipeline(s, ranking_workers=ranking_workers, mode="relay", env=env, metrics=metrics) as pipe:
-            say(f"pipeline ready in {asyncio.run(pipe.wait_ready()):.1f} s")
-            return asyncio.run(measure(s, reg, pipe, ml))
+        with Pipeline(
+            s, ranking_workers=ranking_workers, mode="relay", env=env, metrics=metrics, cores=cores
+        ) as pipe:
+            say(f"pipeline ready in {asyncio.run(pipe.wait_ready()):.1f} s; cores: {cores.describe()}")
+            return {**asyncio.run(measure(s, reg, pipe, ml)), "cores": cores.describe()}
     finally:
         asyncio.run(delete_topics_with_prefix(s, s.topic_prefix))
         shutil.rmtree(s.home, ignore_errors=True)

@@ -37,6 +37,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def place_this_process(p) -> None:
+    """The launcher's core layout for this stage (``workers.cores``): its nice level and its
+    cores, set before any thread starts, so that every thread inherits them (the ranking worker's
+    device thread re-pins itself)."""
+    if p.cpu_nice:
+        os.nice(p.cpu_nice)
+    if p.cpu_cores:
+        from relaygr.workers.cores import parse_cores, pin_tasks
+
+        pin_tasks(os.getpid(), parse_cores(p.cpu_cores))
+
+
 def run(args: argparse.Namespace) -> int:
     from relaygr.streams.config import PipelineSettings
 
@@ -49,11 +61,7 @@ def run(args: argparse.Namespace) -> int:
     if args.mode:
         p = p.model_copy(update={"mode": args.mode})
     sys.setswitchinterval(p.switch_interval_ms / 1000)
-    if p.cpu_cores:
-        from relaygr.workers.cores import parse_cores, pin_tasks
-
-        # Before any thread starts: threads inherit the mask (the device thread re-pins itself).
-        pin_tasks(os.getpid(), parse_cores(p.cpu_cores))
+    place_this_process(p)
     if args.stage == "ingress":
         from relaygr.streams.ingress import main as ingress_main
 

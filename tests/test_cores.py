@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from relaygr.workers.cores import parse_cores, pin_tasks, pin_this_thread, plan_cores
+from relaygr.workers.cores import STAGE_NICE, parse_cores, pin_tasks, pin_this_thread, plan_cores
 
 
 def test_one_device_core_per_worker_from_the_top() -> None:
@@ -64,3 +64,54 @@ def test_pin_tasks_moves_every_thread_of_a_process() -> None:
     finally:
         p.kill()
         p.wait()
+
+
+def test_unpinned_layouts_lower_the_other_stages_priority() -> None:
+    shared = plan_cores(1, {0, 1})
+    assert not shared.pinned and shared.stage_nice == STAGE_NICE > 0
+    assert f"nice {STAGE_NICE}" in shared.describe()
+    assert plan_cores(1, {0, 1}, stage_nice=0).stage_nice == 0
+    assert "nice" not in plan_cores(1, {0, 1}, stage_nice=0).describe()
+    asked = plan_cores(1, {0, 1, 2, 3}, pin=False)
+    assert not asked.pinned and asked.stage_nice == STAGE_NICE
+
+
+def test_the_launcher_nices_every_stage_but_the_ranking_workers(tmp_path, monkeypatch) -> None:
+    from relaygr.infra.settings import Settings
+    from relaygr.tools.up import Pipeline
+
+    spawned: dict[str, dict[str, str]] = {}
+
+    def spawn(name, argv, env):
+        spawned[name] = env
+        return subprocess.Popen([sys.executable, "-c", "pass"])
+
+    for layout, want in (
+        (plan_cores(2, {0, 1}), str(STAGE_NICE)),
+        (plan_cores(2, {0, 1}, stage_nice=0), None),
+    ):
+        spawned.clear()
+        pipe = Pipeline(Settings(home=tmp_path), ranking_workers=2, cores=layout)
+        monkeypatch.setattr(pipe.supervisor, "spawn", spawn)
+        pipe.start()
+        assert sorted(spawned) == sorted(
+            ["ingress-requests", "ingress-behaviors", "retrieval", "preprocess", "ranker-0", "ranker-1"]
+        )
+        for name, env in spawned.items():
+            assert env.get("RELAYGR_CPU_NICE") == (None if name.startswith("ranker-") else want), name
+
+
+def test_a_stage_process_sets_its_nice_level_before_its_threads_start() -> None:
+    code = (
+        "import os,threading\n"
+        "from relaygr.streams.stage_cli import place_this_process\n"
+        "from relaygr.streams.config import PipelineSettings\n"
+        "place_this_process(PipelineSettings())\n"
+        "out = []\n"
+        "t = threading.Thread(target=lambda: out.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))\n"
+        "t.start(); t.join(); print(os.nice(0), out[0])"
+    )
+    base = os.nice(0)
+    env = {**os.environ, "RELAYGR_CPU_NICE": "7"}
+    got = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert got.stdout.split() == [str(min(19, base + 7))] * 2

@@ -8,7 +8,8 @@ counted; only a crash loop (too many exits of one stage in a short window) stops
 
 With ``--pin-cores`` (off by default; experiments and benchmarks pin), each ranking worker's device
 thread runs on a CPU core of its own and every other process on the other cores
-(``workers.cores``).
+(``workers.cores``); otherwise the non-ranking stages run at a lower CPU priority (nice 10), so the
+ranking workers get the shared cores first.
 
 Primitives: ``Pipeline`` (start, wait_ready, scrape, check, pause, resume, stop), ``Scrape`` (one stage's
 Prometheus samples, parsed by ``prometheus_client.parser``: ``value``, ``by_label``).
@@ -82,6 +83,7 @@ class Pipeline:
     ) -> None:
         self.settings = settings
         self.cores = cores if cores is not None and cores.pinned else None
+        self.stage_nice = cores.stage_nice if cores is not None and not cores.pinned else 0
         self.paused = False
         self.n = ranking_workers
         self.mode = mode
@@ -127,6 +129,8 @@ class Pipeline:
             env["RELAYGR_CPU_CORES"] = format_cores(self.cores.shared)
             if name.startswith("ranker-"):
                 env["RELAYGR_DEVICE_CORE"] = str(self.cores.device_core(port_index - 4))
+        if self.stage_nice and not name.startswith("ranker-"):
+            env["RELAYGR_CPU_NICE"] = str(self.stage_nice)
         p = self.supervisor.spawn(name, cmd, env)
         if self.cores is not None:  # at once, too: the child pins itself only once it has started up
             pin_tasks(p.pid, self.cores.shared)
@@ -292,11 +296,10 @@ def run(args: argparse.Namespace) -> int:
             mode=args.mode,
             metrics_base_port=args.metrics_base_port,
             restart_policy=RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window),
-            cores=plan_cores(args.ranking_workers) if args.pin_cores else None,
+            cores=plan_cores(args.ranking_workers, pin=args.pin_cores),
         ) as pipe:
             waited = asyncio.run(pipe.wait_ready())
-            if pipe.cores is not None:
-                print(f"cores: {pipe.cores.describe()}", flush=True)
+            print(f"cores: {plan_cores(args.ranking_workers, pin=args.pin_cores).describe()}", flush=True)
             print(
                 f"pipeline up in {waited:.1f} s: ingress, retrieval, preprocess, {args.ranking_workers} ranking worker(s); "
                 f"logs in {pipe.log_dir}. Ctrl-C stops.",

@@ -10,9 +10,10 @@ and none of this applies.
 Primitives:
 - ``CoreLayout``: the device cores (one per ranking worker), the shared cores, whether it pins,
   and ``describe()`` (the protocol's words).
-- ``plan_cores(workers, available)``: the layout for ``workers`` ranking workers on the cores
-  this process may use; unless ``MIN_SHARED_CORES`` are left for everything else it does not pin
-  (and says so).
+- ``plan_cores(workers, available, pin=True)``: the layout for ``workers`` ranking workers on the
+  cores this process may use; unless ``MIN_SHARED_CORES`` are left for everything else it does not
+  pin (and says so), and then the stage processes other than the ranking workers run at ``STAGE_NICE``: the
+  shared CPU goes to ranking first, as a device of its own would.
 - ``pin_tasks(pid, cores)``: every thread of process ``pid`` onto ``cores`` (a process's threads
   each carry their own mask; new threads inherit their creator's).
 - ``pin_this_thread(core)``: the calling thread onto one core (the device thread).
@@ -32,13 +33,20 @@ class CoreLayout:
     shared: tuple[int, ...]  # every other thread and process
     pinned: bool
     note: str = ""
+    stage_nice: int = 0  # not pinned: nice level of the non-ranking stages
 
     def device_core(self, worker: int) -> int | None:
         return self.device[worker % len(self.device)] if self.pinned and self.device else None
 
     def describe(self) -> str:
         if not self.pinned:
-            return f"not pinned: {self.note}" if self.note else "not pinned"
+            text = f"not pinned: {self.note}" if self.note else "not pinned"
+            if self.stage_nice:
+                text += (
+                    f"; ingress, retrieval and pre-processing at nice {self.stage_nice}, so the "
+                    "ranking workers get the shared cores first"
+                )
+            return text
         dev = ", ".join(f"ranker-{i}: core {c}" for i, c in enumerate(self.device))
         return (
             f"device thread of each ranking worker on a core of its own ({dev}); every other "
@@ -53,16 +61,28 @@ gets one of its own. With one, they starve: on 2 cores, pinning raised `bench pi
 from 33 ms to 3.2 s, more than any device time it saved."""
 
 
+STAGE_NICE = 10
+"""Nice level of the ingress, retrieval and pre-processing processes when the ranking workers share
+their cores: at 10 a thread weighs 110 against ranking's 1024 in Linux's fair scheduler, so a
+ranking that wants a contended core gets about 90 % of it instead of an equal share. The broker
+stays at 0: every rank request crosses it."""
+
+
 def available_cores() -> set[int]:
     return set(os.sched_getaffinity(0))
 
 
-def plan_cores(workers: int, available: set[int] | None = None) -> CoreLayout:
+def plan_cores(
+    workers: int, available: set[int] | None = None, *, pin: bool = True, stage_nice: int = STAGE_NICE
+) -> CoreLayout:
     """One device core per ranking worker (the highest), the others shared; no pinning unless
-    ``MIN_SHARED_CORES`` remain shared (``workers + 2`` cores or more)."""
+    ``pin`` and ``MIN_SHARED_CORES`` remain shared (``workers + 2`` cores or more). Unpinned, the
+    other processes run at ``stage_nice`` (0: as the ranking workers)."""
     cores = sorted(available_cores() if available is None else available)
     if workers < 1:
         return CoreLayout((), tuple(cores), False, "no ranking worker")
+    if not pin:
+        return CoreLayout((), tuple(cores), False, "", stage_nice)
     if len(cores) < workers + MIN_SHARED_CORES:
         return CoreLayout(
             (),
@@ -71,6 +91,7 @@ def plan_cores(workers: int, available: set[int] | None = None) -> CoreLayout:
             f"{len(cores)} core(s) for {workers} ranking worker(s): a device core each and "
             f"{MIN_SHARED_CORES} for the rest needs {workers + MIN_SHARED_CORES}, so every thread "
             "shares every core",
+            stage_nice,
         )
     return CoreLayout(tuple(cores[-workers:][::-1]), tuple(cores[:-workers]), True)
 
