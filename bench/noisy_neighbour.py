@@ -135,13 +135,11 @@ async def _measure(settings, reg, args, ml, say) -> dict:
         "heavy_paths": dict(Counter(r.path.value for r in heavy)),
         "heavy_used_len": [r.used_len for r in heavy],
         "heavy_history_len": max((r.history_len for r in heavy), default=0),
-        # What the slowest ordinary rankings of the heavy phase waited for (ms).
+        # What the heavy user's rankings and the slowest ordinary ones of the heavy phase were
+        # made of (ms).
+        "heavy_breakdowns": [{"path": r.path.value, **_ranking_parts(r)} for r in heavy],
         "ordinary_slowest_heavy": [
-            {
-                k: round(v, 1)
-                for k, v in r.breakdown_ms.items()
-                if k not in ("hop_requests", "retrieval", "preprocess", "hop_retrieved", "routing")
-            }
+            _ranking_parts(r)
             for r in sorted(
                 (results[x.request_id] for x in hot_sent if x.request_id in results),
                 key=lambda r: -r.breakdown_ms.get("ranking", 0),
@@ -149,6 +147,12 @@ async def _measure(settings, reg, args, ml, say) -> dict:
         ],
         "target_ratio": 1.2,
     }
+
+
+def _ranking_parts(r) -> dict[str, float]:
+    """The ranking stage's share of a result's breakdown (ms, rounded)."""
+    upstream = ("hop_requests", "retrieval", "preprocess", "hop_retrieved", "routing")
+    return {k: round(v, 1) for k, v in r.breakdown_ms.items() if k not in upstream}
 
 
 def run(args: argparse.Namespace) -> int:

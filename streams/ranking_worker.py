@@ -223,6 +223,9 @@ class RankingWorker:
         self.lineage = HistoryLineage(STAGE, settings, self.dir, self.history, self.store)
         self.tracker = OffsetTracker()
         self.tasks: set[asyncio.Task] = set()
+        # One task per behaviours partition applying its last fetched batch; the partition is
+        # paused meanwhile, and the loop goes on fetching requests and signals.
+        self.appliers: dict[TopicPartition, asyncio.Task] = {}
         self.assigned: set[TopicPartition] = set()
         self.catching_up: dict[int, CatchUp] = {}  # behaviours partition -> its rebuild in progress
         self.peak_inflight = 0
@@ -286,6 +289,7 @@ class RankingWorker:
             with contextlib.suppress(Exception):
                 await self.lineage.close()
             await self._drain(set(self.assigned), timeout_s=30)
+            await self._finish_appliers()
             with contextlib.suppress(Exception):
                 await self._commit()
             await self.consumer.stop()
@@ -302,20 +306,28 @@ class RankingWorker:
         beh, sig = self.reg.name("routed_behaviors"), self.reg.name("prefill")
         last_commit = time.monotonic()
         while not self._stop.is_set():
+            assignment = self.consumer.assignment()
+            self._reap_appliers()
             # Bounded queue: at most max_inflight signals and requests in flight; past that the
             # work partitions are paused (behaviours keep flowing) and the rest waits in Kafka.
             room = self.p.max_inflight - len(self.tasks)
-            work = [tp for tp in self.consumer.assignment() if tp.topic != beh]
+            work = [tp for tp in assignment if tp.topic != beh]
             if room <= 0:
                 self.consumer.pause(*work)
             else:
                 self.consumer.resume(*work)
+            # A behaviours partition whose last batch is still being applied is not fetched.
+            applying = {tp for tp in self.appliers if tp in assignment}
+            self.consumer.pause(*applying)
+            self.consumer.resume(*[tp for tp in assignment if tp.topic == beh and tp not in applying])
             batch = await self.consumer.getmany(timeout_ms=20, max_records=500)
-            # Requests and signals first: they start at once (each waits, if it must, for the
-            # behaviours it needs: ``_await_history``), then the behaviours are applied in slices.
-            for tp, msgs in sorted(batch.items(), key=lambda kv: kv[0].topic == beh):
+            for tp, msgs in batch.items():
                 if tp.topic == beh:
-                    await self._apply_behaviours(tp, msgs)
+                    # Applied by a task of its own, in slices with the loop free in between: a
+                    # burst of one user's behaviours never keeps the requests unread (``hop_rank``).
+                    self.appliers[tp] = asyncio.create_task(
+                        self._apply_after(self.appliers.get(tp), tp, msgs)
+                    )
                     continue
                 for m in msgs:
                     if room <= 0:  # over the bound: fetch this one again later
@@ -329,6 +341,25 @@ class RankingWorker:
                 await self._commit()
                 last_commit = time.monotonic()
             INFLIGHT.set(len(self.tasks))
+
+    async def _apply_after(self, before: asyncio.Task | None, tp: TopicPartition, msgs: list) -> None:
+        if before is not None:  # a batch fetched before the pause took effect: keep the order
+            await before
+        await self._apply_behaviours(tp, msgs)
+
+    def _reap_appliers(self) -> None:
+        """Forget finished appliers; one that failed stops the worker as the loop's own error
+        would (the history table is left where its last applied slice ended)."""
+        for tp, task in list(self.appliers.items()):
+            if task.done():
+                del self.appliers[tp]
+                task.result()
+
+    async def _finish_appliers(self, tps: set[TopicPartition] | None = None) -> None:
+        """Wait for the appliers of ``tps`` (None: all) to finish."""
+        pending = [t for tp, t in self.appliers.items() if tps is None or tp in tps]
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
 
     def _spawn(self, tp: TopicPartition, m, handler) -> None:
         self.tracker.start(tp, m.offset)
@@ -714,6 +745,7 @@ class _Rebalance(ConsumerRebalanceListener):
         revoked = set(revoked)
         # Finish (or give up on) what is in flight for these partitions, then commit it.
         await self.w._drain(revoked, timeout_s=10)
+        await self.w._finish_appliers(revoked)
         with contextlib.suppress(Exception):
             offsets = self.w.tracker.committable(revoked)
             if offsets:
