@@ -244,14 +244,35 @@ def test_repeat_reports_each_run_the_median_and_the_worst(monkeypatch, capsys) -
     from relaygr.tools.experiment import command
 
     ratios = iter([4.0, None, 6.0, 3.0])
+    seen_b: list[float | None] = []
 
     def fake_sweep(args, kind) -> dict:
         print("== chatter that must stay off stdout")
-        return {"ratio": next(ratios)}
+        seen_b.append(args.slo_ms)
+        return {"ratio": next(ratios), "slo_ms": 70.0 + len(seen_b)}  # B as a run would measure it
 
     monkeypatch.setattr(command, "run_sweep", fake_sweep)
-    args = argparse.Namespace(repeat=4, json=True)
+    args = argparse.Namespace(repeat=4, json=True, slo_ms=None)
     assert command.run_repeated(args, KINDS["throughput"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["ratios"] == [4.0, None, 6.0, 3.0]
     assert out["median_ratio"] == 4.0 and out["worst_ratio"] == 3.0 and out["runs_without_ratio"] == 1
+    # B is measured once, by the first run, and every later run uses it.
+    assert seen_b == [None, 71.0, 71.0, 71.0]
+
+
+def test_repeat_keeps_a_given_b_for_every_run(monkeypatch, capsys) -> None:
+    import argparse
+
+    from relaygr.tools.experiment import command
+
+    seen_b: list[float | None] = []
+
+    def fake_sweep(args, kind) -> dict:
+        seen_b.append(args.slo_ms)
+        return {"ratio": 2.0, "slo_ms": args.slo_ms}
+
+    monkeypatch.setattr(command, "run_sweep", fake_sweep)
+    assert command.run_repeated(argparse.Namespace(repeat=3, json=True, slo_ms=55.0), KINDS["seq-len"]) == 0
+    capsys.readouterr()
+    assert seen_b == [55.0, 55.0, 55.0]

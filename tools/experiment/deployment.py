@@ -239,7 +239,7 @@ def measure_slo(
 ) -> tuple[float, str]:
     """B from a baseline pipeline without truncation at ``--slo-tokens`` (see the module doc)."""
     if args.slo_ms:
-        return float(args.slo_ms), "given with --slo-ms"
+        return float(args.slo_ms), getattr(args, "slo_how", None) or "given with --slo-ms"
     guess = math.ceil(lat.predict_ms(args.slo_tokens) + 10.0)
     say(
         f"SLO calibration: baseline, {args.slo_tokens}-event histories, {args.slo_requests} requests at "
