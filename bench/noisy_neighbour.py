@@ -137,7 +137,15 @@ async def _measure(settings, reg, args, ml, say) -> dict:
         "heavy_history_len": max((r.history_len for r in heavy), default=0),
         # What the heavy user's rankings and the slowest ordinary ones of the heavy phase were
         # made of (ms).
-        "heavy_breakdowns": [{"path": r.path.value, **_ranking_parts(r)} for r in heavy],
+        "heavy_breakdowns": [
+            {
+                "path": r.path.value,
+                "tokens_computed": r.tokens_computed,
+                "prefix_len": r.prefix_len,
+                **_ranking_parts(r),
+            }
+            for r in heavy
+        ],
         "ordinary_slowest_heavy": [
             _ranking_parts(r)
             for r in sorted(
