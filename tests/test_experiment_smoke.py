@@ -212,7 +212,13 @@ def test_sweep_runs_the_first_point_twice_in_each_mode(monkeypatch) -> None:
         return _point(x, d.mode, True, 10.0, attempt=attempt)
 
     monkeypatch.setattr(command, "_run_one", fake_run_one)
-    monkeypatch.setattr(deployment, "build_and_publish", lambda *a, **k: Trace([], [], meta={}))
+    built: list[str] = []
+
+    def fake_build(settings, ml, args, start, count, length, topic) -> Trace:
+        built.append(topic)
+        return Trace([], [], meta={})
+
+    monkeypatch.setattr(deployment, "build_and_publish", fake_build)
     kind = types.SimpleNamespace(
         requests=lambda args, x: 10,
         trace=lambda args, x, n: types.SimpleNamespace(requests=n, length=int(x), topic_suffix=f"t{x:g}"),
@@ -221,6 +227,7 @@ def test_sweep_runs_the_first_point_twice_in_each_mode(monkeypatch) -> None:
         args=argparse.Namespace(patience=2, no_isolate=True),
         kind=kind,
         run_id="r",
+        topics="relaygr-r",
         settings=None,
         ml=None,
         window_start=0,
@@ -236,6 +243,21 @@ def test_sweep_runs_the_first_point_twice_in_each_mode(monkeypatch) -> None:
         (1024, "relay", 2),
     ]
     assert len(points) == 6
+    assert built == ["relaygr-r.t512", "relaygr-r.t1024"]  # under the run's topic start
+
+
+def test_an_experiments_topics_and_groups_are_under_the_deployments_prefix(tmp_path) -> None:
+    # The cascade role of a secured cluster may use only names starting with the topic prefix.
+    from relaygr.infra.settings import Settings
+    from relaygr.tools.experiment.command import Run
+    from relaygr.tools.experiment.deployment import Deployment
+
+    settings = Settings(home=tmp_path, topic_prefix="shop")
+    run = Run(None, None, settings, tmp_path, "exp-seq-len-x", *[None] * 8)
+    assert run.topics == "shop-exp-seq-len-x"
+    dep = Deployment(settings, "relay", {}, tmp_path, run.topics, 1)
+    assert dep.settings.topic_prefix.startswith("shop-")
+    assert all(dep.reg.name(t).startswith("shop-") for t in ("behaviors", "requests", "rank", "results"))
 
 
 def test_repeat_reports_each_run_the_median_and_the_worst(monkeypatch, capsys) -> None:

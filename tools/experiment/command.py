@@ -109,6 +109,12 @@ class Run:
     rule: StopRule
 
     @property
+    def topics(self) -> str:
+        """The start of every topic and group name of this run: under the deployment's prefix, so
+        the cascade role of a secured cluster (prefixed ACLs) may run it."""
+        return f"{self.settings.topic_prefix}-{self.run_id}"
+
+    @property
     def calibration(self) -> Path:
         return self.out / "calibration.json"
 
@@ -263,7 +269,7 @@ def sweep(run: Run, deps: list, xs: list[float], slo_ms: float) -> tuple[list[Po
             break
         n_requests = kind.requests(args, x)
         shape = kind.trace(args, x, n_requests)
-        topic = f"{run.run_id}.{shape.topic_suffix}"
+        topic = f"{run.topics}.{shape.topic_suffix}"
         if topic not in built:
             built[topic] = build_and_publish(
                 run.settings, run.ml, args, run.window_start, shape.requests, shape.length, topic
@@ -348,10 +354,10 @@ def run_sweep(args: argparse.Namespace, kind: ExperimentKind) -> dict:
     try:
         ref = build_and_publish(
             run.settings, run.ml, args, run.window_start, max(args.slo_requests, args.pipeline_warmup),
-            args.slo_tokens, f"{run.run_id}.trace-ref",
+            args.slo_tokens, f"{run.topics}.trace-ref",
         )  # fmt: skip
         slo_ms, slo_how = measure_slo(
-            run.settings, args, run.model_dir, run.calibration, run.latency, ref, run.root, run.run_id,
+            run.settings, args, run.model_dir, run.calibration, run.latency, ref, run.root, run.topics,
             run.cores,
         )  # fmt: skip
         xs = kind.points(args)
@@ -360,7 +366,7 @@ def run_sweep(args: argparse.Namespace, kind: ExperimentKind) -> dict:
         say(f"protocol fixed: B = {slo_ms:g} ms, W = {slo_ms:g} ms, points {', '.join(f'{x:g}' for x in xs)}")
 
         env = pipeline_env(args, run.model_dir, run.calibration, slo_ms)
-        deps = [Deployment(run.settings, m, env, run.root, run.run_id, 1, run.cores) for m in MODES]
+        deps = [Deployment(run.settings, m, env, run.root, run.topics, 1, run.cores) for m in MODES]
 
         async def start_all() -> None:
             for d in deps:
@@ -390,7 +396,7 @@ def run_sweep(args: argparse.Namespace, kind: ExperimentKind) -> dict:
             _pin_broker(run.settings, every)
             pin_tasks(os.getpid(), every)
         if not args.keep:
-            asyncio.run(delete_topics_with_prefix(run.settings, run.run_id))
+            asyncio.run(delete_topics_with_prefix(run.settings, run.topics))
             if done:  # after a failure the pipelines' logs and state stay for inspection
                 shutil.rmtree(run.root, ignore_errors=True)
             else:

@@ -36,13 +36,14 @@ class Deployment:
     """One mode's pipeline on its own topics and state."""
 
     def __init__(
-        self, settings, mode: str, env: dict[str, str], root: Path, run_id: str, workers: int, cores=None
+        self, settings, mode: str, env: dict[str, str], root: Path, topics: str, workers: int, cores=None
     ) -> None:
+        """``topics``: the start of its topic names (``<topics>-<mode>.*``)."""
         from relaygr.schemas import TopicRegistry
         from relaygr.tools.up import Pipeline
 
         self.mode = mode
-        self.settings = settings.model_copy(update={"topic_prefix": f"{run_id}-{mode}", "home": root / mode})
+        self.settings = settings.model_copy(update={"topic_prefix": f"{topics}-{mode}", "home": root / mode})
         self.reg = TopicRegistry(self.settings.topic_prefix, self.settings.partitions)
         self.pipe = Pipeline(
             self.settings, ranking_workers=workers, mode=mode, env=env, metrics=True, cores=cores
@@ -235,7 +236,7 @@ async def warm_pipeline(dep: Deployment, ref, args, scratch: Path) -> None:
 
 
 def measure_slo(
-    settings, args, model_dir, calib, lat, ref, root: Path, run_id: str, cores=None
+    settings, args, model_dir, calib, lat, ref, root: Path, topics: str, cores=None
 ) -> tuple[float, str]:
     """B from a baseline pipeline without truncation at ``--slo-tokens`` (see the module doc)."""
     if args.slo_ms:
@@ -246,7 +247,7 @@ def measure_slo(
         f"{args.slo_qps:g} QPS, no truncation (W = {guess} ms meanwhile)"
     )
     env = pipeline_env(args, model_dir, calib, guess, budget_ms=60000)
-    dep = Deployment(settings, "baseline", env, root / "slo", run_id + "-slo", 1, cores)
+    dep = Deployment(settings, "baseline", env, root / "slo", topics + "-slo", 1, cores)
 
     async def go() -> PointRun:
         await dep.start()
