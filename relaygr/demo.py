@@ -82,7 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--theta",
-        type=float_above(0),
+        type=float_above(0, 10),  # the trigger's own bounds
         default=None,
         help="trigger threshold: pre-infer a request whose full ranking is predicted above budget x theta "
         f"(default {DEMO_THETA:g}, or RELAYGR_THETA: on a CPU shared with the other stages a full "

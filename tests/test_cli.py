@@ -23,6 +23,8 @@ def test_int_at_least() -> None:
     "argv, message",
     [
         (["demo", "--max-history", "0"], "--max-history: must be at least 1, got 0"),
+        (["demo", "--theta", "0"], "--theta: must be greater than 0, got 0"),
+        (["demo", "--theta", "11"], "--theta: must be at most 10, got 11"),
         (["calibrate", "--threads", "-2"], "--threads: must be at least 0, got -2"),
         (["bench", "pipeline", "--users", "0"], "--users: must be at least 1, got 0"),
         (["bench", "pipeline", "--warmup-requests", "many"], "--warmup-requests: 'many' is not an integer"),

@@ -3,7 +3,7 @@
 Primitives:
 - ``int_at_least(low)``: an argparse type accepting integers no smaller than ``low``; anything
   else is a usage error that names the rule.
-- ``float_above(low)``: a finite number greater than ``low``; ``open_fraction``: a number
+- ``float_above(low, high=None)``: a finite number greater than ``low`` (and at most ``high``); ``open_fraction``: a number
   strictly between 0 and 1 (a rate, a confidence).
 """
 
@@ -40,16 +40,19 @@ def _number(text: str) -> float:
     return value
 
 
-def float_above(low: float) -> Callable[[str], float]:
-    """An argparse type: a finite number greater than ``low``, else a usage error that says so."""
+def float_above(low: float, high: float | None = None) -> Callable[[str], float]:
+    """An argparse type: a finite number greater than ``low`` and, with ``high``, at most
+    ``high``; else a usage error that says so."""
 
     def parse(text: str) -> float:
         value = _number(text)
         if value <= low:
             raise argparse.ArgumentTypeError(f"must be greater than {low:g}, got {text}")
+        if high is not None and value > high:
+            raise argparse.ArgumentTypeError(f"must be at most {high:g}, got {text}")
         return value
 
-    parse.__name__ = f"number > {low:g}"
+    parse.__name__ = f"number > {low:g}" + (f" and <= {high:g}" if high is not None else "")
     return parse
 
 
