@@ -6,9 +6,7 @@ its vocabulary lacks."""
 from __future__ import annotations
 
 import argparse
-import csv
 import uuid
-from pathlib import Path
 
 import pytest
 
@@ -22,6 +20,7 @@ from relaygr.workers import train
 from relaygr.workers.interactions import Columns, build_log, read_interactions
 from relaygr.workers.latency_model import LatencyModel
 from relaygr.workers.model import HSTURanker
+from tests.synthetic import write_csv
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
 
@@ -30,14 +29,6 @@ UNKNOWN = [7, 999_999]  # not in the catalogue: 7 would have been an ML-100K mov
 
 
 TINY = ["--layers", "1", "--heads", "1", "--dim", "16", "--epochs", "1", "--max-steps", "2", "--threads", "1"]
-
-
-def write_csv(path: Path, rows: list[dict]) -> Path:
-    with path.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    return path
 
 
 def catalogue_rows() -> list[dict]:
