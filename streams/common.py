@@ -80,20 +80,23 @@ async def deliver(send: Any, *, what: str, attempts: int = 0, max_backoff_s: flo
             backoff = min(max_backoff_s, backoff * 2)
 
 
-async def commit_existing(consumer: Any, offsets: dict[Any, int], *, timeout_s: float = 2.0) -> None:
+async def commit_existing(
+    consumer: Any, offsets: dict[Any, int], *, timeout_s: float = 2.0, incarnations: Any = None
+) -> None:
     """Commit ``offsets`` of the topics the consumer's metadata still knows, giving up after
     ``timeout_s``. aiokafka retries a commit to a deleted topic without end, which would hold up
     the consuming loop and any rebalance until the topic came back. A commit refused because the
     group rebalanced meanwhile (this member was away longer than its session: stopped, or starved
     of CPU) is dropped: the consumer rejoins on its next fetch, and whoever owns the partitions
-    then resumes from the last committed offsets (at least once)."""
+    then resumes from the last committed offsets (at least once). With ``incarnations`` (a
+    ``relaygr.infra.incarnations.Incarnations``) each offset names the topic id it was read from."""
     from aiokafka.errors import CommitFailedError
 
     live = {tp: o for tp, o in offsets.items() if consumer.partitions_for_topic(tp.topic)}
     if not live:
         return
     try:
-        await asyncio.wait_for(consumer.commit(live), timeout_s)
+        await asyncio.wait_for(consumer.commit(incarnations.stamp(live) if incarnations else live), timeout_s)
     except CommitFailedError as e:
         log.warning("committing offsets failed after a rebalance (%s); rejoining", e)
     except TimeoutError:
@@ -222,7 +225,8 @@ def make_app(stage: str, settings: Settings, worker_id: str, **overrides: Any):
     datadir = deployment_dir(settings, "stages") / f"{stage}-{worker_id}"
     datadir.mkdir(parents=True, exist_ok=True)
     conf: dict[str, Any] = {
-        "broker": [f"kafka://{hp.strip()}" for hp in bootstrap.split(",")],
+        # faust's aiokafka transport, its commits stamped with the topic id they were read from.
+        "broker": [f"{table_lineage.TRANSPORT_SCHEME}://{hp.strip()}" for hp in bootstrap.split(",")],
         # RocksDB tables whose partitions are checked against the cluster before use.
         "store": table_lineage.STORE_URL,
         "datadir": str(datadir),

@@ -45,6 +45,7 @@ from aiokafka import ConsumerRebalanceListener, TopicPartition
 from prometheus_client import Counter as PCounter
 from prometheus_client import Histogram
 
+from relaygr.infra.incarnations import Incarnations
 from relaygr.infra.kafka import consumer, describe_partitions, partition_for, producer
 from relaygr.infra.settings import Settings
 from relaygr.schemas import (
@@ -111,6 +112,9 @@ class Ingress:
         self._beh_partitions: tuple[int, float] = (0, 0.0)  # (count, when read)
         self._forwarded_reset = False  # the behaviours topic was recreated: positions start over
         self.assigned_at: dict[str, float] = {}  # topic -> when its partitions were last assigned
+        # Commits name the topic id they were read from; a partition whose committed offset names
+        # an earlier topic of the same name is read from its start (``relaygr.infra.incarnations``).
+        self.incarnations = Incarnations(settings)
 
     def stop(self) -> None:
         self._stop.set()
@@ -124,7 +128,10 @@ class Ingress:
         # a request never waits behind a large behaviour fetch or batch on the wire.
         if "requests" in self.inputs:
             self.req_consumer = consumer(self.settings, group_id=f"{prefix}-ingress-requests", **common)
-            self.req_consumer.subscribe([self.reg.name("requests")], listener=_Assignments(self))
+            self.req_consumer.subscribe(
+                [self.reg.name("requests")],
+                listener=_Assignments(self, "req_consumer", f"{prefix}-ingress-requests"),
+            )
             # The end-offset look-ups of requests on a connection of their own as well.
             self.offsets = consumer(self.settings, group_id=None)
             self.req_producer = producer(self.settings, linger_ms=0)
@@ -137,7 +144,10 @@ class Ingress:
                 max_partition_fetch_bytes=4 << 20,
                 **common,
             )
-            self.beh_consumer.subscribe([self.reg.name("behaviors")], listener=_Assignments(self))
+            self.beh_consumer.subscribe(
+                [self.reg.name("behaviors")],
+                listener=_Assignments(self, "beh_consumer", f"{prefix}-ingress-behaviors"),
+            )
             self.beh_producer = producer(self.settings, linger_ms=0, max_batch_size=1 << 20)
             clients += [self.beh_producer, self.beh_consumer]
             loops.append(self._behaviours)
@@ -161,6 +171,8 @@ class Ingress:
             for c in clients:
                 with contextlib.suppress(Exception):
                     await c.stop()
+            with contextlib.suppress(Exception):
+                await self.incarnations.close()
 
     # ------------------------------------------------------------------ checks
 
@@ -283,7 +295,7 @@ class Ingress:
                 ROUTED.labels(src).inc(len(records))
             if records or time.monotonic() - last_commit > COMMIT_EVERY_S:
                 # Every record read so far is forwarded (acknowledged) or dead-lettered.
-                await _commit(self.req_consumer)
+                await _commit(self.req_consumer, self.incarnations)
                 last_commit = time.monotonic()
 
     async def _send_request(self, topic: str, value: bytes, key: bytes, partition: int, headers) -> None:
@@ -383,7 +395,7 @@ class Ingress:
                 if in_flight is not None:
                     await in_flight
                     in_flight = None
-                await _commit(self.beh_consumer)  # all read so far is acknowledged downstream
+                await _commit(self.beh_consumer, self.incarnations)  # all read so far is acknowledged
                 last_commit = now
 
     async def _send_behaviours(
@@ -415,10 +427,12 @@ class Ingress:
 
 
 class _Assignments(ConsumerRebalanceListener):
-    """Notes when each input topic's partitions were assigned (see ``_watch_sources``)."""
+    """Notes when each input topic's partitions were assigned (see ``_watch_sources``), and reads
+    a partition from its start when its committed offset was read from an earlier topic of the
+    same name (a commit retried across the topic's deletion and creation)."""
 
-    def __init__(self, ingress: Ingress) -> None:
-        self.ingress = ingress
+    def __init__(self, ingress: Ingress, consumer_attr: str, group: str) -> None:
+        self.ingress, self.consumer_attr, self.group = ingress, consumer_attr, group
 
     async def on_partitions_revoked(self, revoked) -> None:
         pass
@@ -426,6 +440,17 @@ class _Assignments(ConsumerRebalanceListener):
     async def on_partitions_assigned(self, assigned) -> None:
         for topic in {tp.topic for tp in assigned}:
             self.ingress.assigned_at[topic] = time.monotonic()
+        stale = await self.ingress.incarnations.stale(self.group, assigned)
+        if stale:
+            from relaygr.streams.state_lineage import DISCARDED
+
+            await getattr(self.ingress, self.consumer_attr).seek_to_beginning(*stale)
+            DISCARDED.labels(STAGE, "offset_of_old_topic").inc(len(stale))
+            log.warning(
+                "ingress: the committed offsets of %s were read from an earlier topic of the same "
+                "name: reading them from the start",
+                sorted((tp.topic, tp.partition) for tp in stale),
+            )
 
 
 def _batch_record(user_id: str, cols: tuple[list, list, list, list, list]) -> list[tuple[bytes, bytes, list]]:
@@ -447,13 +472,21 @@ def _batch_record(user_id: str, cols: tuple[list, list, list, list, list]) -> li
     return out
 
 
-async def _commit(cons: Any) -> None:
-    """Commit what ``cons`` consumed; a commit refused during a rebalance is retried by the next
-    owner's reading from the last committed offset (readers drop the re-forwarded copies)."""
+async def _commit(cons: Any, incarnations: Incarnations) -> None:
+    """Commit what ``cons`` consumed, each offset naming the topic id it was read from. A commit
+    refused during a rebalance, or not acknowledged in time (a topic being deleted), is retried by
+    the next commit or the next owner's reading from the last committed offset (readers drop
+    the re-forwarded copies)."""
+    from relaygr.streams.common import commit_existing
+
+    offsets = {}
+    for tp in cons.assignment():
+        with contextlib.suppress(Exception):
+            offsets[tp] = await asyncio.wait_for(cons.position(tp), 1.0)
     from aiokafka.errors import KafkaError
 
     try:
-        await cons.commit()
+        await commit_existing(cons, offsets, incarnations=incarnations)
     except KafkaError as e:
         log.warning("ingress commit failed (%s); the next owner re-reads from the last commit", e)
 

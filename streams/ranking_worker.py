@@ -48,6 +48,7 @@ from aiokafka.coordinator.assignors.range import RangePartitionAssignor
 from prometheus_client import Counter as PCounter
 from prometheus_client import Gauge, Histogram
 
+from relaygr.infra.incarnations import Incarnations
 from relaygr.infra.kafka import consumer, producer
 from relaygr.infra.settings import Settings
 from relaygr.schemas import (
@@ -74,7 +75,7 @@ from relaygr.streams.common import (
 )
 from relaygr.streams.config import PipelineSettings, engine_config
 from relaygr.streams.history import HistoryAlignment, HistoryTable
-from relaygr.streams.state_lineage import HistoryLineage, deployment_dir
+from relaygr.streams.state_lineage import DISCARDED, HistoryLineage, deployment_dir
 from relaygr.workers.calibration import calibrate
 from relaygr.workers.cores import pin_this_thread
 from relaygr.workers.devices import keep_host_pages
@@ -221,6 +222,8 @@ class RankingWorker:
         )
         self.alignment = HistoryAlignment(self.history)
         self.lineage = HistoryLineage(STAGE, settings, self.dir, self.history, self.store)
+        # Request and signal offsets name the topic id they were read from (see on assignment).
+        self.incarnations = Incarnations(settings)
         self.tracker = OffsetTracker()
         self.tasks: set[asyncio.Task] = set()
         # One task per behaviours partition applying its last fetched batch; the partition is
@@ -288,6 +291,8 @@ class RankingWorker:
             lineage.cancel()
             with contextlib.suppress(Exception):
                 await self.lineage.close()
+            with contextlib.suppress(Exception):
+                await self.incarnations.close()
             await self._drain(set(self.assigned), timeout_s=30)
             await self._finish_appliers()
             with contextlib.suppress(Exception):
@@ -386,7 +391,7 @@ class RankingWorker:
             if tp.topic == beh:
                 offsets[tp] = self.history.next_offset(tp.partition)
         if offsets:
-            await commit_existing(self.consumer, offsets)
+            await commit_existing(self.consumer, offsets, incarnations=self.incarnations)
 
     async def _drain(self, tps: set[TopicPartition], timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -749,7 +754,7 @@ class _Rebalance(ConsumerRebalanceListener):
         with contextlib.suppress(Exception):
             offsets = self.w.tracker.committable(revoked)
             if offsets:
-                await commit_existing(self.w.consumer, offsets)
+                await commit_existing(self.w.consumer, offsets, incarnations=self.w.incarnations)
         self.w.tracker.forget(revoked)
         self.w.assigned -= revoked
         for tp in revoked:
@@ -762,6 +767,19 @@ class _Rebalance(ConsumerRebalanceListener):
         # Histories built from another cluster or an earlier incarnation of the topic are dropped.
         await self.w.lineage.verify(beh, [tp.partition for tp in assigned if tp.topic == beh])
         behaviours = [tp for tp in assigned if tp.topic == beh]
+        # A committed request or signal offset read from an earlier topic of the same name (a
+        # commit retried across its deletion and creation) would skip the new topic's first ones.
+        group = f"{self.w.settings.topic_prefix}-ranking"
+        stale = await self.w.incarnations.stale(group, [tp for tp in assigned if tp.topic != beh])
+        if stale:
+            await self.w.consumer.seek_to_beginning(*stale)
+            DISCARDED.labels(STAGE, "offset_of_old_topic").inc(len(stale))
+            log.warning(
+                "%s: the committed offsets of %s were read from an earlier topic of the same name: "
+                "reading them from the start",
+                self.w.worker_id,
+                sorted((tp.topic, tp.partition) for tp in stale),
+            )
         for tp in behaviours:
             # The history table knows how far it got: resume there, not at the group offset.
             self.w.consumer.seek(tp, self.w.history.next_offset(tp.partition))

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from aiokafka import TopicPartition
 from aiokafka.protocol.admin import DescribeGroupsRequest_v2
 from aiokafka.protocol.api import Request
 from store_probe import is_leased
@@ -268,6 +269,72 @@ async def test_a_topic_recreated_under_a_history_is_noticed_by_its_id(kafka_sett
 
 
 @pytest.mark.broker
+async def test_a_commit_of_the_old_topic_landing_on_the_new_one_is_not_resumed_from(kafka_settings) -> None:
+    """A faust stage's commit retried across a topic's deletion and creation lands on the new
+    topic with the old topic's offset. Its stamp names the old topic id: on assignment, the
+    stage's consumer reads that partition from the start instead, and keeps a commit of its own."""
+    from types import SimpleNamespace
+
+    from aiokafka.structs import OffsetAndMetadata
+
+    from relaygr.infra.incarnations import Incarnations
+    from relaygr.streams.table_lineage import _IncarnationCheckedThread
+
+    prefix = f"sid-{uuid.uuid4().hex[:8]}"
+    s = kafka_settings.model_copy(update={"topic_prefix": prefix, "partitions": 2})
+    reg = TopicRegistry(prefix, 2)
+    topic, group = reg.name("routed_requests"), f"{prefix}-retrieval"
+    tps = [TopicPartition(topic, 0), TopicPartition(topic, 1)]
+    old = Incarnations(s)
+    try:
+        await ensure_topics(reg, s)
+        await _produce(s, topic, [ev("a", i) for i in range(6)], partition=0)
+        old_ids = await old.learn([topic])
+        await delete_topics_with_prefix(s, prefix)
+        await _recreate(s, reg)
+        await _produce(s, topic, [ev("z", i) for i in range(4)], partition=0)
+        await _produce(s, topic, [ev("z", i) for i in range(4)], partition=1)
+        # The retried commit lands (offset 6 of the old topic), and one of the new topic's own.
+        await _commit_as(s, group, {tps[0]: OffsetAndMetadata(6, old.stamp({tps[0]: 6})[tps[0]].metadata)})
+        new = Incarnations(s)
+        await new.learn([topic])
+        await _commit_as(s, group, new.stamp({tps[1]: 3}))
+        await new.close()
+        assert old_ids[topic] != new.ids[topic]
+
+        cons = consumer(s, group_id=group)
+        await cons.start()
+        try:
+            cons.assign(tps)
+            thread = _IncarnationCheckedThread.__new__(_IncarnationCheckedThread)
+            thread.app = SimpleNamespace(
+                conf=SimpleNamespace(id=group), relaygr_settings=s, relaygr_stage="t"
+            )
+            thread._ensure_consumer = lambda: cons
+            resumed = await thread._seek_checked()
+            assert resumed[tps[0]] is None and resumed[tps[1]] == 3
+            assert await cons.position(tps[0]) == 0 and await cons.position(tps[1]) == 3
+            # What the thread commits from now on names the new topic.
+            assert thread._checker().stamp({tps[0]: 1})[tps[0]].metadata.endswith(new.ids[topic])
+            await thread._checker().close()
+        finally:
+            await cons.stop()
+    finally:
+        await old.close()
+        await delete_topics_with_prefix(s, prefix)
+
+
+async def _commit_as(s: Settings, group: str, offsets: dict) -> None:
+    cons = consumer(s, group_id=group)
+    await cons.start()
+    try:
+        cons.assign(list(offsets))
+        await cons.commit(offsets)
+    finally:
+        await cons.stop()
+
+
+@pytest.mark.broker
 async def test_the_probe_reads_cluster_and_topic_ids(kafka_settings) -> None:
     prefix = f"sid-{uuid.uuid4().hex[:8]}"
     reg = TopicRegistry(prefix, 2)
@@ -441,7 +508,10 @@ async def _ranked_with(
     sent = await publish(s, reg, behaviours, reqs, qps=20, wait_for_ingest=True)
     ids = {r.request_id for r in sent}
     results = await collect_results(s, reg, ids, timeout_s=120)
-    assert set(results) == ids, f"{tag}: {len(ids - set(results))} requests without a result"
+    if set(results) != ids:
+        missing = ids - set(results)
+        where = await _how_far(s, reg, missing)
+        raise AssertionError(f"{tag}: {len(missing)} requests without a result; last seen: {where}")
     retrieved = await _retrieved_history_lengths(s, reg, ids)
     for r in sent:
         want, got = len(history_of(behaviours, r.user_id, r.model_ts)), results[r.request_id]
@@ -450,6 +520,36 @@ async def _ranked_with(
             f"{retrieved[r.request_id]}, {want} were published since its topics were created"
         )
         assert (got.path.value == "cold_start") == (want == 0), (tag, r.user_id, got.path)
+
+
+async def _how_far(s: Settings, reg: TopicRegistry, ids: set[str]) -> dict[str, str]:
+    """For each request id, the last topic of the cascade it reached (with partition and offset),
+    so that a lost request says which stage lost it."""
+    import json
+
+    hops = ("requests", "routed_requests", "retrieved", "rank", "results")
+    seen: dict[str, str] = {i: "nowhere" for i in ids}
+    counts = await describe_partitions(s, [reg.name(role) for role in hops])
+    for role in hops:
+        cons = consumer(s, group_id=None)
+        await cons.start()
+        try:
+            tps = [TopicPartition(reg.name(role), q) for q in range(counts.get(reg.name(role), 0))]
+            cons.assign(tps)
+            await cons.seek_to_beginning(*tps)
+            ends = await cons.end_offsets(tps)
+            deadline = asyncio.get_running_loop().time() + 20
+            while asyncio.get_running_loop().time() < deadline and any(
+                [await cons.position(tp) < end for tp, end in ends.items()]
+            ):
+                for msgs in (await cons.getmany(timeout_ms=200)).values():
+                    for m in msgs:
+                        rid = json.loads(m.value).get("request_id")
+                        if rid in seen:
+                            seen[rid] = f"{role}[{m.partition}]@{m.offset}"
+        finally:
+            await cons.stop()
+    return seen
 
 
 async def _retrieved_history_lengths(s: Settings, reg: TopicRegistry, ids: set[str]) -> dict[str, int]:
