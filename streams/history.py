@@ -2,7 +2,8 @@
 
 Primitives:
 - ``HistoryTable(path)``: ``append_many(partition, [(offset, event), ...])`` and
-  ``get(user_id, before_ts)``. Each batch writes its events (one small key per event) and the
+  ``get(user_id, before_ts)``. Each batch writes its events (one key per run of a user's events,
+  packed with numpy: a burst costs a few writes, not one per event) and the
   partition's last applied offset atomically, so replaying the topic after a crash applies nothing
   twice: the behaviours topic is the changelog, and after a restart or a rebalance consumption
   resumes at ``next_offset(partition)``. Reads come from a byte-bounded in-memory copy (LRU per
@@ -49,12 +50,15 @@ from rocksdict import Options, Rdict, WriteBatch
 from relaygr.schemas import BehaviorBatch, BehaviorEvent
 from relaygr.schemas.routing import Positions, covers, decode_positions, encode_positions
 from relaygr.workers.prefix_kv import Events
-from relaygr.workers.vocab import item_key
+from relaygr.workers.vocab import item_key, item_keys
 
 RECORD = np.dtype([("item", "<i8"), ("action", "<i2"), ("ts", "<f8")])
 # One record packed without numpy (the ingestion hot path): the same 18 bytes as RECORD.
 _RECORD_STRUCT = struct.Struct("<qhd")
 assert _RECORD_STRUCT.size == RECORD.itemsize
+# A user's events are stored as runs of records, one key per run (one RocksDB write for a whole
+# burst of a user, not one per event); runs never cross a multiple of this.
+RUN_EVENTS = 512
 
 
 def pack(items: np.ndarray, actions: np.ndarray, ts: np.ndarray) -> bytes:
@@ -73,6 +77,41 @@ def to_events(rec: np.ndarray) -> Events:
         torch.from_numpy(rec["action"].astype(np.int64)),
         torch.from_numpy(rec["ts"].astype(np.float64)),
     )
+
+
+def _event_record(ev: BehaviorEvent, source: tuple[int, int] | None, seen: Positions) -> tuple[bytes, int]:
+    """One event packed (or nothing, when its source offset was applied before), moving ``seen``."""
+    if source is not None:
+        q, src_offset = source
+        if src_offset <= seen.get(q, -1):
+            return b"", 0
+        seen[q] = src_offset
+    return _RECORD_STRUCT.pack(item_key(ev.item_id), ev.action, ev.ts), 1
+
+
+def _batch_records(ev: BehaviorBatch, seen: Positions) -> tuple[bytes, int]:
+    """A routed batch's events packed at once, without those whose source offset is not above
+    the last applied one of its source partition (``seen``, moved on). Per source partition the
+    ingress forwards in offset order, so an event is new iff it is above every earlier one."""
+    n = len(ev.item_ids)
+    if not n:
+        return b"", 0
+    parts = np.asarray(ev.source_partitions, dtype=np.int64)
+    offsets = np.asarray(ev.source_offsets, dtype=np.int64)
+    keep = np.ones(n, dtype=bool)
+    for q in np.unique(parts).tolist():
+        at = np.flatnonzero(parts == q)
+        offs = offsets[at]
+        before = np.maximum.accumulate(np.concatenate(([seen.get(q, -1)], offs[:-1])))
+        keep[at] = offs > before
+        seen[q] = max(seen.get(q, -1), int(offs.max()))
+    rec = np.empty(n, dtype=RECORD)
+    rec["item"] = item_keys(ev.item_ids)
+    rec["action"] = ev.actions
+    rec["ts"] = ev.timestamps
+    if not keep.all():
+        rec = rec[keep]
+    return rec.tobytes(), len(rec)
 
 
 class HistoryTable:
@@ -101,7 +140,8 @@ class HistoryTable:
         self.trimmed_events = 0  # events dropped by retention, since start
 
     # Keys: "o/<partition>" -> last applied offset; "n/<user>" -> event count;
-    # "e/<user>\0<seq:012d>" -> one packed record (sorted by seq within the user);
+    # "e/<user>\0<seq:012d>" -> packed records of events seq, seq+1, ... (a run, never across a
+    #     multiple of RUN_EVENTS; sorted by seq within the user, concatenated on read);
     # "s/<user>" -> last applied source offset per source partition (JSON);
     # "m/<partition>" -> the ingress's progress as of the last applied progress record (JSON).
     # "u/<partition>\0<user>" -> b"": the user's events came from that partition.
@@ -183,8 +223,9 @@ class HistoryTable:
             start = self._next_offset(partition)
             marks = self._positions(self._progress, b"m/", partition)
             wb = WriteBatch(raw_mode=True)
-            counts: dict[str, int] = {}
-            new: dict[str, list[bytes]] = {}
+            counts: dict[str, int] = {}  # user -> event count before this batch
+            new: dict[str, list[bytes]] = {}  # user -> packed records of this batch, in order
+            added: dict[str, int] = {}
             last, applied = None, 0
             sources: dict[str, Positions] = {}  # user -> source partition -> last applied offset
             moved: set[str] = set()
@@ -194,48 +235,43 @@ class HistoryTable:
                 last = offset
                 if ev is None:
                     continue
-                if isinstance(ev, BehaviorBatch):
-                    rows = zip(
-                        ev.item_ids,
-                        ev.actions,
-                        ev.timestamps,
-                        zip(ev.source_partitions, ev.source_offsets, strict=True),
-                        strict=True,
-                    )
-                else:
-                    rows = [(ev.item_id, ev.action, ev.ts, src[0] if src else None)]
                 u = ev.user_id
-                for item, action, ts, source in rows:
-                    if source is not None:
-                        # Per user and source partition the ingress forwards in offset order.
-                        if u not in sources:
-                            sources[u] = self._sources_of(u)
-                        q, src_offset = source
-                        if src_offset <= sources[u].get(q, -1):
-                            continue  # forwarded twice (the ingress restarted before committing)
-                        sources[u][q] = src_offset
-                        moved.add(u)
-                    if u not in counts:
-                        counts[u] = self._count(u)
-                        if counts[u] == 0:
-                            wb.put(self._ukey(partition, u), b"")
-                    rec = _RECORD_STRUCT.pack(item_key(item), action, ts)
-                    wb.put(self._ekey(u, counts[u]), rec)
-                    counts[u] += 1
-                    new.setdefault(u, []).append(rec)
-                    applied += 1
+                if u not in sources:
+                    sources[u] = self._sources_of(u)
+                if isinstance(ev, BehaviorBatch):
+                    recs, n = _batch_records(ev, sources[u])
+                else:
+                    recs, n = _event_record(ev, src[0] if src else None, sources[u])
+                if not n:
+                    continue  # forwarded twice (the ingress restarted before committing)
+                if isinstance(ev, BehaviorBatch) or src:
+                    moved.add(u)
+                if u not in counts:
+                    counts[u] = self._count(u)
+                    if counts[u] == 0:
+                        wb.put(self._ukey(partition, u), b"")
+                new.setdefault(u, []).append(recs)
+                added[u] = added.get(u, 0) + n
+                applied += n
             if last is None:
                 return 0
             trims: dict[str, int] = {}
-            for u, n in counts.items():
+            for u, base in counts.items():
+                n = base + added[u]
                 wb.put(self._nkey(u), str(n).encode())
-                if self._retain is not None:
-                    first = self._first(u)
-                    if n - first > self._retain + max(self._align, self._retain // 4):
-                        keep_from = (n - self._retain) // self._align * self._align
+                keep_from = first = self._first(u)
+                if self._retain is not None and n - first > self._retain + max(
+                    self._align, self._retain // 4
+                ):
+                    keep_from = (n - self._retain) // self._align * self._align
+                    if keep_from > base:  # every stored event goes, and this batch's oldest ones
+                        wb.delete_range(self._ekey(u, first), self._ekey(u, base))
+                    else:
+                        self._keep_tail_of_run(wb, u, keep_from)
                         wb.delete_range(self._ekey(u, first), self._ekey(u, keep_from))
-                        wb.put(b"f/" + u.encode(), str(keep_from).encode())
-                        trims[u] = keep_from - first
+                    wb.put(b"f/" + u.encode(), str(keep_from).encode())
+                    trims[u] = keep_from - first
+                self._put_runs(wb, u, base, b"".join(new[u]), keep_from)
             for u in moved:
                 wb.put(b"s/" + u.encode(), encode_positions(sources[u]))
             if progress:
@@ -248,9 +284,9 @@ class HistoryTable:
             for u, recs in new.items():
                 cached = self._cache.get(u)
                 if cached is not None:
-                    added = b"".join(recs)
-                    cached += added
-                    self._cache_bytes += len(added)
+                    data = b"".join(recs)
+                    cached += data
+                    self._cache_bytes += len(data)
             for u, dropped in trims.items():
                 self.trimmed_events += dropped
                 cached = self._cache.get(u)
@@ -259,6 +295,34 @@ class HistoryTable:
                     self._cache_bytes -= dropped * RECORD.itemsize
             self._shrink()
             return applied
+
+    def _put_runs(self, wb: WriteBatch, user_id: str, seq: int, data: bytes, keep_from: int) -> None:
+        """Write a user's new events (``data``, starting at event ``seq``) as runs of records, one
+        key per run, split at multiples of RUN_EVENTS, leaving out those before ``keep_from``."""
+        size = RECORD.itemsize
+        end = seq + len(data) // size
+        if seq < keep_from:
+            data = data[(keep_from - seq) * size :]
+            seq = keep_from
+        pos = 0
+        while seq < end:
+            stop = min(end, (seq // RUN_EVENTS + 1) * RUN_EVENTS)
+            wb.put(self._ekey(user_id, seq), data[pos : pos + (stop - seq) * size])
+            pos += (stop - seq) * size
+            seq = stop
+
+    def _keep_tail_of_run(self, wb: WriteBatch, user_id: str, keep_from: int) -> None:
+        """Before the events below ``keep_from`` are deleted by key range: a stored run that starts
+        below it and reaches past it has its tail written again under the key of ``keep_from``."""
+        it = self._db.iter()
+        it.seek_for_prev(self._ekey(user_id, keep_from))
+        prefix = b"e/" + user_id.encode() + b"\x00"
+        if not it.valid() or not bytes(it.key()).startswith(prefix):
+            return
+        run_start = int(bytes(it.key())[len(prefix) :])
+        value = bytes(it.value())
+        if run_start < keep_from < run_start + len(value) // RECORD.itemsize:
+            wb.put(self._ekey(user_id, keep_from), value[(keep_from - run_start) * RECORD.itemsize :])
 
     def mark(self, partition: int, offset: int) -> None:
         """Record ``offset`` as applied without an event (a dead-lettered message)."""
