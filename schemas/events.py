@@ -153,7 +153,7 @@ class BehaviorBatch(Event):
     A burst of long histories becomes a few records per user instead of one per event, so every
     stage applies it at the cost of its events, not of Kafka records. ``source_partitions`` and
     ``source_offsets`` name the public record each event came from: a reader drops what it
-    applied before (a copy forwarded twice)."""
+    applied before (a copy forwarded twice), counting offsets of ``source_topic_id`` only."""
 
     kind: ClassVar[str] = "behavior_batch"
     user_id: Id
@@ -162,6 +162,12 @@ class BehaviorBatch(Event):
     actions: list[Annotated[int, Field(ge=0, le=255)]] = Field(min_length=1, max_length=MAX_BATCH_EVENTS)
     source_partitions: list[Annotated[int, Field(ge=0)]] = Field(min_length=1, max_length=MAX_BATCH_EVENTS)
     source_offsets: list[Annotated[int, Field(ge=0)]] = Field(min_length=1, max_length=MAX_BATCH_EVENTS)
+    source_topic_id: str | None = Field(
+        default=None,
+        max_length=64,
+        description="id of the public topic the events were read from: offsets of a topic deleted "
+        "and created again start over, so a reader's last applied offsets of another id do not count",
+    )
 
     @model_validator(mode="after")
     def _same_lengths(self) -> BehaviorBatch:

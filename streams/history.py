@@ -143,6 +143,7 @@ class HistoryTable:
     # "e/<user>\0<seq:012d>" -> packed records of events seq, seq+1, ... (a run, never across a
     #     multiple of RUN_EVENTS; sorted by seq within the user, concatenated on read);
     # "s/<user>" -> last applied source offset per source partition (JSON);
+    # "t/<user>" -> id of the public topic those offsets belong to (absent: not known);
     # "m/<partition>" -> the ingress's progress as of the last applied progress record (JSON).
     # "u/<partition>\0<user>" -> b"": the user's events came from that partition.
     # "f/<user>" -> seq of the user's oldest retained event (absent: 0).
@@ -190,6 +191,10 @@ class HistoryTable:
         raw = self._db.get(b"s/" + user_id.encode())
         return decode_positions(raw) if raw is not None else {}
 
+    def _source_topic_of(self, user_id: str) -> str | None:
+        raw = self._db.get(b"t/" + user_id.encode())
+        return bytes(raw).decode() if raw is not None else None
+
     def _first(self, user_id: str) -> int:
         raw = self._db.get(b"f/" + user_id.encode())
         return int(raw) if raw is not None else 0
@@ -228,6 +233,7 @@ class HistoryTable:
             added: dict[str, int] = {}
             last, applied = None, 0
             sources: dict[str, Positions] = {}  # user -> source partition -> last applied offset
+            incarnation: dict[str, str | None] = {}  # user -> id of the public topic of ``sources``
             moved: set[str] = set()
             for offset, ev, *src in batch:
                 if offset < start or (last is not None and offset <= last):
@@ -238,6 +244,15 @@ class HistoryTable:
                 u = ev.user_id
                 if u not in sources:
                     sources[u] = self._sources_of(u)
+                    incarnation[u] = self._source_topic_of(u)
+                sid = ev.source_topic_id if isinstance(ev, BehaviorBatch) else None
+                if sid is not None and sid != incarnation[u]:
+                    # Read from another public topic of that name (recreated): its offsets start
+                    # over, so the positions applied from the earlier one say nothing.
+                    if incarnation[u] is not None:
+                        sources[u] = {}
+                    incarnation[u] = sid
+                    moved.add(u)
                 if isinstance(ev, BehaviorBatch):
                     recs, n = _batch_records(ev, sources[u])
                 else:
@@ -274,6 +289,8 @@ class HistoryTable:
                 self._put_runs(wb, u, base, b"".join(new[u]), keep_from)
             for u in moved:
                 wb.put(b"s/" + u.encode(), encode_positions(sources[u]))
+                if incarnation[u] is not None:
+                    wb.put(b"t/" + u.encode(), incarnation[u].encode())
             if progress:
                 for q, pos in progress.items():
                     marks[q] = max(marks.get(q, 0), pos)
@@ -386,6 +403,7 @@ class HistoryTable:
                     wb.delete_range(self._ekey(u, 0), self._ekey(u, n))
                 wb.delete(self._nkey(u))
                 wb.delete(b"s/" + u.encode())  # its routed sources: a new topic starts at 0
+                wb.delete(b"t/" + u.encode())
                 wb.delete(b"f/" + u.encode())
                 wb.delete(self._ukey(partition, u))
                 cached = self._cache.pop(u, None)

@@ -200,10 +200,12 @@ class Ingress:
                     t = facts.topics.get(topic)
                     if t is None or t.topic_id is None:
                         continue
-                    before = known.setdefault(topic, t.topic_id)
+                    # Compared with the id learnt at assignment: what the positions were read from.
+                    before = self.incarnations.ids.get(topic) or known.get(topic) or t.topic_id
+                    known[topic] = t.topic_id
                     if before == t.topic_id:
                         continue
-                    known[topic] = t.topic_id
+                    self.incarnations.ids[topic] = t.topic_id
                     if self.assigned_at.get(topic, 0.0) > since:
                         # Reassigned since the last check: positions came from the group's
                         # offsets of the new topic (none yet: its start), not the old ones.
@@ -365,7 +367,12 @@ class Ingress:
                     n += 1
                 if msgs:
                     forwarded[tp.partition] = msgs[-1].offset + 1
-            out = {p: [_batch_record(uid, cols) for uid, cols in per.items()] for p, per in users.items()}
+            # The public topic these offsets belong to, as learnt at assignment (or since noticed
+            # recreated): a reader's positions of an earlier topic of that name do not count.
+            sid = self.incarnations.ids.get(src)
+            out = {
+                p: [_batch_record(uid, cols, sid) for uid, cols in per.items()] for p, per in users.items()
+            }
             for tp in self.beh_consumer.assignment():
                 if tp.partition not in forwarded:
                     # Nothing read from it yet: what was before its start position is forwarded.
@@ -453,7 +460,9 @@ class _Assignments(ConsumerRebalanceListener):
             )
 
 
-def _batch_record(user_id: str, cols: tuple[list, list, list, list, list]) -> list[tuple[bytes, bytes, list]]:
+def _batch_record(
+    user_id: str, cols: tuple[list, list, list, list, list], source_topic_id: str | None
+) -> list[tuple[bytes, bytes, list]]:
     """One user's routed events as ``BehaviorBatch`` records of at most ``ROUTED_BATCH`` events
     (key, value, headers). Every event was validated on the way in, so no validation again."""
     key = user_id.encode()
@@ -467,6 +476,7 @@ def _batch_record(user_id: str, cols: tuple[list, list, list, list, list]) -> li
             actions=cols[2][part],
             source_partitions=cols[3][part],
             source_offsets=cols[4][part],
+            source_topic_id=source_topic_id,
         )
         out.append((key, encode(rec), []))
     return out

@@ -113,9 +113,15 @@ class CandidateGenerator:
 
 def summary_add(summary: dict | None, batch: BehaviorBatch) -> dict:
     """A user's history as retrieval needs it: its length, its most recent items, and per public
-    partition the last source offset applied (a copy the ingress forwarded twice is skipped).
+    partition the last source offset applied (a copy the ingress forwarded twice is skipped) and
+    the id of the public topic those offsets belong to.
     O(1) per event, so the table's changelog carries small values however long the history grows."""
     s = summary or {"n": 0, "r": []}
+    if batch.source_topic_id is not None and batch.source_topic_id != s.get("t"):
+        # Another public topic of that name (recreated): its offsets start over.
+        if s.get("t") is not None:
+            s["s"] = {}
+        s["t"] = batch.source_topic_id
     src = s.setdefault("s", {})
     recent = s["r"]
     for item, ts, q, off in zip(

@@ -18,6 +18,7 @@ from relaygr.schemas import BehaviorBatch, BehaviorEvent
 from relaygr.schemas.routing import covers, decode_positions, encode_positions, missing
 from relaygr.streams.history import HistoryAlignment, HistoryTable
 from relaygr.streams.preprocess import SEEN_CHUNK, seen_add, seen_before
+from relaygr.streams.retrieval import summary_add
 
 
 def test_partition_for_is_the_murmur2_default_and_not_crc32() -> None:
@@ -94,6 +95,41 @@ def test_history_applies_routed_batches_once(tmp_path) -> None:
     assert h.get("v").item_ids.tolist() == [7, 8]
     assert h.progress(2) == {1: 9}
     h.close()
+
+
+def _from(topic_id, items, offsets) -> BehaviorBatch:
+    return BehaviorBatch(
+        user_id="u",
+        item_ids=items,
+        timestamps=[float(i) for i in items],
+        actions=[1] * len(items),
+        source_partitions=[0] * len(items),
+        source_offsets=offsets,
+        source_topic_id=topic_id,
+    )
+
+
+def test_offsets_of_a_recreated_public_topic_start_over_for_the_history_and_the_summary(tmp_path) -> None:
+    """The public behaviours topic deleted and created again (same name, a new id) while the
+    routed topics stay: its offsets start at 0 again and must not be taken for copies."""
+    h = HistoryTable(tmp_path / "h")
+    summary = None
+    steps = [
+        (None, [1, 2], [0, 1], 2),  # before the ids were recorded: trusted, as before
+        ("id-a", [3], [2], 1),  # the id is adopted, the offsets kept
+        ("id-a", [2, 3], [1, 2], 0),  # a copy forwarded twice
+        ("id-b", [10, 11], [0, 1], 2),  # the new topic's first events: new, though below 2
+        ("id-b", [11, 12], [1, 2], 1),
+    ]
+    for off, (tid, items, offsets, applied) in enumerate(steps):
+        assert h.append_many(0, [(off, _from(tid, items, offsets))]) == applied, (tid, items)
+        summary = summary_add(summary, _from(tid, items, offsets))
+    assert h.get("u").item_ids.tolist() == [1, 2, 3, 10, 11, 12]
+    assert summary["n"] == 6 and [i for i, _ in summary["r"]] == [1, 2, 3, 10, 11, 12]
+    h.close()
+    reopened = HistoryTable(tmp_path / "h")  # the id is kept with the offsets
+    assert reopened.append_many(0, [(9, _from("id-b", [12], [2]))]) == 0
+    reopened.close()
 
 
 async def test_alignment_waits_for_progress_and_gives_up_at_its_bound(tmp_path) -> None:

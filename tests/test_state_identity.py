@@ -496,6 +496,62 @@ async def test_recreated_topics_a_wiped_broker_and_a_new_prefix_under_one_home(
         broker.stop(own)
 
 
+@pytest.mark.broker
+async def test_a_recreated_public_behaviours_topic_is_new_history_not_copies(
+    tmp_path, model_dir, ml, kafka_settings
+) -> None:
+    """Only the public behaviours topic deleted and created again under running stages (the
+    routed topics and the state stay): its offsets start at 0 again, and the same events published
+    to it again are new events, not copies forwarded twice."""
+    prefix = f"sid-{uuid.uuid4().hex[:8]}"
+    s = kafka_settings.model_copy(update={"topic_prefix": prefix, "home": tmp_path / "home", "partitions": 2})
+    reg = TopicRegistry(prefix, 2)
+    users = range(1, 7)
+    behaviours, reqs = leave_last_out(ml, users, max_len=5, num_candidates=16)
+    per_user = {r.user_id: len(history_of(behaviours, r.user_id, r.model_ts)) for r in reqs}
+    try:
+        await ensure_topics(reg, s)
+        with Pipeline(s, ranking_workers=1, env=_env(model_dir)) as pipe:
+            await pipe.wait_ready(timeout_s=240)
+            for round_, (tag, times) in enumerate((("first", 1), ("again", 2))):
+                if round_:
+                    await delete_topics_with_prefix(s, reg.name("behaviors"))
+                    await _recreate_one(s, reg)
+                tagged = [r.model_copy(update={"request_id": f"{tag}-{r.user_id}"}) for r in reqs]
+                sent = await publish(s, reg, behaviours, tagged, qps=20, wait_for_ingest=True)
+                ids = {r.request_id for r in sent}
+                results = await collect_results(s, reg, ids, timeout_s=120)
+                assert set(results) == ids, await _how_far(s, reg, ids - set(results))
+                retrieved = await _retrieved_history_lengths(s, reg, ids)
+                for r in sent:
+                    want = times * per_user[r.user_id]
+                    got = (results[r.request_id].history_len, retrieved[r.request_id])
+                    assert got == (want, want), (tag, r.user_id, got, want)
+            pipe.check()
+    finally:
+        await delete_topics_with_prefix(s, prefix)
+
+
+async def _recreate_one(s: Settings, reg: TopicRegistry) -> None:
+    """Create the public behaviours topic again once the broker has finished deleting it."""
+    client = admin(s)
+    await client.start()
+    try:
+        for _ in range(300):
+            if reg.name("behaviors") not in await client.list_topics():
+                break
+            await asyncio.sleep(0.1)
+    finally:
+        await client.close()
+    for _ in range(150):
+        try:
+            await ensure_topics(reg, s)
+            return
+        except Exception:  # still being deleted
+            await asyncio.sleep(0.2)
+    raise AssertionError("the behaviours topic could not be created again")
+
+
 async def _ranked_with(
     s: Settings, reg: TopicRegistry, ml, tag: str, *, histories: range, max_len: int, requests: range
 ) -> None:
