@@ -113,6 +113,11 @@ INGEST_WITHIN_S = 0.02
 APPLY_SLICE = 4096
 
 
+# faust's PartitionsMismatch for a changelog whose partitions the metadata does not list yet.
+_CHANGELOG_NOT_LISTED = "' has 0 partitions."
+CHANGELOG_WAIT_S = 0.5
+
+
 async def ingest_batches(stage: str, stream: Any, decode_one: Any, apply: Any, to_dlq: Any) -> None:
     """Consume ``stream`` in batches: ``decode_one(ev)`` per event (bad ones go to the dead-letter
     topic with their reason), then ``apply(pairs, as_event)`` with the good ``(event, decoded)``
@@ -140,16 +145,30 @@ async def ingest_batches(stage: str, stream: Any, decode_one: Any, apply: Any, t
 
 
 async def _apply_slice(stage: str, stream: Any, apply: Any, good: list, size: int, to_dlq: Any) -> None:
-    # The stream's drainer may have set the next event as current and be waiting to buffer
-    # it: put that event back before anything awaits (faust's take buffer reads it then).
-    current = stream.current_event
-    try:
-        apply(good, stream._set_current_event)
-        failed = None
-    except Exception as e:  # as in ``guarded``: reported with the events, the stage goes on
-        failed = e
-    finally:
-        stream._set_current_event(current)
+    from faust.exceptions import PartitionsMismatch
+
+    attempts = 0
+    while True:
+        # The stream's drainer may have set the next event as current and be waiting to buffer
+        # it: put that event back before anything awaits (faust's take buffer reads it then).
+        current = stream.current_event
+        try:
+            apply(good, stream._set_current_event)
+            failed = None
+        except Exception as e:  # as in ``guarded``: reported with the events, the stage goes on
+            failed = e
+        finally:
+            stream._set_current_event(current)
+        if not (isinstance(failed, PartitionsMismatch) and _CHANGELOG_NOT_LISTED in str(failed)):
+            break
+        # The table's changelog was just created and the consumer's metadata lists it without
+        # partitions yet: not a mismatch, and dead-lettering would leave the table without these
+        # behaviours for good. Its next metadata refresh lists them; ``apply`` writes nothing
+        # before the check.
+        if attempts % 20 == 0:
+            log.warning("%s: the table's changelog has no partitions in the metadata yet; waiting", stage)
+        attempts += 1
+        await asyncio.sleep(CHANGELOG_WAIT_S)
     if failed is None:
         BEHAVIOURS_APPLIED.labels(stage).inc(size)
     else:

@@ -192,10 +192,12 @@ def build(settings: Settings, p: PipelineSettings, worker_id: str = "0"):
         for ev, b in batch:
             s = summaries[b.user_id][1] if b.user_id in summaries else histories.get(b.user_id)
             summaries[b.user_id] = (ev, summary_add(s, b))
-            gen.observe_many(b.item_ids)
         for user, (ev, s) in summaries.items():
             as_event(ev)
             histories[user] = s
+        # Only once the table took them: a batch whose first write is refused is applied again.
+        for _, b in batch:
+            gen.observe_many(b.item_ids)
 
     async def on_request(ev) -> None:
         r = decode_keyed(RecommendationRequest, ev.key, ev.value, limit)

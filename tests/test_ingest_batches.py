@@ -102,3 +102,39 @@ async def test_progress_records_are_skipped_not_dead_lettered() -> None:
 
     await ingest_batches("test", stream, _decode, apply, to_dlq)
     assert applied == [1, 2] and dead == []
+
+
+async def test_a_changelog_not_yet_in_the_metadata_is_waited_for_a_real_mismatch_dead_lettered(
+    monkeypatch,
+) -> None:
+    """faust refuses a table write while its consumer's metadata lists the just-created changelog
+    without partitions ("has 0 partitions"): the slice is applied again once it does, not
+    dead-lettered (the table would miss those behaviours for good). Any other mismatch is."""
+    from faust.exceptions import PartitionsMismatch
+
+    from relaygr.streams import common
+
+    monkeypatch.setattr(common, "CHANGELOG_WAIT_S", 0.0)
+
+    def mismatch(n: int) -> PartitionsMismatch:
+        return PartitionsMismatch(
+            f"The source topic 'p.routed-behaviors' for table 't'\nhas 4 partitions, but the changelog\n"
+            f"topic 'p-t-changelog' has {n} partitions.\n\nPlease make sure the topics have the same number"
+        )
+
+    for n, refusals, applied_after, dead_after in ((0, 3, 1, 0), (8, 1, 0, 1)):
+        stream = _Stream([[_ev("u1", 1)]])
+        calls, applied, dead = [], [], []
+
+        def apply(pairs, as_event, n=n, refusals=refusals, calls=calls, applied=applied) -> None:
+            calls.append(1)
+            if len(calls) <= refusals:
+                raise mismatch(n)
+            applied.extend(b.item_id for _, b in pairs)
+
+        async def to_dlq(ev, reason: str, dead=dead) -> None:
+            dead.append(reason)
+
+        await ingest_batches("test", stream, _decode, apply, to_dlq)
+        assert (len(applied), len(dead)) == (applied_after, dead_after), n
+        assert len(calls) == (refusals + 1 if n == 0 else 1)
