@@ -18,6 +18,7 @@ A commit without a stamp (an older release, another client) is trusted: there is
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Iterable, Mapping
 
@@ -31,6 +32,9 @@ from relaygr.infra.settings import Settings
 log = logging.getLogger(__name__)
 
 _STAMP = "topic-id:"
+# A check that cannot be answered in this time (a broker just starting, a coordinator moving)
+# finds nothing stale: the committed offsets are used, as without the check.
+CHECK_TIMEOUT_S = 10.0
 
 
 class Incarnations:
@@ -60,13 +64,7 @@ class Incarnations:
         if not tps:
             return set()
         try:
-            now = await self.learn({tp.topic for tp in tps})
-            client = admin(self.settings)
-            await client.start()
-            try:
-                committed = await client.list_consumer_group_offsets(group, partitions=tps)
-            finally:
-                await client.close()
+            now, committed = await asyncio.wait_for(self._read(group, tps), CHECK_TIMEOUT_S)
         except Exception as e:  # a check only: never hold up an assignment on it
             log.warning("could not check the committed offsets of %s against the topic ids: %s", group, e)
             return set()
@@ -77,6 +75,15 @@ class Incarnations:
             if om.offset >= 0 and read_from and tp.topic in now and read_from != now[tp.topic]:
                 out.add(tp)
         return out
+
+    async def _read(self, group: str, tps: list[TopicPartition]) -> tuple[dict[str, str], dict]:
+        now = await self.learn({tp.topic for tp in tps})
+        client = admin(self.settings)
+        await client.start()
+        try:
+            return now, await client.list_consumer_group_offsets(group, partitions=tps)
+        finally:
+            await client.close()
 
     async def close(self) -> None:
         await self._probe.close()

@@ -205,14 +205,16 @@ class Ingress:
                     known[topic] = t.topic_id
                     if before == t.topic_id:
                         continue
-                    self.incarnations.ids[topic] = t.topic_id
                     if self.assigned_at.get(topic, 0.0) > since:
                         # Reassigned since the last check: positions came from the group's
                         # offsets of the new topic (none yet: its start), not the old ones.
+                        self.incarnations.ids[topic] = t.topic_id
                         continue
                     tps = [tp for tp in cons.assignment() if tp.topic == topic]
                     if tps:
                         await cons.seek_to_beginning(*tps)
+                    # Only now: a commit stamped with the new id must not carry an old position.
+                    self.incarnations.ids[topic] = t.topic_id
                     if topic == self.reg.name("behaviors"):
                         self._forwarded_reset = True
                     DISCARDED.labels(STAGE, "topic_recreated").inc(len(tps))

@@ -517,6 +517,10 @@ async def test_a_recreated_public_behaviours_topic_is_new_history_not_copies(
                 if round_:
                     await delete_topics_with_prefix(s, reg.name("behaviors"))
                     await _recreate_one(s, reg)
+                    # The same events again: until the ingress has noticed the new topic (a
+                    # rebalance, or its watch), its old positions equal the new end offsets and
+                    # its lag reads 0. Noticed = its commits name the new topic id.
+                    await _until_committed_from(s, f"{prefix}-ingress-behaviors", reg.name("behaviors"))
                 tagged = [r.model_copy(update={"request_id": f"{tag}-{r.user_id}"}) for r in reqs]
                 sent = await publish(s, reg, behaviours, tagged, qps=20, wait_for_ingest=True)
                 ids = {r.request_id for r in sent}
@@ -530,6 +534,28 @@ async def test_a_recreated_public_behaviours_topic_is_new_history_not_copies(
             pipe.check()
     finally:
         await delete_topics_with_prefix(s, prefix)
+
+
+async def _until_committed_from(s: Settings, group: str, topic: str, timeout_s: float = 60) -> None:
+    """Until every partition's committed offset of ``group`` names ``topic``'s current id."""
+    from relaygr.infra.incarnations import Incarnations
+
+    inc = Incarnations(s)
+    client = admin(s)
+    await client.start()
+    try:
+        current = (await inc.learn([topic]))[topic]
+        tps = [TopicPartition(topic, q) for q in range((await describe_partitions(s, [topic]))[topic])]
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while asyncio.get_running_loop().time() < deadline:
+            got = await client.list_consumer_group_offsets(group, partitions=tps)
+            if all(tp in got and got[tp].metadata.endswith(current) for tp in tps):
+                return
+            await asyncio.sleep(0.2)
+        raise AssertionError(f"{group} did not commit offsets of the new {topic} in {timeout_s:.0f} s")
+    finally:
+        await client.close()
+        await inc.close()
 
 
 async def _recreate_one(s: Settings, reg: TopicRegistry) -> None:
