@@ -449,17 +449,12 @@ class _Assignments(ConsumerRebalanceListener):
     async def on_partitions_assigned(self, assigned) -> None:
         for topic in {tp.topic for tp in assigned}:
             self.ingress.assigned_at[topic] = time.monotonic()
-        stale = await self.ingress.incarnations.stale(self.group, assigned)
-        if stale:
-            from relaygr.streams.state_lineage import DISCARDED
+        from relaygr.streams.state_lineage import rewind_old_topic_offsets
 
-            await getattr(self.ingress, self.consumer_attr).seek_to_beginning(*stale)
-            DISCARDED.labels(STAGE, "offset_of_old_topic").inc(len(stale))
-            log.warning(
-                "ingress: the committed offsets of %s were read from an earlier topic of the same "
-                "name: reading them from the start",
-                sorted((tp.topic, tp.partition) for tp in stale),
-            )
+        cons = getattr(self.ingress, self.consumer_attr)
+        await rewind_old_topic_offsets(
+            STAGE, "ingress", self.group, cons, self.ingress.incarnations, assigned
+        )
 
 
 def _batch_record(

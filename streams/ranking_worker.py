@@ -75,7 +75,7 @@ from relaygr.streams.common import (
 )
 from relaygr.streams.config import PipelineSettings, engine_config
 from relaygr.streams.history import HistoryAlignment, HistoryTable
-from relaygr.streams.state_lineage import DISCARDED, HistoryLineage, deployment_dir
+from relaygr.streams.state_lineage import HistoryLineage, deployment_dir, rewind_old_topic_offsets
 from relaygr.workers.calibration import calibrate
 from relaygr.workers.cores import pin_this_thread
 from relaygr.workers.devices import keep_host_pages
@@ -770,16 +770,14 @@ class _Rebalance(ConsumerRebalanceListener):
         # A committed request or signal offset read from an earlier topic of the same name (a
         # commit retried across its deletion and creation) would skip the new topic's first ones.
         group = f"{self.w.settings.topic_prefix}-ranking"
-        stale = await self.w.incarnations.stale(group, [tp for tp in assigned if tp.topic != beh])
-        if stale:
-            await self.w.consumer.seek_to_beginning(*stale)
-            DISCARDED.labels(STAGE, "offset_of_old_topic").inc(len(stale))
-            log.warning(
-                "%s: the committed offsets of %s were read from an earlier topic of the same name: "
-                "reading them from the start",
-                self.w.worker_id,
-                sorted((tp.topic, tp.partition) for tp in stale),
-            )
+        await rewind_old_topic_offsets(
+            STAGE,
+            self.w.worker_id,
+            group,
+            self.w.consumer,
+            self.w.incarnations,
+            [tp for tp in assigned if tp.topic != beh],
+        )
         for tp in behaviours:
             # The history table knows how far it got: resume there, not at the group offset.
             self.w.consumer.seek(tp, self.w.history.next_offset(tp.partition))

@@ -18,6 +18,8 @@ Primitives:
   state_of, discard)`` compares each partition with the broker, discards what does not match
   (one log line each, counted in ``relaygr_state_discarded_total{stage,reason}``) and records the
   lineage of what is kept or rebuilt.
+- ``rewind_old_topic_offsets(stage, who, group, consumer, incarnations, tps)``: at assignment,
+  partitions whose committed offset names an earlier topic of that name are read from the start.
 - ``HistoryLineage``: the ranking worker's history table and prefix store, checked per partition
   of the topic its histories are read from: ``verify`` at every assignment, ``watch`` every few
   seconds.
@@ -55,6 +57,25 @@ DISCARDED = PCounter(
     "Partitions of local state discarded because they no longer match the cluster's topics",
     ["stage", "reason"],
 )
+
+
+async def rewind_old_topic_offsets(
+    stage: str, who: str, group: str, consumer: Any, incarnations: Any, tps
+) -> set:
+    """Of ``tps`` just assigned to ``consumer`` (aiokafka) in ``group``, move those whose committed
+    offset was read from an earlier topic of the same name to their start (``incarnations``: a
+    ``relaygr.infra.incarnations.Incarnations``); one log line, counted. Returns them."""
+    stale = await incarnations.stale(group, tps)
+    if stale:
+        await consumer.seek_to_beginning(*stale)
+        DISCARDED.labels(stage, "offset_of_old_topic").inc(len(stale))
+        log.warning(
+            "%s: the committed offsets of %s were read from an earlier topic of the same name "
+            "(deleted and created again): reading those partitions from the start",
+            who,
+            sorted((tp.topic, tp.partition) for tp in stale),
+        )
+    return stale
 
 
 def deployment_dir(settings: Settings, kind: str) -> Path:

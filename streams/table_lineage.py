@@ -35,7 +35,7 @@ from faust.types import TP
 
 from relaygr.infra.incarnations import Incarnations
 from relaygr.infra.settings import Settings
-from relaygr.streams.state_lineage import DISCARDED, PartitionState, Reconciler
+from relaygr.streams.state_lineage import PartitionState, Reconciler, rewind_old_topic_offsets
 
 log = logging.getLogger(__name__)
 
@@ -67,20 +67,12 @@ class _IncarnationCheckedThread(faust_aiokafka.AIOKafkaConsumerThread):
     async def _seek_checked(self) -> Mapping[TP, int]:
         consumer = self._ensure_consumer()
         committed = dict(await consumer.seek_to_committed())
-        stale = await self._checker().stale(self.app.conf.id, consumer.assignment())
-        if stale:
-            await consumer.seek_to_beginning(*stale)
-            for tp in stale:
-                committed[tp] = None
-            DISCARDED.labels(getattr(self.app, "relaygr_stage", "faust"), "offset_of_old_topic").inc(
-                len(stale)
-            )
-            log.warning(
-                "%s: the committed offsets of %s were read from an earlier topic of the same name "
-                "(deleted and created again): reading those partitions from the start",
-                self.app.conf.id,
-                sorted((tp.topic, tp.partition) for tp in stale),
-            )
+        stage = getattr(self.app, "relaygr_stage", "faust")
+        stale = await rewind_old_topic_offsets(
+            stage, self.app.conf.id, self.app.conf.id, consumer, self._checker(), consumer.assignment()
+        )
+        for tp in stale:
+            committed[tp] = None
         return committed
 
     async def commit(self, offsets: Mapping[TP, int]) -> bool:

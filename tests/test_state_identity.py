@@ -370,14 +370,18 @@ async def _produce(s: Settings, topic: str, events: list[BehaviorEvent], partiti
         await prod.stop()
 
 
-async def _recreate(s: Settings, reg: TopicRegistry, others: dict[str, int] | None = None) -> None:
+async def _recreate(
+    s: Settings, reg: TopicRegistry, others: dict[str, int] | None = None, *, deleted: list[str] | None = None
+) -> None:
     """Create the registry's topics again, and ``others`` (name -> partitions: the stages'
-    changelogs and faust's own topic), once the broker has finished deleting them."""
+    changelogs and faust's own topic), once the broker has finished deleting them (``deleted``:
+    the ones that were deleted, all of the registry's by default)."""
+    gone = set(deleted if deleted is not None else reg.names)
     client = admin(s)
     await client.start()
     try:  # deletion is asynchronous: until it is done, "create" would find the old topics
         for _ in range(300):
-            if not set(reg.names) & set(await client.list_topics()):
+            if not gone & set(await client.list_topics()):
                 break
             await asyncio.sleep(0.1)
     finally:
@@ -516,7 +520,7 @@ async def test_a_recreated_public_behaviours_topic_is_new_history_not_copies(
             for round_, (tag, times) in enumerate((("first", 1), ("again", 2))):
                 if round_:
                     await delete_topics_with_prefix(s, reg.name("behaviors"))
-                    await _recreate_one(s, reg)
+                    await _recreate(s, reg, deleted=[reg.name("behaviors")])
                     # The same events again: until the ingress has noticed the new topic (a
                     # rebalance, or its watch), its old positions equal the new end offsets and
                     # its lag reads 0. Noticed = its commits name the new topic id.
@@ -556,26 +560,6 @@ async def _until_committed_from(s: Settings, group: str, topic: str, timeout_s: 
     finally:
         await client.close()
         await inc.close()
-
-
-async def _recreate_one(s: Settings, reg: TopicRegistry) -> None:
-    """Create the public behaviours topic again once the broker has finished deleting it."""
-    client = admin(s)
-    await client.start()
-    try:
-        for _ in range(300):
-            if reg.name("behaviors") not in await client.list_topics():
-                break
-            await asyncio.sleep(0.1)
-    finally:
-        await client.close()
-    for _ in range(150):
-        try:
-            await ensure_topics(reg, s)
-            return
-        except Exception:  # still being deleted
-            await asyncio.sleep(0.2)
-    raise AssertionError("the behaviours topic could not be created again")
 
 
 async def _ranked_with(
