@@ -21,6 +21,7 @@ import sys
 import time
 import uuid
 from collections import Counter
+from pathlib import Path
 
 from relaygr.bench.ingest import breakdown_percentiles, on_fresh_pipeline, request_stream
 from relaygr.infra.kafka import producer
@@ -38,6 +39,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--heavy-events", type=int_at_least(1), default=60_000, help="the heavy user's history"
     )
     parser.add_argument("--heavy-every-s", type=float, default=2.0, help="the heavy user's request period")
+    parser.add_argument(
+        "--results",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="also write every result as a JSON line (with its phase: quiet, heavy or heavy_user)",
+    )
 
 
 async def _publish_heavy(settings, reg, events: list[BehaviorEvent]) -> None:
@@ -113,6 +121,8 @@ async def _measure(settings, reg, args, ml, say) -> dict:
     )
     every = {r.request_id for r in quiet_sent + hot_sent + heavy_sent}
     results = await collect_results(settings, reg, every, timeout_s=180)
+    if args.results is not None:
+        _write_results(args.results, results, quiet=quiet_sent, heavy=hot_sent, heavy_user=heavy_sent)
     quiet = breakdown_percentiles(results, quiet_sent, "ranking")
     hot = breakdown_percentiles(results, hot_sent, "ranking")
     heavy = [results[r.request_id] for r in heavy_sent if r.request_id in results]
@@ -155,6 +165,17 @@ async def _measure(settings, reg, args, ml, say) -> dict:
         ],
         "target_ratio": 1.2,
     }
+
+
+def _write_results(path: Path, results: dict, **phases: list) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for phase, sent in phases.items():
+            for r in sent:
+                if r.request_id in results:
+                    f.write(
+                        json.dumps({"phase": phase, **results[r.request_id].model_dump(mode="json")}) + "\n"
+                    )
 
 
 def _ranking_parts(r) -> dict[str, float]:

@@ -139,6 +139,13 @@ class PipelineSettings(BaseSettings):
         "this long (a chunk late in a long history attends to more keys, so it has fewer tokens); "
         "0 = chunks of RELAYGR_PREFILL_CHUNK tokens, full rankings in one piece.",
     )
+    truncate_headroom: float = Field(
+        default=_default(EngineConfig, "truncate_headroom"),
+        gt=0,
+        le=1,
+        description="Ranking worker (relay): a full ranking keeps the most recent events predicted to "
+        "fill this share of the time left, at the device's slowest recent pace (no second chance).",
+    )
     history_retain_events: int | None = Field(
         default=None,
         ge=1,
@@ -230,4 +237,5 @@ def engine_config(p: PipelineSettings) -> EngineConfig:
         burst_batch=p.burst_batch,
         burst_batch_events=p.burst_batch_events,
         slice_ms=p.device_slice_ms,
+        truncate_headroom=p.truncate_headroom,
     )

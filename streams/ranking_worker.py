@@ -100,10 +100,17 @@ E2E = Histogram(
     buckets=(0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2, 5),
 )
 STORE = Gauge("relaygr_prefix_store", "Prefix store counters and gauges", ["name"])
+PACE = Gauge(
+    "relaygr_device_pace",
+    "Measured device time over the latency model's prediction (slices are sized by it)",
+    ["work"],
+)
 INFLIGHT = Gauge("relaygr_rank_inflight", "Signals and requests being handled")
 INFLIGHT_PEAK = Gauge("relaygr_rank_inflight_peak", "Most signals and requests handled at once")
 # Events applied between two turns of the event loop while a burst of behaviours comes in.
 APPLY_SLICE = 4096
+# A ranking waiting for its pre-inference checks this often whether it can still finish in time.
+PREFILL_RECHECK_S = 0.005
 INCOMPLETE = PCounter(
     "relaygr_rank_history_incomplete_total",
     "Requests ranked before their history covered every behaviour produced before them",
@@ -564,19 +571,18 @@ class RankingWorker:
             return None
         n = len(hist)
         lat = self.engine.latency
-        until_full = time.monotonic() + r.deadline_ts - time.time() - lat.predict_ms(n) / 1000
+        until_full = time.monotonic() + r.deadline_ts - time.time() - self.engine.predict_full_ms(n) / 1000
         while r.request_id not in self.signals_seen and time.monotonic() < until_full:
             await asyncio.sleep(0.002)
         done = self.signals_seen.get(r.request_id)
-        if done is not None and not done.is_set():
+        suffix_s = lat.predict_ms(self.p.short_term + len(r.candidates)) / 1000
+        if done is not None and not done.is_set() and self._prefill_may_finish(r, suffix_s):
             # Its pre-inference is under way: it must not wait behind rankings now.
             self.engine.expedite_prefill(r.user_id, r.deadline_ts)
-            room_s = (
-                r.deadline_ts - time.time() - lat.predict_ms(self.p.short_term + len(r.candidates)) / 1000
-            )
             try:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(done.wait(), max(0.0, room_s))
+                while not done.is_set() and self._prefill_may_finish(r, suffix_s):
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(done.wait(), PREFILL_RECHECK_S)
             finally:
                 self.engine.yield_prefill(r.user_id)  # waited enough: rank now, not behind it
         if done is None:
@@ -587,13 +593,22 @@ class RankingWorker:
         self.engine.abandon_prefill(r.user_id)
         return "prefill_not_ready"
 
+    def _prefill_may_finish(self, r: RankRequest, suffix_s: float) -> bool:
+        """Whether ``r``'s pre-inference may still be done in time to rank its suffix (``suffix_s``)
+        by the deadline: there is room, and what it has left to compute (when known) fits it. One
+        predicted to finish too late is not waited for: the ranking gets the time for a
+        truncated history instead of spending it waiting."""
+        room_s = r.deadline_ts - time.time() - suffix_s
+        eta_ms = self.engine.prefill_eta_ms(r.user_id)
+        return room_s > 0 and (eta_ms is None or eta_ms / 1000 <= room_s)
+
     async def _handle_rank(self, tp: TopicPartition, m) -> None:
         r = decode_keyed(RankRequest, m.key, m.value, self.settings.max_message_bytes)
         t_in = time.time()
         # Wait for the behaviours produced before the request while full ranking of what is
         # there would still meet the deadline, and at most max_task_idle_ms.
         hist, total, capped, unknown_history = self._served_history(r.user_id, r.model_ts)
-        room_s = r.deadline_ts - t_in - self.engine.latency.predict_ms(len(hist)) / 1000
+        room_s = r.deadline_ts - t_in - self.engine.predict_full_ms(len(hist)) / 1000
         until = time.monotonic() + max(0.0, min(room_s, self.p.max_task_idle_ms / 1000))
         t_hist = time.time()
         complete = await self._await_history(tp.partition, r.behaviors_needed, until)
@@ -687,6 +702,8 @@ class RankingWorker:
             await asyncio.sleep(self.p.stats_interval_s)
             try:
                 self.latency = self.engine.refit_latency()
+                PACE.labels("extend").set(self.engine.pace_extend.factor)
+                PACE.labels("score").set(self.engine.pace_score.factor)
                 m = self.store.metrics() if self.store is not None else {}
                 for k, v in m.items():
                     STORE.labels(k).set(v)

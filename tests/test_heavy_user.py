@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,10 +20,10 @@ from relaygr.streams.history import HistoryTable
 from relaygr.streams.preprocess import SEEN_CHUNK, seen_add, seen_before
 from relaygr.streams.trigger import SequenceAwareTrigger, TriggerConfig
 from relaygr.workers.history_window import served, window_start, window_step
-from relaygr.workers.latency_model import LatencyModel
+from relaygr.workers.latency_model import DevicePace, LatencyModel
 from relaygr.workers.model import HSTURanker
 from relaygr.workers.prefix_store import PrefixStore, PrefixStoreConfig
-from relaygr.workers.ranker import EngineConfig, RankingEngine
+from relaygr.workers.ranker import EngineConfig, RankingEngine, _Slicer
 from relaygr.workers.scheduler import DeviceScheduler, Priority
 
 FAR = 1e12
@@ -113,6 +115,53 @@ def test_chunks_shrink_as_cached_keys_grow() -> None:
             assert lat.predict_ms(cached + k) - lat.predict_ms(cached) <= 5.0 + 1e-9
 
 
+def test_the_pace_follows_measured_over_predicted_time_within_its_bounds() -> None:
+    pace = DevicePace(weight=0.5, lo=0.5, hi=4.0)
+    assert pace.factor == pace.worst_factor == 1.0  # nothing measured yet: as predicted
+    for _ in range(20):
+        pace.observe(2.0, 6.0)  # three times slower than predicted
+    assert pace.factor == pytest.approx(3.0, rel=1e-3)
+    for _ in range(20):
+        pace.observe(2.0, 100.0)  # one stall reads at most as the bound
+    assert pace.factor == pytest.approx(4.0, rel=1e-3)
+    pace.observe(0.01, 50.0)  # too short to time: ignored
+    pace.observe(2.0, float("nan"))
+    assert pace.observations == 40 and pace.factor == pytest.approx(4.0, rel=1e-3)
+    for _ in range(40):
+        pace.observe(2.0, 0.5)
+    assert pace.factor == pytest.approx(0.5, rel=1e-3)
+    pace.observe(2.0, 5.0)  # one slow slice: the average barely moves, the worst of late does
+    assert pace.factor < 1.2 and pace.worst_factor == pytest.approx(2.5)
+    for _ in range(8):
+        pace.observe(2.0, 1.0)
+    assert pace.worst_factor == pytest.approx(pace.factor)  # out of the recent window
+    with pytest.raises(ValueError):
+        DevicePace(lo=2.0)
+
+
+def test_slices_shrink_when_the_device_runs_slower_than_predicted() -> None:
+    # Each chunk takes at least 3x its predicted time (a sleep only overruns): the pace learns
+    # it from the chunks themselves and the next chunks get fewer tokens.
+    lat = LatencyModel(0.0, 0.02, 0.0)  # 0.02 ms a token: a 2 ms slice is 100 tokens
+    pace = DevicePace()
+    slicer = _Slicer(lat, pace, slice_ms=2.0, hi=4096)
+    assert slicer(0) == 100 and slicer.predicted_ms == pytest.approx(2.0)
+
+    def chunks():
+        cached = 0
+        for _ in range(8):
+            k = slicer(cached)
+            time.sleep(3 * slicer.predicted_ms / 1000)
+            cached += k
+            yield None
+        yield "done"
+
+    assert list(slicer.measured(chunks()))[-1] == "done"
+    assert pace.observations == 8 and pace.factor > 2.5
+    assert slicer(0) < 100 / 2.5
+    assert slicer.at == 0
+
+
 def test_time_sliced_prefill_equals_one_shot(model) -> None:
     h = history(700, seed=3)
     sizes: list[int] = []
@@ -189,6 +238,66 @@ async def test_a_ranking_that_gives_up_waiting_is_not_queued_behind_its_prefill(
     e.scheduler.close()
 
 
+async def test_a_ranking_does_not_wait_for_a_prefill_predicted_to_finish_too_late(model) -> None:
+    # The device is busy; the user's pre-inference is queued behind it with ~8 s of work
+    # predicted. A request with 0.3 s left does not wait for it at all: it ranks a truncated
+    # history at once, with all of its time (before, it waited until only a suffix's time was
+    # left, and then had almost none for the truncated ranking).
+    e = _engine(model, LatencyModel(0.0, 0.001, 0.0), slice_ms=0.5, prefill_chunk=64)
+    h = history(8000, seed=9)
+    gate = threading.Event()
+    blocker = e.scheduler.submit(lambda: gate.wait(10), priority=Priority.RANK)
+    pre = asyncio.create_task(e.prefill("heavy", h.slice(0, 7990)))
+    while e.prefill_eta_ms("heavy") is None:
+        await asyncio.sleep(0)
+    e.pace_extend._log = math.log(1000.0)  # as measured on a device 1000x slower than predicted
+    e.pace_extend.hi = 1000.0
+    assert e.prefill_eta_ms("heavy") == pytest.approx(7990.0)
+    assert e.predict_full_ms(100) == pytest.approx(100.0)
+    ranking = asyncio.create_task(e.rank("heavy", h, torch.arange(1, 17), 2e9, time.time() + 0.3))
+    await asyncio.sleep(0.05)
+    gate.set()
+    res = await ranking
+    assert "prefix_wait" not in res.breakdown_ms
+    assert res.path == "full_truncated" and 16 <= res.used_len < 300  # ~250 ms of it at 1 ms a token
+    await blocker
+    e.pace_extend._log = 0.0  # the rest of the pre-inference in whole chunks
+    assert (await pre).status == "computed"
+    e.scheduler.close()
+
+
+async def test_a_sliced_truncated_ranking_plans_for_its_headroom_at_the_slowest_recent_pace(model) -> None:
+    # 1 ms a token predicted, 1 s left: one job (no slices) keeps ~1000 events; a relay worker's
+    # sliced ranking keeps what fills 0.5 of it at the slowest pace of its last slices (2x here).
+    h = history(3000, seed=11)
+    cands = torch.arange(1, 9)
+    one_job = _engine(model, LatencyModel(0.0, 1.0, 0.0), slice_ms=0)
+    res = await one_job.rank("u", h, cands, 2e9, time.time() + 1.0)
+    assert res.path == "full_truncated" and 900 < res.used_len <= 1000
+    sliced = _engine(model, LatencyModel(0.0, 1.0, 0.0), slice_ms=50.0, truncate_headroom=0.5)
+    sliced.pace_extend.observe(10.0, 20.0)
+    res = await sliced.rank("u", h, cands, 2e9, time.time() + 1.0)
+    assert res.path == "full_truncated" and 200 < res.used_len <= 250
+    one_job.scheduler.close()
+    sliced.scheduler.close()
+
+
+def test_a_waiting_request_stops_once_its_prefill_cannot_finish_in_time() -> None:
+    from relaygr.streams.ranking_worker import RankingWorker
+
+    eta: list[float | None] = [None]
+    worker = SimpleNamespace(engine=SimpleNamespace(prefill_eta_ms=lambda _user: eta[0]))
+    r = SimpleNamespace(user_id="u", deadline_ts=time.time() + 1.0)
+    may_finish = RankingWorker._prefill_may_finish
+    assert may_finish(worker, r, 0.1)  # progress unknown (not computing yet): room decides
+    eta[0] = 500.0
+    assert may_finish(worker, r, 0.1)  # 0.5 s left to compute, ~0.9 s of room
+    eta[0] = 2000.0
+    assert not may_finish(worker, r, 0.1)  # cannot be done in time: rank now
+    eta[0], r.deadline_ts = None, time.time() + 0.05
+    assert not may_finish(worker, r, 0.1)  # no room for the suffix after any wait
+
+
 async def test_restore_sets_a_tagged_job_back() -> None:
     s = DeviceScheduler("t")
     gate = asyncio.Event()
@@ -237,4 +346,38 @@ async def test_a_relay_ranking_against_many_keys_runs_in_slices_and_keeps_its_su
     torch.testing.assert_close(res.scores, model.rank_full(h, cands, 2e9), rtol=1e-4, atol=1e-4)
     assert e.scheduler.jobs_done[Priority.RANK] == steps_before + 1  # one (chunked) ranking job
     assert e.store.cached_length("u", h) == 3040  # the grown prefix is kept for the next request
+    e.scheduler.close()
+
+
+async def test_a_short_ranking_waits_for_one_slice_of_a_heavy_relay_ranking_not_all_of_it(model) -> None:
+    # Both queued behind a busy device: a heavy user's relay ranking (256 candidates against 3000
+    # cached keys, in slices) with the earlier deadline, and a short ranking. The heavy one
+    # starts first (earlier deadline) and the short one runs at its first slice boundary, not
+    # after the whole ranking.
+    e = _engine(model, LatencyModel(0.0, 0.01, 0.0), slice_ms=0.5, prefill_chunk=512)
+    h = history(3000, seed=10)
+    cands = torch.arange(1, 257)
+    await e.prefill("heavy", h)
+    assert e._slice_relay(3000, 0, 256)
+    order: list[str] = []
+    gate = threading.Event()
+    blocker = e.scheduler.submit(lambda: gate.wait(10), priority=Priority.RANK)
+
+    async def heavy():
+        res = await e.rank("heavy", h, cands, 2e9, time.time() + 60)
+        order.append("heavy")
+        return res
+
+    big = asyncio.create_task(heavy())
+    while e.scheduler.queue_depth(Priority.RANK) < 1:
+        await asyncio.sleep(0)
+    short = e.scheduler.submit(
+        lambda: order.append("short"), priority=Priority.RANK, deadline=time.time() + 120
+    )
+    gate.set()
+    await asyncio.gather(blocker, short)
+    res = await big
+    assert order == ["short", "heavy"]
+    assert res.breakdown_ms["between_slices"] > 0  # the short ranking's time, in its breakdown
+    torch.testing.assert_close(res.scores, model.rank_full(h, cands, 2e9), rtol=1e-4, atol=1e-4)
     e.scheduler.close()

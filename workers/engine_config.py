@@ -29,6 +29,18 @@ class EngineConfig(BaseModel):
         default=True, description="Full inference keeps only the most recent events that fit the budget."
     )
     min_truncated_len: int = Field(default=16, ge=0, description="Never truncate below this many events.")
+    truncate_headroom: float = Field(
+        default=0.6,
+        gt=0,
+        le=1,
+        description=(
+            "A relay worker's full ranking (sliced by time) keeps the most recent events predicted "
+            "to fill this share of the time left, at the device's slowest recent pace: it has no "
+            "second chance, yields to short rankings at each slice, and in a burst of ingestion "
+            "the device slows down faster than its measured pace follows. (One job, as in "
+            "baseline mode: all of the time left.)"
+        ),
+    )
     wait_margin_ms: float = Field(
         default=2.0, ge=0, description="Slack kept when deciding to wait for an in-flight prefix."
     )

@@ -10,12 +10,17 @@ Primitives:
 - ``tokens_within_slice(cached, slice_ms)``: how many more tokens a chunk may compute against
   ``cached`` keys within one device slice (the marginal cost of extending a history).
 - ``save`` / ``load``: a JSON calibration file (``relaygr calibrate`` writes it).
+- ``DevicePace``: how much slower (``factor`` > 1) or faster the device runs now than the model
+  predicts, measured from the device's own slices (``observe(predicted_ms, measured_ms)``): a
+  worker sharing cores with a broker and other stages computes the same slice 2-3x slower than
+  on the quiet machine it was calibrated on, and slices sized by the quiet figure overrun.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,3 +88,48 @@ class LatencyModel:
     @classmethod
     def load(cls, path: Path) -> LatencyModel:
         return cls.from_coeffs(json.loads(Path(path).read_text())["coeffs"])
+
+
+class DevicePace:
+    """Measured device time over predicted, as an exponential average of log-ratios of recent
+    slices (``weight`` each), kept within ``[lo, hi]``; ``worst_factor`` is the largest of that
+    and the last ``recent`` slices' own ratios (work with no second chance, a truncated ranking,
+    plans with it: a burst slows the device down faster than an average follows). A slice
+    predicted under ``min_predicted_ms`` is not observed: timer and call overheads dominate it.
+    One instance per kind of work whose fixed costs differ (extending a history; scoring
+    candidates against it)."""
+
+    def __init__(
+        self,
+        weight: float = 0.3,
+        lo: float = 0.5,
+        hi: float = 4.0,
+        min_predicted_ms: float = 0.2,
+        recent: int = 8,
+    ):
+        if not 0 < weight <= 1 or not 0 < lo <= 1 <= hi:
+            raise ValueError(
+                f"DevicePace: need 0 < weight <= 1 and 0 < lo <= 1 <= hi, got {weight}, {lo}, {hi}"
+            )
+        self.weight, self.lo, self.hi, self.min_predicted_ms = weight, lo, hi, min_predicted_ms
+        self._log = 0.0
+        self._recent: deque[float] = deque(maxlen=recent)
+        self.observations = 0
+
+    @property
+    def factor(self) -> float:
+        return min(self.hi, max(self.lo, math.exp(self._log)))
+
+    @property
+    def worst_factor(self) -> float:
+        return min(self.hi, max(self.lo, math.exp(max([self._log, *self._recent]))))
+
+    def observe(self, predicted_ms: float, measured_ms: float) -> None:
+        if predicted_ms < self.min_predicted_ms or not math.isfinite(measured_ms) or measured_ms <= 0:
+            return
+        # Clamped before averaging: one slice held up by a page fault or a preemption moves the
+        # estimate by at most a bounded step.
+        r = min(math.log(self.hi), max(math.log(self.lo), math.log(measured_ms / predicted_ms)))
+        self._log += self.weight * (r - self._log)
+        self._recent.append(r)
+        self.observations += 1

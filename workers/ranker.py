@@ -6,14 +6,16 @@ Primitives:
   signal — lease, then promote, extend or compute the first ``n`` events' prefix (chunked on the
   device scheduler, so a ranking job waits for at most one chunk); a cached prefix that already
   covers them is a hit. Returns a ``PrefillOutcome``.
+- ``RankingEngine.prefill_eta_ms(user_id)``: predicted device time left of the user's pre-inference
+  under way (None: none computing here): a ranking does not wait for one that cannot finish in time.
 - ``RankingEngine.abandon_prefill(user_id)``: the ranking that needed this pre-inference was
   served without it: its chunks not yet run are dropped (outcome ``abandoned``), so that a late
   pre-inference does not delay the ones that can still be on time.
 - ``RankingEngine.rank(user_id, history, candidates, request_ts, deadline)``: a ``RankOutcome``.
   Relay path when a valid cached prefix exists; wait for an in-flight prefix only while that
-  still meets the deadline — and lend it the request's priority and deadline meanwhile, so that
-  other requests' full rankings cannot starve it; otherwise full inference, truncated to what
-  the latency model says fits the remaining budget. A relay ranking stores the prefix it grew by
+  still meets the deadline (what it has left to compute included) — and lend it the request's
+  priority and deadline meanwhile, so that other requests' full rankings cannot starve it;
+  otherwise full inference, truncated to what the latency model says fits the remaining budget. A relay ranking stores the prefix it grew by
   the suffix (``retain_suffix``; in the background, behind other rankings): the user's next
   request then computes only its new events. A user's relay rankings that wait for the device
   together (a burst) run as one job against their shared prefix (``burst_batch``). ``drain()``
@@ -21,7 +23,13 @@ Primitives:
   Baseline mode is full inference on the same code.
 - ``RankingEngine.warm_up()``: serving's shapes run once on the device thread before the first
   request (a fresh process's first calls pay one-off costs), kept out of the latency model.
+- ``RankingEngine.predict_full_ms(n)``: full ranking of ``n`` events at the device's measured pace.
 - ``kv_bytes_per_token(model)``: device bytes one cached token takes.
+
+Device slices are sized by the latency model times the pace the device keeps now
+(``DevicePace``, one for extending histories and one for scoring candidates, measured from every
+slice): calibrated on a quiet machine, a slice would overrun its ``slice_ms`` 2-3x on cores
+shared with a broker and other stages, and so would a truncated ranking its deadline.
 """
 
 from __future__ import annotations
@@ -38,7 +46,7 @@ from typing import TypeVar
 import torch
 
 from relaygr.workers.engine_config import EngineConfig
-from relaygr.workers.latency_model import LatencyModel
+from relaygr.workers.latency_model import DevicePace, LatencyModel
 from relaygr.workers.model import HSTURanker
 from relaygr.workers.prefix_kv import Events, PrefixKV
 from relaygr.workers.prefix_store import PrefixStore
@@ -80,6 +88,38 @@ class _BurstItem:
     batch: int = 1
 
 
+class _Slicer:
+    """Chunk sizes for ``prefill_steps`` by device time: the tokens whose predicted cost, times
+    the measured pace, fits ``slice_ms`` (at most ``hi``). It remembers the chunk it sized last
+    (where it starts, its predicted ms), so that ``measured`` can time that chunk into the pace
+    and a waiting ranking can tell how far a pre-inference has got."""
+
+    def __init__(self, latency: LatencyModel, pace: DevicePace, slice_ms: float, hi: int, start: int = 0):
+        self.latency, self.pace, self.slice_ms, self.hi = latency, pace, slice_ms, hi
+        self.at = start  # keys cached before the chunk sized last
+        self.predicted_ms = 0.0
+
+    def __call__(self, cached: int) -> int:
+        lat = self.latency
+        k = lat.tokens_within_slice(cached, self.slice_ms / self.pace.factor, lo=16, hi=self.hi)
+        self.at, self.predicted_ms = cached, lat.predict_ms(cached + k) - lat.predict_ms(cached)
+        return k
+
+    def measured(self, steps: Iterator[PrefixKV | None]) -> Iterator[PrefixKV | None]:
+        """``steps`` with each chunk but the last timed into the pace (the last one also
+        assembles the prefix, which its prediction leaves out)."""
+        while True:
+            self.predicted_ms = 0.0
+            t0 = time.perf_counter()
+            try:
+                out = next(steps)
+            except StopIteration:
+                return
+            if out is None and self.predicted_ms:
+                self.pace.observe(self.predicted_ms, (time.perf_counter() - t0) * 1000)
+            yield out
+
+
 class PrefillAbandoned(Exception):
     """A pre-inference stopped between two chunks: the ranking that needed it went ahead."""
 
@@ -111,6 +151,10 @@ class RankingEngine:
         # Background tasks storing the prefixes that rankings grew (``retain_suffix``).
         self._keeping: set[asyncio.Task] = set()
         self.batched_rankings = 0  # rankings that shared their device job with others of a burst
+        # Measured device time over the latency model's: chunks of history; candidate slices.
+        self.pace_extend, self.pace_score = DevicePace(), DevicePace()
+        # Pre-inferences computing now: user -> (their slicer, tokens in all).
+        self._computing: dict[str, tuple[_Slicer, int]] = {}
 
     # ------------------------------------------------------------------ pre-inference
 
@@ -142,9 +186,15 @@ class RankingEngine:
         self._abandoned.discard(user_id)
 
         async def compute(best: PrefixKV | None) -> PrefixKV:
-            steps = self._unless_abandoned(
-                user_id, self.model.prefill_steps(history.slice(0, n), self._chunk_size(), prefix=best)
+            start = best.length if best is not None else 0
+            slicer = self._slicer(start)
+            steps = self.model.prefill_steps(
+                history.slice(0, n), slicer or self.config.prefill_chunk, prefix=best
             )
+            if slicer is not None:
+                steps = slicer.measured(steps)
+                self._computing[user_id] = (slicer, n)
+            steps = self._unless_abandoned(user_id, steps)
             # A request may already wait for this prefix (its lookup found it in flight).
             prio, deadline = self._urgent.get(user_id, (Priority.PREFILL, math.inf))
             out = await self.scheduler.submit_steps(
@@ -162,7 +212,23 @@ class RankingEngine:
         finally:
             self._urgent.pop(user_id, None)
             self._abandoned.discard(user_id)
+            self._computing.pop(user_id, None)
         return PrefillOutcome(source, got.length, (time.perf_counter() - t0) * 1000)
+
+    def prefill_eta_ms(self, user_id: str) -> float | None:
+        """Predicted device time (ms, at the measured pace) of what ``user_id``'s pre-inference
+        has left to compute; None when none is computing on this engine (a tier load in flight,
+        or not sliced by time)."""
+        got = self._computing.get(user_id)
+        if got is None:
+            return None
+        slicer, n = got
+        lat = self.latency
+        return max(0.0, lat.predict_ms(n) - lat.predict_ms(slicer.at)) * self.pace_extend.factor
+
+    def predict_full_ms(self, n: int) -> float:
+        """Full ranking of ``n`` events at the pace the device keeps now."""
+        return self.latency.predict_ms(n) * self.pace_extend.factor
 
     def _unless_abandoned(self, user_id: str, steps: Iterator[PrefixKV | None]) -> Iterator[PrefixKV | None]:
         """``steps``, checked before each chunk: ``abandon_prefill`` stops them there."""
@@ -214,13 +280,13 @@ class RankingEngine:
         await self.scheduler.submit(work, priority=Priority.PREFILL)
         return time.perf_counter() - t0
 
-    def _chunk_size(self) -> int | Callable[[int], int]:
-        """Tokens per device chunk: sliced by time (``slice_ms``) with the latency model, so that
-        a chunk against many cached keys gets fewer tokens; at most ``prefill_chunk``."""
+    def _slicer(self, start: int = 0) -> _Slicer | None:
+        """Tokens per device chunk sliced by time (``slice_ms``) with the latency model at the
+        measured pace, so that a chunk against many cached keys gets fewer tokens; at most
+        ``prefill_chunk``. None: not sliced by time (``prefill_chunk`` tokens a chunk)."""
         if not self.config.slice_ms:
-            return self.config.prefill_chunk
-        hi, slice_ms = self.config.prefill_chunk, self.config.slice_ms
-        return lambda cached: self.latency.tokens_within_slice(cached, slice_ms, lo=16, hi=hi)
+            return None
+        return _Slicer(self.latency, self.pace_extend, self.config.slice_ms, self.config.prefill_chunk, start)
 
     def expedite_prefill(self, user_id: str, deadline: float) -> None:
         """A ranking waits for ``user_id``'s pre-inference: its remaining chunks run at ranking
@@ -266,10 +332,12 @@ class RankingEngine:
             bd["lookup"] = (time.perf_counter() - t0) * 1000
             prefix, tier, path = found.prefix, found.tier, "relay"
             if prefix is None and self.store.in_flight(user_id):
-                # Wait only if ranking the suffix after the wait still meets the deadline.
+                # Wait only if ranking the suffix after the wait still meets the deadline, and
+                # the pre-inference is not predicted to need longer than that.
                 est = self.latency.predict_ms(min(n, self.config.prefill_chunk)) + self.config.wait_margin_ms
                 room_s = deadline - time.time() - est / 1000
-                if room_s > 0:
+                eta_ms = self.prefill_eta_ms(user_id)
+                if room_s > 0 and (eta_ms is None or eta_ms / 1000 <= room_s):
                     self.expedite_prefill(user_id, deadline)
                     t1 = time.perf_counter()
                     try:
@@ -309,13 +377,16 @@ class RankingEngine:
 
         used = history
         path = "baseline" if self.config.mode == "baseline" else "full"
+        sliced = self.config.mode == "relay" and bool(self.config.slice_ms)
         if self.config.truncate_to_budget:
             left_ms = (deadline - time.time()) * 1000
+            if sliced:  # see ``EngineConfig.truncate_headroom``
+                left_ms *= self.config.truncate_headroom / self.pace_extend.worst_factor
             fit = max(self.config.min_truncated_len, self.latency.max_tokens_within(left_ms))
             if fit < n:
                 used = history.slice(n - fit)
                 path = "full_truncated"
-        if self.config.mode == "relay" and self.config.slice_ms:
+        if sliced:
             scores = await self._run_sliced(used, candidates, request_ts, deadline, bd)
         else:  # the baseline: one job, as the paper's
             scores = await self._run(None, used, candidates, request_ts, deadline, bd)
@@ -417,7 +488,8 @@ class RankingEngine:
         if not self.config.slice_ms:
             return False
         lat = self.latency
-        return lat.predict_ms(cached + new + candidates) - lat.predict_ms(cached) > 2 * self.config.slice_ms
+        ms = (lat.predict_ms(cached + new + candidates) - lat.predict_ms(cached)) * self.pace_score.factor
+        return ms > 2 * self.config.slice_ms
 
     async def _rank_relay_sliced(
         self,
@@ -432,19 +504,24 @@ class RankingEngine:
         """A relay ranking as a chunked ranking job: the new events extend the cached prefix in
         time slices, then the candidates are scored against it a slice's worth at a time (each
         candidate attends to the history and itself only, so groups score as the whole would).
-        The grown prefix is kept (``retain_suffix``)."""
-        model, chunk = self.model, self._chunk_size()
+        Like a sliced full ranking it yields at every slice boundary: the short rankings queued
+        meanwhile run before its next slice, whatever their deadlines, so that they wait for one
+        slice of a heavy user's ranking rather than all of it. The grown prefix is kept
+        (``retain_suffix``)."""
+        model, slicer, lat = self.model, self._slicer(prefix.length), self.latency
         n = len(history)
-        per_slice = self.latency.tokens_within_slice(
-            n, self.config.slice_ms, lo=8, hi=max(8, len(candidates))
+        per_slice = lat.tokens_within_slice(
+            n, self.config.slice_ms / self.pace_score.factor, lo=8, hi=max(8, len(candidates))
         )
+        slice_predicted_ms = lat.predict_ms(n + per_slice) - lat.predict_ms(n)
         grown_box: list[PrefixKV] = []
         timing: list[float] = []
 
         def steps():
             grown = prefix
             if n > prefix.length:
-                for out in model.prefill_steps(history, chunk, prefix=prefix):
+                assert slicer is not None  # sliced relay rankings exist only with slice_ms
+                for out in slicer.measured(model.prefill_steps(history, slicer, prefix=prefix)):
                     if out is None:
                         yield None
                     else:
@@ -453,14 +530,18 @@ class RankingEngine:
             parts = []
             rest = history.slice(n)
             for c0 in range(0, len(candidates), per_slice):
-                parts.append(model.rank(grown, rest, candidates[c0 : c0 + per_slice], request_ts))
+                t0 = time.perf_counter()
+                part = candidates[c0 : c0 + per_slice]
+                parts.append(model.rank(grown, rest, part, request_ts))
+                if len(part) == per_slice:  # a short last slice would read as a fast device
+                    self.pace_score.observe(slice_predicted_ms, (time.perf_counter() - t0) * 1000)
                 if c0 + per_slice < len(candidates):
                     yield None
             yield torch.cat(parts)
 
-        scores = await self._submit_steps_timed(steps(), deadline, timing)
+        scores = await self._submit_steps_timed(steps(), deadline, timing, yields=True)
         bd["device_queue"] = (timing[0] - timing[-1]) * 1000
-        bd["compute"] = sum(b - a for a, b in zip(timing[:-1:2], timing[1:-1:2], strict=True)) * 1000
+        _slice_times(timing, bd)
         if self.config.retain_suffix and n > prefix.length and grown_box:
             assert self.store is not None
             self.store.put(user_id, grown_box[0], keep_longer=True)
@@ -493,17 +574,18 @@ class RankingEngine:
         bd: dict[str, float],
     ) -> torch.Tensor:
         """Full ranking (a relay worker's cache miss) as a chunked ranking job: the history's keys
-        and values in time slices (``_chunk_size``), then the candidates against them. It yields
+        and values in time slices (``_slicer``), then the candidates against them. It yields
         at every slice boundary (chunked prefill): the relay rankings that arrived during a slice
         run before the next one, whatever their deadlines, so a miss never holds the short
         rankings up for its whole length. Equal to ``rank`` with no prefix (the prefix property,
         tested)."""
-        model, chunk = self.model, self._chunk_size()
+        model, slicer = self.model, self._slicer()
         timing: list[float] = []
 
         def steps():
             prefix = None
-            for out in model.prefill_steps(history, chunk):
+            chunks = model.prefill_steps(history, slicer or self.config.prefill_chunk)
+            for out in slicer.measured(chunks) if slicer is not None else chunks:
                 if out is None:
                     yield None
                 else:
@@ -512,7 +594,7 @@ class RankingEngine:
 
         out = await self._submit_steps_timed(steps(), deadline, timing, yields=True)
         bd["device_queue"] = (timing[0] - timing[-1]) * 1000
-        bd["compute"] = sum(b - a for a, b in zip(timing[:-1:2], timing[1:-1:2], strict=True)) * 1000
+        _slice_times(timing, bd)
         return out
 
     async def _on_device(self, fn: Callable[[], T], deadline: float, bd: dict[str, float]) -> T:
@@ -537,6 +619,16 @@ class RankingEngine:
         if len({n // 64 for n, _ in self.samples}) >= 4:
             self.latency = LatencyModel.fit(self.samples)
         return self.latency
+
+
+def _slice_times(timing: list[float], bd: dict[str, float]) -> None:
+    """``compute`` (the slices' own time) and ``between_slices`` (other jobs' slices that ran
+    between two of this job's, or waits for the device thread) in ms, from each slice's (start,
+    end) in ``timing``."""
+    starts, ends = timing[:-1:2], timing[1:-1:2]
+    bd["compute"] = sum(b - a for a, b in zip(starts, ends, strict=True)) * 1000
+    if len(starts) > 1:
+        bd["between_slices"] = sum(b - a for a, b in zip(ends[:-1], starts[1:], strict=True)) * 1000
 
 
 def kv_bytes_per_token(model: HSTURanker) -> int:
