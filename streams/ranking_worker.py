@@ -704,6 +704,7 @@ class RankingWorker:
                 self.latency = self.engine.refit_latency()
                 PACE.labels("extend").set(self.engine.pace_extend.factor)
                 PACE.labels("score").set(self.engine.pace_score.factor)
+                PACE.labels("full").set(self.engine.pace_full.factor)
                 m = self.store.metrics() if self.store is not None else {}
                 for k, v in m.items():
                     STORE.labels(k).set(v)

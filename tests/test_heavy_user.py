@@ -250,16 +250,17 @@ async def test_a_ranking_does_not_wait_for_a_prefill_predicted_to_finish_too_lat
     pre = asyncio.create_task(e.prefill("heavy", h.slice(0, 7990)))
     while e.prefill_eta_ms("heavy") is None:
         await asyncio.sleep(0)
-    e.pace_extend._log = math.log(1000.0)  # as measured on a device 1000x slower than predicted
-    e.pace_extend.hi = 1000.0
+    for pace in (e.pace_extend, e.pace_full):  # as measured on a device 1000x slower than predicted
+        pace._log, pace.hi = math.log(1000.0), 1000.0
     assert e.prefill_eta_ms("heavy") == pytest.approx(7990.0)
-    assert e.predict_full_ms(100) == pytest.approx(100.0)
+    # 100 events at 1 ms, a 0.5 ms slice at the pace of chunks, the 2 ms margin.
+    assert e.predict_full_ms(100) == pytest.approx(100.0 + 500.0 + 2.0)
     ranking = asyncio.create_task(e.rank("heavy", h, torch.arange(1, 17), 2e9, time.time() + 0.3))
     await asyncio.sleep(0.05)
     gate.set()
     res = await ranking
     assert "prefix_wait" not in res.breakdown_ms
-    assert res.path == "full_truncated" and 16 <= res.used_len < 300  # ~250 ms of it at 1 ms a token
+    assert res.path == "full_truncated" and 16 <= res.used_len <= 150  # half of ~0.3 s at 1 ms a token
     await blocker
     e.pace_extend._log = 0.0  # the rest of the pre-inference in whole chunks
     assert (await pre).status == "computed"
@@ -275,9 +276,11 @@ async def test_a_sliced_truncated_ranking_plans_for_its_headroom_at_the_slowest_
     res = await one_job.rank("u", h, cands, 2e9, time.time() + 1.0)
     assert res.path == "full_truncated" and 900 < res.used_len <= 1000
     sliced = _engine(model, LatencyModel(0.0, 1.0, 0.0), slice_ms=50.0, truncate_headroom=0.5)
-    sliced.pace_extend.observe(10.0, 20.0)
+    sliced.pace_full.observe(10.0, 20.0)  # a full ranking took twice its prediction
+    sliced.pace_extend.observe(10.0, 40.0)  # (chunks' own overheads: not what it plans with)
     res = await sliced.rank("u", h, cands, 2e9, time.time() + 1.0)
     assert res.path == "full_truncated" and 200 < res.used_len <= 250
+    assert sliced.pace_full.observations == 2  # each full ranking is measured against its prediction
     one_job.scheduler.close()
     sliced.scheduler.close()
 
@@ -349,6 +352,24 @@ async def test_a_relay_ranking_against_many_keys_runs_in_slices_and_keeps_its_su
     e.scheduler.close()
 
 
+@pytest.mark.parametrize("slice_ms, extended", [(0.5, True), (50.0, False)])
+async def test_a_prefill_extends_by_the_suffix_when_ranking_it_would_cost_more_than_a_slice(
+    model, slice_ms: float, extended: bool
+) -> None:
+    # 64 short-term events at 0.05 ms a token: 3.2 ms, more than a 0.5 ms slice at any pace the
+    # device may measure (0.5-4x), less than a 50 ms one.
+    e = _engine(model, LatencyModel(0.0, 0.05, 0.0), slice_ms=slice_ms, prefill_chunk=512)
+    h = history(3064, seed=12)
+    out = await e.prefill("u", h, prefix_len=3000)
+    assert out.status == "computed" and out.prefix_len == 3000
+    await e.drain()
+    assert e.store.cached_length("u", h) == (3064 if extended else 3000)
+    res = await e.rank("u", h, torch.arange(1, 33), 2e9, FAR)
+    assert res.path == "relay" and res.tokens_computed == (32 if extended else 64 + 32)
+    torch.testing.assert_close(res.scores, model.rank_full(h, torch.arange(1, 33), 2e9), rtol=1e-4, atol=1e-4)
+    e.scheduler.close()
+
+
 async def test_a_short_ranking_waits_for_one_slice_of_a_heavy_relay_ranking_not_all_of_it(model) -> None:
     # Both queued behind a busy device: a heavy user's relay ranking (256 candidates against 3000
     # cached keys, in slices) with the earlier deadline, and a short ranking. The heavy one
@@ -359,6 +380,7 @@ async def test_a_short_ranking_waits_for_one_slice_of_a_heavy_relay_ranking_not_
     cands = torch.arange(1, 257)
     await e.prefill("heavy", h)
     assert e._slice_relay(3000, 0, 256)
+    assert not e._slice_relay(3000, 0, 40)  # 0.4 ms predicted: within one slice, one job
     order: list[str] = []
     gate = threading.Event()
     blocker = e.scheduler.submit(lambda: gate.wait(10), priority=Priority.RANK)

@@ -119,6 +119,35 @@ async def test_a_yielding_chunked_job_lets_the_jobs_waiting_at_each_boundary_go_
         s.close()
 
 
+async def test_two_yielding_chunked_jobs_take_turns_a_chunk_each() -> None:
+    """A short sliced ranking queued behind a long one with an earlier deadline (a heavy user's)
+    runs a chunk at each of its boundaries instead of waiting for all of it."""
+    s = DeviceScheduler("t")
+    gate, started = threading.Event(), threading.Event()
+    order: list[str] = []
+
+    def chunks(name: str, n: int):
+        for i in range(n):
+            order.append(f"{name}{i}")
+            if name == "long" and i == 0:
+                started.set()
+                gate.wait(5)
+            yield None
+        yield name
+
+    try:
+        long = s.submit_steps(chunks("long", 4), priority=Priority.RANK, deadline=10.0, yields=True)
+        assert await asyncio.to_thread(started.wait, 5)
+        short = s.submit_steps(chunks("short", 2), priority=Priority.RANK, deadline=50.0, yields=True)
+        gate.set()
+        assert await asyncio.gather(long, short) == ["long", "short"]
+        # The short job is done after two of the long job's four chunks, not all of them.
+        assert order == ["long0", "short0", "long1", "short1", "long2", "long3"]
+        assert s.queue_depth() == 0
+    finally:
+        s.close()
+
+
 async def test_a_yielding_chunked_job_between_two_steps_is_failed_on_close() -> None:
     s = DeviceScheduler("t")
     gate, hold, started, holding = (threading.Event() for _ in range(4))

@@ -30,7 +30,7 @@ class EngineConfig(BaseModel):
     )
     min_truncated_len: int = Field(default=16, ge=0, description="Never truncate below this many events.")
     truncate_headroom: float = Field(
-        default=0.6,
+        default=0.5,
         gt=0,
         le=1,
         description=(

@@ -5,7 +5,9 @@ Primitives:
 - ``RankingEngine.prefill(user_id, history, ttl_s, prefix_len=n)``: pre-inference on a prefill
   signal — lease, then promote, extend or compute the first ``n`` events' prefix (chunked on the
   device scheduler, so a ranking job waits for at most one chunk); a cached prefix that already
-  covers them is a hit. Returns a ``PrefillOutcome``.
+  covers them is a hit. Returns a ``PrefillOutcome``. When the events it leaves to the ranking
+  (the short-term suffix) would cost that ranking more than a slice (a heavy user's thousands of
+  cached keys), it extends the prefix by them too, in the background at pre-inference priority.
 - ``RankingEngine.prefill_eta_ms(user_id)``: predicted device time left of the user's pre-inference
   under way (None: none computing here): a ranking does not wait for one that cannot finish in time.
 - ``RankingEngine.abandon_prefill(user_id)``: the ranking that needed this pre-inference was
@@ -23,13 +25,15 @@ Primitives:
   Baseline mode is full inference on the same code.
 - ``RankingEngine.warm_up()``: serving's shapes run once on the device thread before the first
   request (a fresh process's first calls pay one-off costs), kept out of the latency model.
-- ``RankingEngine.predict_full_ms(n)``: full ranking of ``n`` events at the device's measured pace.
+- ``RankingEngine.predict_full_ms(n)``: full ranking of ``n`` events at the device's measured pace,
+  plus the wait for the device that a sliced ranking allows for (a slice, and a margin).
 - ``kv_bytes_per_token(model)``: device bytes one cached token takes.
 
 Device slices are sized by the latency model times the pace the device keeps now
 (``DevicePace``, one for extending histories and one for scoring candidates, measured from every
-slice): calibrated on a quiet machine, a slice would overrun its ``slice_ms`` 2-3x on cores
-shared with a broker and other stages, and so would a truncated ranking its deadline.
+slice; a third from whole full rankings for what they are predicted to take): calibrated on a
+quiet machine, a slice would overrun its ``slice_ms`` 2-3x on cores shared with a broker and
+other stages, and so would a truncated ranking its deadline.
 """
 
 from __future__ import annotations
@@ -151,8 +155,9 @@ class RankingEngine:
         # Background tasks storing the prefixes that rankings grew (``retain_suffix``).
         self._keeping: set[asyncio.Task] = set()
         self.batched_rankings = 0  # rankings that shared their device job with others of a burst
-        # Measured device time over the latency model's: chunks of history; candidate slices.
-        self.pace_extend, self.pace_score = DevicePace(), DevicePace()
+        # Measured device time over the latency model's: chunks of history; candidate slices;
+        # whole full rankings (what the model predicts; a chunk's own overheads are not in it).
+        self.pace_extend, self.pace_score, self.pace_full = DevicePace(), DevicePace(), DevicePace()
         # Pre-inferences computing now: user -> (their slicer, tokens in all).
         self._computing: dict[str, tuple[_Slicer, int]] = {}
 
@@ -213,7 +218,44 @@ class RankingEngine:
             self._urgent.pop(user_id, None)
             self._abandoned.discard(user_id)
             self._computing.pop(user_id, None)
+        if got.length < len(history) and self._suffix_costs_a_slice(got.length, len(history)):
+            self._extend_later(user_id, got, history)
         return PrefillOutcome(source, got.length, (time.perf_counter() - t0) * 1000)
+
+    def _suffix_costs_a_slice(self, cached: int, n: int) -> bool:
+        """Whether computing events ``cached .. n`` against the ``cached`` keys before them is
+        predicted (at the measured pace) to take longer than a device slice."""
+        if not self.config.slice_ms:
+            return False
+        lat = self.latency
+        return (lat.predict_ms(n) - lat.predict_ms(cached)) * self.pace_extend.factor > self.config.slice_ms
+
+    def _extend_later(self, user_id: str, prefix: PrefixKV, history: Events) -> None:
+        """Extend a prefix just pre-inferred by the rest of ``history`` (the short-term suffix the
+        pre-inference leaves to the ranking), in slices at pre-inference priority, and keep the
+        longer prefix. Only when those events would cost the ranking more than a slice: against a
+        heavy user's thousands of cached keys, 64 events take as long as scoring 128 candidates,
+        and they are known now. A ranking that comes first computes them itself, as before."""
+        slicer = self._slicer(prefix.length)
+        assert slicer is not None  # only when sliced by time (``_suffix_costs_a_slice``)
+        steps = slicer.measured(self.model.prefill_steps(history, slicer, prefix=prefix))
+
+        async def extend() -> None:
+            assert self.store is not None
+            try:
+                grown = await self.scheduler.submit_steps(
+                    steps, priority=Priority.PREFILL, tag=("prefill", user_id)
+                )
+                grown.meta = {**prefix.meta, **grown.meta}
+                self.store.put(user_id, grown, keep_longer=True)
+            except SchedulerClosed:  # shutting down: the ranking computes the suffix
+                pass
+            except Exception:
+                log.exception("extending the pre-inferred prefix of %s failed", user_id)
+
+        task = asyncio.get_running_loop().create_task(extend())
+        self._keeping.add(task)
+        task.add_done_callback(self._keeping.discard)
 
     def prefill_eta_ms(self, user_id: str) -> float | None:
         """Predicted device time (ms, at the measured pace) of what ``user_id``'s pre-inference
@@ -227,8 +269,14 @@ class RankingEngine:
         return max(0.0, lat.predict_ms(n) - lat.predict_ms(slicer.at)) * self.pace_extend.factor
 
     def predict_full_ms(self, n: int) -> float:
-        """Full ranking of ``n`` events at the pace the device keeps now."""
-        return self.latency.predict_ms(n) * self.pace_extend.factor
+        """Full ranking of ``n`` events at the pace the device keeps now, and the longest wait for
+        the device it is designed to have (one slice), and ``wait_margin_ms``: what a request
+        must keep of its time when it waits for something else first."""
+        return (
+            self.latency.predict_ms(n) * self.pace_full.factor
+            + self.config.slice_ms * self.pace_extend.factor
+            + self.config.wait_margin_ms
+        )
 
     def _unless_abandoned(self, user_id: str, steps: Iterator[PrefixKV | None]) -> Iterator[PrefixKV | None]:
         """``steps``, checked before each chunk: ``abandon_prefill`` stops them there."""
@@ -381,7 +429,7 @@ class RankingEngine:
         if self.config.truncate_to_budget:
             left_ms = (deadline - time.time()) * 1000
             if sliced:  # see ``EngineConfig.truncate_headroom``
-                left_ms *= self.config.truncate_headroom / self.pace_extend.worst_factor
+                left_ms *= self.config.truncate_headroom / self.pace_full.worst_factor
             fit = max(self.config.min_truncated_len, self.latency.max_tokens_within(left_ms))
             if fit < n:
                 used = history.slice(n - fit)
@@ -391,6 +439,7 @@ class RankingEngine:
         else:  # the baseline: one job, as the paper's
             scores = await self._run(None, used, candidates, request_ts, deadline, bd)
         self.samples.append((len(used), bd["compute"]))
+        self.pace_full.observe(self.latency.predict_ms(len(used)), bd["compute"])
         return RankOutcome(scores, path, bd, n, len(used), len(used) + len(candidates), 0, "miss")
 
     async def _rank_in_burst(
@@ -489,7 +538,7 @@ class RankingEngine:
             return False
         lat = self.latency
         ms = (lat.predict_ms(cached + new + candidates) - lat.predict_ms(cached)) * self.pace_score.factor
-        return ms > 2 * self.config.slice_ms
+        return ms > self.config.slice_ms
 
     async def _rank_relay_sliced(
         self,

@@ -13,7 +13,8 @@ Primitives:
   boundary go first (chunked prefill as in LLM serving: a miss's full ranking is a long job at
   ranking priority; the short relay rankings that arrived during a chunk run before its next one,
   whatever their deadlines). Only the jobs queued at the boundary go ahead, so the chunked job
-  still gets a chunk per round and cannot starve.
+  still gets a chunk per round and cannot starve. Two yielding jobs take turns a chunk each: a
+  short sliced ranking never waits for all of a heavy user's long one.
 - ``DeviceScheduler.promote(tag, priority, deadline)``: raise the jobs carrying ``tag``, queued or
   running chunked (priority inheritance: a ranking job that waits for a pre-inference lends it
   its urgency).
@@ -108,8 +109,8 @@ class DeviceScheduler:
         yields: bool = False,
     ) -> asyncio.Future[T]:
         """A chunked job: one ``next(steps)`` per turn until it yields a result. ``yields``: at
-        each chunk boundary, the jobs then queued at this priority or above (other than yielding
-        ones) run before the next chunk, whatever their deadlines."""
+        each chunk boundary, the jobs then queued at this priority or above run before the next
+        chunk (a yielding one for one chunk of its own), whatever their deadlines."""
         return self._submit(lambda: next(steps), priority, deadline, tag, steps=True, yields=yields)
 
     def submit_batched(
@@ -233,8 +234,9 @@ class DeviceScheduler:
 
     def _waiting_ahead(self, job: _Job) -> set[int]:
         """The queued jobs a yielding ``job`` lets go first at its chunk boundary: those at its
-        priority or above that do not yield themselves. Called with the lock held."""
-        return {seq for prio, _, seq, j in self._heap if prio <= job.priority and not j.yields}
+        priority or above (a yielding one runs a chunk, then parks in turn: the two alternate).
+        Called with the lock held."""
+        return {seq for prio, _, seq, j in self._heap if prio <= job.priority}
 
     def _unpark(self, taken: set[int]) -> None:
         """Jobs ``taken`` off the queue: parked steps that waited only for them go back in.
