@@ -144,7 +144,7 @@ class PipelineSettings(BaseSettings):
         gt=0,
         le=1,
         description="Ranking worker (relay): a full ranking keeps the most recent events predicted to "
-        "fill this share of the time left, at the device's slowest recent pace (no second chance).",
+        "fill this share of the time left, at the pace of recent full rankings (no second chance).",
     )
     history_retain_events: int | None = Field(
         default=None,

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import math
-from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,12 +91,10 @@ class LatencyModel:
 
 class DevicePace:
     """Measured device time over predicted, as an exponential average of log-ratios of recent
-    slices (``weight`` each), kept within ``[lo, hi]``; ``worst_factor`` is the largest of that
-    and the last ``recent`` slices' own ratios (work with no second chance, a truncated ranking,
-    plans with it: a burst slows the device down faster than an average follows). A slice
-    predicted under ``min_predicted_ms`` is not observed: timer and call overheads dominate it.
-    One instance per kind of work whose fixed costs differ (extending a history; scoring
-    candidates against it)."""
+    slices (``weight`` each), kept within ``[lo, hi]``. A slice predicted under
+    ``min_predicted_ms`` is not observed: timer and call overheads dominate it. One instance per
+    kind of work whose fixed costs differ (extending a history; scoring candidates against it;
+    whole rankings)."""
 
     def __init__(
         self,
@@ -105,7 +102,6 @@ class DevicePace:
         lo: float = 0.5,
         hi: float = 4.0,
         min_predicted_ms: float = 0.2,
-        recent: int = 8,
     ):
         if not 0 < weight <= 1 or not 0 < lo <= 1 <= hi:
             raise ValueError(
@@ -113,16 +109,11 @@ class DevicePace:
             )
         self.weight, self.lo, self.hi, self.min_predicted_ms = weight, lo, hi, min_predicted_ms
         self._log = 0.0
-        self._recent: deque[float] = deque(maxlen=recent)
         self.observations = 0
 
     @property
     def factor(self) -> float:
         return min(self.hi, max(self.lo, math.exp(self._log)))
-
-    @property
-    def worst_factor(self) -> float:
-        return min(self.hi, max(self.lo, math.exp(max([self._log, *self._recent]))))
 
     def observe(self, predicted_ms: float, measured_ms: float) -> None:
         if predicted_ms < self.min_predicted_ms or not math.isfinite(measured_ms) or measured_ms <= 0:
@@ -131,5 +122,4 @@ class DevicePace:
         # estimate by at most a bounded step.
         r = min(math.log(self.hi), max(math.log(self.lo), math.log(measured_ms / predicted_ms)))
         self._log += self.weight * (r - self._log)
-        self._recent.append(r)
         self.observations += 1

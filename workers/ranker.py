@@ -429,7 +429,7 @@ class RankingEngine:
         if self.config.truncate_to_budget:
             left_ms = (deadline - time.time()) * 1000
             if sliced:  # see ``EngineConfig.truncate_headroom``
-                left_ms *= self.config.truncate_headroom / self.pace_full.worst_factor
+                left_ms *= self.config.truncate_headroom / self.pace_full.factor
             fit = max(self.config.min_truncated_len, self.latency.max_tokens_within(left_ms))
             if fit < n:
                 used = history.slice(n - fit)
