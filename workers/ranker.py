@@ -43,7 +43,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -239,23 +239,12 @@ class RankingEngine:
         slicer = self._slicer(prefix.length)
         assert slicer is not None  # only when sliced by time (``_suffix_costs_a_slice``)
         steps = slicer.measured(self.model.prefill_steps(history, slicer, prefix=prefix))
-
-        async def extend() -> None:
-            assert self.store is not None
-            try:
-                grown = await self.scheduler.submit_steps(
-                    steps, priority=Priority.PREFILL, tag=("prefill", user_id)
-                )
-                grown.meta = {**prefix.meta, **grown.meta}
-                self.store.put(user_id, grown, keep_longer=True)
-            except SchedulerClosed:  # shutting down: the ranking computes the suffix
-                pass
-            except Exception:
-                log.exception("extending the pre-inferred prefix of %s failed", user_id)
-
-        task = asyncio.get_running_loop().create_task(extend())
-        self._keeping.add(task)
-        task.add_done_callback(self._keeping.discard)
+        self._put_when_computed(
+            user_id,
+            lambda: self.scheduler.submit_steps(steps, priority=Priority.PREFILL, tag=("prefill", user_id)),
+            prefix.meta,
+            "extending the pre-inferred prefix",
+        )
 
     def prefill_eta_ms(self, user_id: str) -> float | None:
         """Predicted device time (ms, at the measured pace) of what ``user_id``'s pre-inference
@@ -495,19 +484,32 @@ class RankingEngine:
         """Store the prefix a ranking grew, off the ranking's path: building it copies the cached
         keys and values, so it runs on the device after the scores are out, behind any ranking.
         It keeps the metadata of the prefix it grew from (who computed it: this worker)."""
+        self._put_when_computed(
+            user_id,
+            lambda: self.scheduler.submit(grow, priority=Priority.PREFILL),
+            meta,
+            "keeping the ranked suffix",
+        )
 
-        async def keep() -> None:
+    def _put_when_computed(
+        self, user_id: str, compute: Callable[[], Awaitable[PrefixKV]], meta: dict[str, str], what: str
+    ) -> None:
+        """In the background (``drain`` waits for it): await ``compute()`` (a job on the device)
+        and store the longer prefix it returns, with the metadata of the prefix it grew from.
+        Shutting down drops it: the next ranking computes those events itself."""
+
+        async def put() -> None:
             assert self.store is not None
             try:
-                grown = await self.scheduler.submit(grow, priority=Priority.PREFILL)
+                grown = await compute()
                 grown.meta = {**meta, **grown.meta}
                 self.store.put(user_id, grown, keep_longer=True)
-            except SchedulerClosed:  # shutting down: the next request recomputes the suffix
+            except SchedulerClosed:
                 pass
             except Exception:
-                log.exception("keeping the ranked suffix of %s failed", user_id)
+                log.exception("%s of %s failed", what, user_id)
 
-        task = asyncio.get_running_loop().create_task(keep())
+        task = asyncio.get_running_loop().create_task(put())
         self._keeping.add(task)
         task.add_done_callback(self._keeping.discard)
 
