@@ -189,6 +189,15 @@ def run(args: argparse.Namespace) -> int:
         if not args.json:
             print(f"== {msg}", file=sys.stderr, flush=True)
 
+    if args.results is not None:  # before minutes of benchmark, not after
+        try:
+            args.results.parent.mkdir(parents=True, exist_ok=True)
+            args.results.open("w").close()
+        except OSError as e:
+            print(
+                f"relaygr bench noisy-neighbour: cannot write --results {args.results}: {e}", file=sys.stderr
+            )
+            return 2
     line = on_fresh_pipeline("noisy", 1, lambda s, reg, _pipe, ml: _measure(s, reg, args, ml, say), say)
     print(json.dumps(line))
     return 0

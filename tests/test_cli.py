@@ -47,3 +47,9 @@ def test_demo_runs_one_ranking_worker_per_two_cores_at_most_two() -> None:
     from relaygr.demo import default_ranking_workers
 
     assert [default_ranking_workers(c) for c in (1, 2, 3, 4, 16)] == [1, 1, 1, 2, 2]
+
+
+def test_an_unwritable_results_file_is_refused_before_the_benchmark_starts(tmp_path, capsys) -> None:
+    # A folder where the file should be: refused at once, not after minutes of benchmark.
+    assert main(["bench", "noisy-neighbour", "--results", str(tmp_path)]) == 2
+    assert "cannot write --results" in capsys.readouterr().err
