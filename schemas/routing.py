@@ -11,21 +11,26 @@ whose partition the cascade picks itself, and annotates them with Kafka record h
   its value is ``Positions`` — for each public behaviours partition, the offset below which every
   record has been forwarded. A reader that applied a progress record has applied every earlier
   behaviour of its users.
+- ``HEADER_FORWARD_RATE`` on a progress record: how many public records per second the ingress
+  forwards while it has a backlog (its own measure, ASCII decimal): with the positions, a reader
+  can tell that a backlog cannot be forwarded before a deadline, without waiting to see.
 - ``HEADER_NEEDS`` on a routed request: the public behaviours' end offsets when the ingress read
   it. The request's history is complete once the reader's progress covers them (``covers``).
 - ``HEADER_ROUTED_AT``: when the ingress forwarded the record (wall clock, seconds).
 
 Primitives: the header names, ``Positions`` with ``encode_positions`` / ``decode_positions``,
-``covers(progress, needed)`` and ``missing(progress, needed)``.
+``covers(progress, needed)``, ``missing(progress, needed)`` and ``decode_rate(raw)``.
 """
 
 from __future__ import annotations
 
 import json
+import math
 
 HEADER_PROGRESS = "relaygr-progress"
 HEADER_NEEDS = "relaygr-needs"
 HEADER_ROUTED_AT = "relaygr-routed-at"
+HEADER_FORWARD_RATE = "relaygr-forward-rate"
 
 #: public behaviours partition -> offset below which everything is forwarded (or needed)
 Positions = dict[int, int]
@@ -58,3 +63,11 @@ def covers(progress: Positions, needed: Positions) -> bool:
 def missing(progress: Positions, needed: Positions) -> int:
     """How many needed public records are not covered yet (an upper bound on what a history lacks)."""
     return sum(max(0, end - progress.get(q, 0)) for q, end in needed.items())
+
+
+def decode_rate(raw: bytes | str) -> float:
+    """A ``HEADER_FORWARD_RATE`` value; ``ValueError`` unless it is a finite positive number."""
+    rate = float(raw)
+    if not math.isfinite(rate) or rate <= 0:
+        raise ValueError(f"forward rate must be a finite positive number, got {rate!r}")
+    return rate

@@ -22,6 +22,8 @@ Primitives:
   and survives a rebalance that happened meanwhile.
 - ``serve_metrics(port)``: the Prometheus endpoint of this process, bound to 127.0.0.1.
 - ``freeze_heap()``: exempt what a stage set up at start from Python's full collections.
+- ``ForwardRate``: records per second, a geometric average of measured samples that goes
+  stale after ``max_age_s`` (how fast a backlog of behaviours is forwarded).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import asyncio
 import base64
 import gc
 import logging
+import math
 import time
 from typing import Any, TypeVar
 
@@ -103,6 +106,29 @@ async def commit_existing(
         log.warning(
             "committing offsets of %s timed out; the next commit retries", sorted({t.topic for t in live})
         )
+
+
+class ForwardRate:
+    """Records per second: a geometric average of samples (``observe(records, seconds)``; one
+    outlier moves it by a bounded factor), ``None`` once nothing was measured for ``max_age_s``."""
+
+    def __init__(self, weight: float = 0.3, max_age_s: float = float("inf")) -> None:
+        self.weight, self.max_age_s = weight, max_age_s
+        self._log: float | None = None
+        self._at = 0.0
+
+    def observe(self, records: int, seconds: float) -> None:
+        if records <= 0 or seconds <= 0:
+            return
+        x = math.log(records / seconds)
+        self._log = x if self.value is None else (1 - self.weight) * self._log + self.weight * x
+        self._at = time.monotonic()
+
+    @property
+    def value(self) -> float | None:
+        if self._log is None or time.monotonic() - self._at > self.max_age_s:
+            return None
+        return math.exp(self._log)
 
 
 # Behaviours are applied in batches: one table write (one changelog record) per user per batch

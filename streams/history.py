@@ -21,7 +21,8 @@ Primitives:
   user with tens of thousands of events costs a bounded amount of disk and memory.
 - ``HistoryAlignment(table)``: ``await wait(partition, needed, until)`` until the partition's
   progress covers ``needed`` (event-time alignment of a request with its user's behaviours), woken
-  by ``notify()`` after each applied batch.
+  by ``notify()`` after each applied batch; no wait for records that the ingress's measured
+  drain rate (``drain_rate``) cannot forward by ``until``.
 - Routed input (``relaygr.schemas.routing``): a ``BehaviorBatch`` names the public record each of
   its events was forwarded from (as may a single event: ``(offset, event, (partition, offset))``),
   and a copy of an event already applied is dropped; ``progress=`` merges the ingress's progress records of the batch,
@@ -45,12 +46,20 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from prometheus_client import Counter as PCounter
 from rocksdict import Options, Rdict, WriteBatch
 
 from relaygr.schemas import BehaviorBatch, BehaviorEvent
 from relaygr.schemas.routing import Positions, covers, decode_positions, encode_positions
+from relaygr.streams.common import ForwardRate
 from relaygr.workers.prefix_kv import Events
 from relaygr.workers.vocab import item_key, item_keys
+
+UNREACHABLE = PCounter(
+    "relaygr_history_wait_unreachable_total",
+    "Waits for a request's behaviours ended at once: the records missing could not be forwarded "
+    "before its deadline at the measured drain rate",
+)
 
 RECORD = np.dtype([("item", "<i8"), ("action", "<i2"), ("ts", "<f8")])
 # One record packed without numpy (the ingestion hot path): the same 18 bytes as RECORD.
@@ -421,11 +430,52 @@ class HistoryTable:
 
 
 class HistoryAlignment:
-    """Waits for a history table to cover the behaviours a request must see."""
+    """Waits for a history table to cover the behaviours a request must see, and not for what
+    cannot come in time.
 
-    def __init__(self, table: HistoryTable) -> None:
+    Waiters measure how fast the partition's progress moves while they are behind it: the
+    ingress is then forwarding a backlog, so that is its drain rate (public records per second;
+    a geometric average of the samples, ``drain_rate``). A wait whose missing records would take
+    longer than its time left at that rate ends at once: in a burst of tens of thousands of
+    behaviours, a request ranks on what is there (``history_complete`` false) with all of its
+    time, instead of waiting out its bound first and ranking late. A rate older than
+    ``rate_max_age_s`` is not used (the waits it would end are what measure it again); without
+    one, the ingress's own forward rate (``advertise``, from its progress records) bounds it:
+    the longest backlog of one partition cannot be forwarded faster than that."""
+
+    def __init__(self, table: HistoryTable, rate_weight: float = 0.3, rate_max_age_s: float = 5.0) -> None:
         self.table = table
         self._moved = asyncio.Event()
+        self.measured = ForwardRate(rate_weight, rate_max_age_s)
+        self.advertised: dict[int, float] = {}  # public partition -> its ingress's forward rate
+
+    @property
+    def drain_rate(self) -> float | None:
+        """Public records forwarded per second while a waiter was behind, as measured within
+        ``rate_max_age_s`` (None: not measured lately)."""
+        return self.measured.value
+
+    def observe_drain(self, records: int, seconds: float) -> None:
+        """A waiter saw ``records`` more forwarded over ``seconds`` while behind them."""
+        self.measured.observe(records, seconds)
+
+    def advertise(self, partitions: Iterable[int], rate: float) -> None:
+        """The ingress forwarding these public partitions says it forwards ``rate`` records/s."""
+        for q in partitions:
+            self.advertised[int(q)] = rate
+
+    def eta_s(self, progress: Positions, needed: Positions) -> float | None:
+        """Seconds until ``needed`` is forwarded: at the measured drain rate, else at least the
+        longest of the partitions' backlogs at their ingress's own rate (None: neither known)."""
+        gaps = {q: end - progress.get(q, 0) for q, end in needed.items() if end > progress.get(q, 0)}
+        if not gaps:
+            return 0.0
+        rate = self.drain_rate
+        if rate is not None:
+            return sum(gaps.values()) / rate
+        if all(q in self.advertised for q in gaps):
+            return max(gap / self.advertised[q] for q, gap in gaps.items())
+        return None
 
     def notify(self) -> None:
         """A batch was applied: wake every waiter to check again."""
@@ -434,12 +484,26 @@ class HistoryAlignment:
 
     async def wait(self, partition: int, needed: dict[str, int] | dict[int, int], until: float) -> bool:
         """Wait until ``partition``'s progress covers ``needed`` (public partition -> end offset),
-        at most until ``until`` (``time.monotonic()``). Returns whether it does."""
+        at most until ``until`` (``time.monotonic()``), and not at all once the records missing
+        cannot be forwarded by then at the measured drain rate. Returns whether it covers them."""
         want = {int(q): end for q, end in needed.items()}
-        while not covers(self.table.progress(partition), want):
-            left = until - time.monotonic()
+        seen, seen_at = None, time.monotonic()
+        while True:
+            progress = self.table.progress(partition)
+            if covers(progress, want):
+                return True
+            now = time.monotonic()
+            at = sum(min(progress.get(q, 0), end) for q, end in want.items())
+            if seen is not None and at > seen:
+                self.observe_drain(at - seen, now - seen_at)
+            if seen is None or at > seen:
+                seen, seen_at = at, now
+            left = until - now
             if left <= 0:
+                return False
+            eta = self.eta_s(progress, want)
+            if eta is not None and eta > left:
+                UNREACHABLE.inc()
                 return False
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._moved.wait(), left)
-        return True

@@ -20,7 +20,9 @@ covers those offsets, or when its bounded wait runs out (then the result says th
 be partial). Requests are forwarded at once, never behind a behaviour backlog.
 
 Behaviours go out as one produce batch per routed partition per fetch (each ending with its
-progress record, which therefore follows every behaviour it covers), and their offsets are
+progress record, which therefore follows every behaviour it covers, and says how many records a
+second this router forwards through a backlog: a reader knows at once that a request behind a
+burst cannot see all of it by its deadline), and their offsets are
 committed once the batches are acknowledged: at least once, and a re-forwarded copy carries its
 source offsets so that readers drop it. A user's events of one fetch travel as one
 ``BehaviorBatch`` record, so the stages behind pay per burst, not per event, in Kafka records.
@@ -43,7 +45,7 @@ from typing import Any
 
 from aiokafka import ConsumerRebalanceListener, TopicPartition
 from prometheus_client import Counter as PCounter
-from prometheus_client import Histogram
+from prometheus_client import Gauge, Histogram
 
 from relaygr.infra.incarnations import Incarnations
 from relaygr.infra.kafka import consumer, describe_partitions, partition_for, producer
@@ -57,13 +59,14 @@ from relaygr.schemas import (
     encode,
 )
 from relaygr.schemas.routing import (
+    HEADER_FORWARD_RATE,
     HEADER_NEEDS,
     HEADER_PROGRESS,
     HEADER_ROUTED_AT,
     Positions,
     encode_positions,
 )
-from relaygr.streams.common import DEAD_LETTERS, dead_letter, decode_keyed, deliver
+from relaygr.streams.common import DEAD_LETTERS, ForwardRate, dead_letter, decode_keyed, deliver
 
 log = logging.getLogger(__name__)
 STAGE = "ingress"
@@ -75,6 +78,10 @@ MISROUTED = PCounter(
     ["topic"],
 )
 PROGRESS = PCounter("relaygr_ingress_progress_records_total", "Progress records written")
+FORWARD_RATE = Gauge(
+    "relaygr_ingress_forward_rate",
+    "Public behaviours forwarded per second through a backlog (what progress records advertise)",
+)
 HOP = Histogram(
     "relaygr_ingress_request_seconds",
     "Request produced -> forwarded onto routed-requests",
@@ -97,6 +104,8 @@ YIELD_EVERY = 200
 # Events per routed record: a burst of one user's history costs downstream stages a few records.
 ROUTED_BATCH = 2000
 COMMIT_EVERY_S = 0.2
+# A fetch of at least this many behaviours is a backlog: its pace measures the forward rate.
+RATE_MIN_RECORDS = 500
 
 
 class Ingress:
@@ -111,6 +120,7 @@ class Ingress:
         self._misrouted_seen: set[str] = set()
         self._beh_partitions: tuple[int, float] = (0, 0.0)  # (count, when read)
         self._forwarded_reset = False  # the behaviours topic was recreated: positions start over
+        self.forward_rate = ForwardRate()  # public behaviours forwarded per second, in a backlog
         self.assigned_at: dict[str, float] = {}  # topic -> when its partitions were last assigned
         # Commits name the topic id they were read from; a partition whose committed offset names
         # an earlier topic of the same name is read from its start (``relaygr.infra.incarnations``).
@@ -333,6 +343,7 @@ class Ingress:
         in_flight: asyncio.Future | None = None
         while True:
             batch = await self.beh_consumer.getmany(timeout_ms=50, max_records=BEHAVIOUR_FETCH)
+            t_fetched = time.perf_counter()
             if self._forwarded_reset:  # positions in the old topic say nothing about the new one
                 self._forwarded_reset = False
                 forwarded.clear()
@@ -384,15 +395,25 @@ class Ingress:
             progress = None
             if forwarded != marked and (not batch or now - last_progress >= PROGRESS_EVERY_S):
                 progress = encode_positions(forwarded)
+            busy_s = time.perf_counter() - t_fetched
             if in_flight is not None:
                 await in_flight  # the previous fetch's batches: acknowledged before these go out
                 in_flight = None
             if out or progress is not None:
                 # Sent now, acknowledged while the next fetch is processed (order per partition
                 # holds: one producer, idempotent).
+                t_send = time.perf_counter()
+                read = sum(len(msgs) for msgs in batch.values())
                 in_flight = await self._send_behaviours(
-                    dst, {p: [r for recs in v for r in recs] for p, v in out.items()}, progress, n_out
+                    dst,
+                    {p: [r for recs in v for r in recs] for p, v in out.items()},
+                    progress,
+                    n_out,
+                    self.forward_rate.value,
                 )
+                if read >= RATE_MIN_RECORDS:  # a fetch this large is a backlog: its pace is ours
+                    self.forward_rate.observe(read, busy_s + time.perf_counter() - t_send)
+                    FORWARD_RATE.set(self.forward_rate.value or 0.0)
                 if progress is not None:
                     marked, last_progress = dict(forwarded), now
                     PROGRESS.inc(n_out)
@@ -408,17 +429,21 @@ class Ingress:
                 last_commit = now
 
     async def _send_behaviours(
-        self, topic: str, out: dict[int, list], progress: bytes | None, n_out: int
+        self, topic: str, out: dict[int, list], progress: bytes | None, n_out: int, rate: float | None
     ) -> None:
         """One produce batch per routed partition (more if a batch fills up), the progress record
-        last; returns a future done once the broker acknowledged all of them."""
+        last (with the forward ``rate``, when measured); returns a future done once the broker
+        acknowledged all of them."""
         prod = self.beh_producer
         futs = []
         parts = range(n_out) if progress is not None else sorted(out)
+        marks = [(HEADER_PROGRESS, b"1")]
+        if rate is not None:
+            marks.append((HEADER_FORWARD_RATE, f"{rate:.0f}".encode()))
         for p in parts:
             recs = list(out.get(p, ()))
             if progress is not None:
-                recs.append((b"", progress, [(HEADER_PROGRESS, b"1")]))
+                recs.append((b"", progress, marks))
             builder = prod.create_batch()
             for key, value, headers in recs:
                 while builder.append(key=key, value=value, timestamp=None, headers=headers) is None:

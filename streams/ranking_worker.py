@@ -64,7 +64,13 @@ from relaygr.schemas import (
     WorkerStats,
     encode,
 )
-from relaygr.schemas.routing import HEADER_PROGRESS, Positions, decode_positions
+from relaygr.schemas.routing import (
+    HEADER_FORWARD_RATE,
+    HEADER_PROGRESS,
+    Positions,
+    decode_positions,
+    decode_rate,
+)
 from relaygr.streams.common import (
     BEHAVIOURS_APPLIED,
     DEAD_LETTERS,
@@ -111,6 +117,11 @@ INFLIGHT_PEAK = Gauge("relaygr_rank_inflight_peak", "Most signals and requests h
 APPLY_SLICE = 4096
 # A ranking waiting for its pre-inference checks this often whether it can still finish in time.
 PREFILL_RECHECK_S = 0.005
+ADVERTISED_RATE = Gauge(
+    "relaygr_rank_ingress_forward_rate",
+    "The ingress's forward rate through a backlog, as its last progress record said (records/s): "
+    "a request behind a backlog it cannot see forwarded by its deadline does not wait for it",
+)
 INCOMPLETE = PCounter(
     "relaygr_rank_history_incomplete_total",
     "Requests ranked before their history covered every behaviour produced before them",
@@ -419,7 +430,13 @@ class RankingWorker:
             headers = dict(m.headers or ())
             if HEADER_PROGRESS in headers:
                 try:
-                    for q, pos in decode_positions(m.value).items():
+                    marked = decode_positions(m.value)
+                    rate = headers.get(HEADER_FORWARD_RATE)
+                    if rate is not None:
+                        forwards = decode_rate(rate)
+                        self.alignment.advertise(marked, forwards)
+                        ADVERTISED_RATE.set(forwards)
+                    for q, pos in marked.items():
                         progress[q] = max(progress.get(q, 0), pos)
                 except ValueError as e:
                     self._spawn_dead_letter(tp, m, f"unreadable progress record: {e}")

@@ -206,3 +206,7 @@ async def test_request_right_after_its_behaviours_sees_them_all(deployment, movi
     await _ranked_with_whole_histories(settings, reg, histories, sent)
     metrics = {name: pipe.scrape(name) for name in ("ranker-0", "ranker-1")}
     assert all(m.value("relaygr_rank_history_incomplete_total") == 0 for m in metrics.values())
+    # The backlog measured the ingress's forward rate, and its progress records told the workers
+    # (a request behind a backlog too long for its deadline would not wait for it).
+    assert pipe.scrape("ingress-behaviors").value("relaygr_ingress_forward_rate") > 0
+    assert all(m.value("relaygr_rank_ingress_forward_rate") > 0 for m in metrics.values())

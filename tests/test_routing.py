@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 
 from relaygr.infra.kafka import partition_for
 from relaygr.schemas import BehaviorBatch, BehaviorEvent
-from relaygr.schemas.routing import covers, decode_positions, encode_positions, missing
-from relaygr.streams.history import HistoryAlignment, HistoryTable
+from relaygr.schemas.routing import covers, decode_positions, decode_rate, encode_positions, missing
+from relaygr.streams.history import UNREACHABLE, HistoryAlignment, HistoryTable
 from relaygr.streams.preprocess import SEEN_CHUNK, seen_add, seen_before
 from relaygr.streams.retrieval import summary_add
 
@@ -151,6 +151,71 @@ async def test_alignment_waits_for_progress_and_gives_up_at_its_bound(tmp_path) 
     await task
     assert len(h.get("u")) == 2
     h.close()
+
+
+async def test_alignment_does_not_wait_for_records_that_cannot_arrive_in_time(tmp_path) -> None:
+    """A waiter behind measures the drain rate; a later wait whose missing records would take
+    longer than its time left at that rate ends at once (no notify needed), a short one waits."""
+    h = HistoryTable(tmp_path / "h")
+    align = HistoryAlignment(h)
+    assert align.drain_rate is None
+
+    async def forward_ten() -> None:
+        await asyncio.sleep(0.01)
+        h.append_many(0, [(0, None)], progress={0: 10})
+        align.notify()
+
+    task = asyncio.create_task(forward_ten())
+    # Behind by 1,000 records; 10 arrive after >= 10 ms: at most 1,000 records/s.
+    assert not await align.wait(0, {"0": 1000}, time.monotonic() + 0.05)
+    await task
+    assert align.drain_rate is not None and align.drain_rate <= 1000
+
+    before = UNREACHABLE._value.get()
+    far = asyncio.create_task(align.wait(0, {"0": 1_000_000}, time.monotonic() + 60))
+    await asyncio.sleep(0)  # one step of the loop: it decided without waiting for anything
+    assert far.done() and far.result() is False
+    assert UNREACHABLE._value.get() == before + 1
+
+    near = asyncio.create_task(align.wait(0, {"0": 11}, time.monotonic() + 60))
+    await asyncio.sleep(0)
+    assert not near.done()  # one record at that rate fits in its time: it waits
+    h.append_many(0, [(1, None)], progress={0: 11})
+    align.notify()
+    assert await near
+
+    stale = HistoryAlignment(h, rate_max_age_s=0.0)
+    stale.observe_drain(1, 1000.0)  # too old to use at once: the wait is bounded as before
+    assert stale.drain_rate is None
+    assert not await stale.wait(0, {"0": 1_000_000}, time.monotonic() + 0.02)
+    h.close()
+
+
+async def test_alignment_bounds_a_backlog_by_the_rate_its_ingress_advertises(tmp_path) -> None:
+    """Not measured yet: the rate the ingress's progress records advertise for a partition bounds
+    how soon its backlog can be forwarded; a partition without one is waited for as before."""
+    h = HistoryTable(tmp_path / "h")
+    align = HistoryAlignment(h)
+    align.advertise({0: 5}, 1000.0)
+    assert align.eta_s({0: 5}, {0: 2005}) == 2.0
+    assert align.eta_s({}, {0: 5, 1: 9}) is None  # partition 1's router has said nothing
+    far = asyncio.create_task(align.wait(0, {"0": 1_000_000}, time.monotonic() + 60))
+    await asyncio.sleep(0)
+    assert far.done() and far.result() is False
+    unknown = asyncio.create_task(align.wait(0, {"1": 1_000_000}, time.monotonic() + 60))
+    await asyncio.sleep(0)
+    assert not unknown.done()
+    unknown.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await unknown
+    h.close()
+
+
+@pytest.mark.parametrize("raw", [b"0", b"-5", b"nan", b"inf", b"fast", b""])
+def test_a_forward_rate_header_must_be_a_finite_positive_number(raw) -> None:
+    with pytest.raises(ValueError):
+        decode_rate(raw)
+    assert decode_rate(b"45000") == 45000.0
 
 
 def test_seen_items_are_chunked_and_exact() -> None:
