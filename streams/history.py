@@ -433,15 +433,15 @@ class HistoryAlignment:
     """Waits for a history table to cover the behaviours a request must see, and not for what
     cannot come in time.
 
-    Waiters measure how fast the partition's progress moves while they are behind it: the
-    ingress is then forwarding a backlog, so that is its drain rate (public records per second;
-    a geometric average of the samples, ``drain_rate``). A wait whose missing records would take
+    Waiters measure how fast the partition's progress moves while they are behind it (from one
+    move to the next): the ingress is then forwarding a backlog, so that is its drain rate
+    (public records per second; a geometric average of the samples, ``drain_rate``). A wait whose missing records would take
     longer than its time left at that rate ends at once: in a burst of tens of thousands of
     behaviours, a request ranks on what is there (``history_complete`` false) with all of its
     time, instead of waiting out its bound first and ranking late. A rate older than
-    ``rate_max_age_s`` is not used (the waits it would end are what measure it again); without
-    one, the ingress's own forward rate (``advertise``, from its progress records) bounds it:
-    the longest backlog of one partition cannot be forwarded faster than that."""
+    ``rate_max_age_s`` is not used (the waits it would end are what measure it again). The
+    ingress's own forward rate (``advertise``, from its progress records) bounds it too, and is
+    known before any wait: the longest backlog of one partition cannot be forwarded faster."""
 
     def __init__(self, table: HistoryTable, rate_weight: float = 0.3, rate_max_age_s: float = 5.0) -> None:
         self.table = table
@@ -465,17 +465,21 @@ class HistoryAlignment:
             self.advertised[int(q)] = rate
 
     def eta_s(self, progress: Positions, needed: Positions) -> float | None:
-        """Seconds until ``needed`` is forwarded: at the measured drain rate, else at least the
-        longest of the partitions' backlogs at their ingress's own rate (None: neither known)."""
+        """Seconds until ``needed`` is forwarded: the larger of the backlog at the measured drain
+        rate and the longest of the partitions' backlogs at their ingress's own rate (None:
+        neither known)."""
         gaps = {q: end - progress.get(q, 0) for q, end in needed.items() if end > progress.get(q, 0)}
         if not gaps:
             return 0.0
+        etas = []
         rate = self.drain_rate
         if rate is not None:
-            return sum(gaps.values()) / rate
+            etas.append(sum(gaps.values()) / rate)
         if all(q in self.advertised for q in gaps):
-            return max(gap / self.advertised[q] for q, gap in gaps.items())
-        return None
+            etas.append(max(gap / self.advertised[q] for q, gap in gaps.items()))
+        # Each is a lower bound of a kind (no one forwards faster than its router; a measured pace
+        # may be flattered by when progress records happened to land): the larger is the closer.
+        return max(etas) if etas else None
 
     def notify(self) -> None:
         """A batch was applied: wake every waiter to check again."""
@@ -487,17 +491,21 @@ class HistoryAlignment:
         at most until ``until`` (``time.monotonic()``), and not at all once the records missing
         cannot be forwarded by then at the measured drain rate. Returns whether it covers them."""
         want = {int(q): end for q, end in needed.items()}
-        seen, seen_at = None, time.monotonic()
+        last_at, last_t, stepped = None, 0.0, False
         while True:
             progress = self.table.progress(partition)
             if covers(progress, want):
                 return True
             now = time.monotonic()
             at = sum(min(progress.get(q, 0), end) for q, end in want.items())
-            if seen is not None and at > seen:
-                self.observe_drain(at - seen, now - seen_at)
-            if seen is None or at > seen:
-                seen, seen_at = at, now
+            if last_at is None:
+                last_at = at
+            elif at > last_at:
+                # From one move to the next while behind: the ingress's pace (from the wait's
+                # start it would be the phase of its progress records).
+                if stepped:
+                    self.observe_drain(at - last_at, now - last_t)
+                last_at, last_t, stepped = at, now, True
             left = until - now
             if left <= 0:
                 return False

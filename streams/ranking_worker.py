@@ -113,8 +113,11 @@ PACE = Gauge(
 )
 INFLIGHT = Gauge("relaygr_rank_inflight", "Signals and requests being handled")
 INFLIGHT_PEAK = Gauge("relaygr_rank_inflight_peak", "Most signals and requests handled at once")
-# Events applied between two turns of the event loop while a burst of behaviours comes in.
+# Events applied between two turns of the event loop while a burst of behaviours comes in, and
+# the longest a slice decodes before it is applied: a request's fetch takes a few turns of the
+# loop to complete, each one slice later (``hop_rank`` of the requests that arrive in a burst).
 APPLY_SLICE = 4096
+APPLY_SLICE_S = 0.001
 # A ranking waiting for its pre-inference checks this often whether it can still finish in time.
 PREFILL_RECHECK_S = 0.005
 ADVERTISED_RATE = Gauge(
@@ -421,11 +424,12 @@ class RankingWorker:
     async def _apply_behaviours(self, tp: TopicPartition, msgs: list) -> None:
         """One fetched batch of a routed-behaviours partition into the history table: each
         user's events with their sources, progress records merged into the partition's progress.
-        Applied in slices of about APPLY_SLICE events with the loop free in between, so a burst
-        never holds up the requests' handlers for long."""
+        Applied in slices of about APPLY_SLICE events or APPLY_SLICE_S of decoding with the loop
+        free in between, so a burst never holds up the requests' handlers for long."""
         batch: list[tuple] = []
         progress: Positions = {}
         events = 0
+        started = time.perf_counter()
         for i, m in enumerate(msgs):
             headers = dict(m.headers or ())
             if HEADER_PROGRESS in headers:
@@ -445,7 +449,7 @@ class RankingWorker:
                 ev = self._behavior(tp, m)
                 batch.append((m.offset, ev))
                 events += len(ev) if ev is not None else 0
-            if events >= APPLY_SLICE or i == len(msgs) - 1:
+            if events >= APPLY_SLICE or i == len(msgs) - 1 or time.perf_counter() - started >= APPLY_SLICE_S:
                 # A progress record covers what precedes it, all of which is in this slice or before.
                 applied = self.history.append_many(tp.partition, batch, progress=progress or None)
                 BEHAVIOURS_APPLIED.labels(STAGE).inc(applied)
@@ -457,6 +461,7 @@ class RankingWorker:
                 batch, progress, events = [], {}, 0
                 if i < len(msgs) - 1:
                     await asyncio.sleep(0)
+                    started = time.perf_counter()
 
     def _caught_up(self, partition: int, applied: int) -> None:
         """Count ``applied`` events towards the partition's rebuild; once it reached the end offset

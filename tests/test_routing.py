@@ -160,27 +160,29 @@ async def test_alignment_does_not_wait_for_records_that_cannot_arrive_in_time(tm
     align = HistoryAlignment(h)
     assert align.drain_rate is None
 
-    async def forward_ten() -> None:
-        await asyncio.sleep(0.01)
-        h.append_many(0, [(0, None)], progress={0: 10})
-        align.notify()
+    async def forward_ten_twice() -> None:
+        for off in (0, 1):
+            await asyncio.sleep(0.01)
+            h.append_many(0, [(off, None)], progress={0: 10 * (off + 1)})
+            align.notify()
 
-    task = asyncio.create_task(forward_ten())
-    # Behind by 1,000 records; 10 arrive after >= 10 ms: at most 1,000 records/s.
-    assert not await align.wait(0, {"0": 1000}, time.monotonic() + 0.05)
+    task = asyncio.create_task(forward_ten_twice())
+    # Behind by 10^9 records; 10 arrive, then 10 more about 10 ms later (the first move only
+    # marks where the pace is measured from): far too slow for the rest within a minute.
+    assert not await align.wait(0, {"0": 10**9}, time.monotonic() + 60)
     await task
-    assert align.drain_rate is not None and align.drain_rate <= 1000
+    assert align.drain_rate is not None and align.drain_rate < 10**7
 
     before = UNREACHABLE._value.get()
-    far = asyncio.create_task(align.wait(0, {"0": 1_000_000}, time.monotonic() + 60))
+    far = asyncio.create_task(align.wait(0, {"0": 10**9}, time.monotonic() + 60))
     await asyncio.sleep(0)  # one step of the loop: it decided without waiting for anything
     assert far.done() and far.result() is False
     assert UNREACHABLE._value.get() == before + 1
 
-    near = asyncio.create_task(align.wait(0, {"0": 11}, time.monotonic() + 60))
+    near = asyncio.create_task(align.wait(0, {"0": 21}, time.monotonic() + 60))
     await asyncio.sleep(0)
     assert not near.done()  # one record at that rate fits in its time: it waits
-    h.append_many(0, [(1, None)], progress={0: 11})
+    h.append_many(0, [(2, None)], progress={0: 21})
     align.notify()
     assert await near
 
@@ -216,6 +218,74 @@ def test_a_forward_rate_header_must_be_a_finite_positive_number(raw) -> None:
     with pytest.raises(ValueError):
         decode_rate(raw)
     assert decode_rate(b"45000") == 45000.0
+
+
+async def test_worker_applies_routed_records_in_short_slices_and_learns_the_forward_rate(
+    tmp_path, monkeypatch
+) -> None:
+    """The ranking worker's applier: a slice ends after APPLY_SLICE_S of decoding (here 0: one
+    record a slice, the loop free in between); a progress record's forward rate reaches the
+    alignment, and an unreadable one goes to the dead letters with its reason."""
+    from types import SimpleNamespace
+
+    from relaygr.schemas import encode
+    from relaygr.schemas.routing import HEADER_FORWARD_RATE, HEADER_PROGRESS
+    from relaygr.streams import ranking_worker
+    from relaygr.streams.common import decode_keyed
+
+    monkeypatch.setattr(ranking_worker, "APPLY_SLICE_S", 0.0)
+    h = HistoryTable(tmp_path / "h")
+    slices: list[int] = []
+    append_many = h.append_many
+
+    def counted(partition, batch, **kw):
+        slices.append(len(batch))
+        return append_many(partition, batch, **kw)
+
+    dead: list[str] = []
+    worker = SimpleNamespace(
+        history=SimpleNamespace(append_many=counted),
+        alignment=HistoryAlignment(h),
+        catching_up={},
+        _spawn_dead_letter=lambda _tp, _m, reason: dead.append(reason),
+    )
+    worker._behavior = lambda _tp, m: decode_keyed(BehaviorBatch, m.key, m.value, 1 << 20)
+
+    def batch(first: int) -> bytes:
+        offs = list(range(first, first + 10))
+        return encode(
+            BehaviorBatch(
+                user_id="u",
+                item_ids=offs,
+                timestamps=[float(o) for o in offs],
+                actions=[1] * 10,
+                source_partitions=[0] * 10,
+                source_offsets=offs,
+            )
+        )
+
+    msgs = [
+        SimpleNamespace(offset=0, key=b"u", value=batch(0), headers=[]),
+        SimpleNamespace(offset=1, key=b"u", value=batch(10), headers=[]),
+        SimpleNamespace(
+            offset=2,
+            key=b"",
+            value=encode_positions({0: 20}),
+            headers=[(HEADER_PROGRESS, b"1"), (HEADER_FORWARD_RATE, b"45000")],
+        ),
+        SimpleNamespace(
+            offset=3,
+            key=b"",
+            value=encode_positions({0: 20}),
+            headers=[(HEADER_PROGRESS, b"1"), (HEADER_FORWARD_RATE, b"nan")],
+        ),
+    ]
+    await ranking_worker.RankingWorker._apply_behaviours(worker, SimpleNamespace(partition=0), msgs)
+    assert slices == [1, 1, 1, 1]  # every record its own slice
+    assert len(h.get("u")) == 20 and h.progress(0) == {0: 20}
+    assert worker.alignment.advertised == {0: 45000.0}
+    assert len(dead) == 1 and "unreadable progress record" in dead[0] and "finite positive" in dead[0]
+    h.close()
 
 
 def test_seen_items_are_chunked_and_exact() -> None:
