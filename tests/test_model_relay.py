@@ -226,6 +226,32 @@ def test_fused_paths_equal_the_python_path(n, split, c, mb, seed) -> None:
         torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
 
 
+@given(
+    n=st.integers(0, 60),
+    c=st.integers(1, 13),
+    step=st.integers(1, 70),
+    seed=st.integers(0, 10_000),
+)
+@settings(max_examples=60, deadline=None)
+def test_scoring_in_steps_of_keys_equals_one_pass(n, c, step, seed) -> None:
+    """Candidates against a cached prefix in steps of keys (a heavy user's time slices) score
+    exactly as one pass; every key of every layer is visited once per micro-batch."""
+    h, cands = history(n, seed), candidates(c, seed)
+    ts = request_time(h, 37.0)
+    for model in (model32(), model64()):
+        prefix = model.prefill(h, chunk_size=7)
+        want = model.rank(prefix, h.slice(n), cands, ts)
+        steps = list(model.score_steps(prefix, cands, ts, lambda: step))
+        *visits, got = steps
+        assert torch.equal(got, want)
+        micro_batches = -(-c // model.config.candidate_batch)
+        block = 8 * max(1, 8 // min(c, model.config.candidate_batch))  # key_block_size
+        # Each step reports its keys; what the last step visited goes with the scores.
+        left = n * len(model.layers) * micro_batches - sum(visits)
+        assert 0 <= left < max(block, step)
+        assert all(v >= max(block, step) for v in visits)
+
+
 def test_serving_state_follows_weight_changes() -> None:
     """Serving builds its bias tables and fused weights once per set of weights: a weight changed
     in place (a training step, a load) or a model moved to another dtype is seen at once."""

@@ -11,6 +11,10 @@ Python's per-op dispatch).
 Primitives:
 - ``score_candidates(...)``: scores of one micro-batch of candidate tokens against key/value
   segments, layer by layer; the same arithmetic as the Python path (tests hold them equal).
+- ``score_layer_begin`` / ``score_key_range`` / ``score_layer_end`` / ``score_final``: the same
+  pass in pieces (``score_candidates`` is made of them), so that scoring can stop between two key
+  ranges of a layer and go on later: a heavy user's candidates in time slices that still read
+  each key once per layer.
 - ``advance_tokens(...)``: one causal chunk of history tokens through every layer, filling their
   keys and values; the same arithmetic as ``HSTURanker._advance`` (tests hold them equal).
 - ``rank_relay(...)``: whole relay rankings in one call: the events after the cached prefix
@@ -63,32 +67,76 @@ def _score_candidates(
     projection, attention norm and output projection (weight, bias each); ``dims``: heads, query/
     key dim, value dim; ``consts``: query scale, attention normaliser, layer-norm epsilon. Keys
     are visited in blocks of ``block``. Returns float32 scores ``[C]``."""
-    heads, dqk, dv = dims
-    scale, normaliser, eps = consts
-    c, dim = x0.shape
-    hv, hk = heads * dv, heads * dqk
     n_seg = len(seg_index)
     x = x0
     for li in range(len(tables)):
         w = weights[8 * li : 8 * li + 8]
-        p = F.silu(F.linear(F.layer_norm(x, [dim], w[0], w[1], eps), w[2], w[3]))
-        u = p[:, :hv]
-        q = p[:, hv : hv + hk].reshape(c, heads, dqk).transpose(0, 1) * scale
-        k = p[:, hv + hk : hv + 2 * hk].reshape(c, heads, dqk).transpose(0, 1)
-        v = p[:, hv + 2 * hk :].reshape(c, heads, dv).transpose(0, 1)
-        acc = torch.zeros(heads, c, dv, dtype=x.dtype, device=x.device)
+        u, q, k, v = _score_layer_begin(x, w, dims, consts)
+        acc = torch.zeros(dims[0], x.shape[0], dims[2], dtype=x.dtype, device=x.device)
         for si in range(n_seg):
             keys, values = seg_keys[li * n_seg + si], seg_values[li * n_seg + si]
             bias = tables[li].index_select(0, seg_index[si])
-            n = keys.shape[1]
-            for k0 in range(0, n, block):
-                k1 = min(n, k0 + block)
-                s = torch.baddbmm(bias[k0:k1].view(1, 1, k1 - k0), q, keys[:, k0:k1].transpose(1, 2))
-                acc.baddbmm_(F.silu(s), values[:, k0:k1])
-        own = F.silu((q * k).sum(-1, keepdim=True) + tables[li][0]) * v
-        attn = ((acc + own) / normaliser).transpose(0, 1).reshape(c, hv)
-        x = x + F.linear(F.layer_norm(attn, [hv], w[4], w[5], eps) * u, w[6], w[7])
-    return (F.layer_norm(x - x0, [dim], final_w, final_b, eps) * e).sum(-1).float()
+            _score_key_range(acc, q, keys, values, bias, 0, keys.shape[1], block)
+        x = _score_layer_end(x, acc, u, q, k, v, tables[li], w, consts)
+    return _score_final(x, x0, e, final_w, final_b, consts)
+
+
+def _score_layer_begin(
+    x: Tensor, w: list[Tensor], dims: tuple[int, int, int], consts: tuple[float, float, float]
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """One layer's projections of candidate tokens ``x [C, dim]`` (layer weights ``w``, as in
+    ``_score_candidates``): ``u [C, H*dv]``, the scaled queries ``q [H, C, dqk]``, ``k``, ``v``."""
+    heads, dqk, dv = dims
+    scale, eps = consts[0], consts[2]
+    c, dim = x.shape
+    hv, hk = heads * dv, heads * dqk
+    p = F.silu(F.linear(F.layer_norm(x, [dim], w[0], w[1], eps), w[2], w[3]))
+    u = p[:, :hv]
+    q = p[:, hv : hv + hk].reshape(c, heads, dqk).transpose(0, 1) * scale
+    k = p[:, hv + hk : hv + 2 * hk].reshape(c, heads, dqk).transpose(0, 1)
+    v = p[:, hv + 2 * hk :].reshape(c, heads, dv).transpose(0, 1)
+    return u, q, k, v
+
+
+def _score_key_range(
+    acc: Tensor, q: Tensor, keys: Tensor, values: Tensor, bias: Tensor, k0: int, k1: int, block: int
+) -> None:
+    """Adds to ``acc [H, C, dv]`` the candidates' attention (``q [H, C, dqk]``) to keys ``k0 ..
+    k1`` of one segment (``keys [H, n, dqk]``, ``values [H, n, dv]``, ``bias [n]`` per key), in
+    blocks of ``block`` keys from ``k0``: the blocks of a whole pass when ``k0`` is a multiple of
+    ``block``, so that a pass in ranges sums exactly as one pass does."""
+    for b0 in range(k0, k1, block):
+        b1 = min(k1, b0 + block)
+        s = torch.baddbmm(bias[b0:b1].view(1, 1, b1 - b0), q, keys[:, b0:b1].transpose(1, 2))
+        acc.baddbmm_(F.silu(s), values[:, b0:b1])
+
+
+def _score_layer_end(
+    x: Tensor,
+    acc: Tensor,
+    u: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    table: Tensor,
+    w: list[Tensor],
+    consts: tuple[float, float, float],
+) -> Tensor:
+    """The layer's output for candidate tokens ``x`` once ``acc`` holds their attention to every
+    key: each token's attention to itself (bias ``table[0]``), normalised, then the residual."""
+    normaliser, eps = consts[1], consts[2]
+    c = x.shape[0]
+    hv = u.shape[1]
+    own = F.silu((q * k).sum(-1, keepdim=True) + table[0]) * v
+    attn = ((acc + own) / normaliser).transpose(0, 1).reshape(c, hv)
+    return x + F.linear(F.layer_norm(attn, [hv], w[4], w[5], eps) * u, w[6], w[7])
+
+
+def _score_final(
+    x: Tensor, x0: Tensor, e: Tensor, final_w: Tensor, final_b: Tensor, consts: tuple[float, float, float]
+) -> Tensor:
+    """Scores (float32 ``[C]``) from the last layer's candidate tokens."""
+    return (F.layer_norm(x - x0, [x.shape[1]], final_w, final_b, consts[2]) * e).sum(-1).float()
 
 
 def _advance_tokens(
@@ -321,6 +369,10 @@ with warnings.catch_warnings():
     # and recompiles per shape; a scripted function needs neither.
     warnings.simplefilter("ignore", FutureWarning)
     score_candidates = torch.jit.script(_score_candidates)
+    score_layer_begin = torch.jit.script(_score_layer_begin)
+    score_key_range = torch.jit.script(_score_key_range)
+    score_layer_end = torch.jit.script(_score_layer_end)
+    score_final = torch.jit.script(_score_final)
     advance_tokens = torch.jit.script(_advance_tokens)
     rank_relay = torch.jit.script(_rank_relay)
     bias_index = torch.jit.script(_bias_index)

@@ -5,7 +5,8 @@ Primitives (methods of ``HSTURanker``, through ``RelayInference``; all under
 - ``prefill`` / ``prefill_steps``: history -> ``PrefixKV``, optionally chunk by chunk (the device
   is free for other work between two chunks);
 - ``extend``: ``PrefixKV`` + longer history -> ``PrefixKV``;
-- ``rank``: cached prefix + suffix + candidates -> scores; ``rank_and_extend``: the same, plus the
+- ``rank``: cached prefix + suffix + candidates -> scores; ``score_steps``: candidates against a
+  cached prefix in steps of keys (time slices); ``rank_and_extend``: the same as ``rank``, plus the
   prefix grown by the suffix; ``rank_many``: a burst of one user's requests against one prefix,
   the new events computed once; ``rank_full``: the no-cache baseline, the same code.
 - ``reference_path(model)``: a debug surface: inside it the model runs op by op in Python, the
@@ -35,6 +36,10 @@ from relaygr.workers.fused_scoring import (
     layer_weights,
     rank_relay,
     score_candidates,
+    score_final,
+    score_key_range,
+    score_layer_begin,
+    score_layer_end,
     unspecialised,
 )
 from relaygr.workers.hstu_attention import (
@@ -427,6 +432,58 @@ class RelayInference:
             pending = self._open(ctx, suffix)
             self._advance(ctx, pending, 0, len(suffix), self.config.attn_block, sv)
         return self._score(ctx, candidates, request_ts, micro_batch, sv)
+
+    @torch.inference_mode()
+    def score_steps(
+        self,
+        prefix: PrefixKV,
+        candidates: torch.Tensor,
+        request_ts: float,
+        keys_per_step: Callable[[], int],
+    ) -> Iterator[int | torch.Tensor]:
+        """Scores of raw item ids ``candidates`` against the cached ``prefix`` alone (no new
+        events), in steps: each step adds the candidates' attention to about ``keys_per_step()``
+        keys of one layer (whole key blocks, at least one), and yields how many keys it visited;
+        the last yields the scores (float32, CPU). Slicing by keys, not by candidates, reads each
+        key once per layer and micro-batch however many steps there are (a heavy user's cached
+        keys do not fit a core's cache: a pass over them per slice of candidates costs more than
+        the scoring). Equal to ``rank(prefix, <no events>, candidates, request_ts)`` (tested)."""
+        self._for_serving()
+        cfg, sv = self.config, self._serving()
+        ctx = self._context(prefix)
+        ids = self.vocab_items(torch.as_tensor(candidates).reshape(-1))
+        c = ids.shape[0]
+        mb = cfg.candidate_batch
+        block = key_block_size(cfg.attn_block, min(mb, max(1, c)))
+        when = torch.tensor([float(request_ts)], dtype=torch.float64, device=self.device)
+        seg_index = candidate_index(ctx.length, when, ctx.segments, num_pos=cfg.position_buckets)
+        ranges = [
+            (si, k0) for si, seg in enumerate(ctx.segments) for k0 in range(0, seg.stop - seg.start, block)
+        ]
+        out = torch.empty(c, dtype=torch.float32, device=self.device)
+        visited = 0
+        with unspecialised():
+            for c0 in range(0, c, mb):
+                e = self.item_emb(ids[c0 : c0 + mb])
+                x = x0 = e + sv.cand_action
+                for li in range(len(self.layers)):
+                    w = sv.weights[8 * li : 8 * li + 8]
+                    u, q, k, v = score_layer_begin(x, w, sv.dims, sv.consts)
+                    acc = torch.zeros(sv.dims[0], x.shape[0], sv.dims[2], dtype=x.dtype, device=x.device)
+                    bias = [sv.tables[li].index_select(0, idx) for idx in seg_index]
+                    for si, k0 in ranges:
+                        keys, values = ctx.kv[li][si]
+                        k1 = min(keys.shape[1], k0 + block)
+                        score_key_range(acc, q, keys, values, bias[si], k0, k1, block)
+                        visited += k1 - k0
+                        if visited >= max(block, keys_per_step()):
+                            yield visited
+                            visited = 0
+                    x = score_layer_end(x, acc, u, q, k, v, sv.tables[li], w, sv.consts)
+                out[c0 : c0 + mb] = score_final(
+                    x, x0, e, self.final_norm.weight, self.final_norm.bias, sv.consts
+                )
+        yield out.cpu()
 
     @torch.inference_mode()
     def rank_and_extend(

@@ -553,18 +553,25 @@ class RankingEngine:
         bd: dict[str, float],
     ) -> torch.Tensor:
         """A relay ranking as a chunked ranking job: the new events extend the cached prefix in
-        time slices, then the candidates are scored against it a slice's worth at a time (each
-        candidate attends to the history and itself only, so groups score as the whole would).
+        time slices, then the candidates are scored against it a slice's worth of keys at a time
+        (``HSTURanker.score_steps``: all candidates against a range of one layer's keys, so each
+        key is read once per layer, however many slices; slicing the candidates instead read
+        every key once per slice, which cost a heavy user's ranking ~1.5x once slices got small).
         Like a sliced full ranking it yields at every slice boundary: the short rankings queued
         meanwhile run before its next slice, whatever their deadlines, so that they wait for one
         slice of a heavy user's ranking rather than all of it. The grown prefix is kept
         (``retain_suffix``)."""
         model, slicer, lat = self.model, self._slicer(prefix.length), self.latency
-        n = len(history)
-        per_slice = lat.tokens_within_slice(
-            n, self.config.slice_ms / self.pace_score.factor, lo=8, hi=max(8, len(candidates))
-        )
-        slice_predicted_ms = lat.predict_ms(n + per_slice) - lat.predict_ms(n)
+        n, c = len(history), len(candidates)
+        # The candidates' predicted cost spread evenly over the keys each layer visits.
+        visits = max(1, n * len(model.layers) * -(-c // model.config.candidate_batch))
+        per_visit_ms = max(0.0, lat.predict_ms(n + c) - lat.predict_ms(n)) / visits
+
+        def keys_per_step() -> int:
+            if per_visit_ms <= 0:
+                return visits
+            return int(self.config.slice_ms / self.pace_score.factor / per_visit_ms)
+
         grown_box: list[PrefixKV] = []
         timing: list[float] = []
 
@@ -578,17 +585,14 @@ class RankingEngine:
                     else:
                         grown = out
             grown_box.append(grown)
-            parts = []
-            rest = history.slice(n)
-            for c0 in range(0, len(candidates), per_slice):
-                t0 = time.perf_counter()
-                part = candidates[c0 : c0 + per_slice]
-                parts.append(model.rank(grown, rest, part, request_ts))
-                if len(part) == per_slice:  # a short last slice would read as a fast device
-                    self.pace_score.observe(slice_predicted_ms, (time.perf_counter() - t0) * 1000)
-                if c0 + per_slice < len(candidates):
+            t0 = time.perf_counter()
+            for out in model.score_steps(grown, candidates, request_ts, keys_per_step):
+                if isinstance(out, int):  # keys visited by a step: timed into the pace
+                    self.pace_score.observe(out * per_visit_ms, (time.perf_counter() - t0) * 1000)
                     yield None
-            yield torch.cat(parts)
+                    t0 = time.perf_counter()
+                else:
+                    yield out
 
         scores = await self._submit_steps_timed(steps(), deadline, timing, yields=True)
         bd["device_queue"] = (timing[0] - timing[-1]) * 1000
