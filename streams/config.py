@@ -146,6 +146,23 @@ class PipelineSettings(BaseSettings):
         description="Ranking worker (relay): a full ranking keeps the most recent events predicted to "
         "fill this share of the time left, at the pace of recent full rankings (no second chance).",
     )
+    ingest_slowdown: float = Field(
+        default=_default(EngineConfig, "ingest_slowdown"),
+        ge=1,
+        description="Ranking worker (relay): while it applies a burst of behaviours "
+        "(RELAYGR_INGEST_BURST_EVENTS within RELAYGR_INGEST_WINDOW_S), a full ranking plans for "
+        "this factor on its measured pace (its applier shares the interpreter with the device thread).",
+    )
+    ingest_burst_events: int = Field(
+        default=_default(EngineConfig, "ingest_burst_events"),
+        ge=1,
+        description="Ranking worker: behaviour events applied within RELAYGR_INGEST_WINDOW_S that make a burst.",
+    )
+    ingest_window_s: float = Field(
+        default=_default(EngineConfig, "ingest_window_s"),
+        gt=0,
+        description="Ranking worker: see RELAYGR_INGEST_BURST_EVENTS.",
+    )
     history_retain_events: int | None = Field(
         default=None,
         ge=1,
@@ -238,4 +255,7 @@ def engine_config(p: PipelineSettings) -> EngineConfig:
         burst_batch_events=p.burst_batch_events,
         slice_ms=p.device_slice_ms,
         truncate_headroom=p.truncate_headroom,
+        ingest_slowdown=p.ingest_slowdown,
+        ingest_burst_events=p.ingest_burst_events,
+        ingest_window_s=p.ingest_window_s,
     )

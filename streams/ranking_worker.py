@@ -111,6 +111,10 @@ PACE = Gauge(
     "Measured device time over the latency model's prediction (slices are sized by it)",
     ["work"],
 )
+PLANNED_IN_BURST = PCounter(
+    "relaygr_rank_planned_in_ingest_burst_total",
+    "Full rankings planned while the worker applied a burst of behaviours (for RELAYGR_INGEST_SLOWDOWN)",
+)
 INFLIGHT = Gauge("relaygr_rank_inflight", "Signals and requests being handled")
 INFLIGHT_PEAK = Gauge("relaygr_rank_inflight_peak", "Most signals and requests handled at once")
 # Events applied between two turns of the event loop while a burst of behaviours comes in, and
@@ -118,6 +122,10 @@ INFLIGHT_PEAK = Gauge("relaygr_rank_inflight_peak", "Most signals and requests h
 # loop to complete, each one slice later (``hop_rank`` of the requests that arrive in a burst).
 APPLY_SLICE = 4096
 APPLY_SLICE_S = 0.001
+# A burst's next slice waits while rankings are on the device, at most this long (then it applies
+# one slice anyway, so a saturated device cannot stop behaviours), checking this often.
+APPLY_YIELD_MAX_S = 0.02
+APPLY_YIELD_POLL_S = 0.001
 # A ranking waiting for its pre-inference checks this often whether it can still finish in time.
 PREFILL_RECHECK_S = 0.005
 ADVERTISED_RATE = Gauge(
@@ -453,6 +461,7 @@ class RankingWorker:
                 # A progress record covers what precedes it, all of which is in this slice or before.
                 applied = self.history.append_many(tp.partition, batch, progress=progress or None)
                 BEHAVIOURS_APPLIED.labels(STAGE).inc(applied)
+                self.engine.ingest.add(applied)
                 if applied < events:
                     DUPLICATES.inc(events - applied)
                 self.alignment.notify()
@@ -461,7 +470,16 @@ class RankingWorker:
                 batch, progress, events = [], {}, 0
                 if i < len(msgs) - 1:
                     await asyncio.sleep(0)
+                    await self._yield_to_rankings()
                     started = time.perf_counter()
+
+    async def _yield_to_rankings(self) -> None:
+        """Between two slices of a burst: while rankings are on the device (or wait for it), at
+        most APPLY_YIELD_MAX_S. Decoding behaviours holds the interpreter, which the device thread
+        needs between its tensor ops: a ranking computed next to a burst took 2-4x its time."""
+        give_up = time.monotonic() + APPLY_YIELD_MAX_S
+        while self.scheduler.ranking() and time.monotonic() < give_up:
+            await asyncio.sleep(APPLY_YIELD_POLL_S)
 
     def _caught_up(self, partition: int, applied: int) -> None:
         """Count ``applied`` events towards the partition's rebuild; once it reached the end offset
@@ -672,6 +690,8 @@ class RankingWorker:
             order = torch.argsort(oc.scores, descending=True, stable=True)[: r.top_k].tolist()
             items = [ScoredItem(item_id=r.candidates[i], score=float(oc.scores[i])) for i in order]
             path = RankPath(oc.path)
+            if oc.in_ingest_burst:
+                PLANNED_IN_BURST.inc()
         now = time.time()
         breakdown = {
             "hop_rank": max(0.0, (t_in - r.produced_at) * 1000),

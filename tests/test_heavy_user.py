@@ -20,7 +20,7 @@ from relaygr.streams.history import HistoryTable
 from relaygr.streams.preprocess import SEEN_CHUNK, seen_add, seen_before
 from relaygr.streams.trigger import SequenceAwareTrigger, TriggerConfig
 from relaygr.workers.history_window import served, window_start, window_step
-from relaygr.workers.latency_model import DevicePace, LatencyModel
+from relaygr.workers.latency_model import DevicePace, IngestMeter, LatencyModel
 from relaygr.workers.model import HSTURanker
 from relaygr.workers.prefix_store import PrefixStore, PrefixStoreConfig
 from relaygr.workers.ranker import EngineConfig, RankingEngine, _Slicer
@@ -282,6 +282,61 @@ async def test_a_sliced_truncated_ranking_plans_for_its_headroom_at_the_measured
     sliced.scheduler.close()
 
 
+async def test_a_sliced_truncated_ranking_plans_for_the_ingest_slowdown_while_behaviours_pour_in(
+    model,
+) -> None:
+    # 1 ms a token, 1 s left, headroom 0.5 at pace 1: ~500 events; while the worker applies a
+    # burst of behaviours, twice the pace: ~250.
+    h = history(3000, seed=12)
+    cands = torch.arange(1, 9)
+    e = _engine(
+        model,
+        LatencyModel(0.0, 1.0, 0.0),
+        slice_ms=50.0,
+        truncate_headroom=0.5,
+        ingest_slowdown=2.0,
+        ingest_burst_events=1000,
+        ingest_window_s=600.0,
+    )
+    quiet = await e.rank("u", h, cands, 2e9, time.time() + 1.0)
+    assert quiet.path == "full_truncated" and 400 < quiet.used_len <= 500 and not quiet.in_ingest_burst
+    e.pace_full._log = 0.0  # the ranking just measured is not what this test is about
+    e.ingest.add(999)
+    assert not e.ingest.bursting()
+    e.ingest.add(1)
+    burst = await e.rank("u", h, cands, 2e9, time.time() + 1.0)
+    assert burst.path == "full_truncated" and 200 < burst.used_len <= 250 and burst.in_ingest_burst
+    e.scheduler.close()
+
+
+async def test_a_sliced_full_ranking_is_planned_when_the_device_starts_it(model) -> None:
+    # 1 ms a token, headroom 0.5: with 1 s left when it is submitted it would keep ~500 events;
+    # the device is busy for the first 0.5 s of it, so it keeps what fits the ~0.5 s left then.
+    h = history(3000, seed=13)
+    e = _engine(model, LatencyModel(0.0, 1.0, 0.0), slice_ms=50.0, truncate_headroom=0.5)
+    busy = e.scheduler.submit(lambda: time.sleep(0.5), priority=Priority.RANK, deadline=time.time())
+    res = await e.rank("u", h, torch.arange(1, 9), 2e9, time.time() + 1.0)
+    await busy
+    assert res.path == "full_truncated" and 16 <= res.used_len <= 250
+    assert res.breakdown_ms["device_queue"] >= 400
+    e.scheduler.close()
+
+
+def test_the_ingest_meter_counts_a_window_of_applied_events() -> None:
+    m = IngestMeter(window_s=1.0, burst_events=100)
+    m.add(60, now=10.0)
+    m.add(0, now=10.1)  # nothing applied: nothing counted
+    assert m.recent(now=10.5) == 60 and not m.bursting(now=10.5)
+    m.add(40, now=10.6)
+    assert m.recent(now=10.9) == 100 and m.bursting(now=10.9)
+    assert m.recent(now=11.0) == 40 and not m.bursting(now=11.0)  # the first 60 are a window old
+    assert m.recent(now=12.0) == 0
+    with pytest.raises(ValueError):
+        IngestMeter(window_s=0)
+    with pytest.raises(ValueError):
+        IngestMeter(burst_events=0)
+
+
 def test_a_waiting_request_stops_once_its_prefill_cannot_finish_in_time() -> None:
     from relaygr.streams.ranking_worker import RankingWorker
 
@@ -296,6 +351,27 @@ def test_a_waiting_request_stops_once_its_prefill_cannot_finish_in_time() -> Non
     assert not may_finish(worker, r, 0.1)  # cannot be done in time: rank now
     eta[0], r.deadline_ts = None, time.time() + 0.05
     assert not may_finish(worker, r, 0.1)  # no room for the suffix after any wait
+
+
+async def test_the_scheduler_says_whether_ranking_work_is_on_the_device() -> None:
+    s = DeviceScheduler("t")
+    assert not s.ranking()
+    gate = threading.Event()
+    prefill = s.submit(gate.wait, priority=Priority.PREFILL)
+    await asyncio.sleep(0.05)
+    assert not s.ranking()  # pre-inference is not ranking work
+    rank = s.submit(lambda: None, priority=Priority.RANK, deadline=time.time() + 10)
+    assert s.ranking()  # queued
+    gate.set()
+    await asyncio.gather(prefill, rank)
+    assert not s.ranking()
+    gate.clear()
+    running = s.submit(gate.wait, priority=Priority.RANK)
+    await asyncio.sleep(0.05)
+    assert s.ranking()  # running
+    gate.set()
+    await running
+    s.close()
 
 
 async def test_restore_sets_a_tagged_job_back() -> None:

@@ -225,13 +225,15 @@ async def test_worker_applies_routed_records_in_short_slices_and_learns_the_forw
 ) -> None:
     """The ranking worker's applier: a slice ends after APPLY_SLICE_S of decoding (here 0: one
     record a slice, the loop free in between); a progress record's forward rate reaches the
-    alignment, and an unreadable one goes to the dead letters with its reason."""
+    alignment, and an unreadable one goes to the dead letters with its reason; the events
+    applied reach the engine's ingest meter."""
     from types import SimpleNamespace
 
     from relaygr.schemas import encode
     from relaygr.schemas.routing import HEADER_FORWARD_RATE, HEADER_PROGRESS
     from relaygr.streams import ranking_worker
     from relaygr.streams.common import decode_keyed
+    from relaygr.workers.latency_model import IngestMeter
 
     monkeypatch.setattr(ranking_worker, "APPLY_SLICE_S", 0.0)
     h = HistoryTable(tmp_path / "h")
@@ -246,6 +248,8 @@ async def test_worker_applies_routed_records_in_short_slices_and_learns_the_forw
     worker = SimpleNamespace(
         history=SimpleNamespace(append_many=counted),
         alignment=HistoryAlignment(h),
+        engine=SimpleNamespace(ingest=IngestMeter(window_s=60.0, burst_events=20)),
+        scheduler=SimpleNamespace(ranking=lambda: False),
         catching_up={},
         _spawn_dead_letter=lambda _tp, _m, reason: dead.append(reason),
     )
@@ -280,10 +284,12 @@ async def test_worker_applies_routed_records_in_short_slices_and_learns_the_forw
             headers=[(HEADER_PROGRESS, b"1"), (HEADER_FORWARD_RATE, b"nan")],
         ),
     ]
+    worker._yield_to_rankings = lambda: ranking_worker.RankingWorker._yield_to_rankings(worker)
     await ranking_worker.RankingWorker._apply_behaviours(worker, SimpleNamespace(partition=0), msgs)
     assert slices == [1, 1, 1, 1]  # every record its own slice
     assert len(h.get("u")) == 20 and h.progress(0) == {0: 20}
     assert worker.alignment.advertised == {0: 45000.0}
+    assert worker.engine.ingest.recent() == 20 and worker.engine.ingest.bursting()  # the device is told
     assert len(dead) == 1 and "unreadable progress record" in dead[0] and "finite positive" in dead[0]
     h.close()
 
@@ -303,3 +309,68 @@ def test_seen_items_are_chunked_and_exact() -> None:
     for ts in (0.0, 1.0, 999.5, 3500.0, 1e9):
         assert seen_before(table.get, "u", ts) == {str(i) for i, t in history if t < ts}
     assert seen_before(table.get, "nobody", 1e9) == set()
+
+
+async def test_a_burst_of_behaviours_waits_between_slices_while_rankings_are_on_the_device(
+    tmp_path, monkeypatch
+) -> None:
+    """Between two slices the applier waits while the device has ranking work (it needs the
+    interpreter between tensor ops), and at most APPLY_YIELD_MAX_S: a device that is never free
+    still gets every event applied."""
+    from types import SimpleNamespace
+
+    from relaygr.schemas import encode
+    from relaygr.streams import ranking_worker
+    from relaygr.streams.common import decode_keyed
+    from relaygr.workers.latency_model import IngestMeter
+
+    monkeypatch.setattr(ranking_worker, "APPLY_SLICE_S", 0.0)
+    monkeypatch.setattr(ranking_worker, "APPLY_YIELD_POLL_S", 0.0)
+    h = HistoryTable(tmp_path / "h")
+    asked: list[int] = []
+    ranking_for = [3]  # the device ranks for 3 checks, then is free
+
+    def ranking() -> bool:
+        asked.append(len(h.get("u")))
+        ranking_for[0] -= 1
+        return ranking_for[0] >= 0
+
+    worker = SimpleNamespace(
+        history=h,
+        alignment=HistoryAlignment(h),
+        engine=SimpleNamespace(ingest=IngestMeter()),
+        scheduler=SimpleNamespace(ranking=ranking),
+        catching_up={},
+        _spawn_dead_letter=lambda *_: None,
+    )
+    worker._behavior = lambda _tp, m: decode_keyed(BehaviorBatch, m.key, m.value, 1 << 20)
+    worker._yield_to_rankings = lambda: ranking_worker.RankingWorker._yield_to_rankings(worker)
+
+    def record(first: int) -> SimpleNamespace:
+        offs = [first]
+        value = encode(
+            BehaviorBatch(
+                user_id="u",
+                item_ids=offs,
+                timestamps=[float(first)],
+                actions=[1],
+                source_partitions=[0],
+                source_offsets=offs,
+            )
+        )
+        return SimpleNamespace(offset=first, key=b"u", value=value, headers=[])
+
+    await ranking_worker.RankingWorker._apply_behaviours(
+        worker, SimpleNamespace(partition=0), [record(0), record(1)]
+    )
+    assert asked == [1, 1, 1, 1]  # held after the first slice while the device ranked
+    assert len(h.get("u")) == 2
+
+    ranking_for[0] = 10**9  # never free: bounded by APPLY_YIELD_MAX_S a slice
+    monkeypatch.setattr(ranking_worker, "APPLY_YIELD_MAX_S", 0.0)
+    asked.clear()
+    await ranking_worker.RankingWorker._apply_behaviours(
+        worker, SimpleNamespace(partition=0), [record(2), record(3), record(4)]
+    )
+    assert len(h.get("u")) == 5
+    h.close()

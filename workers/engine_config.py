@@ -41,6 +41,21 @@ class EngineConfig(BaseModel):
             "baseline mode: all of the time left.)"
         ),
     )
+    ingest_slowdown: float = Field(
+        default=2.0,
+        ge=1,
+        description=(
+            "While the worker applies a burst of behaviours (``ingest_burst_events`` within "
+            "``ingest_window_s``), a relay worker's full ranking plans for this factor on top of "
+            "its measured pace: the applier shares the interpreter and the cores with the device "
+            "thread, so the ranking slows down within itself, before any slice measures it "
+            "(1.4-2.3x in ``bench noisy-neighbour``; a saturated applier takes about half)."
+        ),
+    )
+    ingest_burst_events: int = Field(
+        default=4096, ge=1, description="Behaviour events applied within ingest_window_s that make a burst."
+    )
+    ingest_window_s: float = Field(default=0.25, gt=0, description="Window of ingest_burst_events.")
     wait_margin_ms: float = Field(
         default=2.0, ge=0, description="Slack kept when deciding to wait for an in-flight prefix."
     )

@@ -20,6 +20,9 @@ from __future__ import annotations
 
 import json
 import math
+import threading
+import time
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -123,3 +126,43 @@ class DevicePace:
         r = min(math.log(self.hi), max(math.log(self.lo), math.log(measured_ms / predicted_ms)))
         self._log += self.weight * (r - self._log)
         self.observations += 1
+
+
+class IngestMeter:
+    """Events applied in the last ``window_s``; ``bursting()`` when they are ``burst_events`` or
+    more. A worker's applier decodes behaviours on the thread that shares the interpreter (and
+    on a CPU machine the cores) with its device thread: while it works through a burst, a
+    ranking computes up to about twice as slowly, and the slowdown starts within the ranking,
+    before any slice could measure it. Thread-safe: the applier adds, the device thread reads."""
+
+    def __init__(self, window_s: float = 0.25, burst_events: int = 4096) -> None:
+        if window_s <= 0 or burst_events < 1:
+            raise ValueError(
+                f"IngestMeter: need window_s > 0 and burst_events >= 1, got {window_s}, {burst_events}"
+            )
+        self.window_s, self.burst_events = window_s, burst_events
+        self._added: deque[tuple[float, int]] = deque()
+        self._sum = 0
+        self._lock = threading.Lock()
+
+    def _expire(self, now: float) -> None:
+        while self._added and self._added[0][0] <= now - self.window_s:
+            self._sum -= self._added.popleft()[1]
+
+    def add(self, events: int, now: float | None = None) -> None:
+        if events <= 0:
+            return
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            self._expire(now)
+            self._added.append((now, events))
+            self._sum += events
+
+    def recent(self, now: float | None = None) -> int:
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            self._expire(now)
+            return self._sum
+
+    def bursting(self, now: float | None = None) -> bool:
+        return self.recent(now) >= self.burst_events

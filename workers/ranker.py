@@ -17,7 +17,9 @@ Primitives:
   Relay path when a valid cached prefix exists; wait for an in-flight prefix only while that
   still meets the deadline (what it has left to compute included) — and lend it the request's
   priority and deadline meanwhile, so that other requests' full rankings cannot starve it;
-  otherwise full inference, truncated to what the latency model says fits the remaining budget. A relay ranking stores the prefix it grew by
+  otherwise full inference, truncated to what the latency model says fits the remaining budget
+  (``keep_within``; a relay worker's is planned when the device starts it, for a slower device
+  while the worker applies a burst of behaviours: ``ingest``). A relay ranking stores the prefix it grew by
   the suffix (``retain_suffix``; in the background, behind other rankings): the user's next
   request then computes only its new events. A user's relay rankings that wait for the device
   together (a burst) run as one job against their shared prefix (``burst_batch``). ``drain()``
@@ -50,7 +52,7 @@ from typing import TypeVar
 import torch
 
 from relaygr.workers.engine_config import EngineConfig
-from relaygr.workers.latency_model import DevicePace, LatencyModel
+from relaygr.workers.latency_model import DevicePace, IngestMeter, LatencyModel
 from relaygr.workers.model import HSTURanker
 from relaygr.workers.prefix_kv import Events, PrefixKV
 from relaygr.workers.prefix_store import PrefixStore
@@ -72,6 +74,7 @@ class RankOutcome:
     prefix_len: int = 0
     prefix_tier: str | None = None
     prefix_owner: str | None = None  # the worker that computed the cached prefix
+    in_ingest_burst: bool = False  # a full ranking planned for ``EngineConfig.ingest_slowdown``
 
 
 @dataclass
@@ -155,6 +158,8 @@ class RankingEngine:
         # Background tasks storing the prefixes that rankings grew (``retain_suffix``).
         self._keeping: set[asyncio.Task] = set()
         self.batched_rankings = 0  # rankings that shared their device job with others of a burst
+        # Behaviours the worker applied recently (its applier adds): a burst slows the device.
+        self.ingest = IngestMeter(config.ingest_window_s, config.ingest_burst_events)
         # Measured device time over the latency model's: chunks of history; candidate slices;
         # whole full rankings (what the model predicts; a chunk's own overheads are not in it).
         self.pace_extend, self.pace_score, self.pace_full = DevicePace(), DevicePace(), DevicePace()
@@ -412,24 +417,54 @@ class RankingEngine:
                 )
             self.store.release(user_id)
 
-        used = history
-        path = "baseline" if self.config.mode == "baseline" else "full"
-        sliced = self.config.mode == "relay" and bool(self.config.slice_ms)
-        if self.config.truncate_to_budget:
-            left_ms = (deadline - time.time()) * 1000
-            if sliced:  # see ``EngineConfig.truncate_headroom``
-                left_ms *= self.config.truncate_headroom / self.pace_full.factor
-            fit = max(self.config.min_truncated_len, self.latency.max_tokens_within(left_ms))
-            if fit < n:
-                used = history.slice(n - fit)
-                path = "full_truncated"
-        if sliced:
-            scores = await self._run_sliced(used, candidates, request_ts, deadline, bd)
+        base = "baseline" if self.config.mode == "baseline" else "full"
+        bursting: list[bool] = []
+        if self.config.mode == "relay" and self.config.slice_ms:
+            # Planned when the device starts it: the wait for the device is behind it then.
+            kept: list[Events] = []
+
+            def plan() -> Events:
+                bursting.append(self.ingest.bursting())
+                kept.append(
+                    history.slice(n - self.keep_within(n, deadline, sliced=True, bursting=bursting[0]))
+                )
+                return kept[0]
+
+            scores = await self._run_sliced(plan, candidates, request_ts, deadline, bd)
+            used = kept[0]
         else:  # the baseline: one job, as the paper's
+            used = history.slice(n - self.keep_within(n, deadline, sliced=False))
             scores = await self._run(None, used, candidates, request_ts, deadline, bd)
+        path = "full_truncated" if len(used) < n else base
         self.samples.append((len(used), bd["compute"]))
         self.pace_full.observe(self.latency.predict_ms(len(used)), bd["compute"])
-        return RankOutcome(scores, path, bd, n, len(used), len(used) + len(candidates), 0, "miss")
+        return RankOutcome(
+            scores,
+            path,
+            bd,
+            n,
+            len(used),
+            len(used) + len(candidates),
+            0,
+            "miss",
+            in_ingest_burst=any(bursting),
+        )
+
+    def keep_within(self, n: int, deadline: float, *, sliced: bool, bursting: bool = False) -> int:
+        """How many of a history's ``n`` most recent events a full ranking keeps to meet
+        ``deadline`` (``truncate_to_budget``). In one job (the baseline), what the latency model
+        fits in the time left. Sliced (a relay worker), what fills ``truncate_headroom`` of it at
+        the pace of recent full rankings, times ``ingest_slowdown`` while the worker applies a
+        burst of behaviours (``ingest``): it has no second chance, yields to short rankings at
+        each slice, and a burst slows the device within the ranking, faster than a pace follows.
+        ``bursting``: whether the worker applies one now."""
+        if not self.config.truncate_to_budget:
+            return n
+        left_ms = (deadline - time.time()) * 1000
+        if sliced:
+            pace = self.pace_full.factor * (self.config.ingest_slowdown if bursting else 1.0)
+            left_ms *= self.config.truncate_headroom / pace
+        return min(n, max(self.config.min_truncated_len, self.latency.max_tokens_within(left_ms)))
 
     async def _rank_in_burst(
         self,
@@ -622,23 +657,24 @@ class RankingEngine:
 
     async def _run_sliced(
         self,
-        history: Events,
+        plan: Callable[[], Events],
         candidates: torch.Tensor,
         request_ts: float,
         deadline: float,
         bd: dict[str, float],
     ) -> torch.Tensor:
-        """Full ranking (a relay worker's cache miss) as a chunked ranking job: the history's keys
-        and values in time slices (``_slicer``), then the candidates against them. It yields
-        at every slice boundary (chunked prefill): the relay rankings that arrived during a slice
-        run before the next one, whatever their deadlines, so a miss never holds the short
-        rankings up for its whole length. Equal to ``rank`` with no prefix (the prefix property,
-        tested)."""
+        """Full ranking (a relay worker's cache miss) as a chunked ranking job: the keys and
+        values of the history that ``plan()`` returns when the job starts on the device, in time
+        slices (``_slicer``), then the candidates against them. It yields at every slice boundary
+        (chunked prefill): the relay rankings that arrived during a slice run before the next
+        one, whatever their deadlines, so a miss never holds the short rankings up for its whole
+        length. Equal to ``rank`` with no prefix (the prefix property, tested)."""
         model, slicer = self.model, self._slicer()
         timing: list[float] = []
 
         def steps():
             prefix = None
+            history = plan()
             chunks = model.prefill_steps(history, slicer or self.config.prefill_chunk)
             for out in slicer.measured(chunks) if slicer is not None else chunks:
                 if out is None:

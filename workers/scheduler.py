@@ -15,6 +15,9 @@ Primitives:
   whatever their deadlines). Only the jobs queued at the boundary go ahead, so the chunked job
   still gets a chunk per round and cannot starve. Two yielding jobs take turns a chunk each: a
   short sliced ranking never waits for all of a heavy user's long one.
+- ``DeviceScheduler.ranking()``: whether ranking-priority work is on the device or queued for it
+  (background work on other threads of the process, such as applying a burst of behaviours,
+  waits meanwhile: it holds the interpreter the device thread needs between tensor ops).
 - ``DeviceScheduler.promote(tag, priority, deadline)``: raise the jobs carrying ``tag``, queued or
   running chunked (priority inheritance: a ranking job that waits for a pre-inference lends it
   its urgency).
@@ -93,6 +96,16 @@ class DeviceScheduler:
         with self._cv:
             jobs = [j for *_, j in self._heap] + self._parked
             return sum(1 for j in jobs if priority is None or j.priority == priority)
+
+    def ranking(self) -> bool:
+        """Whether a ranking-priority job is on the device or waiting for it."""
+        with self._cv:
+            running = self._running
+            if running is not None and running.priority == Priority.RANK:
+                return True
+            return any(j.priority == Priority.RANK for j in self._parked) or any(
+                prio == Priority.RANK for prio, *_ in self._heap
+            )
 
     def submit(
         self, fn: Callable[[], T], *, priority: Priority, deadline: float = math.inf, tag: Any = None
