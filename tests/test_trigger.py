@@ -88,6 +88,16 @@ def test_latency_model_fit_and_inverse() -> None:
     assert LatencyModel(50.0, 0.1, 0.0).max_tokens_within(10.0) == 0
 
 
+@pytest.mark.parametrize("c", [0.0, 3.7e-20, 1e-12, 1e-6])
+def test_latency_model_inverts_a_nearly_linear_fit(c: float) -> None:
+    # A refit on nearly linear times leaves c tiny next to b; the inverse must not cancel to 0.
+    m = LatencyModel(0.5, 2.0, c)
+    n = m.max_tokens_within(500.0)
+    assert m.predict_ms(n) <= 500.0 < m.predict_ms(n + 1)
+    k = m.tokens_within_slice(1000, 5.0, lo=1)
+    assert m.predict_ms(1000 + k) - m.predict_ms(1000) <= 5.0 < m.predict_ms(1001 + k) - m.predict_ms(1000)
+
+
 def test_latency_model_never_predicts_shrinking_time() -> None:
     noisy = [(64, 5.0), (256, 4.0), (1024, 9.0), (2048, 15.0)]
     m = LatencyModel.fit(noisy)

@@ -46,7 +46,9 @@ class LatencyModel:
             return 0
         if self.c <= 0:
             return int(room / self.b) if self.b > 0 else 1 << 30
-        n = (-self.b + math.sqrt(self.b * self.b + 4 * self.c * room)) / (2 * self.c)
+        # The root of c·n² + b·n = room in the form without cancellation: (-b + √(b² + 4c·room)) / 2c
+        # is 0 for a c that is tiny next to b (a refit on nearly linear times).
+        n = 2 * room / (self.b + math.sqrt(self.b * self.b + 4 * self.c * room))
         return max(0, int(n))
 
     def tokens_within_slice(self, cached: int, slice_ms: float, *, lo: int = 16, hi: int = 1 << 20) -> int:
@@ -57,7 +59,7 @@ class LatencyModel:
         if self.c <= 0:
             k = slice_ms / lin if lin > 0 else hi
         else:
-            k = (-lin + math.sqrt(lin * lin + 4 * self.c * slice_ms)) / (2 * self.c)
+            k = 2 * slice_ms / (lin + math.sqrt(lin * lin + 4 * self.c * slice_ms))  # as max_tokens_within
         return int(min(hi, max(lo, k)))
 
     @classmethod
