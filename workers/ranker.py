@@ -418,22 +418,20 @@ class RankingEngine:
             self.store.release(user_id)
 
         base = "baseline" if self.config.mode == "baseline" else "full"
-        bursting: list[bool] = []
         if self.config.mode == "relay" and self.config.slice_ms:
             # Planned when the device starts it: the wait for the device is behind it then.
-            kept: list[Events] = []
+            planned: list[tuple[Events, bool]] = []
 
             def plan() -> Events:
-                bursting.append(self.ingest.bursting())
-                kept.append(
-                    history.slice(n - self.keep_within(n, deadline, sliced=True, bursting=bursting[0]))
-                )
-                return kept[0]
+                burst = self.ingest.bursting()
+                keep = self.keep_within(n, deadline, sliced=True, bursting=burst)
+                planned.append((history.slice(n - keep), burst))
+                return planned[0][0]
 
             scores = await self._run_sliced(plan, candidates, request_ts, deadline, bd)
-            used = kept[0]
+            used, in_burst = planned[0]
         else:  # the baseline: one job, as the paper's
-            used = history.slice(n - self.keep_within(n, deadline, sliced=False))
+            used, in_burst = history.slice(n - self.keep_within(n, deadline, sliced=False)), False
             scores = await self._run(None, used, candidates, request_ts, deadline, bd)
         path = "full_truncated" if len(used) < n else base
         self.samples.append((len(used), bd["compute"]))
@@ -447,7 +445,7 @@ class RankingEngine:
             len(used) + len(candidates),
             0,
             "miss",
-            in_ingest_burst=any(bursting),
+            in_ingest_burst=in_burst,
         )
 
     def keep_within(self, n: int, deadline: float, *, sliced: bool, bursting: bool = False) -> int:

@@ -99,13 +99,10 @@ class DeviceScheduler:
 
     def ranking(self) -> bool:
         """Whether a ranking-priority job is on the device or waiting for it."""
-        with self._cv:
-            running = self._running
-            if running is not None and running.priority == Priority.RANK:
-                return True
-            return any(j.priority == Priority.RANK for j in self._parked) or any(
-                prio == Priority.RANK for prio, *_ in self._heap
-            )
+        running = self._running
+        return (running is not None and running.priority == Priority.RANK) or self.queue_depth(
+            Priority.RANK
+        ) > 0
 
     def submit(
         self, fn: Callable[[], T], *, priority: Priority, deadline: float = math.inf, tag: Any = None
