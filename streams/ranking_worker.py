@@ -115,6 +115,10 @@ PLANNED_IN_BURST = PCounter(
     "relaygr_rank_planned_in_ingest_burst_total",
     "Full rankings planned while the worker applied a burst of behaviours (for RELAYGR_INGEST_SLOWDOWN)",
 )
+REPLANNED = PCounter(
+    "relaygr_rank_replanned_total",
+    "Truncated full rankings that ran slower than planned and started over with fewer events",
+)
 INFLIGHT = Gauge("relaygr_rank_inflight", "Signals and requests being handled")
 INFLIGHT_PEAK = Gauge("relaygr_rank_inflight_peak", "Most signals and requests handled at once")
 # Events applied between two turns of the event loop while a burst of behaviours comes in, and
@@ -692,6 +696,8 @@ class RankingWorker:
             path = RankPath(oc.path)
             if oc.in_ingest_burst:
                 PLANNED_IN_BURST.inc()
+            if oc.replanned:
+                REPLANNED.inc()
         now = time.time()
         breakdown = {
             "hop_rank": max(0.0, (t_in - r.produced_at) * 1000),

@@ -322,6 +322,56 @@ async def test_a_sliced_full_ranking_is_planned_when_the_device_starts_it(model)
     e.scheduler.close()
 
 
+class _SlowChunks:
+    """The model, with every chunk of a chunked history taking ``per_token_s`` a token more: a
+    device slowed by something the plan could not see."""
+
+    def __init__(self, model: HSTURanker, per_token_s: float) -> None:
+        self._model, self.per_token_s = model, per_token_s
+
+    def __getattr__(self, name: str):
+        return getattr(self._model, name)
+
+    def prefill_steps(self, history, chunk_size, prefix=None):
+        sizes: list[int] = []
+
+        def sized(cached: int) -> int:
+            sizes.append(min(chunk_size(cached), len(history) - cached))
+            return sizes[-1]
+
+        for out in self._model.prefill_steps(history, sized, prefix):
+            time.sleep(self.per_token_s * sizes[-1])
+            yield out
+
+
+async def test_a_sliced_full_ranking_that_runs_slower_than_planned_starts_over_shorter(model) -> None:
+    # 0.01 ms a token, 1 s left: the plan keeps all 3000 events (30 ms predicted, in ~5 ms
+    # slices of 500). Each event takes 0.4 ms more: at that pace the rest would take ~1 s, so after
+    # its first slice the ranking re-plans at the pace it measured and keeps what fits that.
+    h = history(3000, seed=14)
+    cands = torch.arange(1, 9)
+    e = _engine(model, LatencyModel(0.0, 0.01, 0.0), slice_ms=5.0, prefill_chunk=512, truncate_headroom=0.5)
+    e.model = _SlowChunks(model, 0.4e-3)
+    res = await e.rank("u", h, cands, 2e9, time.time() + 1.0)
+    assert res.replanned and res.path == "full_truncated" and 16 <= res.used_len < 1500
+    lost = res.breakdown_ms["replan_lost"]
+    assert lost >= 200  # the first slice, thrown away
+    # Its scores are those of the events it kept; the pace of full rankings is measured on them.
+    want = model.rank(None, h.slice(3000 - res.used_len), cands, 2e9)
+    torch.testing.assert_close(res.scores, want)
+    assert e.samples[-1] == (res.used_len, pytest.approx(res.breakdown_ms["compute"] - lost))
+    e.scheduler.close()
+
+
+async def test_a_sliced_full_ranking_at_its_planned_pace_does_not_replan(model) -> None:
+    h = history(3000, seed=14)
+    e = _engine(model, LatencyModel(0.0, 0.01, 0.0), slice_ms=5.0, prefill_chunk=512, truncate_headroom=0.5)
+    res = await e.rank("u", h, torch.arange(1, 9), 2e9, time.time() + 1.0)
+    assert not res.replanned and res.path == "full" and res.used_len == 3000
+    assert "replan_lost" not in res.breakdown_ms
+    e.scheduler.close()
+
+
 def test_the_ingest_meter_counts_a_window_of_applied_events() -> None:
     m = IngestMeter(window_s=1.0, burst_events=100)
     m.add(60, now=10.0)

@@ -19,7 +19,8 @@ Primitives:
   priority and deadline meanwhile, so that other requests' full rankings cannot starve it;
   otherwise full inference, truncated to what the latency model says fits the remaining budget
   (``keep_within``; a relay worker's is planned when the device starts it, for a slower device
-  while the worker applies a burst of behaviours: ``ingest``). A relay ranking stores the prefix it grew by
+  while the worker applies a burst of behaviours: ``ingest``, and planned again, once, shorter,
+  when its slices run slower than that: ``_slowdown``). A relay ranking stores the prefix it grew by
   the suffix (``retain_suffix``; in the background, behind other rankings): the user's next
   request then computes only its new events. A user's relay rankings that wait for the device
   together (a burst) run as one job against their shared prefix (``burst_batch``). ``drain()``
@@ -59,6 +60,10 @@ from relaygr.workers.prefix_store import PrefixStore
 from relaygr.workers.scheduler import DeviceScheduler, Priority, SchedulerClosed
 
 T = TypeVar("T")
+# A sliced full ranking re-plans (once) when, at the pace its own slices ran, the rest would take
+# more than this share of the time left: the plan filled ``truncate_headroom`` of it, and what is
+# left above is for the short rankings that run between its slices.
+REPLAN_FILL = 0.8
 _NEVER = object()  # sentinel of ``iter(step, _NEVER)``: a step function as a step iterator
 log = logging.getLogger(__name__)
 
@@ -75,6 +80,7 @@ class RankOutcome:
     prefix_tier: str | None = None
     prefix_owner: str | None = None  # the worker that computed the cached prefix
     in_ingest_burst: bool = False  # a full ranking planned for ``EngineConfig.ingest_slowdown``
+    replanned: bool = False  # a full ranking that ran slower than planned and started over shorter
 
 
 @dataclass
@@ -104,12 +110,14 @@ class _Slicer:
     def __init__(self, latency: LatencyModel, pace: DevicePace, slice_ms: float, hi: int, start: int = 0):
         self.latency, self.pace, self.slice_ms, self.hi = latency, pace, slice_ms, hi
         self.at = start  # keys cached before the chunk sized last
-        self.predicted_ms = 0.0
+        self.upto = start  # ... and after it
+        self.predicted_ms = self.measured_ms = 0.0
 
     def __call__(self, cached: int) -> int:
         lat = self.latency
         k = lat.tokens_within_slice(cached, self.slice_ms / self.pace.factor, lo=16, hi=self.hi)
-        self.at, self.predicted_ms = cached, lat.predict_ms(cached + k) - lat.predict_ms(cached)
+        self.at, self.upto = cached, cached + k
+        self.predicted_ms = lat.predict_ms(cached + k) - lat.predict_ms(cached)
         return k
 
     def measured(self, steps: Iterator[PrefixKV | None]) -> Iterator[PrefixKV | None]:
@@ -122,8 +130,9 @@ class _Slicer:
                 out = next(steps)
             except StopIteration:
                 return
+            self.measured_ms = (time.perf_counter() - t0) * 1000
             if out is None and self.predicted_ms:
-                self.pace.observe(self.predicted_ms, (time.perf_counter() - t0) * 1000)
+                self.pace.observe(self.predicted_ms, self.measured_ms)
             yield out
 
 
@@ -422,20 +431,22 @@ class RankingEngine:
             # Planned when the device starts it: the wait for the device is behind it then.
             planned: list[tuple[Events, bool]] = []
 
-            def plan() -> Events:
-                burst = self.ingest.bursting()
-                keep = self.keep_within(n, deadline, sliced=True, bursting=burst)
+            def plan(pace: float | None) -> Events:
+                burst = pace is None and self.ingest.bursting()
+                keep = self.keep_within(n, deadline, sliced=True, bursting=burst, pace=pace)
                 planned.append((history.slice(n - keep), burst))
-                return planned[0][0]
+                return planned[-1][0]
 
             scores = await self._run_sliced(plan, candidates, request_ts, deadline, bd)
-            used, in_burst = planned[0]
+            used, in_burst = planned[-1][0], planned[0][1]
         else:  # the baseline: one job, as the paper's
             used, in_burst = history.slice(n - self.keep_within(n, deadline, sliced=False)), False
             scores = await self._run(None, used, candidates, request_ts, deadline, bd)
         path = "full_truncated" if len(used) < n else base
-        self.samples.append((len(used), bd["compute"]))
-        self.pace_full.observe(self.latency.predict_ms(len(used)), bd["compute"])
+        # The slices a re-plan threw away are device time spent, but not on this history.
+        kept_ms = bd["compute"] - bd.get("replan_lost", 0.0)
+        self.samples.append((len(used), kept_ms))
+        self.pace_full.observe(self.latency.predict_ms(len(used)), kept_ms)
         return RankOutcome(
             scores,
             path,
@@ -446,21 +457,25 @@ class RankingEngine:
             0,
             "miss",
             in_ingest_burst=in_burst,
+            replanned="replan_lost" in bd,
         )
 
-    def keep_within(self, n: int, deadline: float, *, sliced: bool, bursting: bool = False) -> int:
+    def keep_within(
+        self, n: int, deadline: float, *, sliced: bool, bursting: bool = False, pace: float | None = None
+    ) -> int:
         """How many of a history's ``n`` most recent events a full ranking keeps to meet
         ``deadline`` (``truncate_to_budget``). In one job (the baseline), what the latency model
         fits in the time left. Sliced (a relay worker), what fills ``truncate_headroom`` of it at
         the pace of recent full rankings, times ``ingest_slowdown`` while the worker applies a
-        burst of behaviours (``ingest``): it has no second chance, yields to short rankings at
-        each slice, and a burst slows the device within the ranking, faster than a pace follows.
-        ``bursting``: whether the worker applies one now."""
+        burst of behaviours (``ingest``): it yields to short rankings at each slice, and a burst
+        slows the device within the ranking, faster than a pace follows. ``bursting``: whether
+        the worker applies one now; ``pace``: the ranking's own, measured (a re-plan)."""
         if not self.config.truncate_to_budget:
             return n
         left_ms = (deadline - time.time()) * 1000
         if sliced:
-            pace = self.pace_full.factor * (self.config.ingest_slowdown if bursting else 1.0)
+            if pace is None:
+                pace = self.pace_full.factor * (self.config.ingest_slowdown if bursting else 1.0)
             left_ms *= self.config.truncate_headroom / pace
         return min(n, max(self.config.min_truncated_len, self.latency.max_tokens_within(left_ms)))
 
@@ -655,36 +670,75 @@ class RankingEngine:
 
     async def _run_sliced(
         self,
-        plan: Callable[[], Events],
+        plan: Callable[[float | None], Events],
         candidates: torch.Tensor,
         request_ts: float,
         deadline: float,
         bd: dict[str, float],
     ) -> torch.Tensor:
         """Full ranking (a relay worker's cache miss) as a chunked ranking job: the keys and
-        values of the history that ``plan()`` returns when the job starts on the device, in time
-        slices (``_slicer``), then the candidates against them. It yields at every slice boundary
-        (chunked prefill): the relay rankings that arrived during a slice run before the next
-        one, whatever their deadlines, so a miss never holds the short rankings up for its whole
-        length. Equal to ``rank`` with no prefix (the prefix property, tested)."""
+        values of the history that ``plan(None)`` returns when the job starts on the device, in
+        time slices (``_slicer``), then the candidates against them. It yields at every slice
+        boundary (chunked prefill): the relay rankings that arrived during a slice run before the
+        next one, whatever their deadlines, so a miss never holds the short rankings up for its
+        whole length. Once, when its slices run so much slower than planned that the rest would
+        not fit (``_slowdown``), it starts over with ``plan(pace)`` at the pace measured, if that
+        keeps fewer events; ``bd["replan_lost"]``: the slices it threw away (ms). Equal to
+        ``rank`` with no prefix (the prefix property, tested)."""
         model, slicer = self.model, self._slicer()
         timing: list[float] = []
 
         def steps():
-            prefix = None
-            history = plan()
-            chunks = model.prefill_steps(history, slicer or self.config.prefill_chunk)
-            for out in slicer.measured(chunks) if slicer is not None else chunks:
-                if out is None:
+            history, replanned = plan(None), False
+            usual = self.pace_extend.factor  # what the slices are sized for, before these
+            while True:
+                prefix, predicted, measured, restart = None, 0.0, 0.0, False
+                chunks = model.prefill_steps(history, slicer or self.config.prefill_chunk)
+                for out in slicer.measured(chunks) if slicer is not None else chunks:
+                    if out is not None:
+                        prefix = out
+                        continue
+                    if slicer is not None and not replanned:
+                        predicted, measured = predicted + slicer.predicted_ms, measured + slicer.measured_ms
+                        behind = self._slowdown(
+                            len(history), slicer.upto, predicted, measured / usual, deadline
+                        )
+                        if behind is not None:
+                            replanned, (pace, rest_ms) = True, behind
+                            shorter = plan(pace)
+                            # Only if it ends sooner than the rest would: near the end, or past the
+                            # deadline, finishing beats starting over.
+                            if self.latency.predict_ms(len(shorter)) * pace < rest_ms:
+                                history, restart = shorter, True
+                                bd["replan_lost"] = measured
                     yield None
-                else:
-                    prefix = out
+                    if restart:
+                        break
+                if not restart:
+                    break
             yield model.rank(prefix, history.slice(len(history)), candidates, request_ts)
 
         out = await self._submit_steps_timed(steps(), deadline, timing, yields=True)
         bd["device_queue"] = (timing[0] - timing[-1]) * 1000
         _slice_times(timing, bd)
         return out
+
+    def _slowdown(
+        self, n: int, done: int, predicted_ms: float, measured_ms: float, deadline: float
+    ) -> tuple[float, float] | None:
+        """A sliced full ranking of ``n`` events whose slices up to event ``done`` took
+        ``measured_ms`` (over the usual pace) against ``predicted_ms``: the pace of full rankings
+        at that slowdown, and the rest's time at it (ms), if the rest would take more than
+        ``REPLAN_FILL`` of the time left to ``deadline``; None while it fits (or the slices are
+        too short to tell, or the deadline has passed)."""
+        if predicted_ms < self.pace_extend.min_predicted_ms:
+            return None
+        pace = self.pace_full.factor * measured_ms / predicted_ms
+        lat = self.latency
+        rest_ms = (lat.predict_ms(n) - lat.predict_ms(done) + lat.predict_ms(0)) * pace
+        left_ms = (deadline - time.time()) * 1000
+        # Past the deadline nothing is saved: the answer keeps the events it was planned with.
+        return (pace, rest_ms) if 0 < REPLAN_FILL * left_ms < rest_ms else None
 
     async def _on_device(self, fn: Callable[[], T], deadline: float, bd: dict[str, float]) -> T:
         """``fn()`` as a ranking job on the device thread; ``bd`` gets ``device_queue`` (waiting
