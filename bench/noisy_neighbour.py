@@ -9,7 +9,7 @@ One pipeline (relay mode, one ranking worker, so every user shares its device), 
    --duration-s, and the heavy user's own request every --heavy-every-s seconds.
 It prints one JSON line: the ordinary users' ranking-stage P99 (nearest rank) in both phases side
 by side and their ratio (target ≤ 1.2), each phase's slowest ranking and how many missed the
-budget, the heavy user's latencies, paths and ``used_len``.
+budget, the heavy user's latencies, paths and ``used_len``, and the host's CPU steal in each phase.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import uuid
 from collections import Counter
 from pathlib import Path
 
+from relaygr.bench.host_cpu import HostCpuSampler
 from relaygr.bench.ingest import breakdown_percentiles, on_fresh_pipeline, request_stream
 from relaygr.infra.kafka import producer
 from relaygr.schemas import BehaviorEvent, RecommendationRequest, encode
@@ -87,9 +88,13 @@ async def _heavy_requests(
         await prod.stop()
 
 
-async def _phase(settings, reg, requests, qps: float, seconds: float, *, heavy=None) -> tuple[list, list]:
-    """Ordinary requests at ``qps`` for ``seconds`` (and the heavy user's, if given)."""
+async def _phase(
+    settings, reg, requests, qps: float, seconds: float, *, heavy=None
+) -> tuple[list, list, dict[str, float | None]]:
+    """Ordinary requests at ``qps`` for ``seconds`` (and the heavy user's, if given); the host's
+    CPU shares meanwhile (``HostCpuSampler``)."""
     stop, sent, heavy_sent = asyncio.Event(), [], []
+    cpu = HostCpuSampler().start()
     tasks = [asyncio.create_task(request_stream(settings, reg, requests, qps, stop, sent))]
     if heavy is not None:
         user, every = heavy
@@ -97,7 +102,7 @@ async def _phase(settings, reg, requests, qps: float, seconds: float, *, heavy=N
     await asyncio.sleep(seconds)
     stop.set()
     await asyncio.gather(*tasks)
-    return sent, heavy_sent
+    return sent, heavy_sent, await cpu.stop()
 
 
 async def _measure(settings, reg, args, ml, say) -> dict:
@@ -111,7 +116,7 @@ async def _measure(settings, reg, args, ml, say) -> dict:
     await _phase(settings, reg, requests, args.qps, args.warmup_s)
 
     say(f"quiet: {args.duration_s:g} s at {args.qps:g} req/s")
-    quiet_sent, _ = await _phase(settings, reg, requests, args.qps, args.duration_s)
+    quiet_sent, _, quiet_cpu = await _phase(settings, reg, requests, args.qps, args.duration_s)
 
     base = max(ml.histories, key=lambda u: len(ml.histories[u]))
     h = ml.histories[base]
@@ -124,7 +129,7 @@ async def _measure(settings, reg, args, ml, say) -> dict:
     ]
     say(f"heavy: {len(heavy_events)} behaviours of one user, then {args.duration_s:g} s as before")
     await _publish_heavy(settings, reg, heavy_events)
-    hot_sent, heavy_sent = await _phase(
+    hot_sent, heavy_sent, hot_cpu = await _phase(
         settings, reg, requests, args.qps, args.duration_s, heavy=(heavy_user, args.heavy_every_s)
     )
     every = {r.request_id for r in quiet_sent + hot_sent + heavy_sent}
@@ -183,6 +188,10 @@ async def _measure(settings, reg, args, ml, say) -> dict:
             )[:3]
         ],
         "target_ratio": 1.2,
+        # The host's CPU in each phase (quiet, heavy), in %: busy (the pipeline included), and
+        # steal (taken by the machine's neighbours; a spell of it slows a phase whatever the
+        # pipeline does), over the phase and at most in any one second. None off Linux.
+        "host_cpu": {k: [quiet_cpu[k], hot_cpu[k]] for k in quiet_cpu},
     }
 
 

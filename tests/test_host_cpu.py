@@ -1,0 +1,51 @@
+"""The benchmarks' host CPU figures: busy and steal shares read from /proc/stat."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from relaygr.bench.host_cpu import HostCpuSampler, read_cpu_times, summarise
+
+
+def test_cpu_times_split_busy_steal_and_idle(tmp_path: Path) -> None:
+    stat = tmp_path / "stat"
+    # user nice system idle iowait irq softirq steal guest guest_nice
+    stat.write_text("cpu  100 5 20 800 30 1 4 40 7 0\ncpu0 50 2 10 400 15 0 2 20 3 0\n")
+    busy, steal, total = read_cpu_times(stat)
+    assert (busy, steal, total) == (130, 40, 1000)  # guest time is inside user already
+    stat.write_text("cpu  100 5 20 800\n")  # an old kernel: no iowait.. steal columns
+    assert read_cpu_times(stat) == (125, 0, 925)
+    assert read_cpu_times(tmp_path / "absent") is None
+    (tmp_path / "odd").write_text("intr 1 2 3\n")
+    assert read_cpu_times(tmp_path / "odd") is None
+
+
+def test_a_spell_of_steal_shows_in_its_one_second_window() -> None:
+    # 0.5 s samples, 100 ticks each; 10 steal ticks each, except 60 in one interval.
+    samples, busy, steal = [], 0, 0
+    for i in range(11):
+        samples.append((busy, steal, 100 * i))
+        busy, steal = busy + 50, steal + (60 if i == 5 else 10)
+    got = summarise(samples, window=2)
+    assert got["busy_pct"] == 50.0
+    assert got["steal_pct"] == 15.0  # (9 × 10 + 60) / 1000
+    assert got["steal_pct_max_1s"] == 35.0  # (60 + 10) / 200
+    assert summarise(samples[:1]) == {"busy_pct": None, "steal_pct": None, "steal_pct_max_1s": None}
+
+
+async def test_the_sampler_reads_until_stopped() -> None:
+    ticks = iter(range(0, 10_000, 100))
+
+    def read() -> tuple[int, int, int]:
+        t = next(ticks)
+        return t // 2, t // 10, t
+
+    sampler = HostCpuSampler(every_s=0.001, read=read).start()
+    await asyncio.sleep(0.02)
+    got = await sampler.stop()
+    assert got["busy_pct"] == pytest.approx(50.0) and got["steal_pct"] == pytest.approx(10.0)
+    off_linux = await HostCpuSampler(read=lambda: None).start().stop()
+    assert off_linux["steal_pct"] is None
