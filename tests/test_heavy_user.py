@@ -363,6 +363,20 @@ async def test_a_sliced_full_ranking_that_runs_slower_than_planned_starts_over_s
     e.scheduler.close()
 
 
+async def test_a_replan_goes_by_the_rankings_own_pace_not_the_slices_usual_one(model) -> None:
+    # 0.3 ms a token, 1 s left: the plan fills half of it (~1666 events). Slices have lately run
+    # at 4x their prediction (sized for it), and these run at 4x too: as usual for slices, but
+    # 4x what the plan assumed, so the rest would take ~2 s. It starts over at the pace its
+    # slices ran, at least 3x (the added 0.9 ms a token): at most 0.5 s / 3 / 0.3 ms = 555 events.
+    h = history(3000, seed=15)
+    e = _engine(model, LatencyModel(0.0, 0.3, 0.0), slice_ms=5.0, prefill_chunk=512, truncate_headroom=0.5)
+    e.pace_extend._log = math.log(4.0)
+    e.model = _SlowChunks(model, 0.9e-3)
+    res = await e.rank("u", h, torch.arange(1, 9), 2e9, time.time() + 1.0)
+    assert res.replanned and 16 <= res.used_len <= 555
+    e.scheduler.close()
+
+
 async def test_a_sliced_full_ranking_at_its_planned_pace_does_not_replan(model) -> None:
     h = history(3000, seed=14)
     e = _engine(model, LatencyModel(0.0, 0.01, 0.0), slice_ms=5.0, prefill_chunk=512, truncate_headroom=0.5)

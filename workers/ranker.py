@@ -20,7 +20,7 @@ Primitives:
   otherwise full inference, truncated to what the latency model says fits the remaining budget
   (``keep_within``; a relay worker's is planned when the device starts it, for a slower device
   while the worker applies a burst of behaviours: ``ingest``, and planned again, once, shorter,
-  when its slices run slower than that: ``_slowdown``). A relay ranking stores the prefix it grew by
+  when its slices run slower than that: ``_behind``). A relay ranking stores the prefix it grew by
   the suffix (``retain_suffix``; in the background, behind other rankings): the user's next
   request then computes only its new events. A user's relay rankings that wait for the device
   together (a burst) run as one job against their shared prefix (``burst_batch``). ``drain()``
@@ -429,16 +429,16 @@ class RankingEngine:
         base = "baseline" if self.config.mode == "baseline" else "full"
         if self.config.mode == "relay" and self.config.slice_ms:
             # Planned when the device starts it: the wait for the device is behind it then.
-            planned: list[tuple[Events, bool]] = []
+            bursts: list[bool] = []  # whether the first plan was made in a burst
 
             def plan(pace: float | None) -> Events:
-                burst = pace is None and self.ingest.bursting()
-                keep = self.keep_within(n, deadline, sliced=True, bursting=burst, pace=pace)
-                planned.append((history.slice(n - keep), burst))
-                return planned[-1][0]
+                if pace is None:
+                    bursts.append(self.ingest.bursting())
+                keep = self.keep_within(n, deadline, sliced=True, bursting=bursts[0], pace=pace)
+                return history.slice(n - keep)
 
-            scores = await self._run_sliced(plan, candidates, request_ts, deadline, bd)
-            used, in_burst = planned[-1][0], planned[0][1]
+            scores, used = await self._run_sliced(plan, candidates, request_ts, deadline, bd)
+            in_burst = bursts[0]
         else:  # the baseline: one job, as the paper's
             used, in_burst = history.slice(n - self.keep_within(n, deadline, sliced=False)), False
             scores = await self._run(None, used, candidates, request_ts, deadline, bd)
@@ -675,22 +675,22 @@ class RankingEngine:
         request_ts: float,
         deadline: float,
         bd: dict[str, float],
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, Events]:
         """Full ranking (a relay worker's cache miss) as a chunked ranking job: the keys and
         values of the history that ``plan(None)`` returns when the job starts on the device, in
         time slices (``_slicer``), then the candidates against them. It yields at every slice
         boundary (chunked prefill): the relay rankings that arrived during a slice run before the
         next one, whatever their deadlines, so a miss never holds the short rankings up for its
         whole length. Once, when its slices run so much slower than planned that the rest would
-        not fit (``_slowdown``), it starts over with ``plan(pace)`` at the pace measured, if that
-        keeps fewer events; ``bd["replan_lost"]``: the slices it threw away (ms). Equal to
-        ``rank`` with no prefix (the prefix property, tested)."""
+        not fit (``_behind``), it starts over with ``plan(pace)`` at the pace they ran, if that
+        ends sooner; ``bd["replan_lost"]``: the slices it threw away (ms). Returns the scores and
+        the history ranked. Equal to ``rank`` with no prefix (the prefix property, tested)."""
         model, slicer = self.model, self._slicer()
         timing: list[float] = []
+        ranked: list[Events] = []
 
         def steps():
             history, replanned = plan(None), False
-            usual = self.pace_extend.factor  # what the slices are sized for, before these
             while True:
                 prefix, predicted, measured, restart = None, 0.0, 0.0, False
                 chunks = model.prefill_steps(history, slicer or self.config.prefill_chunk)
@@ -700,14 +700,12 @@ class RankingEngine:
                         continue
                     if slicer is not None and not replanned:
                         predicted, measured = predicted + slicer.predicted_ms, measured + slicer.measured_ms
-                        behind = self._slowdown(
-                            len(history), slicer.upto, predicted, measured / usual, deadline
-                        )
+                        behind = self._behind(len(history), slicer.upto, predicted, measured, deadline)
                         if behind is not None:
                             replanned, (pace, rest_ms) = True, behind
                             shorter = plan(pace)
-                            # Only if it ends sooner than the rest would: near the end, or past the
-                            # deadline, finishing beats starting over.
+                            # Only if it ends sooner than the rest would: near the end, finishing
+                            # beats starting over.
                             if self.latency.predict_ms(len(shorter)) * pace < rest_ms:
                                 history, restart = shorter, True
                                 bd["replan_lost"] = measured
@@ -716,24 +714,26 @@ class RankingEngine:
                         break
                 if not restart:
                     break
+            ranked.append(history)
             yield model.rank(prefix, history.slice(len(history)), candidates, request_ts)
 
         out = await self._submit_steps_timed(steps(), deadline, timing, yields=True)
         bd["device_queue"] = (timing[0] - timing[-1]) * 1000
         _slice_times(timing, bd)
-        return out
+        return out, ranked[0]
 
-    def _slowdown(
+    def _behind(
         self, n: int, done: int, predicted_ms: float, measured_ms: float, deadline: float
     ) -> tuple[float, float] | None:
         """A sliced full ranking of ``n`` events whose slices up to event ``done`` took
-        ``measured_ms`` (over the usual pace) against ``predicted_ms``: the pace of full rankings
-        at that slowdown, and the rest's time at it (ms), if the rest would take more than
-        ``REPLAN_FILL`` of the time left to ``deadline``; None while it fits (or the slices are
-        too short to tell, or the deadline has passed)."""
+        ``measured_ms`` against the latency model's ``predicted_ms``: the pace they ran at
+        (measured over predicted) and the rest's time at it (ms), if the rest would take more
+        than ``REPLAN_FILL`` of the time left to ``deadline``. None while it fits (or the slices
+        are too short to tell, or the deadline has passed). The pace is the ranking's own: the
+        plan's, from recent rankings, is what it is checked against."""
         if predicted_ms < self.pace_extend.min_predicted_ms:
             return None
-        pace = self.pace_full.factor * measured_ms / predicted_ms
+        pace = measured_ms / predicted_ms
         lat = self.latency
         rest_ms = (lat.predict_ms(n) - lat.predict_ms(done) + lat.predict_ms(0)) * pace
         left_ms = (deadline - time.time()) * 1000
