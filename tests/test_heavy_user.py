@@ -324,10 +324,11 @@ async def test_a_sliced_full_ranking_is_planned_when_the_device_starts_it(model)
 
 class _SlowChunks:
     """The model, with every chunk of a chunked history taking ``per_token_s`` a token more: a
-    device slowed by something the plan could not see."""
+    device slowed by something the plan could not see (and the first one ``first_chunk_s`` more:
+    a slice held up once)."""
 
-    def __init__(self, model: HSTURanker, per_token_s: float) -> None:
-        self._model, self.per_token_s = model, per_token_s
+    def __init__(self, model: HSTURanker, per_token_s: float, first_chunk_s: float = 0.0) -> None:
+        self._model, self.per_token_s, self.first_chunk_s = model, per_token_s, first_chunk_s
 
     def __getattr__(self, name: str):
         return getattr(self._model, name)
@@ -339,8 +340,8 @@ class _SlowChunks:
             sizes.append(min(chunk_size(cached), len(history) - cached))
             return sizes[-1]
 
-        for out in self._model.prefill_steps(history, sized, prefix):
-            time.sleep(self.per_token_s * sizes[-1])
+        for i, out in enumerate(self._model.prefill_steps(history, sized, prefix)):
+            time.sleep(self.per_token_s * sizes[-1] + (self.first_chunk_s if i == 0 else 0.0))
             yield out
 
 
@@ -374,6 +375,17 @@ async def test_a_replan_goes_by_the_rankings_own_pace_not_the_slices_usual_one(m
     e.model = _SlowChunks(model, 0.9e-3)
     res = await e.rank("u", h, torch.arange(1, 9), 2e9, time.time() + 1.0)
     assert res.replanned and 16 <= res.used_len <= 555
+    e.scheduler.close()
+
+
+async def test_one_slice_held_up_does_not_cut_a_ranking_short(model) -> None:
+    # As above, but only the first slice is slow (150 ms more, as if preempted): judged from it
+    # alone, the rest would take ~0.75 s of the ~0.85 s left; from two slices on it fits.
+    h = history(3000, seed=14)
+    e = _engine(model, LatencyModel(0.0, 0.01, 0.0), slice_ms=5.0, prefill_chunk=512, truncate_headroom=0.5)
+    e.model = _SlowChunks(model, 0.0, first_chunk_s=0.15)
+    res = await e.rank("u", h, torch.arange(1, 9), 2e9, time.time() + 1.0)
+    assert not res.replanned and res.path == "full" and res.used_len == 3000
     e.scheduler.close()
 
 

@@ -64,6 +64,9 @@ T = TypeVar("T")
 # more than this share of the time left: the plan filled ``truncate_headroom`` of it, and what is
 # left above is for the short rankings that run between its slices.
 REPLAN_FILL = 0.8
+# ... judged from this many of its slices on: one slice held up by a page fault or a preemption
+# would cut an ordinary ranking short for nothing.
+REPLAN_AFTER_SLICES = 2
 _NEVER = object()  # sentinel of ``iter(step, _NEVER)``: a step function as a step iterator
 log = logging.getLogger(__name__)
 
@@ -681,8 +684,8 @@ class RankingEngine:
         time slices (``_slicer``), then the candidates against them. It yields at every slice
         boundary (chunked prefill): the relay rankings that arrived during a slice run before the
         next one, whatever their deadlines, so a miss never holds the short rankings up for its
-        whole length. Once, when its slices run so much slower than planned that the rest would
-        not fit (``_behind``), it starts over with ``plan(pace)`` at the pace they ran, if that
+        whole length. Once, when its slices (``REPLAN_AFTER_SLICES`` or more) run so much slower
+        than planned that the rest would not fit (``_behind``), it starts over with ``plan(pace)`` at the pace they ran, if that
         ends sooner; ``bd["replan_lost"]``: the slices it threw away (ms). Returns the scores and
         the history ranked. Equal to ``rank`` with no prefix (the prefix property, tested)."""
         model, slicer = self.model, self._slicer()
@@ -694,13 +697,15 @@ class RankingEngine:
             while True:
                 prefix, predicted, measured, restart = None, 0.0, 0.0, False
                 chunks = model.prefill_steps(history, slicer or self.config.prefill_chunk)
-                for out in slicer.measured(chunks) if slicer is not None else chunks:
+                for ran, out in enumerate(slicer.measured(chunks) if slicer is not None else chunks, 1):
                     if out is not None:
                         prefix = out
                         continue
                     if slicer is not None and not replanned:
                         predicted, measured = predicted + slicer.predicted_ms, measured + slicer.measured_ms
-                        behind = self._behind(len(history), slicer.upto, predicted, measured, deadline)
+                        behind = None
+                        if ran >= REPLAN_AFTER_SLICES:
+                            behind = self._behind(len(history), slicer.upto, predicted, measured, deadline)
                         if behind is not None:
                             replanned, (pace, rest_ms) = True, behind
                             shorter = plan(pace)
