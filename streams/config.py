@@ -144,7 +144,7 @@ class PipelineSettings(BaseSettings):
         gt=0,
         le=1,
         description="Ranking worker (relay): a full ranking keeps the most recent events predicted to "
-        "fill this share of the time left, at the pace of recent full rankings (no second chance).",
+        "fill this share of the time left, at the pace of recent full rankings (re-planned at most once).",
     )
     ingest_slowdown: float = Field(
         default=_default(EngineConfig, "ingest_slowdown"),

@@ -35,10 +35,10 @@ class EngineConfig(BaseModel):
         le=1,
         description=(
             "A relay worker's full ranking (sliced by time) keeps the most recent events predicted "
-            "to fill this share of the time left, at the pace of recent full rankings: it has no "
-            "second chance, yields to short rankings at each slice, and in a burst of ingestion "
-            "the device slows down faster than its measured pace follows. (One job, as in "
-            "baseline mode: all of the time left.)"
+            "to fill this share of the time left, at the pace of recent full rankings: it yields "
+            "to short rankings at each slice, in a burst of ingestion the device slows down faster "
+            "than its measured pace follows, and it starts over shorter only once. (One job, as "
+            "in baseline mode: all of the time left.)"
         ),
     )
     ingest_slowdown: float = Field(
