@@ -685,9 +685,10 @@ class RankingEngine:
         boundary (chunked prefill): the relay rankings that arrived during a slice run before the
         next one, whatever their deadlines, so a miss never holds the short rankings up for its
         whole length. Once, when its slices (``REPLAN_AFTER_SLICES`` or more) run so much slower
-        than planned that the rest would not fit (``_behind``), it starts over with ``plan(pace)`` at the pace they ran, if that
-        ends sooner; ``bd["replan_lost"]``: the slices it threw away (ms). Returns the scores and
-        the history ranked. Equal to ``rank`` with no prefix (the prefix property, tested)."""
+        than planned that the rest would not fit (``_behind``), it starts over with
+        ``plan(pace)`` at the pace they ran, if that ends sooner; ``bd["replan_lost"]``: the
+        slices it threw away (ms). Returns the scores and the history ranked. Equal to ``rank``
+        with no prefix (the prefix property, tested)."""
         model, slicer = self.model, self._slicer()
         timing: list[float] = []
         ranked: list[Events] = []
@@ -734,8 +735,9 @@ class RankingEngine:
         ``measured_ms`` against the latency model's ``predicted_ms``: the pace they ran at
         (measured over predicted) and the rest's time at it (ms), if the rest would take more
         than ``REPLAN_FILL`` of the time left to ``deadline``. None while it fits (or the slices
-        are too short to tell, or the deadline has passed). The pace is the ranking's own: the
-        plan's, from recent rankings, is what it is checked against."""
+        are too short to tell, or the deadline has passed). The pace is this ranking's own, not
+        the slices' usual one: a slowdown that earlier slices already showed is still a slowdown
+        against the plan, which went by recent full rankings."""
         if predicted_ms < self.pace_extend.min_predicted_ms:
             return None
         pace = measured_ms / predicted_ms
