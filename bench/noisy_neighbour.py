@@ -3,19 +3,26 @@
 One pipeline (relay mode, one ranking worker, so every user shares its device), trained model:
 0. --users MovieLens users' real histories are published and applied; their requests warm the
    pipeline up for --warmup-s seconds (not measured);
-1. quiet: the same users' requests at --qps for --duration-s seconds;
-2. heavy: one user with --heavy-events behaviours (a MovieLens history lengthened by time-shifted
-   repetition) is published at once; from then on, the ordinary requests at --qps again for
-   --duration-s, and the heavy user's own request every --heavy-every-s seconds.
-It prints one JSON line: the ordinary users' ranking-stage P99 (nearest rank) in both phases side
-by side and their ratio (target ≤ 1.2), each phase's slowest ranking and how many missed the
-budget, the heavy user's latencies, paths and ``used_len``, and the host's CPU steal in each phase.
+1. the same users' requests at --qps, without a pause, for 2 x --duration-s seconds in alternating
+   blocks of --block-s seconds: quiet, heavy, quiet, heavy, ... In the first heavy block one user
+   with --heavy-events behaviours (a MovieLens history lengthened by time-shifted repetition) is
+   published at once; that block lasts until every stage has applied them, then --block-s more. In
+   every heavy block the heavy user also requests every --heavy-every-s seconds. In a quiet block
+   it sends nothing: the first has no heavy user at all, the later ones keep it stored and cached
+   as any idle user is.
+Alternating short blocks is what puts the two conditions side by side: a spell of the shared
+machine (steal, a neighbour's burst) lands on both alike instead of on whichever phase it hits.
+It prints one JSON line: the ordinary users' ranking-stage P99 (nearest rank) over each
+condition's blocks and their ratio (target ≤ 1.2), each condition's slowest ranking and how many
+missed the budget, the heavy user's latencies, paths and ``used_len``, and the host's CPU steal in
+each condition.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import contextlib
 import json
 import sys
@@ -40,8 +47,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--duration-s",
         type=float,
         default=60.0,
-        help="length of each measured phase (60 s at 10 req/s: P99 is the 6th slowest of 600, not "
-        "the 2nd of 200, so one slow request does not make the figure)",
+        help="measured seconds of each condition (60 s at 10 req/s: P99 is the 6th slowest of 600, "
+        "not the 2nd of 200, so one slow request does not make the figure)",
+    )
+    parser.add_argument(
+        "--block-s",
+        type=float,
+        default=5.0,
+        help="length of one block; quiet and heavy blocks alternate (shorter than the machine's "
+        "spells of slowness, so that one lands on both conditions)",
     )
     parser.add_argument("--warmup-s", type=float, default=5.0, help="unmeasured requests first")
     parser.add_argument(
@@ -53,7 +67,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=Path,
         default=None,
         metavar="FILE",
-        help="also write every result as a JSON line (with its phase: quiet, heavy or heavy_user)",
+        help="also write every result as a JSON line (with its condition: quiet, heavy or "
+        "heavy_user, and its block's number)",
     )
 
 
@@ -68,12 +83,16 @@ async def _publish_heavy(settings, reg, events: list[BehaviorEvent]) -> None:
 
 
 async def _heavy_requests(
-    settings, reg, user_id: str, every_s: float, stop: asyncio.Event, sent: list
+    settings, reg, user_id: str, every_s: float, on: asyncio.Event, stop: asyncio.Event, sent: list
 ) -> None:
+    """The heavy user's request every ``every_s`` while ``on`` is set (a heavy block)."""
     prod = producer(settings, linger_ms=0)
     await prod.start()
     try:
         while not stop.is_set():
+            await on.wait()
+            if stop.is_set():
+                break
             r = RecommendationRequest(
                 request_id=f"heavy-{uuid.uuid4().hex[:8]}",
                 user_id=user_id,
@@ -88,21 +107,69 @@ async def _heavy_requests(
         await prod.stop()
 
 
-async def _phase(
-    settings, reg, requests, qps: float, seconds: float, *, heavy=None
-) -> tuple[list, list, dict[str, float | None]]:
-    """Ordinary requests at ``qps`` for ``seconds`` (and the heavy user's, if given); the host's
-    CPU shares meanwhile (``HostCpuSampler``)."""
-    stop, sent, heavy_sent = asyncio.Event(), [], []
-    cpu = HostCpuSampler().start()
-    tasks = [asyncio.create_task(request_stream(settings, reg, requests, qps, stop, sent))]
-    if heavy is not None:
-        user, every = heavy
-        tasks.append(asyncio.create_task(_heavy_requests(settings, reg, user, every, stop, heavy_sent)))
-    await asyncio.sleep(seconds)
-    stop.set()
-    await asyncio.gather(*tasks)
-    return sent, heavy_sent, await cpu.stop()
+class _Blocks:
+    """When each block began (wall clock, as requests are stamped) and its condition."""
+
+    def __init__(self) -> None:
+        self.starts: list[float] = []
+        self.labels: list[str] = []
+
+    def begin(self, label: str) -> None:
+        self.starts.append(time.time())
+        self.labels.append(label)
+
+    def of(self, ts: float) -> int:
+        """The number of the block a request stamped ``ts`` was sent in."""
+        return max(0, bisect.bisect_right(self.starts, ts) - 1)
+
+    def split(self, sent: list) -> dict[str, list]:
+        out: dict[str, list] = {label: [] for label in dict.fromkeys(self.labels)}
+        for r in sent:
+            out[self.labels[self.of(r.ts)]].append(r)
+        return out
+
+
+async def _alternate(settings, reg, args, requests, heavy_user: str, heavy_events: list, say):
+    """Ordinary requests at ``args.qps`` throughout, in alternating quiet and heavy blocks; the
+    burst in the first heavy block. Returns the ordinary and heavy requests sent, the blocks, the
+    host's CPU per condition and the seconds the stages took to apply the burst."""
+    from relaygr.tools.barriers import wait_groups_caught_up
+
+    pairs = max(1, round(args.duration_s / args.block_s))
+    stop, heavy_on, sent, heavy_sent = asyncio.Event(), asyncio.Event(), [], []
+    blocks, cpu = _Blocks(), HostCpuSampler(label="quiet")
+    blocks.begin("quiet")
+    cpu.start()
+    tasks = [
+        asyncio.create_task(request_stream(settings, reg, requests, args.qps, stop, sent)),
+        asyncio.create_task(
+            _heavy_requests(settings, reg, heavy_user, args.heavy_every_s, heavy_on, stop, heavy_sent)
+        ),
+    ]
+    burst_s = None
+    try:
+        for i in range(pairs):
+            if i:
+                blocks.begin("quiet")
+                cpu.switch("quiet")
+            await asyncio.sleep(args.block_s)
+            blocks.begin("heavy")
+            cpu.switch("heavy")
+            if i == 0:
+                t0 = time.monotonic()
+                await _publish_heavy(settings, reg, heavy_events)
+                heavy_on.set()
+                await wait_groups_caught_up(settings, reg)
+                burst_s = time.monotonic() - t0
+                say(f"the burst was applied in {burst_s:.1f} s; {pairs - 1} more pairs of blocks")
+            heavy_on.set()
+            await asyncio.sleep(args.block_s)
+            heavy_on.clear()
+    finally:
+        stop.set()
+        heavy_on.set()  # lets the heavy user's task see ``stop``
+        await asyncio.gather(*tasks)
+    return sent, heavy_sent, blocks, await cpu.stop(), burst_s
 
 
 async def _measure(settings, reg, args, ml, say) -> dict:
@@ -113,10 +180,11 @@ async def _measure(settings, reg, args, ml, say) -> dict:
     behaviours, requests = leave_last_out(ml, users, num_candidates=128)
     await publish(settings, reg, behaviours, [], wait_for_ingest=True, settle_s=0)
     say(f"warm-up: {args.warmup_s:g} s at {args.qps:g} req/s")
-    await _phase(settings, reg, requests, args.qps, args.warmup_s)
-
-    say(f"quiet: {args.duration_s:g} s at {args.qps:g} req/s")
-    quiet_sent, _, quiet_cpu = await _phase(settings, reg, requests, args.qps, args.duration_s)
+    stop, warm = asyncio.Event(), []
+    task = asyncio.create_task(request_stream(settings, reg, requests, args.qps, stop, warm))
+    await asyncio.sleep(args.warmup_s)
+    stop.set()
+    await task
 
     base = max(ml.histories, key=lambda u: len(ml.histories[u]))
     h = ml.histories[base]
@@ -127,15 +195,20 @@ async def _measure(settings, reg, args, ml, say) -> dict:
         BehaviorEvent(user_id=heavy_user, item_id=int(i), ts=float(t), action=int(a))
         for i, a, t in zip(h.item_ids.tolist(), h.action_ids.tolist(), h.timestamps.tolist(), strict=True)
     ]
-    say(f"heavy: {len(heavy_events)} behaviours of one user, then {args.duration_s:g} s as before")
-    await _publish_heavy(settings, reg, heavy_events)
-    hot_sent, heavy_sent, hot_cpu = await _phase(
-        settings, reg, requests, args.qps, args.duration_s, heavy=(heavy_user, args.heavy_every_s)
+    say(
+        f"{args.duration_s:g} s quiet and {args.duration_s:g} s heavy at {args.qps:g} req/s, in "
+        f"alternating {args.block_s:g} s blocks; {len(heavy_events)} behaviours of one user in the "
+        "first heavy block"
     )
+    sent, heavy_sent, blocks, cpu, burst_s = await _alternate(
+        settings, reg, args, requests, heavy_user, heavy_events, say
+    )
+    by_condition = blocks.split(sent)
+    quiet_sent, hot_sent = by_condition["quiet"], by_condition["heavy"]
     every = {r.request_id for r in quiet_sent + hot_sent + heavy_sent}
     results = await collect_results(settings, reg, every, timeout_s=180)
     if args.results is not None:
-        _write_results(args.results, results, quiet=quiet_sent, heavy=hot_sent, heavy_user=heavy_sent)
+        _write_results(args.results, results, blocks, quiet=quiet_sent, heavy=hot_sent, heavy_user=heavy_sent)
     quiet = breakdown_percentiles(results, quiet_sent, "ranking")
     hot = breakdown_percentiles(results, hot_sent, "ranking")
     heavy = [results[r.request_id] for r in heavy_sent if r.request_id in results]
@@ -149,12 +222,17 @@ async def _measure(settings, reg, args, ml, say) -> dict:
         "bench": "noisy_neighbour",
         "heavy_events": len(heavy_events),
         "qps": args.qps,
+        "block_s": args.block_s,
+        "blocks": [blocks.labels.count("quiet"), blocks.labels.count("heavy")],
+        # From the burst's first send until every stage had applied it (all in the first heavy block).
+        "burst_applied_s": round(burst_s, 1) if burst_s is not None else None,
         "ordinary_ranking_p99_ms_quiet": quiet["p99"],
         "ordinary_ranking_p99_ms_heavy": hot["p99"],
         "ordinary_ranking_p50_ms_quiet": quiet["p50"],
         "ordinary_ranking_p50_ms_heavy": hot["p50"],
         "heavy_over_quiet_p99": hot["p99"] / quiet["p99"] if quiet["p99"] else None,
-        # Nothing hidden by the percentile: the slowest of each phase, and how many missed the budget.
+        # Nothing hidden by the percentile: the slowest of each condition, and how many missed the
+        # budget.
         "ordinary_ranking_max_ms": [
             round(max(ranking_ms(x), default=0.0), 1) for x in (quiet_sent, hot_sent)
         ],
@@ -169,7 +247,7 @@ async def _measure(settings, reg, args, ml, say) -> dict:
         "heavy_paths": dict(Counter(r.path.value for r in heavy)),
         "heavy_used_len": [r.used_len for r in heavy],
         "heavy_history_len": max((r.history_len for r in heavy), default=0),
-        # What the heavy user's rankings and the slowest ordinary ones of the heavy phase were
+        # What the heavy user's rankings and the slowest ordinary ones of the heavy blocks were
         # made of (ms).
         "heavy_breakdowns": [
             {
@@ -188,22 +266,21 @@ async def _measure(settings, reg, args, ml, say) -> dict:
             )[:3]
         ],
         "target_ratio": 1.2,
-        # The host's CPU in each phase (quiet, heavy), in %: busy (the pipeline included), and
-        # steal (taken by the machine's neighbours; a spell of it slows a phase whatever the
-        # pipeline does), over the phase and at most in any one second. None off Linux.
-        "host_cpu": {k: [quiet_cpu[k], hot_cpu[k]] for k in quiet_cpu},
+        # The host's CPU in each condition (quiet, heavy), in %: busy (the pipeline included), and
+        # steal (taken by the machine's neighbours; a spell of it slows a block whatever the
+        # pipeline does), over the condition's blocks and at most in any one second. None off Linux.
+        "host_cpu": {k: [cpu["quiet"][k], cpu["heavy"][k]] for k in cpu["quiet"]},
     }
 
 
-def _write_results(path: Path, results: dict, **phases: list) -> None:
+def _write_results(path: Path, results: dict, blocks: _Blocks, **conditions: list) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as f:
-        for phase, sent in phases.items():
+        for condition, sent in conditions.items():
             for r in sent:
                 if r.request_id in results:
-                    f.write(
-                        json.dumps({"phase": phase, **results[r.request_id].model_dump(mode="json")}) + "\n"
-                    )
+                    row = {"condition": condition, "block": blocks.of(r.ts)}
+                    f.write(json.dumps({**row, **results[r.request_id].model_dump(mode="json")}) + "\n")
 
 
 def _ranking_parts(r) -> dict[str, float]:

@@ -29,11 +29,21 @@ def test_a_spell_of_steal_shows_in_its_one_second_window() -> None:
     for i in range(11):
         samples.append((busy, steal, 100 * i))
         busy, steal = busy + 50, steal + (60 if i == 5 else 10)
-    got = summarise(samples, window=2)
+    got = summarise([samples], window=2)
     assert got["busy_pct"] == 50.0
     assert got["steal_pct"] == 15.0  # (9 × 10 + 60) / 1000
     assert got["steal_pct_max_1s"] == 35.0  # (60 + 10) / 200
-    assert summarise(samples[:1]) == {"busy_pct": None, "steal_pct": None, "steal_pct_max_1s": None}
+    assert summarise([samples[:1]]) == {"busy_pct": None, "steal_pct": None, "steal_pct_max_1s": None}
+
+
+def test_blocks_of_one_condition_are_summed_and_windows_stay_inside_a_block() -> None:
+    # Two blocks of one condition: 100 ticks a sample, 20 % steal in the first, 0 % in the second.
+    first = [(50 * i, 20 * i, 100 * i) for i in range(5)]
+    second = [(50 * i, 80, 100 * i) for i in range(10, 15)]
+    got = summarise([first, second], window=2)
+    assert got["busy_pct"] == 50.0 and got["steal_pct"] == 10.0  # 80 of 800, the gap between not counted
+    assert got["steal_pct_max_1s"] == 20.0
+    assert summarise([first[:1], []]) == summarise([])
 
 
 async def test_the_sampler_reads_until_stopped() -> None:
@@ -45,7 +55,29 @@ async def test_the_sampler_reads_until_stopped() -> None:
 
     sampler = HostCpuSampler(every_s=0.001, read=read).start()
     await asyncio.sleep(0.02)
-    got = await sampler.stop()
+    got = (await sampler.stop())["all"]
     assert got["busy_pct"] == pytest.approx(50.0) and got["steal_pct"] == pytest.approx(10.0)
     off_linux = await HostCpuSampler(read=lambda: None).start().stop()
-    assert off_linux["steal_pct"] is None
+    assert off_linux["all"]["steal_pct"] is None
+
+
+async def test_switching_blocks_keeps_each_condition_apart() -> None:
+    # Steal only while "heavy" runs: each tick of the clock is one sample read.
+    state = {"busy": 0, "steal": 0, "total": 0, "label": "quiet"}
+
+    def read() -> tuple[int, int, int]:
+        state["total"] += 100
+        state["busy"] += 50
+        state["steal"] += 40 if state["label"] == "heavy" else 0
+        return state["busy"], state["steal"], state["total"]
+
+    sampler = HostCpuSampler(every_s=3600, read=read, label="quiet").start()
+    for label in ("heavy", "quiet", "heavy", "quiet"):
+        read()
+        sampler.switch(label)
+        state["label"] = label
+        read()
+    got = await sampler.stop()
+    assert set(got) == {"quiet", "heavy"}
+    assert got["quiet"]["steal_pct"] == 0.0
+    assert got["heavy"]["steal_pct"] > 0.0
