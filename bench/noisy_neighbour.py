@@ -26,6 +26,7 @@ import bisect
 import contextlib
 import json
 import multiprocessing
+import os
 import sys
 import time
 import uuid
@@ -39,6 +40,7 @@ from relaygr.infra.kafka import producer
 from relaygr.schemas import BehaviorEvent, RecommendationRequest, encode
 from relaygr.streams.config import PipelineSettings
 from relaygr.tools.args import int_at_least
+from relaygr.workers.cores import STAGE_NICE
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -93,8 +95,12 @@ def _publish_burst(settings, topic: str, messages: list[tuple[bytes, bytes]]) ->
     return time.monotonic() - t0
 
 
-def _started() -> None:
-    """Nothing: submitted first, so the publishing process has started before it is needed."""
+def _started(nice: int) -> None:
+    """Submitted first, so the publishing process has started before it is needed. It stands in
+    for the users' producers, which run on machines of their own: here it gets the priority of
+    the pipeline's ingest stages (``nice``), so it takes the cores the ranking worker leaves."""
+    if nice:
+        os.nice(nice)
 
 
 async def _heavy_requests(
@@ -155,7 +161,7 @@ async def _alternate(settings, reg, args, requests, heavy_user: str, burst: list
     blocks, cpu = _Blocks(), HostCpuSampler(label="quiet")
     loop = asyncio.get_running_loop()
     publisher = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
-    await loop.run_in_executor(publisher, _started)
+    await loop.run_in_executor(publisher, _started, STAGE_NICE)
     blocks.begin("quiet")
     cpu.start()
     tasks = [
