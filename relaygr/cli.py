@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
+import threading
 
 # name -> (module, one-line help). Groups map to nested commands.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -114,6 +116,14 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     return parser
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _in_main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()  # signal handlers live only there
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(argv)
@@ -122,11 +132,18 @@ def main(argv: list[str] | None = None) -> int:
     if run is None:
         parser.print_help()
         return 2
+    # Stopped from outside (a timeout, a service manager): unwind as on Ctrl-C, so that a command
+    # stops what it started (a benchmark's pipeline, a demo's stages). Commands that run an
+    # event loop of their own (``stage``, ``up``) install their own handler over this one.
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm) if _in_main_thread() else None
     try:
         return int(run(args) or 0)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,13 @@
-"""The command line rejects bad numbers with a usage error that names the flag and the rule."""
+"""The command line rejects bad numbers with a usage error that names the flag and the rule, and a
+command stopped from outside unwinds."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -53,3 +58,26 @@ def test_an_unwritable_results_file_is_refused_before_the_benchmark_starts(tmp_p
     # A folder where the file should be: refused at once, not after minutes of benchmark.
     assert main(["bench", "noisy-neighbour", "--results", str(tmp_path)]) == 2
     assert "cannot write --results" in capsys.readouterr().err
+
+
+def test_a_command_stopped_with_sigterm_unwinds_and_stops_what_it_started(tmp_path) -> None:
+    # A timeout or a service manager stops a benchmark with SIGTERM: its `finally` (which stops
+    # the pipeline it started) must run, as on Ctrl-C.
+    (tmp_path / "sleepy_command.py").write_text(
+        "import time\n"
+        "def add_arguments(parser):\n    pass\n"
+        "def run(args):\n"
+        "    try:\n        print('started', flush=True)\n        time.sleep(60)\n"
+        "    finally:\n        print('stopped what it started', flush=True)\n"
+    )
+    script = (
+        "import sys\nfrom relaygr import cli\n"
+        "cli.COMMANDS['sleepy'] = ('sleepy_command', 'sleeps')\nsys.exit(cli.main(['sleepy']))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout.readline().strip() == "started"
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert "stopped what it started" in out

@@ -67,7 +67,6 @@ import contextlib
 import json
 import os
 import shutil
-import signal
 import statistics
 import sys
 import time
@@ -532,8 +531,8 @@ def run(args: argparse.Namespace) -> int:
     if args.patience is None:
         args.patience = kind.default_patience
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    # Stopped from outside: unwind, so that the pipelines (some of them SIGSTOPped) are stopped too.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    # Stopped from outside, ``relaygr`` unwinds (SystemExit), so the pipelines (some of them
+    # SIGSTOPped) are stopped too.
     try:
         return run_repeated(args, kind)
     except (BrokerError, TopicError, RuntimeError, TimeoutError) as e:
