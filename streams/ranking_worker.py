@@ -361,6 +361,8 @@ class RankingWorker:
             batch = await self.consumer.getmany(timeout_ms=20, max_records=500)
             for tp, msgs in batch.items():
                 if tp.topic == beh:
+                    # Known before it is applied: a request need not wait for other users' records.
+                    self.alignment.fetched(tp.partition, [_ahead_record(m) for m in msgs])
                     # Applied by a task of its own, in slices with the loop free in between: a
                     # burst of one user's behaviours never keeps the requests unread (``hop_rank``).
                     self.appliers[tp] = asyncio.create_task(
@@ -528,15 +530,17 @@ class RankingWorker:
         items, unknown = self.model.vocab.to_model_tensor(hist.item_ids)
         return Events(items, hist.action_ids, hist.timestamps), first + len(full), capped, unknown
 
-    async def _await_history(self, partition: int, needed: dict[str, int] | None, until: float) -> bool:
-        """Wait until ``partition``'s history covers the behaviours ``needed`` (public partition
-        -> end offset when the ingress read the request), at most until ``until`` (monotonic).
-        Returns whether it does. Without ``needed`` (not routed by the ingress), the partition's
-        known log end stands in for it, as a short best effort."""
+    async def _await_history(
+        self, partition: int, needed: dict[str, int] | None, until: float, user_id: str
+    ) -> bool:
+        """Wait until ``partition``'s history of ``user_id`` covers the behaviours ``needed``
+        (public partition -> end offset when the ingress read the request), at most until
+        ``until`` (monotonic). Returns whether it does. Without ``needed`` (not routed by the
+        ingress), the partition's known log end stands in for it, as a short best effort."""
         if needed is None:
             await self._history_caught_up(partition)
             return True
-        return await self.alignment.wait(partition, needed, until)
+        return await self.alignment.wait(partition, needed, until, user_id.encode())
 
     def _behavior(self, tp: TopicPartition, m) -> BehaviorBatch | None:
         try:
@@ -572,7 +576,7 @@ class RankingWorker:
         s = decode_keyed(PrefillSignal, m.key, m.value, self.settings.max_message_bytes)
         # A prefix of a partial history is still a valid prefix (histories only grow): a bounded wait.
         await self._await_history(
-            tp.partition, s.behaviors_needed, time.monotonic() + self.p.max_task_idle_ms / 1000
+            tp.partition, s.behaviors_needed, time.monotonic() + self.p.max_task_idle_ms / 1000, s.user_id
         )
         done = self.signals_seen[s.request_id] = asyncio.Event()
         while len(self.signals_seen) > 100_000:
@@ -655,7 +659,7 @@ class RankingWorker:
         room_s = r.deadline_ts - t_in - self.engine.predict_full_ms(len(hist)) / 1000
         until = time.monotonic() + max(0.0, min(room_s, self.p.max_task_idle_ms / 1000))
         t_hist = time.time()
-        complete = await self._await_history(tp.partition, r.behaviors_needed, until)
+        complete = await self._await_history(tp.partition, r.behaviors_needed, until, r.user_id)
         history_wait = (time.time() - t_hist) * 1000
         if history_wait > 0.05:  # behaviours were applied meanwhile
             hist, total, capped, unknown_history = self._served_history(r.user_id, r.model_ts)
@@ -808,6 +812,18 @@ def worth_waiting(history_len: int, cached_len: int, short_term: int) -> bool:
     return cached_len < history_len - min(2 * short_term, history_len)
 
 
+def _ahead_record(m) -> tuple[int, bytes | None, Positions | None]:
+    """A fetched routed-behaviours record as ``HistoryAlignment.fetched`` keeps it: its offset,
+    its key (the user's), and a progress record's positions (an unreadable one: no positions,
+    and no user)."""
+    if HEADER_PROGRESS not in dict(m.headers or ()):
+        return m.offset, m.key, None
+    try:
+        return m.offset, None, decode_positions(m.value)
+    except ValueError:
+        return m.offset, None, None
+
+
 class _Rebalance(ConsumerRebalanceListener):
     def __init__(self, worker: RankingWorker) -> None:
         self.w = worker
@@ -826,6 +842,7 @@ class _Rebalance(ConsumerRebalanceListener):
         for tp in revoked:
             if tp.topic == self.w.reg.name("routed_behaviors"):
                 self.w.catching_up.pop(tp.partition, None)
+                self.w.alignment.forget(tp.partition)
 
     async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
         self.w.assigned |= set(assigned)
@@ -847,6 +864,7 @@ class _Rebalance(ConsumerRebalanceListener):
         for tp in behaviours:
             # The history table knows how far it got: resume there, not at the group offset.
             self.w.consumer.seek(tp, self.w.history.next_offset(tp.partition))
+            self.w.alignment.forget(tp.partition)
             # Timed from here: the loop may apply fetched behaviours while this callback awaits.
             self.w.catching_up.setdefault(tp.partition, CatchUp(self.w.history.next_offset(tp.partition)))
         await self._track_catch_up(behaviours)

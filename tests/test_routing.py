@@ -193,6 +193,52 @@ async def test_alignment_does_not_wait_for_records_that_cannot_arrive_in_time(tm
     h.close()
 
 
+async def test_alignment_does_not_wait_for_another_users_burst_fetched_already(tmp_path) -> None:
+    """Records fetched and not applied yet: a request whose user has none of them before the
+    progress record that covers it is complete at once; the burst's own user, a request that
+    needs more than was fetched, and a gap before the fetched records all wait as before."""
+    from relaygr.streams.history import CLEAR_AHEAD
+
+    h = HistoryTable(tmp_path / "h")
+    h.append_many(0, [(0, _ev("quiet", 1, 1.0), (0, 0))], progress={0: 1})
+    align = HistoryAlignment(h)
+    # The heavy user's burst: public offsets 1..100 in two routed records, then their progress.
+    align.fetched(0, [(1, b"heavy", None), (2, b"heavy", None), (3, None, {0: 101})])
+    before = CLEAR_AHEAD._value.get()
+    quiet = asyncio.create_task(align.wait(0, {"0": 101}, time.monotonic() + 60, b"quiet"))
+    await asyncio.sleep(0)
+    assert quiet.done() and quiet.result() is True
+    assert CLEAR_AHEAD._value.get() == before + 1
+
+    waiting = [
+        asyncio.create_task(align.wait(0, {"0": 101}, time.monotonic() + 60, b"heavy")),  # its own
+        asyncio.create_task(align.wait(0, {"0": 150}, time.monotonic() + 60, b"quiet")),  # beyond
+        asyncio.create_task(align.wait(0, {"0": 101}, time.monotonic() + 60)),  # no user: no look
+    ]
+    await asyncio.sleep(0)
+    assert not any(t.done() for t in waiting)
+    # Applied: the first two cover what they need; the third's progress comes with the next fetch.
+    h.append_many(
+        0,
+        [(1, _ev("heavy", 2, 2.0), (0, 50)), (2, _ev("heavy", 3, 3.0), (0, 100)), (3, None)],
+        progress={0: 101},
+    )
+    align.notify()
+    assert await waiting[0] and await waiting[2]
+    align.fetched(0, [(4, b"other", None), (5, None, {0: 150})])
+    assert await waiting[1]
+
+    # Fetched after a gap (records 6..9 unknown): nothing can be said about them.
+    gap = HistoryAlignment(h)
+    gap.fetched(0, [(10, None, {0: 500})])
+    assert not await gap.wait(0, {"0": 500}, time.monotonic() + 0.02, b"quiet")
+    # Fetched again after a seek: the new records replace the old from their first offset on.
+    gap.fetched(0, [(4, b"quiet", None), (5, None, {0: 500})])
+    assert not await gap.wait(0, {"0": 500}, time.monotonic() + 0.02, b"quiet")
+    assert await gap.wait(0, {"0": 500}, time.monotonic() + 0.02, b"someone")
+    h.close()
+
+
 async def test_alignment_bounds_a_backlog_by_the_rate_its_ingress_advertises(tmp_path) -> None:
     """Not measured yet: the rate the ingress's progress records advertise for a partition bounds
     how soon its backlog can be forwarded; a partition without one is waited for as before."""
