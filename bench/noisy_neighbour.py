@@ -7,7 +7,8 @@ One pipeline (relay mode, one ranking worker, so every user shares its device), 
    blocks of --block-s seconds: quiet, heavy, quiet, heavy, ... In the first heavy block one user
    with --heavy-events behaviours (a MovieLens history lengthened by time-shifted repetition) is
    published at once; that block lasts until every stage has applied them, then --block-s more. In
-   every heavy block the heavy user also requests every --heavy-every-s seconds. In a quiet block
+   every heavy block the heavy user also requests once every --heavy-every-s seconds (at a random
+   moment of each period, not in step with the ordinary requests' fixed beat). In a quiet block
    it sends nothing: the first has no heavy user at all, the later ones keep it stored and cached
    as any idle user is.
 Alternating short blocks is what puts the two conditions side by side: a spell of the shared
@@ -27,6 +28,7 @@ import contextlib
 import json
 import multiprocessing
 import os
+import random
 import sys
 import time
 import uuid
@@ -106,24 +108,32 @@ def _started(nice: int) -> None:
 async def _heavy_requests(
     settings, reg, user_id: str, every_s: float, on: asyncio.Event, stop: asyncio.Event, sent: list
 ) -> None:
-    """The heavy user's request every ``every_s`` while ``on`` is set (a heavy block)."""
+    """The heavy user's request once every ``every_s`` while ``on`` is set (a heavy block), at a
+    random moment of each period: the ordinary requests come on a fixed beat, and a heavy request
+    sent on the same beat would meet one of them at every stage, every time (real arrivals are
+    not in step; the seed is fixed, so runs compare)."""
+    rng = random.Random(0)
     prod = producer(settings, linger_ms=0)
     await prod.start()
     try:
         while not stop.is_set():
             await on.wait()
+            offset = rng.uniform(0.0, every_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), offset)
             if stop.is_set():
                 break
-            r = RecommendationRequest(
-                request_id=f"heavy-{uuid.uuid4().hex[:8]}",
-                user_id=user_id,
-                ts=time.time(),
-                num_candidates=128,
-            )
-            await prod.send_and_wait(reg.name("requests"), encode(r), key=r.key())
-            sent.append(r)
+            if on.is_set():  # still a heavy block
+                r = RecommendationRequest(
+                    request_id=f"heavy-{uuid.uuid4().hex[:8]}",
+                    user_id=user_id,
+                    ts=time.time(),
+                    num_candidates=128,
+                )
+                await prod.send_and_wait(reg.name("requests"), encode(r), key=r.key())
+                sent.append(r)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), every_s)
+                await asyncio.wait_for(stop.wait(), every_s - offset)
     finally:
         await prod.stop()
 
