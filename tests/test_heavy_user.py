@@ -85,7 +85,7 @@ def test_history_table_keeps_a_bounded_step_aligned_tail(tmp_path) -> None:
     again.close()
 
 
-def test_seen_items_keep_a_bounded_number_of_chunks() -> None:
+async def test_seen_items_keep_a_bounded_number_of_chunks() -> None:
     table: dict = {}
     for start in range(0, 20 * SEEN_CHUNK, 700):
         seen_add(
@@ -98,9 +98,32 @@ def test_seen_items_keep_a_bounded_number_of_chunks() -> None:
         )
     chunks = [k for k in table if k.startswith("u\x00")]
     assert len(chunks) <= 3
-    seen = seen_before(table.get, "u", 1e12)
+    seen = await seen_before(table.get, "u", 1e12)
     newest = 20 * SEEN_CHUNK + 700 - 1
     assert str(newest - 700) in seen and "0" not in seen  # the recent items are kept, the oldest dropped
+
+
+async def test_reading_a_long_history_of_seen_items_lets_the_loop_run() -> None:
+    # The stage's loop also flushes the rank request it produced just before: a long history's
+    # chunks must not hold it for their whole read.
+    from relaygr.streams.preprocess import SEEN_YIELD_CHUNKS
+
+    table: dict = {}
+    seen_add(table.get, table.__setitem__, "u", [(i, float(i)) for i in range(20 * SEEN_CHUNK)])
+    ticks, done = 0, False
+
+    async def other_work() -> None:
+        nonlocal ticks
+        while not done:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    task = asyncio.create_task(other_work())
+    seen = await seen_before(table.get, "u", 1e12)
+    done = True
+    await task
+    assert len(seen) == 20 * SEEN_CHUNK
+    assert ticks >= 20 // SEEN_YIELD_CHUNKS - 1
 
 
 # ---------------------------------------------------------------------- device time slices

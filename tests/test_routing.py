@@ -340,7 +340,7 @@ async def test_worker_applies_routed_records_in_short_slices_and_learns_the_forw
     h.close()
 
 
-def test_seen_items_are_chunked_and_exact() -> None:
+async def test_seen_items_are_chunked_and_exact() -> None:
     table: dict = {}
     writes: list[int] = []
 
@@ -353,8 +353,8 @@ def test_seen_items_are_chunked_and_exact() -> None:
         seen_add(table.get, put, "u", history[start : start + 700])
     assert max(writes) <= SEEN_CHUNK  # no write grows with the history
     for ts in (0.0, 1.0, 999.5, 3500.0, 1e9):
-        assert seen_before(table.get, "u", ts) == {str(i) for i, t in history if t < ts}
-    assert seen_before(table.get, "nobody", 1e9) == set()
+        assert await seen_before(table.get, "u", ts) == {str(i) for i, t in history if t < ts}
+    assert await seen_before(table.get, "nobody", 1e9) == set()
 
 
 async def test_a_burst_of_behaviours_waits_between_slices_while_rankings_are_on_the_device(
