@@ -542,6 +542,71 @@ async def test_a_prefill_extends_by_the_suffix_when_ranking_it_would_cost_more_t
     e.scheduler.close()
 
 
+async def test_a_relay_ranking_is_sliced_until_relay_rankings_are_timed_and_one_piece_times_them(
+    model,
+) -> None:
+    # 0.4 ms predicted against 0.5 ms slices: sliced while no relay ranking has been timed (a
+    # ranking against many keys ran several times the prediction, in one piece); once the pace
+    # is known, one piece, and that ranking is timed into the pace as well.
+    e = _engine(model, LatencyModel(0.0, 0.01, 0.0), slice_ms=0.5, prefill_chunk=512)
+    h = history(3000, seed=10)
+    await e.prefill("u", h)
+    assert e.pace_score.observations == 0 and e._slice_relay(3000, 0, 40)
+    e.pace_score.observe(1.0, 1.0)
+    assert not e._slice_relay(3000, 0, 40)
+    res = await e.rank("u", h, torch.arange(1, 41), 2e9, FAR)
+    assert res.path == "relay" and "between_slices" not in res.breakdown_ms
+    assert e.pace_score.observations == 2
+    e.scheduler.close()
+
+
+async def test_a_relay_slice_ends_at_the_slice_time_whatever_the_pace_says(model, monkeypatch) -> None:
+    # The pace says the device is twice as fast as predicted (its floor), so a step takes a 1 ms
+    # prediction's worth of the candidates' keys, 2.56 ms in all; a clock on which every check finds the slice over must cut
+    # a step at every key block instead, with the same scores.
+    import relaygr.workers.ranker as ranker_module
+
+    e = _engine(model, LatencyModel(0.0, 0.01, 0.0), slice_ms=0.5, prefill_chunk=512)
+    h = history(8192, seed=11)
+    cands = torch.arange(1, 257)
+    await e.prefill("heavy", h)
+    for _ in range(40):
+        e.pace_score.observe(1.0, 0.1)
+    assert e.pace_score.factor == pytest.approx(e.pace_score.lo, rel=1e-3) and e._slice_relay(8192, 0, 256)
+    monkeypatch.setattr(e.pace_score, "observe", lambda *_: None)  # the pace stays what it says
+    steps: list[int] = []
+    score_steps = e.model.score_steps
+
+    def counted(*args, **kw):
+        for out in score_steps(*args, **kw):
+            if isinstance(out, int):
+                steps.append(out)
+            yield out
+
+    class Clock:  # the ranker's clock: still (a slice never over) or a second a look (always over)
+        def __init__(self, step_s: float) -> None:
+            self.now, self.step_s = 0.0, step_s
+
+        def perf_counter(self) -> float:
+            self.now += self.step_s
+            return self.now
+
+        def __getattr__(self, name: str):
+            return getattr(time, name)
+
+    monkeypatch.setattr(e.model, "score_steps", counted)
+    monkeypatch.setattr(ranker_module, "time", Clock(0.0))
+    res = await e.rank("heavy", h, cands, 2e9, FAR)
+    paced = len(steps)
+    assert res.path == "relay" and paced >= 1
+    steps.clear()
+    monkeypatch.setattr(ranker_module, "time", Clock(1.0))
+    res = await e.rank("heavy", h, cands, 2e9, FAR)
+    assert res.path == "relay" and len(steps) > 3 * paced
+    torch.testing.assert_close(res.scores, model.rank_full(h, cands, 2e9), rtol=1e-4, atol=1e-4)
+    e.scheduler.close()
+
+
 async def test_a_short_ranking_waits_for_one_slice_of_a_heavy_relay_ranking_not_all_of_it(model) -> None:
     # Both queued behind a busy device: a heavy user's relay ranking (256 candidates against 3000
     # cached keys, in slices) with the earlier deadline, and a short ranking. The heavy one
@@ -551,6 +616,7 @@ async def test_a_short_ranking_waits_for_one_slice_of_a_heavy_relay_ranking_not_
     h = history(3000, seed=10)
     cands = torch.arange(1, 257)
     await e.prefill("heavy", h)
+    e.pace_score.observe(1.0, 1.0)  # relay rankings timed here at the model's pace
     assert e._slice_relay(3000, 0, 256)
     assert not e._slice_relay(3000, 0, 40)  # 0.4 ms predicted: within one slice, one job
     order: list[str] = []

@@ -413,8 +413,10 @@ class RankingEngine:
                     )
                     if grow is not None:
                         self._keep(user_id, grow, prefix.meta)
+                    self._observe_relay(prefix.length, len(suffix), len(candidates), bd)
                 else:
                     scores = await self._run(prefix, suffix, candidates, request_ts, deadline, bd)
+                    self._observe_relay(prefix.length, len(suffix), len(candidates), bd)
                 self.store.release(user_id)
                 return RankOutcome(
                     scores,
@@ -583,15 +585,28 @@ class RankingEngine:
             lambda: self.model.rank(prefix, events, candidates, request_ts), deadline, bd
         )
 
+    def _relay_predicted_ms(self, cached: int, new: int, candidates: int) -> float:
+        """A relay ranking's device time by the latency model, before any pace."""
+        lat = self.latency
+        return lat.predict_ms(cached + new + candidates) - lat.predict_ms(cached)
+
     def _slice_relay(self, cached: int, new: int, candidates: int) -> bool:
         """Whether a relay ranking is predicted to take longer than a device slice: then it runs
         in slices too (a capped heavy user's ranking against thousands of keys would otherwise
-        hold every other ranking up for its whole length)."""
+        hold every other ranking up for its whole length). Until relay rankings have been timed
+        here, at the slowest pace the estimate allows: a ranking against many cached keys took
+        several times what the model (fitted on full rankings) predicted, in one piece."""
         if not self.config.slice_ms:
             return False
-        lat = self.latency
-        ms = (lat.predict_ms(cached + new + candidates) - lat.predict_ms(cached)) * self.pace_score.factor
-        return ms > self.config.slice_ms
+        pace = self.pace_score
+        factor = pace.factor if pace.observations else pace.hi
+        return self._relay_predicted_ms(cached, new, candidates) * factor > self.config.slice_ms
+
+    def _observe_relay(self, cached: int, new: int, candidates: int, bd: dict[str, float]) -> None:
+        """A relay ranking run in one piece times the scoring pace too: a pace learnt only from
+        sliced rankings would never see that unsliced ones run slower than predicted."""
+        if "compute" in bd:
+            self.pace_score.observe(self._relay_predicted_ms(cached, new, candidates), bd["compute"])
 
     async def _rank_relay_sliced(
         self,
@@ -617,8 +632,13 @@ class RankingEngine:
         # The candidates' predicted cost spread evenly over the keys each layer visits.
         visits = max(1, n * len(model.layers) * -(-c // model.config.candidate_batch))
         per_visit_ms = max(0.0, lat.predict_ms(n + c) - lat.predict_ms(n)) / visits
+        step_started = [0.0]
 
         def keys_per_step() -> int:
+            # A step also ends once it has run a slice's time, whatever the pace said: a pace
+            # that has not caught up with a slower device must not make one slice of a ranking.
+            if time.perf_counter() - step_started[0] >= self.config.slice_ms / 1000:
+                return 0
             if per_visit_ms <= 0:
                 return visits
             return int(self.config.slice_ms / self.pace_score.factor / per_visit_ms)
@@ -636,12 +656,12 @@ class RankingEngine:
                     else:
                         grown = out
             grown_box.append(grown)
-            t0 = time.perf_counter()
+            t0 = step_started[0] = time.perf_counter()
             for out in model.score_steps(grown, candidates, request_ts, keys_per_step):
                 if isinstance(out, int):  # keys visited by a step: timed into the pace
                     self.pace_score.observe(out * per_visit_ms, (time.perf_counter() - t0) * 1000)
                     yield None
-                    t0 = time.perf_counter()
+                    t0 = step_started[0] = time.perf_counter()
                 else:
                     yield out
 
