@@ -420,3 +420,54 @@ async def test_a_burst_of_behaviours_waits_between_slices_while_rankings_are_on_
     )
     assert len(h.get("u")) == 5
     h.close()
+
+
+async def test_a_behaviours_partition_is_fetched_ahead_of_its_applier_a_bounded_number_of_batches() -> None:
+    """Batches fetched while earlier ones are applied queue up (in order) until
+    APPLY_AHEAD_BATCHES wait; then the partition is not fetched until one is applied, failed or not."""
+    from types import SimpleNamespace
+
+    from aiokafka import TopicPartition
+
+    from relaygr.streams import ranking_worker
+    from relaygr.streams.ranking_worker import APPLY_AHEAD_BATCHES, RankingWorker
+
+    gates: list[asyncio.Event] = []
+    applied: list[int] = []
+
+    async def apply(tp, msgs) -> None:
+        gate = asyncio.Event()
+        gates.append(gate)
+        await gate.wait()
+        if msgs == "bad":
+            raise ValueError("unreadable")
+        applied.append(msgs)
+
+    worker = SimpleNamespace(appliers={}, apply_queued=ranking_worker.Counter(), _apply_behaviours=apply)
+    tp, other = TopicPartition("b", 0), TopicPartition("b", 1)
+
+    def fetch(msgs) -> None:  # what the loop does with a fetched batch
+        worker.apply_queued[tp] += 1
+        worker.appliers[tp] = asyncio.create_task(
+            RankingWorker._apply_after(worker, worker.appliers.get(tp), tp, msgs)
+        )
+
+    def paused() -> set:
+        return RankingWorker._fetched_enough(worker, {tp, other})
+
+    for i in range(APPLY_AHEAD_BATCHES - 1):
+        fetch(i)
+        assert paused() == set()
+    fetch("bad")
+    assert paused() == {tp}
+    await asyncio.sleep(0)
+    gates[0].set()  # the first batch applied: room for one more
+    await asyncio.sleep(0)
+    assert applied == [0] and paused() == set()
+    for _ in range(100):  # the rest applied in turn (the chain asks for each gate when it runs)
+        for gate in gates:
+            gate.set()
+        await asyncio.sleep(0)
+    with pytest.raises(ValueError):
+        await worker.appliers[tp]
+    assert applied == list(range(APPLY_AHEAD_BATCHES - 1)) and worker.apply_queued[tp] == 0
