@@ -41,24 +41,24 @@ from relaygr.bench.ingest import breakdown_percentiles, on_fresh_pipeline, reque
 from relaygr.infra.kafka import producer
 from relaygr.schemas import BehaviorEvent, RecommendationRequest, encode
 from relaygr.streams.config import PipelineSettings
-from relaygr.tools.args import int_at_least
+from relaygr.tools.args import float_above, int_at_least
 from relaygr.workers.cores import STAGE_NICE
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print only the JSON line")
     parser.add_argument("--users", type=int_at_least(1), default=50, help="ordinary users")
-    parser.add_argument("--qps", type=float, default=10.0, help="ordinary request rate")
+    parser.add_argument("--qps", type=float_above(0), default=10.0, help="ordinary request rate")
     parser.add_argument(
         "--duration-s",
-        type=float,
+        type=float_above(0),
         default=60.0,
         help="measured seconds of each condition (60 s at 10 req/s: P99 is the 6th slowest of 600, "
         "not the 2nd of 200, so one slow request does not make the figure)",
     )
     parser.add_argument(
         "--block-s",
-        type=float,
+        type=float_above(0),
         default=5.0,
         help="length of one block; quiet and heavy blocks alternate (shorter than the machine's "
         "spells of slowness, so that one lands on both conditions)",
@@ -67,7 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--heavy-events", type=int_at_least(1), default=60_000, help="the heavy user's history"
     )
-    parser.add_argument("--heavy-every-s", type=float, default=2.0, help="the heavy user's request period")
+    parser.add_argument(
+        "--heavy-every-s", type=float_above(0), default=2.0, help="the heavy user's request period"
+    )
     parser.add_argument(
         "--results",
         type=Path,

@@ -39,6 +39,7 @@ def test_int_at_least() -> None:
         (["experiment", "throughput", "--miss-rate", "nan"], "--miss-rate: must be a finite number"),
         (["up", "--max-restarts", "-1"], "--max-restarts: must be at least 0, got -1"),
         (["up", "--restart-window", "0"], "--restart-window: must be greater than 0, got 0"),
+        (["bench", "noisy-neighbour", "--block-s", "0"], "--block-s: must be greater than 0, got 0"),
     ],
 )
 def test_bad_numbers_are_usage_errors(argv: list[str], message: str, capsys) -> None:
