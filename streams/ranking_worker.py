@@ -40,7 +40,7 @@ import json
 import logging
 import signal
 import time
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 
 import torch
 from aiokafka import ConsumerRebalanceListener, TopicPartition
@@ -130,10 +130,6 @@ APPLY_SLICE_S = 0.001
 # one slice anyway, so a saturated device cannot stop behaviours), checking this often.
 APPLY_YIELD_MAX_S = 0.02
 APPLY_YIELD_POLL_S = 0.001
-# Fetched batches of one behaviours partition waiting to be applied, at most (then the partition
-# is paused): a request sees that far ahead whether a burst in front of it holds any of its
-# user's behaviours (``HistoryAlignment.clear_ahead``); each batch is at most one fetch's bytes.
-APPLY_AHEAD_BATCHES = 4
 # A ranking waiting for its pre-inference checks this often whether it can still finish in time.
 PREFILL_RECHECK_S = 0.005
 ADVERTISED_RATE = Gauge(
@@ -266,7 +262,6 @@ class RankingWorker:
         # One task per behaviours partition applying its last fetched batch; the partition is
         # paused meanwhile, and the loop goes on fetching requests and signals.
         self.appliers: dict[TopicPartition, asyncio.Task] = {}
-        self.apply_queued: Counter[TopicPartition] = Counter()  # fetched batches not applied yet
         self.assigned: set[TopicPartition] = set()
         self.catching_up: dict[int, CatchUp] = {}  # behaviours partition -> its rebuild in progress
         self.peak_inflight = 0
@@ -359,7 +354,8 @@ class RankingWorker:
                 self.consumer.pause(*work)
             else:
                 self.consumer.resume(*work)
-            applying = self._fetched_enough(assignment)
+            # A behaviours partition whose last batch is still being applied is not fetched.
+            applying = {tp for tp in self.appliers if tp in assignment}
             self.consumer.pause(*applying)
             self.consumer.resume(*[tp for tp in assignment if tp.topic == beh and tp not in applying])
             batch = await self.consumer.getmany(timeout_ms=20, max_records=500)
@@ -369,7 +365,6 @@ class RankingWorker:
                     self.alignment.fetched(tp.partition, [_ahead_record(m) for m in msgs])
                     # Applied by a task of its own, in slices with the loop free in between: a
                     # burst of one user's behaviours never keeps the requests unread (``hop_rank``).
-                    self.apply_queued[tp] += 1
                     self.appliers[tp] = asyncio.create_task(
                         self._apply_after(self.appliers.get(tp), tp, msgs)
                     )
@@ -387,21 +382,10 @@ class RankingWorker:
                 last_commit = time.monotonic()
             INFLIGHT.set(len(self.tasks))
 
-    def _fetched_enough(self, assignment) -> set[TopicPartition]:
-        """The behaviours partitions not to fetch now: those with APPLY_AHEAD_BATCHES fetched
-        batches still to apply (memory stays bounded through a backlog, while a request sees that
-        far ahead whether a burst in front of it holds any of its user's behaviours)."""
-        return {
-            tp for tp in self.appliers if tp in assignment and self.apply_queued[tp] >= APPLY_AHEAD_BATCHES
-        }
-
     async def _apply_after(self, before: asyncio.Task | None, tp: TopicPartition, msgs: list) -> None:
-        try:
-            if before is not None:  # fetched while the one before is applied: keep the order
-                await before
-            await self._apply_behaviours(tp, msgs)
-        finally:
-            self.apply_queued[tp] -= 1
+        if before is not None:  # a batch fetched before the pause took effect: keep the order
+            await before
+        await self._apply_behaviours(tp, msgs)
 
     def _reap_appliers(self) -> None:
         """Forget finished appliers; one that failed stops the worker as the loop's own error
