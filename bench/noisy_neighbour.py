@@ -80,11 +80,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _publish_burst(settings, topic: str, messages: list[tuple[bytes, bytes]]) -> float:
-    """Send encoded (key, value) messages at once and wait for their acknowledgements; returns
-    the seconds taken. Run in a process of its own: sending tens of thousands of messages holds
-    an event loop for seconds, and the ordinary requests, sent late, would arrive in a clump of
-    the benchmark's making."""
+def _publish_burst(settings, topic: str, messages: list[tuple[bytes, bytes]]) -> None:
+    """Send encoded (key, value) messages at once and wait for their acknowledgements. Run in a
+    process of its own: sending tens of thousands of messages holds an event loop for seconds,
+    and the ordinary requests, sent late, would arrive in a clump of the benchmark's making."""
 
     async def send_all() -> None:
         prod = producer(settings, linger_ms=5, max_batch_size=1 << 20)
@@ -94,9 +93,7 @@ def _publish_burst(settings, topic: str, messages: list[tuple[bytes, bytes]]) ->
         finally:
             await prod.stop()
 
-    t0 = time.monotonic()
     asyncio.run(send_all())
-    return time.monotonic() - t0
 
 
 def _started(nice: int) -> None:
@@ -204,8 +201,10 @@ async def _alternate(settings, reg, args, requests, heavy_user: str, burst: list
     finally:
         stop.set()
         heavy_on.set()  # lets the heavy user's task see ``stop``
-        await asyncio.gather(*tasks)
-        publisher.shutdown()
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            publisher.shutdown()
     return sent, heavy_sent, blocks, await cpu.stop(), burst_s
 
 
