@@ -2,25 +2,13 @@
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
+from package_layout import installed_layout, laid_out_modules, source_modules
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def installed_layout(dest: Path) -> Path:
-    """Lay the repository's folders out as the installed ``relaygr`` package (``package-dir``) under
-    ``dest``: import-linter finds subpackages in their parent's folder, not through the mapping."""
-    package_dirs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
-    for package, folder in package_dirs.items():
-        target = dest.joinpath(*package.split("."))
-        target.mkdir(parents=True, exist_ok=True)
-        for src in (ROOT / folder).glob("*.py"):
-            shutil.copy2(src, target / src.name)
-    return dest
 
 
 def lint_imports(tree: Path) -> subprocess.CompletedProcess[str]:
@@ -40,3 +28,10 @@ def test_no_module_imports_upward(tmp_path: Path) -> None:
     done = lint_imports(installed_layout(tmp_path))
     assert done.returncode == 0, done.stdout + done.stderr
     assert "Contracts: 3 kept, 0 broken." in done.stdout, done.stdout
+
+
+def test_the_layout_holds_every_module(tmp_path: Path) -> None:
+    """The linted layout leaves no module out: subpackages (``tools/experiment``) included."""
+    laid_out = laid_out_modules(installed_layout(tmp_path))
+    assert "relaygr.tools.experiment.command" in laid_out
+    assert laid_out == source_modules()
