@@ -237,7 +237,7 @@ def on_fresh_pipeline(tag: str, ranking_workers: int, measure, say, *, metrics: 
         p = PipelineSettings()
         ensure_model(p.model_dir)
         calib = ensure_calibration(p.model_dir)
-    env = {"RELAYGR_MODEL_DIR": str(p.model_dir), "RELAYGR_CALIBRATION_FILE": str(calib)}
+    env = p.to_env(model_dir=p.model_dir, calibration_file=calib)
     ml = load_movielens("ml-100k")
     run_id = f"{tag}-{uuid.uuid4().hex[:6]}"
     s = settings.model_copy(

@@ -40,6 +40,8 @@ from relaygr.tools.args import int_at_least
 from relaygr.tools.report.figures import percentile
 from relaygr.tools.report.summary import RunSummary
 
+SHORT_TERM = 64  # events computed at ranking time on the relay path
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print only the JSON lines")
@@ -206,15 +208,15 @@ def _measure(args: argparse.Namespace, settings: Settings, nodes: Settings, p, c
     from relaygr.tools.traffic import leave_last_out
     from relaygr.workers.movielens import load_movielens
 
-    env = {
-        "RELAYGR_MODEL_DIR": str(p.model_dir),
-        "RELAYGR_CALIBRATION_FILE": str(calib),
-        "RELAYGR_BUDGET_MS": str(args.budget_ms),
-        "RELAYGR_FEATURE_FETCH_MS": str(args.fetch_ms),
-        "RELAYGR_THETA": "0.0001",  # the long-history phase is "at risk" by construction
-        "RELAYGR_SHORT_TERM": "64",
-        "RELAYGR_DEVICE_CACHE_MB": "2048",
-    }
+    env = p.to_env(
+        model_dir=p.model_dir,
+        calibration_file=calib,
+        budget_ms=args.budget_ms,
+        feature_fetch_ms=args.fetch_ms,
+        theta=0.0001,  # the long-history phase is "at risk" by construction
+        short_term=SHORT_TERM,
+        device_cache_mb=2048,
+    )
     ml = load_movielens("ml-100k")
     users = sorted(ml.histories)
     hop_users = users[: args.hop_users]
@@ -306,7 +308,7 @@ def _measure(args: argparse.Namespace, settings: Settings, nodes: Settings, p, c
     from relaygr.workers.model import HSTURanker
 
     m = HSTURanker.load(p.model_dir, device="cpu")
-    st = int(env["RELAYGR_SHORT_TERM"])
+    st = SHORT_TERM
     flop_ratio = m.flops(args.history - st, st, 128) / m.flops(0, args.history, 128)
     compute = {
         mode: percentile([x.breakdown_ms.get("compute", math.nan) for x in runs["long"][1].values()], 50)

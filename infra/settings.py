@@ -8,13 +8,16 @@ Primitives:
   ``RELAYGR_SASL_PASSWORD_FILE`` names (a password kept in a file stays out of the environment of
   every process and of anything that prints it).
 - ``kafka_client_kwargs(settings)``: the keyword arguments every aiokafka client gets.
-- ``security_env(settings)``: the client security settings as ``RELAYGR_*`` variables, for child
+- ``settings_env(settings, names)``: named settings as ``RELAYGR_*`` variables, the one way a parent
+  configures a child process; ``cluster_env(settings)`` the deployment's (cluster, topic prefix,
+  partitions, home, security); ``security_env(settings)`` the client security settings, for child
   processes that must sign in as this one does.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
@@ -173,15 +176,40 @@ SECURITY_FIELDS = (
 )
 
 
+def env_value(value: object) -> str:
+    """A setting's value as its environment variable spells it, read back to the same value
+    (floats by their shortest exact form, booleans as true/false, secrets revealed)."""
+    if isinstance(value, SecretStr):
+        return value.get_secret_value()
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return repr(value) if isinstance(value, float) else str(value)
+
+
+def settings_env(settings: BaseSettings, names: Iterable[str]) -> dict[str, str]:
+    """``{RELAYGR_<FIELD>: value}`` of the named fields of ``settings`` that are set (not None):
+    the environment that makes a child process read them back. The one way a parent configures
+    a child process (``PipelineSettings.to_env`` is the cascade's)."""
+    env = {}
+    for name in names:
+        if name not in type(settings).model_fields:
+            raise ValueError(f"{type(settings).__name__} has no setting {name!r}")
+        value = getattr(settings, name)
+        if value is not None:
+            env[f"RELAYGR_{name.upper()}"] = env_value(value)
+    return env
+
+
+def cluster_env(settings: Settings) -> dict[str, str]:
+    """The settings that put a child process on this deployment: its cluster, topic prefix,
+    partitions and home, and its client security (``security_env``)."""
+    return {
+        **settings_env(settings, ("bootstrap", "topic_prefix", "partitions", "home")),
+        **security_env(settings),
+    }
+
+
 def security_env(settings: Settings) -> dict[str, str]:
     """``{RELAYGR_<FIELD>: value}`` of every client security setting that is set. A password is
     passed only when it was given as one; a password file is passed as its path."""
-    env = {}
-    for name in SECURITY_FIELDS:
-        value = getattr(settings, name)
-        if value is None:
-            continue
-        env[f"RELAYGR_{name.upper()}"] = (
-            value.get_secret_value() if isinstance(value, SecretStr) else str(value)
-        )
-    return env
+    return settings_env(settings, SECURITY_FIELDS)

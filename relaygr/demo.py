@@ -116,14 +116,14 @@ def run(args: argparse.Namespace) -> int:
         reg = TopicRegistry(settings.topic_prefix, settings.partitions)
         _step(f"creating topics {settings.topic_prefix}.* ({settings.partitions} partitions each)")
         asyncio.run(ensure_topics(reg, settings))
-        env = {
-            "RELAYGR_MODEL_DIR": str(p.model_dir),
-            "RELAYGR_CALIBRATION_FILE": str(calib),
+        env = PipelineSettings.to_env(
+            model_dir=p.model_dir,
+            calibration_file=calib,
             # Production's upstream stages take time (feature fetching): emulate W = the ranking
             # budget, split over retrieval and pre-processing, unless configured otherwise.
-            "RELAYGR_FEATURE_FETCH_MS": str(p.feature_fetch_ms or p.budget_ms / 2),
-            "RELAYGR_THETA": str(args.theta or os.environ.get("RELAYGR_THETA") or DEMO_THETA),
-        }
+            feature_fetch_ms=p.feature_fetch_ms or p.budget_ms / 2,
+            theta=args.theta or (p.theta if "theta" in p.model_fields_set else DEMO_THETA),
+        )
         _step(
             f"starting the pipeline: retrieval, preprocess, {args.ranking_workers} ranking worker(s), mode {args.mode}"
         )

@@ -3,6 +3,8 @@
 Primitives:
 - ``PipelineSettings``: the model, the ranking budget, the trigger's knobs, the upstream stages'
   emulated feature-fetch time and the worker's memory budgets.
+- ``PipelineSettings.to_env(**settings)``: the ``RELAYGR_*`` variables that give a stage process
+  these settings (validated here): the one way a launcher configures a stage.
 - ``trigger_config(p, bytes_per_token)`` / ``engine_config(p)``: the typed configs they feed.
 
 Each default lives in the typed config that uses it (``EngineConfig``, ``TriggerConfig``,
@@ -18,7 +20,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from relaygr.infra.settings import default_home
+from relaygr.infra.settings import default_home, settings_env
 from relaygr.streams.trigger import TriggerConfig
 from relaygr.workers.engine_config import EngineConfig
 from relaygr.workers.prefix_store import PrefixStoreConfig
@@ -223,6 +225,16 @@ class PipelineSettings(BaseSettings):
     concurrency: int = Field(
         default=16, ge=1, description="Retrieval/pre-processing: requests processed concurrently."
     )
+
+    @classmethod
+    def to_env(cls, **settings: Any) -> dict[str, str]:
+        """The ``RELAYGR_*`` variables that give a stage process these settings, and only these
+        (the rest it reads from the environment it inherits). Validated here, so that a bad value
+        fails in the launcher, not in a stage process."""
+        unknown = set(settings) - set(cls.model_fields)
+        if unknown:
+            raise ValueError(f"no pipeline setting {sorted(unknown)}")
+        return settings_env(cls.model_validate(settings), sorted(settings))
 
 
 def trigger_config(

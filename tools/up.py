@@ -33,7 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 from relaygr.infra.broker import BrokerError, free_port
-from relaygr.infra.settings import SECURITY_FIELDS, Settings, get_settings, security_env
+from relaygr.infra.settings import SECURITY_FIELDS, Settings, cluster_env, get_settings, settings_env
 from relaygr.infra.supervisor import CrashLoop, RestartPolicy, Supervisor
 from relaygr.streams.config import PipelineSettings
 from relaygr.tools.args import float_above, int_at_least
@@ -87,18 +87,13 @@ class Pipeline:
         self.paused = False
         self.n = ranking_workers
         self.mode = mode
-        self.env = {**os.environ, **(env or {})}
         # The model is this process's (resolved before RELAYGR_HOME is pointed at the deployment).
-        self.env.setdefault("RELAYGR_MODEL_DIR", str(PipelineSettings().model_dir))
-        if settings.bootstrap:
-            self.env["RELAYGR_BOOTSTRAP"] = settings.bootstrap
-        self.env["RELAYGR_TOPIC_PREFIX"] = settings.topic_prefix
-        self.env["RELAYGR_PARTITIONS"] = str(settings.partitions)
-        self.env["RELAYGR_HOME"] = str(settings.home)
+        model = PipelineSettings.to_env(model_dir=PipelineSettings().model_dir)
+        self.env = {**os.environ, **model, **(env or {})}
         # Stages sign in as this process does, whatever the environment it inherited says.
         for name in SECURITY_FIELDS:
             self.env.pop(f"RELAYGR_{name.upper()}", None)
-        self.env.update(security_env(settings))
+        self.env.update(cluster_env(settings))
         self.env.setdefault("PYTHONUNBUFFERED", "1")
         self.log_dir = log_dir or Path(settings.home) / "logs"
         self.metrics_base_port = metrics_base_port
@@ -124,14 +119,16 @@ class Pipeline:
             port = self.metrics_base_port + port_index if self.metrics_base_port else free_port()
             self.metrics_ports[name] = port
             cmd += ["--metrics-port", str(port)]
-        env = {**self.env, **(env or {})}
+        placement: dict[str, object] = {}
         if self.cores is not None:
-            env["RELAYGR_CPU_CORES"] = format_cores(self.cores.shared)
+            placement["cpu_cores"] = format_cores(self.cores.shared)
             if name.startswith("ranker-"):
-                env["RELAYGR_DEVICE_CORE"] = str(self.cores.device_core(port_index - 4))
+                placement["device_core"] = self.cores.device_core(port_index - 4)
         if self.stage_nice and not name.startswith("ranker-"):
-            env["RELAYGR_CPU_NICE"] = str(self.stage_nice)
-        p = self.supervisor.spawn(name, cmd, env)
+            placement["cpu_nice"] = self.stage_nice
+        p = self.supervisor.spawn(
+            name, cmd, {**self.env, **(env or {}), **PipelineSettings.to_env(**placement)}
+        )
         if self.cores is not None:  # at once, too: the child pins itself only once it has started up
             pin_tasks(p.pid, self.cores.shared)
 
@@ -148,7 +145,7 @@ class Pipeline:
     def start_worker(self, i: int, *, home: Path | None = None) -> None:
         """Start ranking worker ``ranker-{i}``; with ``home``, its local state lives there (its own
         ``RELAYGR_HOME``, as a worker on another host: it rebuilds its histories from Kafka)."""
-        env = {"RELAYGR_HOME": str(home)} if home is not None else None
+        env = settings_env(self.settings.model_copy(update={"home": home}), ["home"]) if home else None
         self._spawn(f"ranker-{i}", ["ranking", "--worker-id", f"ranker-{i}"], 4 + i, env)
 
     def stop_worker(self, i: int, *, kill: bool = False) -> None:

@@ -190,16 +190,18 @@ def calibrate_latency(model_dir: Path, threads: int, out: Path):
 def pipeline_env(
     args, model_dir: Path, calib: Path, slo_ms: float, *, budget_ms: float | None = None
 ) -> dict:
-    return {
-        "RELAYGR_MODEL_DIR": str(model_dir),
-        "RELAYGR_CALIBRATION_FILE": str(calib),
-        "RELAYGR_BUDGET_MS": f"{budget_ms if budget_ms is not None else slo_ms:g}",
-        "RELAYGR_FEATURE_FETCH_MS": f"{slo_ms / 2:g}",
-        "RELAYGR_THETA": f"{args.theta:g}",
-        "RELAYGR_SHORT_TERM": str(EXPERIMENT_SHORT_TERM),
-        "RELAYGR_TORCH_THREADS": str(args.threads),
-        "RELAYGR_DISK_CACHE_MB": "1024",
-    }
+    from relaygr.streams.config import PipelineSettings
+
+    return PipelineSettings.to_env(
+        model_dir=model_dir,
+        calibration_file=calib,
+        budget_ms=budget_ms if budget_ms is not None else slo_ms,
+        feature_fetch_ms=slo_ms / 2,
+        theta=args.theta,
+        short_term=EXPERIMENT_SHORT_TERM,
+        torch_threads=args.threads,
+        disk_cache_mb=1024,
+    )
 
 
 def window_start(args, ml) -> int:
