@@ -55,6 +55,16 @@ def docker_context(dest: Path) -> Path:
     return dest
 
 
+def repository_copy(dest: Path) -> Path:
+    """The project's metadata and every folder that ``package-dir`` maps, copied to ``dest``."""
+    for name in ("pyproject.toml", "README.md"):
+        dest.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / name, dest / name)
+    for folder in SETUPTOOLS["package-dir"].values():
+        shutil.copytree(ROOT / folder, dest / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    return dest
+
+
 def fresh_venv(path: Path) -> Path:
     """A virtualenv whose dependencies are this one's (a ``.pth`` line: no download), without relaygr."""
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True)
@@ -66,7 +76,11 @@ def fresh_venv(path: Path) -> Path:
 
 @pytest.mark.parametrize("source", ["repository", "docker-context"])
 def test_wheel_installs_the_whole_program(tmp_path: Path, source: str) -> None:
-    src = ROOT if source == "repository" else docker_context(tmp_path / "context")
+    # Built from a copy: an in-place build leaves build/ behind, whose stale modules a later
+    # build would package.
+    src = (
+        repository_copy(tmp_path / "src") if source == "repository" else docker_context(tmp_path / "context")
+    )
     dist = tmp_path / "dist"
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", dist, src],
