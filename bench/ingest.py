@@ -234,10 +234,10 @@ def on_fresh_pipeline(tag: str, ranking_workers: int, measure, say, *, metrics: 
 
     with contextlib.redirect_stdout(sys.stderr):  # stdout carries only the JSON line
         settings, _ = ensure_broker(get_settings())
-        p = PipelineSettings()
-        ensure_model(p.model_dir)
-        calib = ensure_calibration(p.model_dir)
-    env = p.to_env(model_dir=p.model_dir, calibration_file=calib)
+        pipeline = PipelineSettings()
+        ensure_model(pipeline.model_dir)
+        calib = ensure_calibration(pipeline.model_dir)
+    env = pipeline.to_env(model_dir=pipeline.model_dir, calibration_file=calib)
     ml = load_movielens("ml-100k")
     run_id = f"{tag}-{uuid.uuid4().hex[:6]}"
     s = settings.model_copy(

@@ -176,15 +176,15 @@ def run(args: argparse.Namespace) -> int:
         args.results.touch()
     with contextlib.ExitStack() as cluster:
         with contextlib.redirect_stdout(sys.stderr):  # stdout carries only the JSON lines
-            p = PipelineSettings()
-            ensure_model(p.model_dir)
-            calib = ensure_calibration(p.model_dir)
+            pipeline = PipelineSettings()
+            ensure_model(pipeline.model_dir)
+            calib = ensure_calibration(pipeline.model_dir)
             if args.brokers > 1:  # stopped when the measurement ends, however it ends
                 settings, nodes = cluster.enter_context(_own_cluster(get_settings(), args.brokers, say))
             else:
                 settings, _ = ensure_broker(get_settings())
                 nodes = settings
-        return _measure(args, settings, nodes, p, calib, say)
+        return _measure(args, settings, nodes, pipeline, calib, say)
 
 
 @contextlib.contextmanager
@@ -204,12 +204,14 @@ def _own_cluster(base: Settings, brokers: int, say):
         shutil.rmtree(own.home, ignore_errors=True)
 
 
-def _measure(args: argparse.Namespace, settings: Settings, nodes: Settings, p, calib: Path, say) -> int:
+def _measure(
+    args: argparse.Namespace, settings: Settings, nodes: Settings, pipeline, calib: Path, say
+) -> int:
     from relaygr.tools.traffic import leave_last_out
     from relaygr.workers.movielens import load_movielens
 
-    env = p.to_env(
-        model_dir=p.model_dir,
+    env = pipeline.to_env(
+        model_dir=pipeline.model_dir,
         calibration_file=calib,
         budget_ms=args.budget_ms,
         feature_fetch_ms=args.fetch_ms,
@@ -283,7 +285,7 @@ def _measure(args: argparse.Namespace, settings: Settings, nodes: Settings, p, c
     for mode, runs in (("relay", relay), ("baseline", base)):
         sent, res = runs["long"]
         summary = RunSummary.of(
-            sorted(res.values(), key=lambda r: r.ts), slo_ms=p.budget_ms, expected=len(sent)
+            sorted(res.values(), key=lambda r: r.ts), slo_ms=pipeline.budget_ms, expected=len(sent)
         )
         ranking = summary.ranking
         per_mode[mode] = {
@@ -307,7 +309,7 @@ def _measure(args: argparse.Namespace, settings: Settings, nodes: Settings, p, c
     # the cached prefix over FLOPs of full inference, at this history length.
     from relaygr.workers.model import HSTURanker
 
-    m = HSTURanker.load(p.model_dir, device="cpu")
+    m = HSTURanker.load(pipeline.model_dir, device="cpu")
     st = SHORT_TERM
     flop_ratio = m.flops(args.history - st, st, 128) / m.flops(0, args.history, 128)
     compute = {

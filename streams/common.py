@@ -14,6 +14,8 @@ Primitives:
   agrees with the payload's key field.
 - ``routing_headers(headers)``: the behaviours a routed request must see, and when it was routed.
 - ``guarded(stage, ev, handler, to_dlq)``: per-message isolation of failures.
+- ``apply_in_slices(records, take, flush, ...)``: the one slicing loop of every behaviour
+  applier: records taken one by one, applied a slice at a time with the event loop free between.
 - ``ingest_batches(stage, stream, decode_one, apply, to_dlq)``: behaviours applied a batch at a
   time (bad events to the dead-letter topic, one table write per user per batch; the ingress's progress
   records skipped).
@@ -34,6 +36,7 @@ import gc
 import logging
 import math
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from prometheus_client import Counter as PCounter
@@ -137,6 +140,36 @@ INGEST_BATCH = 1000
 INGEST_WITHIN_S = 0.02
 # Behaviours applied between two turns of the event loop (routed records carry up to 2000 each).
 APPLY_SLICE = 4096
+R = TypeVar("R")
+
+
+async def apply_in_slices(
+    records: list[R],
+    take: Callable[[R], Awaitable[int]],
+    flush: Callable[[], Awaitable[None]],
+    *,
+    max_events: int = APPLY_SLICE,
+    max_s: float = math.inf,
+    between: Callable[[], Awaitable[None]] | None = None,
+) -> None:
+    """The slicing loop of every behaviour applier. ``take(record)`` decodes a record into the
+    caller's slice and says how many behaviours it adds; ``flush()`` applies the slice. A slice
+    ends once it holds ``max_events`` behaviours, once ``max_s`` passed since it started (decoding
+    holds the interpreter too), or at the last record; between two slices the event loop runs
+    (a burst never keeps the stage's requests unread for long), then ``between()`` if given."""
+    events = 0
+    started = time.perf_counter()
+    last = len(records) - 1
+    for i, record in enumerate(records):
+        events += await take(record)
+        if i == last or events >= max_events or time.perf_counter() - started >= max_s:
+            await flush()
+            events = 0
+            if i < last:
+                await asyncio.sleep(0)
+                if between is not None:
+                    await between()
+                started = time.perf_counter()
 
 
 # faust's PartitionsMismatch for a changelog whose partitions the metadata does not list yet.
@@ -153,21 +186,36 @@ async def ingest_batches(stage: str, stream: Any, decode_one: Any, apply: Any, t
     ``as_event(ev)`` for an event of the written key: faust takes the changelog partition from
     the current event."""
     async for events in stream.take_events(INGEST_BATCH, within=INGEST_WITHIN_S):
-        good: list = []
-        size = 0
-        for i, ev in enumerate(events):
-            if HEADER_PROGRESS not in ev.headers:  # the ingress's progress record: no event
-                try:
-                    d = decode_one(ev)
-                    good.append((ev, d))
-                    size += len(d) if isinstance(d, BehaviorBatch) else 1
-                except SchemaError as e:
-                    await to_dlq(ev, str(e))
-            if good and (size >= APPLY_SLICE or i == len(events) - 1):
-                await _apply_slice(stage, stream, apply, good, size, to_dlq)
-                good, size = [], 0
-                if i < len(events) - 1:
-                    await asyncio.sleep(0)
+        await _ingest_batch(stage, stream, list(events), decode_one, apply, to_dlq)
+
+
+async def _ingest_batch(
+    stage: str, stream: Any, events: list, decode_one: Any, apply: Any, to_dlq: Any
+) -> None:
+    good: list = []
+    size = 0
+
+    async def take(ev: Any) -> int:
+        nonlocal size
+        if HEADER_PROGRESS in ev.headers:  # the ingress's progress record: no event
+            return 0
+        try:
+            d = decode_one(ev)
+        except SchemaError as e:
+            await to_dlq(ev, str(e))
+            return 0
+        good.append((ev, d))
+        n = len(d) if isinstance(d, BehaviorBatch) else 1
+        size += n
+        return n
+
+    async def flush() -> None:
+        nonlocal good, size
+        if good:
+            await _apply_slice(stage, stream, apply, good, size, to_dlq)
+        good, size = [], 0
+
+    await apply_in_slices(events, take, flush)
 
 
 async def _apply_slice(stage: str, stream: Any, apply: Any, good: list, size: int, to_dlq: Any) -> None:

@@ -5,7 +5,7 @@ Primitives:
   emulated feature-fetch time and the worker's memory budgets.
 - ``PipelineSettings.to_env(**settings)``: the ``RELAYGR_*`` variables that give a stage process
   these settings (validated here): the one way a launcher configures a stage.
-- ``trigger_config(p, bytes_per_token)`` / ``engine_config(p)``: the typed configs they feed.
+- ``trigger_config(pipeline, bytes_per_token)`` / ``engine_config(pipeline)``: the typed configs they feed.
 
 Each default lives in the typed config that uses it (``EngineConfig``, ``TriggerConfig``,
 ``PrefixStoreConfig``); a setting here reads it from there.
@@ -238,36 +238,36 @@ class PipelineSettings(BaseSettings):
 
 
 def trigger_config(
-    p: PipelineSettings, bytes_per_token: int, max_seq_len: int | None = None
+    pipeline: PipelineSettings, bytes_per_token: int, max_seq_len: int | None = None
 ) -> TriggerConfig:
     return TriggerConfig(
         max_seq_len=max_seq_len,
-        window_ms=2 * p.feature_fetch_ms + p.budget_ms,
-        too_long_ttl_factor=p.too_long_ttl_factor,
-        too_long_window_factor=p.too_long_window_factor,
-        enabled=p.mode == "relay",
-        budget_ms=p.budget_ms,
-        theta=p.theta,
-        short_term=p.short_term,
-        footprint_bound_bytes=int(p.footprint_bound_mb * MiB),
+        window_ms=2 * pipeline.feature_fetch_ms + pipeline.budget_ms,
+        too_long_ttl_factor=pipeline.too_long_ttl_factor,
+        too_long_window_factor=pipeline.too_long_window_factor,
+        enabled=pipeline.mode == "relay",
+        budget_ms=pipeline.budget_ms,
+        theta=pipeline.theta,
+        short_term=pipeline.short_term,
+        footprint_bound_bytes=int(pipeline.footprint_bound_mb * MiB),
         bytes_per_token=bytes_per_token,
-        prefill_rate_per_s=p.prefill_rate_per_s,
-        lease_ttl_s=p.lease_ttl_s,
+        prefill_rate_per_s=pipeline.prefill_rate_per_s,
+        lease_ttl_s=pipeline.lease_ttl_s,
     )
 
 
-def engine_config(p: PipelineSettings) -> EngineConfig:
+def engine_config(pipeline: PipelineSettings) -> EngineConfig:
     return EngineConfig(
-        mode=p.mode,
-        budget_ms=p.budget_ms,
-        prefill_chunk=p.prefill_chunk,
-        lease_ttl_s=p.lease_ttl_s,
-        retain_suffix=p.retain_suffix,
-        burst_batch=p.burst_batch,
-        burst_batch_events=p.burst_batch_events,
-        slice_ms=p.device_slice_ms,
-        truncate_headroom=p.truncate_headroom,
-        ingest_slowdown=p.ingest_slowdown,
-        ingest_burst_events=p.ingest_burst_events,
-        ingest_window_s=p.ingest_window_s,
+        mode=pipeline.mode,
+        budget_ms=pipeline.budget_ms,
+        prefill_chunk=pipeline.prefill_chunk,
+        lease_ttl_s=pipeline.lease_ttl_s,
+        retain_suffix=pipeline.retain_suffix,
+        burst_batch=pipeline.burst_batch,
+        burst_batch_events=pipeline.burst_batch_events,
+        slice_ms=pipeline.device_slice_ms,
+        truncate_headroom=pipeline.truncate_headroom,
+        ingest_slowdown=pipeline.ingest_slowdown,
+        ingest_burst_events=pipeline.ingest_burst_events,
+        ingest_window_s=pipeline.ingest_window_s,
     )

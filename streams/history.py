@@ -23,7 +23,8 @@ Primitives:
   partition's progress covers ``needed`` (event-time alignment of a request with its user's
   behaviours), woken by ``notify()`` after each applied batch; no wait for records that the
   ingress's measured drain rate (``drain_rate``) cannot forward by ``until``, nor for records
-  fetched already (``fetched``) none of which is the user's.
+  fetched already (``fetched``) none of which is the user's; ``await wait_offset(partition, end,
+  until)`` until the table is applied up to a known log end.
 - Routed input (``relaygr.schemas.routing``): a ``BehaviorBatch`` names the public record each of
   its events was forwarded from (as may a single event: ``(offset, event, (partition, offset))``),
   and a copy of an event already applied is dropped; ``progress=`` merges the ingress's progress records of the batch,
@@ -585,3 +586,14 @@ class HistoryAlignment:
                 return False
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._moved.wait(), left)
+
+    async def wait_offset(self, partition: int, end: int, until: float) -> bool:
+        """Wait until ``partition``'s table is applied up to offset ``end`` (its log end as the
+        consumer knows it), at most until ``until`` (``time.monotonic()``). Returns whether it is."""
+        while self.table.next_offset(partition) < end:
+            left = until - time.monotonic()
+            if left <= 0:
+                return False
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._moved.wait(), left)
+        return True

@@ -48,14 +48,14 @@ SEEN_CHUNK = 512
 SEEN_YIELD_CHUNKS = 4
 
 
-def retained_events(p: PipelineSettings) -> int:
+def retained_events(pipeline: PipelineSettings) -> int:
     """Events of a user the stages keep: RELAYGR_HISTORY_RETAIN_EVENTS, else twice the model's
     max_seq_len (read from the checkpoint's config)."""
-    if p.history_retain_events:
-        return p.history_retain_events
+    if pipeline.history_retain_events:
+        return pipeline.history_retain_events
     import json
 
-    cfg = json.loads((p.model_dir / "config.json").read_text())
+    cfg = json.loads((pipeline.model_dir / "config.json").read_text())
     return 2 * int(cfg.get("max_seq_len", 8192))
 
 
@@ -123,7 +123,7 @@ RANKREQ = PCounter("relaygr_preprocess_requests_total", "Rank requests emitted")
 DROPPED = PCounter("relaygr_preprocess_seen_dropped_total", "Candidates dropped as already seen")
 
 
-def build(settings: Settings, p: PipelineSettings, worker_id: str = "0"):
+def build(settings: Settings, pipeline: PipelineSettings, worker_id: str = "0"):
     app = make_app(STAGE, settings, worker_id)
     reg = TopicRegistry(settings.topic_prefix, settings.partitions)
     behaviors = raw_topic(app, reg.name("routed_behaviors"))
@@ -137,7 +137,7 @@ def build(settings: Settings, p: PipelineSettings, worker_id: str = "0"):
         extra_topic_configs=app.relaygr_changelog_configs,
     )
     # Bounded per user: the chunks covering the most recent events a ranking can serve, twice over.
-    keep_chunks = -(-retained_events(p) // SEEN_CHUNK) + 1
+    keep_chunks = -(-retained_events(pipeline) // SEEN_CHUNK) + 1
     limit = settings.max_message_bytes
 
     to_dlq = faust_dead_letterer(STAGE, dlq)
@@ -164,8 +164,8 @@ def build(settings: Settings, p: PipelineSettings, worker_id: str = "0"):
         r = decode_keyed(RetrievedRequest, ev.key, ev.value, limit)
         t0 = time.time()
         before = await seen_before(seen.get, r.user_id, r.model_ts)
-        if p.feature_fetch_ms:
-            await asyncio.sleep(p.feature_fetch_ms / 1000)
+        if pipeline.feature_fetch_ms:
+            await asyncio.sleep(pipeline.feature_fetch_ms / 1000)
         cands = [c for c in r.candidates if seen_key(c) not in before]
         DROPPED.inc(len(r.candidates) - len(cands))
         now = time.time()
@@ -174,9 +174,9 @@ def build(settings: Settings, p: PipelineSettings, worker_id: str = "0"):
             user_id=r.user_id,
             ts=r.ts,
             event_ts=r.event_ts,
-            candidates=cands[: p.max_rank_candidates],
+            candidates=cands[: pipeline.max_rank_candidates],
             top_k=r.top_k,
-            deadline_ts=now + p.budget_ms / 1000,
+            deadline_ts=now + pipeline.budget_ms / 1000,
             prefill_expected=r.trigger == TriggerReason.ADMITTED,
             trigger=r.trigger,
             produced_at=now,
@@ -198,7 +198,7 @@ def build(settings: Settings, p: PipelineSettings, worker_id: str = "0"):
     async def ingest(stream):
         await ingest_batches(STAGE, stream, decode_behavior, on_behaviors, to_dlq)
 
-    @app.agent(retrieved, concurrency=p.concurrency)
+    @app.agent(retrieved, concurrency=pipeline.concurrency)
     async def preprocess(stream):
         async for ev in stream.events():
             await guarded(STAGE, ev, on_retrieved, to_dlq)

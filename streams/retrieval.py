@@ -146,24 +146,24 @@ def summary_before(summary: dict | None, ts: float) -> tuple[int, list[RawId]]:
     return max(0, summary["n"] - len(newer)), recent
 
 
-def load_item_embeddings(p: PipelineSettings) -> tuple[np.ndarray, ItemVocab, int, int]:
+def load_item_embeddings(pipeline: PipelineSettings) -> tuple[np.ndarray, ItemVocab, int, int]:
     """Item embeddings of the trained model, its vocabulary, its KV bytes per token and its
     served length cap."""
     from relaygr.workers.model import HSTURanker
     from relaygr.workers.ranker import kv_bytes_per_token
 
-    model = HSTURanker.load(p.model_dir, device="cpu")
+    model = HSTURanker.load(pipeline.model_dir, device="cpu")
     emb = model.item_embeddings().float().cpu().numpy()
     return emb, model.vocab, kv_bytes_per_token(model), model.config.max_seq_len
 
 
-def load_latency(p: PipelineSettings) -> LatencyModel:
-    if p.calibration_file is not None and p.calibration_file.exists():
-        return LatencyModel.load(p.calibration_file)
+def load_latency(pipeline: PipelineSettings) -> LatencyModel:
+    if pipeline.calibration_file is not None and pipeline.calibration_file.exists():
+        return LatencyModel.load(pipeline.calibration_file)
     return LatencyModel()  # replaced by the first WorkerStats a ranking worker publishes
 
 
-def build(settings: Settings, p: PipelineSettings, worker_id: str = "0"):
+def build(settings: Settings, pipeline: PipelineSettings, worker_id: str = "0"):
     app = make_app(STAGE, settings, worker_id)
     reg = TopicRegistry(settings.topic_prefix, settings.partitions)
     behaviors = raw_topic(app, reg.name("routed_behaviors"))
@@ -177,9 +177,11 @@ def build(settings: Settings, p: PipelineSettings, worker_id: str = "0"):
         partitions=settings.partitions,
         extra_topic_configs=app.relaygr_changelog_configs,
     )
-    emb, vocab, bytes_per_token, max_seq_len = load_item_embeddings(p)
+    emb, vocab, bytes_per_token, max_seq_len = load_item_embeddings(pipeline)
     gen = CandidateGenerator(emb, vocab)
-    trigger = SequenceAwareTrigger(trigger_config(p, bytes_per_token, max_seq_len), load_latency(p))
+    trigger = SequenceAwareTrigger(
+        trigger_config(pipeline, bytes_per_token, max_seq_len), load_latency(pipeline)
+    )
     limit = settings.max_message_bytes
 
     to_dlq = faust_dead_letterer(STAGE, dlq)
@@ -220,8 +222,8 @@ def build(settings: Settings, p: PipelineSettings, worker_id: str = "0"):
                 behaviors_needed=needs,
             )
             await deliver(lambda: send_acked(out_prefill, sig.key(), encode(sig)), what="prefill signal")
-        if p.feature_fetch_ms:
-            await asyncio.sleep(p.feature_fetch_ms / 1000)
+        if pipeline.feature_fetch_ms:
+            await asyncio.sleep(pipeline.feature_fetch_ms / 1000)
         cands = gen.candidates(recent, 2 * r.num_candidates)
         out = RetrievedRequest(
             request_id=r.request_id,
@@ -246,7 +248,7 @@ def build(settings: Settings, p: PipelineSettings, worker_id: str = "0"):
     async def ingest(stream):
         await ingest_batches(STAGE, stream, decode_behavior, on_behaviors, to_dlq)
 
-    @app.agent(requests, concurrency=p.concurrency)
+    @app.agent(requests, concurrency=pipeline.concurrency)
     async def retrieve(stream):
         async for ev in stream.events():
             await guarded(STAGE, ev, on_request, to_dlq)

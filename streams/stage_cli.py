@@ -37,16 +37,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def place_this_process(p) -> None:
+def place_this_process(pipeline) -> None:
     """The launcher's core layout for this stage (``workers.cores``): its nice level and its
     cores, set before any thread starts, so that every thread inherits them (the ranking worker's
     device thread re-pins itself)."""
-    if p.cpu_nice:
-        os.nice(p.cpu_nice)
-    if p.cpu_cores:
+    if pipeline.cpu_nice:
+        os.nice(pipeline.cpu_nice)
+    if pipeline.cpu_cores:
         from relaygr.workers.cores import parse_cores, pin_tasks
 
-        pin_tasks(os.getpid(), parse_cores(p.cpu_cores))
+        pin_tasks(os.getpid(), parse_cores(pipeline.cpu_cores))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -57,11 +57,11 @@ def run(args: argparse.Namespace) -> int:
         format=f"%(asctime)s {args.stage}[{args.worker_id}] %(levelname)s %(message)s",
     )
     settings = get_settings()
-    p = PipelineSettings()
+    pipeline = PipelineSettings()
     if args.mode:
-        p = p.model_copy(update={"mode": args.mode})
-    sys.setswitchinterval(p.switch_interval_ms / 1000)
-    place_this_process(p)
+        pipeline = pipeline.model_copy(update={"mode": args.mode})
+    sys.setswitchinterval(pipeline.switch_interval_ms / 1000)
+    place_this_process(pipeline)
     if args.stage == "ingress":
         from relaygr.streams.ingress import main as ingress_main
 
@@ -71,9 +71,9 @@ def run(args: argparse.Namespace) -> int:
         except BrokerError as e:
             print(f"relaygr stage ingress: {e}", file=sys.stderr)
             return 1
-    if not (p.model_dir / "config.json").exists():
+    if not (pipeline.model_dir / "config.json").exists():
         print(
-            f"relaygr stage: no trained model in {p.model_dir}: run `relaygr train --out {p.model_dir}`",
+            f"relaygr stage: no trained model in {pipeline.model_dir}: run `relaygr train --out {pipeline.model_dir}`",
             file=sys.stderr,
         )
         return 1
@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
 
             return main(
                 settings,
-                p,
+                pipeline,
                 f"ranker-{args.worker_id}" if args.worker_id.isdigit() else args.worker_id,
                 args.metrics_port,
             )
@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
             from relaygr.streams.retrieval import build
         else:
             from relaygr.streams.preprocess import build
-        app = build(settings, p, args.worker_id)
+        app = build(settings, pipeline, args.worker_id)
         serve_metrics(args.metrics_port)
         freeze_heap()
         faust_worker(app, args.log_level).execute_from_commandline()

@@ -221,7 +221,7 @@ async def test_without_a_backlog_a_late_prefill_finishes_for_the_next_request(mo
 
 
 def test_a_rank_request_waits_only_for_a_prefix_worth_waiting_for() -> None:
-    from relaygr.streams.ranking_worker import worth_waiting
+    from relaygr.streams.rank_handler import worth_waiting
 
     assert worth_waiting(history_len=1024, cached_len=0, short_term=64)
     assert worth_waiting(history_len=1024, cached_len=895, short_term=64)  # 129 events to compute
@@ -395,6 +395,6 @@ async def test_warm_up_runs_on_the_device_thread_and_leaves_no_trace(model) -> N
     before = e.scheduler.jobs_done[Priority.PREFILL]
     took = await e.warm_up(history_len=200, num_candidates=16, rounds=1)
     assert took > 0 and e.scheduler.jobs_done[Priority.PREFILL] == before + 1
-    assert not e.samples  # not a ranking: the latency model does not learn from it
+    assert not e.pacing.samples  # not a ranking: the latency model does not learn from it
     assert e.store is not None and e.store.metrics().get("bytes_device", 0) == 0
     e.scheduler.close()

@@ -7,7 +7,6 @@ import asyncio
 import math
 import threading
 import time
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,8 +21,9 @@ from relaygr.streams.trigger import SequenceAwareTrigger, TriggerConfig
 from relaygr.workers.history_window import served, window_start, window_step
 from relaygr.workers.latency_model import DevicePace, IngestMeter, LatencyModel
 from relaygr.workers.model import HSTURanker
+from relaygr.workers.pacing import Slicer
 from relaygr.workers.prefix_store import PrefixStore, PrefixStoreConfig
-from relaygr.workers.ranker import EngineConfig, RankingEngine, _Slicer
+from relaygr.workers.ranker import EngineConfig, RankingEngine
 from relaygr.workers.scheduler import DeviceScheduler, Priority
 
 FAR = 1e12
@@ -162,7 +162,7 @@ def test_slices_shrink_when_the_device_runs_slower_than_predicted() -> None:
     # it from the chunks themselves and the next chunks get fewer tokens.
     lat = LatencyModel(0.0, 0.02, 0.0)  # 0.02 ms a token: a 2 ms slice is 100 tokens
     pace = DevicePace()
-    slicer = _Slicer(lat, pace, slice_ms=2.0, hi=4096)
+    slicer = Slicer(lat, pace, slice_ms=2.0, hi=4096)
     assert slicer(0) == 100 and slicer.predicted_ms == pytest.approx(2.0)
 
     def chunks():
@@ -268,7 +268,7 @@ async def test_a_ranking_does_not_wait_for_a_prefill_predicted_to_finish_too_lat
     pre = asyncio.create_task(e.prefill("heavy", h.slice(0, 7990)))
     while e.prefill_eta_ms("heavy") is None:
         await asyncio.sleep(0)
-    for pace in (e.pace_extend, e.pace_full):  # as measured on a device 1000x slower than predicted
+    for pace in (e.pacing.extend, e.pacing.full):  # as measured on a device 1000x slower than predicted
         pace._log, pace.hi = math.log(1000.0), 1000.0
     assert e.prefill_eta_ms("heavy") == pytest.approx(7990.0)
     # 100 events at 1 ms, a 0.5 ms slice at the pace of chunks, the 2 ms margin.
@@ -280,7 +280,7 @@ async def test_a_ranking_does_not_wait_for_a_prefill_predicted_to_finish_too_lat
     assert "prefix_wait" not in res.breakdown_ms
     assert res.path == "full_truncated" and 16 <= res.used_len <= 150  # half of ~0.3 s at 1 ms a token
     await blocker
-    e.pace_extend._log = 0.0  # the rest of the pre-inference in whole chunks
+    e.pacing.extend._log = 0.0  # the rest of the pre-inference in whole chunks
     assert (await pre).status == "computed"
     e.scheduler.close()
 
@@ -295,12 +295,12 @@ async def test_a_sliced_truncated_ranking_plans_for_its_headroom_at_the_measured
     assert res.path == "full_truncated" and 900 < res.used_len <= 1000
     sliced = _engine(model, LatencyModel(0.0, 1.0, 0.0), slice_ms=50.0, truncate_headroom=0.5)
     for _ in range(30):
-        sliced.pace_full.observe(10.0, 20.0)  # full rankings take twice their prediction
-        sliced.pace_extend.observe(10.0, 40.0)  # (chunks' own overheads: not what it plans with)
-    assert sliced.pace_full.factor == pytest.approx(2.0, rel=1e-3)
+        sliced.pacing.full.observe(10.0, 20.0)  # full rankings take twice their prediction
+        sliced.pacing.extend.observe(10.0, 40.0)  # (chunks' own overheads: not what it plans with)
+    assert sliced.pacing.full.factor == pytest.approx(2.0, rel=1e-3)
     res = await sliced.rank("u", h, cands, 2e9, time.time() + 1.0)
     assert res.path == "full_truncated" and 200 < res.used_len <= 250
-    assert sliced.pace_full.observations == 31  # each full ranking is measured against its prediction
+    assert sliced.pacing.full.observations == 31  # each full ranking is measured against its prediction
     one_job.scheduler.close()
     sliced.scheduler.close()
 
@@ -323,10 +323,10 @@ async def test_a_sliced_truncated_ranking_plans_for_the_ingest_slowdown_while_be
     )
     quiet = await e.rank("u", h, cands, 2e9, time.time() + 1.0)
     assert quiet.path == "full_truncated" and 400 < quiet.used_len <= 500 and not quiet.in_ingest_burst
-    e.pace_full._log = 0.0  # the ranking just measured is not what this test is about
-    e.ingest.add(999)
-    assert not e.ingest.bursting()
-    e.ingest.add(1)
+    e.pacing.full._log = 0.0  # the ranking just measured is not what this test is about
+    e.pacing.ingest.add(999)
+    assert not e.pacing.ingest.bursting()
+    e.pacing.ingest.add(1)
     burst = await e.rank("u", h, cands, 2e9, time.time() + 1.0)
     assert burst.path == "full_truncated" and 200 < burst.used_len <= 250 and burst.in_ingest_burst
     e.scheduler.close()
@@ -383,7 +383,7 @@ async def test_a_sliced_full_ranking_that_runs_slower_than_planned_starts_over_s
     # Its scores are those of the events it kept; the pace of full rankings is measured on them.
     want = model.rank(None, h.slice(3000 - res.used_len), cands, 2e9)
     torch.testing.assert_close(res.scores, want)
-    assert e.samples[-1] == (res.used_len, pytest.approx(res.breakdown_ms["compute"] - lost))
+    assert e.pacing.samples[-1] == (res.used_len, pytest.approx(res.breakdown_ms["compute"] - lost))
     e.scheduler.close()
 
 
@@ -394,7 +394,7 @@ async def test_a_replan_goes_by_the_rankings_own_pace_not_the_slices_usual_one(m
     # slices ran, at least 3x (the added 0.9 ms a token): at most 0.5 s / 3 / 0.3 ms = 555 events.
     h = history(3000, seed=15)
     e = _engine(model, LatencyModel(0.0, 0.3, 0.0), slice_ms=5.0, prefill_chunk=512, truncate_headroom=0.5)
-    e.pace_extend._log = math.log(4.0)
+    e.pacing.extend._log = math.log(4.0)
     e.model = _SlowChunks(model, 0.9e-3)
     res = await e.rank("u", h, torch.arange(1, 9), 2e9, time.time() + 1.0)
     assert res.replanned and 16 <= res.used_len <= 555
@@ -434,22 +434,6 @@ def test_the_ingest_meter_counts_a_window_of_applied_events() -> None:
         IngestMeter(window_s=0)
     with pytest.raises(ValueError):
         IngestMeter(burst_events=0)
-
-
-def test_a_waiting_request_stops_once_its_prefill_cannot_finish_in_time() -> None:
-    from relaygr.streams.ranking_worker import RankingWorker
-
-    eta: list[float | None] = [None]
-    worker = SimpleNamespace(engine=SimpleNamespace(prefill_eta_ms=lambda _user: eta[0]))
-    r = SimpleNamespace(user_id="u", deadline_ts=time.time() + 1.0)
-    may_finish = RankingWorker._prefill_may_finish
-    assert may_finish(worker, r, 0.1)  # progress unknown (not computing yet): room decides
-    eta[0] = 500.0
-    assert may_finish(worker, r, 0.1)  # 0.5 s left to compute, ~0.9 s of room
-    eta[0] = 2000.0
-    assert not may_finish(worker, r, 0.1)  # cannot be done in time: rank now
-    eta[0], r.deadline_ts = None, time.time() + 0.05
-    assert not may_finish(worker, r, 0.1)  # no room for the suffix after any wait
 
 
 async def test_the_scheduler_says_whether_ranking_work_is_on_the_device() -> None:
@@ -517,7 +501,7 @@ async def test_a_relay_ranking_against_many_keys_runs_in_slices_and_keeps_its_su
     steps_before = e.scheduler.jobs_done[Priority.RANK]
     res = await e.rank("u", h, cands, 2e9, FAR)
     assert res.path == "relay" and res.prefix_len == 3000 and res.used_len == 3040
-    assert e._slice_relay(3000, 40, 64)
+    assert e.pacing.slice_relay(3000, 40, 64)
     torch.testing.assert_close(res.scores, model.rank_full(h, cands, 2e9), rtol=1e-4, atol=1e-4)
     assert e.scheduler.jobs_done[Priority.RANK] == steps_before + 1  # one (chunked) ranking job
     assert e.store.cached_length("u", h) == 3040  # the grown prefix is kept for the next request
@@ -551,12 +535,12 @@ async def test_a_relay_ranking_is_sliced_until_relay_rankings_are_timed_and_one_
     e = _engine(model, LatencyModel(0.0, 0.01, 0.0), slice_ms=0.5, prefill_chunk=512)
     h = history(3000, seed=10)
     await e.prefill("u", h)
-    assert e.pace_score.observations == 0 and e._slice_relay(3000, 0, 40)
-    e.pace_score.observe(1.0, 1.0)
-    assert not e._slice_relay(3000, 0, 40)
+    assert e.pacing.score.observations == 0 and e.pacing.slice_relay(3000, 0, 40)
+    e.pacing.score.observe(1.0, 1.0)
+    assert not e.pacing.slice_relay(3000, 0, 40)
     res = await e.rank("u", h, torch.arange(1, 41), 2e9, FAR)
     assert res.path == "relay" and "between_slices" not in res.breakdown_ms
-    assert e.pace_score.observations == 2
+    assert e.pacing.score.observations == 2
     e.scheduler.close()
 
 
@@ -564,16 +548,18 @@ async def test_a_relay_slice_ends_at_the_slice_time_whatever_the_pace_says(model
     # The pace says the device is twice as fast as predicted (its floor), so a step takes a 1 ms
     # prediction's worth of the candidates' keys, 2.56 ms in all; a clock on which every check finds the slice over must cut
     # a step at every key block instead, with the same scores.
-    import relaygr.workers.ranker as ranker_module
+    import relaygr.workers.pacing as pacing_module
 
     e = _engine(model, LatencyModel(0.0, 0.01, 0.0), slice_ms=0.5, prefill_chunk=512)
     h = history(8192, seed=11)
     cands = torch.arange(1, 257)
     await e.prefill("heavy", h)
     for _ in range(40):
-        e.pace_score.observe(1.0, 0.1)
-    assert e.pace_score.factor == pytest.approx(e.pace_score.lo, rel=1e-3) and e._slice_relay(8192, 0, 256)
-    monkeypatch.setattr(e.pace_score, "observe", lambda *_: None)  # the pace stays what it says
+        e.pacing.score.observe(1.0, 0.1)
+    assert e.pacing.score.factor == pytest.approx(e.pacing.score.lo, rel=1e-3) and e.pacing.slice_relay(
+        8192, 0, 256
+    )
+    monkeypatch.setattr(e.pacing.score, "observe", lambda *_: None)  # the pace stays what it says
     steps: list[int] = []
     score_steps = e.model.score_steps
 
@@ -583,7 +569,7 @@ async def test_a_relay_slice_ends_at_the_slice_time_whatever_the_pace_says(model
                 steps.append(out)
             yield out
 
-    class Clock:  # the ranker's clock: still (a slice never over) or a second a look (always over)
+    class Clock:  # the pacing clock: still (a slice never over) or a second a look (always over)
         def __init__(self, step_s: float) -> None:
             self.now, self.step_s = 0.0, step_s
 
@@ -595,12 +581,12 @@ async def test_a_relay_slice_ends_at_the_slice_time_whatever_the_pace_says(model
             return getattr(time, name)
 
     monkeypatch.setattr(e.model, "score_steps", counted)
-    monkeypatch.setattr(ranker_module, "time", Clock(0.0))
+    monkeypatch.setattr(pacing_module, "time", Clock(0.0))
     res = await e.rank("heavy", h, cands, 2e9, FAR)
     paced = len(steps)
     assert res.path == "relay" and paced >= 1
     steps.clear()
-    monkeypatch.setattr(ranker_module, "time", Clock(1.0))
+    monkeypatch.setattr(pacing_module, "time", Clock(1.0))
     res = await e.rank("heavy", h, cands, 2e9, FAR)
     assert res.path == "relay" and len(steps) > 3 * paced
     torch.testing.assert_close(res.scores, model.rank_full(h, cands, 2e9), rtol=1e-4, atol=1e-4)
@@ -616,9 +602,9 @@ async def test_a_short_ranking_waits_for_one_slice_of_a_heavy_relay_ranking_not_
     h = history(3000, seed=10)
     cands = torch.arange(1, 257)
     await e.prefill("heavy", h)
-    e.pace_score.observe(1.0, 1.0)  # relay rankings timed here at the model's pace
-    assert e._slice_relay(3000, 0, 256)
-    assert not e._slice_relay(3000, 0, 40)  # 0.4 ms predicted: within one slice, one job
+    e.pacing.score.observe(1.0, 1.0)  # relay rankings timed here at the model's pace
+    assert e.pacing.slice_relay(3000, 0, 256)
+    assert not e.pacing.slice_relay(3000, 0, 40)  # 0.4 ms predicted: within one slice, one job
     order: list[str] = []
     gate = threading.Event()
     blocker = e.scheduler.submit(lambda: gate.wait(10), priority=Priority.RANK)

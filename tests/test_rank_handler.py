@@ -1,0 +1,149 @@
+"""The rank handler (``streams.rank_handler``) without Kafka: where a request meets its prefill
+signal, the one policy for waiting on a pre-inference, and what a request waits for before the
+engine ranks it. The engine is stubbed here: its paths are tested in test_engine/test_heavy_user."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from relaygr.schemas import RankRequest, TriggerReason
+from relaygr.streams.config import PipelineSettings
+from relaygr.streams.rank_handler import PrefillRendezvous, RankHandler
+from relaygr.workers.engine_config import EngineConfig
+from relaygr.workers.latency_model import LatencyModel
+from relaygr.workers.pacing import DevicePacing
+
+FAR = 3600.0
+
+
+async def test_a_request_waiting_at_the_rendezvous_is_woken_by_its_signal() -> None:
+    meet = PrefillRendezvous()
+    waiter = asyncio.create_task(meet.signal("r1", FAR))
+    await asyncio.sleep(0)
+    assert not waiter.done()
+    meet.arrived("r1")
+    meeting = await asyncio.wait_for(waiter, FAR)
+    assert meeting is not None and meeting.seen.is_set() and not meeting.done.is_set()
+    meet.finished("r1", "computed")
+    assert meeting.done.is_set() and meet.status("r1") == "computed"
+
+
+async def test_a_signal_read_first_is_there_when_its_request_comes() -> None:
+    meet = PrefillRendezvous()
+    meet.finished("r1", "host")
+    meeting = await meet.signal("r1", 0.0)
+    assert meeting is not None and meeting.done.is_set() and meet.status("r1") == "host"
+
+
+async def test_a_signal_not_read_in_time_is_not_seen() -> None:
+    meet = PrefillRendezvous()
+    assert await meet.signal("r1", 0.0) is None
+    assert await meet.signal("r2", 0.001) is None
+    assert meet.status("r1") is None
+
+
+async def test_the_rendezvous_keeps_the_most_recent_request_ids() -> None:
+    meet = PrefillRendezvous(capacity=2)
+    meet.finished("a", "computed")
+    meet.finished("b", "computed")
+    await meet.signal("a", 0.0)  # used: the most recent now
+    meet.finished("c", "computed")
+    assert len(meet) == 2 and meet.status("b") is None
+    assert meet.status("a") == meet.status("c") == "computed"
+    with pytest.raises(ValueError):
+        PrefillRendezvous(capacity=0)
+
+
+def test_the_wait_policy_waits_only_for_a_prefill_that_can_finish_in_time() -> None:
+    pacing = DevicePacing(EngineConfig(), LatencyModel(0.0, 0.01, 0.0))
+    deadline = time.time() + 1.0
+    assert pacing.prefill_room_s(deadline, 100.0, None) is not None  # progress unknown: room decides
+    assert pacing.prefill_room_s(deadline, 100.0, 500.0) == pytest.approx(0.9, abs=0.05)
+    assert pacing.prefill_room_s(deadline, 100.0, 2000.0) is None  # cannot be done in time
+    assert pacing.prefill_room_s(time.time() + 0.05, 100.0, None) is None  # no room for the suffix
+
+
+class Engine:
+    """The engine as the handler's wait sees it; ``eta_ms``: what the pre-inference has left."""
+
+    max_seq_len = 1024
+
+    def __init__(self, eta_ms: float | None = None, cached: int = 0) -> None:
+        self.pacing = DevicePacing(EngineConfig(), LatencyModel(0.0, 0.001, 0.0))
+        self.eta_ms, self.cached = eta_ms, cached
+        self.calls: list[str] = []
+
+    def cached_length(self, _user: str, _history) -> int:
+        return self.cached
+
+    def predict_full_ms(self, n: int) -> float:
+        return self.pacing.latency.predict_ms(n)
+
+    def prefill_room_s(self, _user: str, deadline: float, after_tokens: int) -> float | None:
+        return self.pacing.prefill_room_s(deadline, self.pacing.latency.predict_ms(after_tokens), self.eta_ms)
+
+    def expedite_prefill(self, _user: str, _deadline: float) -> None:
+        self.calls.append("expedite")
+
+    def yield_prefill(self, _user: str) -> None:
+        self.calls.append("yield")
+
+    def abandon_prefill(self, _user: str) -> None:
+        self.calls.append("abandon")
+
+
+def handler(engine: Engine) -> RankHandler:
+    return RankHandler(
+        engine, None, None, PipelineSettings(short_term=16), "w0", lambda **_: None, lambda _p: None
+    )  # type: ignore[arg-type]
+
+
+def request(deadline_s: float) -> RankRequest:
+    now = time.time()
+    return RankRequest(
+        request_id="r1",
+        user_id="u",
+        ts=now,
+        candidates=[1, 2, 3],
+        deadline_ts=now + deadline_s,
+        prefill_expected=True,
+        trigger=TriggerReason.ADMITTED,
+        produced_at=now,
+    )
+
+
+HISTORY = torch.zeros(512)
+
+
+async def test_a_request_whose_signal_never_comes_ranks_without_it() -> None:
+    h = handler(Engine())
+    assert await h._await_prefill(request(0.05), HISTORY) == "signal_not_seen"
+
+
+async def test_a_request_waits_for_its_prefill_until_it_finishes() -> None:
+    engine = Engine(eta_ms=1.0)
+    h = handler(engine)
+    h.rendezvous.arrived("r1")
+    waiting = asyncio.create_task(h._await_prefill(request(FAR), HISTORY))
+    await asyncio.sleep(0.02)
+    assert not waiting.done() and engine.calls == ["expedite"]  # lent the ranking's priority
+    h.rendezvous.finished("r1", "computed")
+    assert await asyncio.wait_for(waiting, FAR) is None
+    assert engine.calls == ["expedite", "yield"]
+
+
+async def test_a_prefill_that_cannot_finish_in_time_is_abandoned_at_once() -> None:
+    engine = Engine(eta_ms=FAR * 1000)
+    h = handler(engine)
+    h.rendezvous.arrived("r1")
+    assert await h._await_prefill(request(1.0), HISTORY) == "prefill_not_ready"
+    assert engine.calls == ["abandon"]  # never waited for
+
+
+async def test_a_request_does_not_wait_for_a_prefix_it_nearly_has() -> None:
+    h = handler(Engine(cached=len(HISTORY) - 16))
+    assert await h._await_prefill(request(FAR), HISTORY) is None  # not even for its signal
