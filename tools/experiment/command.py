@@ -9,9 +9,13 @@ in it depends on the mode:
 - model: the trained checkpoint (its architecture is in the report); one ranking worker per mode
   with ``--threads`` torch threads; the latency model of full ranking is calibrated once, here,
   with the same thread count, and given to both modes' workers (the baseline truncates with it);
+- histories (throughput): unless ``--history`` gives it, the longest history whose full ranking at
+  low load is predicted (by this machine's calibration) to take 70 % of the product budget, at most
+  half the model's serving cap (``tools.sizing``); the report gives the compute ratio of full to
+  relay ranking there next to the throughput ratio;
 - SLO: a P99 bound B on ranking latency (rank request produced -> result produced). Unless
-  ``--slo-ms`` gives it, B is measured so that the baseline serves about ``--slo-tokens`` (1024)
-  tokens: a baseline pipeline without truncation ranks the trace window at that history length
+  ``--slo-ms`` gives it, B is measured so that the baseline serves about ``--slo-tokens`` tokens
+  (throughput: its history; seq-len: 1024): a baseline pipeline without truncation ranks the trace window at that history length
   at the reference load (``--slo-qps``, 10); B = the largest of the ranking P99s of
   ``--slo-slices`` (3) consecutive slices of that run × (1 + ``--slo-headroom``, 0.25), rounded up
   to a whole millisecond (on a shared machine the tail of one short run is noisy, and the
@@ -152,6 +156,8 @@ def prepare(args: argparse.Namespace, kind: ExperimentKind) -> Run:
         pin_tasks(os.getpid(), cores.shared)
         _pin_broker(settings, cores.shared)
     say("latency model of full ranking: " + ", ".join(f"{n} tokens {ms:.1f} ms" for n, ms in samples))
+    cap = json.loads((model_dir / "config.json").read_text()).get("max_seq_len") or 8192
+    kind.size(args, lat, int(cap), say)
     if getattr(args, "interactions", None) is not None:
         log, source = load_log(args)
         report_bad_rows(log)
@@ -460,7 +466,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--theta", type=float, default=0.1, help="trigger threshold θ (default 0.1)")
     parser.add_argument("--slo-ms", type=float, help="fix B instead of measuring it")
     parser.add_argument(
-        "--slo-tokens", type=int, default=1024, help="history the baseline must serve within B"
+        "--slo-tokens",
+        type=int,
+        default=None,
+        help="history the baseline must serve within B (default: throughput's history; 1024 for seq-len)",
     )
     parser.add_argument("--slo-qps", type=float, default=10.0, help="reference load of the SLO calibration")
     parser.add_argument("--slo-requests", type=int, default=300, help="requests of the SLO calibration")
@@ -515,7 +524,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--lengths", default="512,1024,2048,4096,8192", help="history lengths (events)")
     g.add_argument("--qps", type=float, default=10.0, help="request rate of every point")
     g = parser.add_argument_group("throughput")
-    g.add_argument("--history", type=int, default=1024, help="history length (events)")
+    g.add_argument(
+        "--history",
+        type=int_at_least(1),
+        default=None,
+        help="history length in events (default: sized from the calibration, where full ranking at low load "
+        "takes most of the budget; see tools.sizing)",
+    )
     g.add_argument(
         "--qps-list",
         default="10,15,20,25,30,35,40,50,60,70,80,90,100,110,120,140",

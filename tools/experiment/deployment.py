@@ -26,7 +26,7 @@ from relaygr.tools.experiment.report import say
 from relaygr.tools.experiment.stopping import StopRule
 from relaygr.tools.replay import Replayer, plan_replay
 from relaygr.tools.report.figures import meets_slo, percentile, ranking_ms
-from relaygr.tools.report.inputs import prefill_statuses
+from relaygr.tools.report.inputs import prefill_statuses, read_admitted_ids
 from relaygr.tools.report.summary import RunSummary
 from relaygr.tools.trace import TraceTopics, build_trace, eligible_interactions, load_trace, publish_trace
 from relaygr.tools.traffic import collect_results
@@ -134,7 +134,7 @@ async def run_point(
         slo_ms=slo_ms,
         expected=len(sent),
         duration_s=len(sent) / qps,
-        admitted=trig.get("admitted", 0) if trig else len(statuses),
+        admitted=await read_admitted_ids(s, reg.name("prefill"), ids, progress=False),
         prefill_statuses=statuses,
         allow_truncated=allow_truncated,
         decisions=trig,

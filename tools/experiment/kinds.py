@@ -16,8 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from relaygr.tools.experiment.plots import plot_sweep
-from relaygr.tools.experiment.protocol import MODES, PointRun
+from relaygr.tools.experiment.protocol import EXPERIMENT_SHORT_TERM, MODES, PointRun
 from relaygr.tools.report.plots import plot_lines
+from relaygr.tools.sizing import size_throughput
+from relaygr.workers.latency_model import LatencyModel
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,11 @@ class ExperimentKind:
     def protocol_text(self, args: argparse.Namespace) -> dict[str, str]:
         """The protocol's ``arrivals``, ``requests_per_point`` and ``history`` rows."""
         raise NotImplementedError
+
+    def size(self, args: argparse.Namespace, latency: LatencyModel, max_seq_len: int, say) -> None:
+        """Fill in what the machine's calibration decides (``args`` left as given by default)."""
+        if args.slo_tokens is None:
+            args.slo_tokens = 1024
 
     def plots(self, points: list[PointRun], slo_ms: float, out: Path) -> list[Path]:
         raise NotImplementedError
@@ -157,11 +164,36 @@ class Throughput(ExperimentKind):
         most = max(self.requests(args, p) for p in self.points(args))
         return TraceShape(most, args.history, "trace")
 
+    def size(self, args: argparse.Namespace, latency: LatencyModel, max_seq_len: int, say) -> None:
+        """The history (unless ``--history``): the longest whose full ranking at low load takes most
+        of the product budget (``tools.sizing.size_throughput``), at most half the serving cap (the
+        window's interactions lengthen the histories); B is then measured at that length (unless
+        ``--slo-tokens``), so the baseline serves it within B at the reference load."""
+        from relaygr.streams.config import PipelineSettings
+
+        if args.history is None:
+            work = size_throughput(
+                latency, PipelineSettings().budget_ms, max_seq_len // 2, EXPERIMENT_SHORT_TERM
+            )
+            args.history, args.sizing = work.history, work.to_dict()
+            say(f"history {work.history} events: {work.why_history}")
+        else:
+            args.sizing = size_throughput_at(latency, args.history)
+            say(
+                f"history {args.history} events (given): compute ratio {args.sizing['compute_ratio']:.1f}x there"
+            )
+        if args.slo_tokens is None:
+            args.slo_tokens = args.history
+
     def protocol_text(self, args: argparse.Namespace) -> dict[str, str]:
+        sized = getattr(args, "sizing", {}).get("why_history")  # None when --history gave it
         return {
             "arrivals": "Poisson at the point's QPS in trace order",
             "requests_per_point": _rounds_text(args),
-            "history": f"{args.history} events at each user's first request in the window (fixed)",
+            "history": f"{args.history} events at each user's first request in the window (fixed"
+            + (f": {sized}" if sized else "")
+            + "); returning users: the window's users come back as they did in the trace, and each "
+            "user's previous visit is replayed unmeasured first",
         }
 
     def plots(self, points: list[PointRun], slo_ms: float, out: Path) -> list[Path]:
@@ -191,11 +223,27 @@ class Throughput(ExperimentKind):
         relay_best: float | None,
         baseline_best: float | None,
     ) -> dict:
-        extra: dict = {"history": args.history if args is not None else None}
+        sizing = getattr(args, "sizing", {}) if args is not None else {}
+        extra: dict = {
+            "history": args.history if args is not None else None,
+            "compute_ratio": sizing.get("compute_ratio"),
+            "predicted_full_ms": sizing.get("predicted_full_ms"),
+            "predicted_relay_ms": sizing.get("predicted_relay_ms"),
+            "users": "returning",
+        }
         for mode, bx in (("relay", relay_best), ("baseline", baseline_best)):
             at = [p for p in points if p.mode == mode and p.x == bx]
             extra[f"{mode}_slo_throughput_qps"] = at[0].summary.slo.slo_throughput_qps if at else None
         return extra
+
+
+def size_throughput_at(latency: LatencyModel, history: int) -> dict:
+    """The compute figures at a given history (``--history``)."""
+    from relaygr.tools.sizing import relay_ms
+
+    full, relay = latency.predict_ms(history), relay_ms(latency, history, EXPERIMENT_SHORT_TERM)
+    return {"history": history, "predicted_full_ms": round(full, 2), "predicted_relay_ms": round(relay, 2),
+            "compute_ratio": round(full / relay, 2), "overridden": ["history"]}  # fmt: skip
 
 
 def _rounds_text(args: argparse.Namespace) -> str:

@@ -147,6 +147,12 @@ def write_experiment_report(
             "(extend the points to find its limit)."
             if r_best is not None and r_best == max(proto.points)
             else ""
+        )
+        + (
+            f" Compute ratio of full to relay ranking at {head_extra['history']}-event histories (predicted "
+            f"by the calibration): {fmt(head_extra['compute_ratio'], 1)}×, the most a device-bound ratio can reach."
+            if (head_extra := kind.headline_extra(args, points, r_best, b_best)).get("compute_ratio")
+            else ""
         ),
         "## Points",
         table(["run", *ROW_HEADER], [[_run_name(p), *point_row(p)] for p in runs], 3),
@@ -223,5 +229,11 @@ def print_headline(doc: dict, kind: ExperimentKind) -> None:
     say(
         f"{h['experiment']}: B = {h['slo_ms']:g} ms; relay max {key} {fmt(h[f'relay_max_{key}'], 0)}, "
         f"baseline max {key} {fmt(h[f'baseline_max_{key}'], 0)}, ratio {fmt(h['ratio'], 2)}x "
-        f"(target {h['target_ratio']}x); report {h['report']}"
+        f"(target {h['target_ratio']}x)"
+        + (
+            f"; compute ratio {fmt(h['compute_ratio'], 1)}x at {h['history']} events"
+            if h.get("compute_ratio")
+            else ""
+        )
+        + f"; report {h['report']}"
     )
