@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import time
@@ -53,8 +54,6 @@ before it is lengthened)."""
 def default_ranking_workers(cores: int | None = None) -> int:
     """One ranking worker per two cores, at most two: a worker's device thread takes a core, and
     on a small machine the other stages and the broker need the rest."""
-    import os
-
     cores = cores if cores is not None else (os.cpu_count() or 1)
     return max(1, min(2, cores // 2))
 
