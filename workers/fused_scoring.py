@@ -291,31 +291,92 @@ def _request_index(
     return seg_index
 
 
-def _score_in_micro_batches(
-    cands: Tensor,
-    cand_action: Tensor,
-    item_table: Tensor,
+def _advance_new_events(
+    x: Tensor,
+    start: int,
+    starts: list[int],
+    times: list[Tensor],
     keys: list[Tensor],
     values: list[Tensor],
-    seg_index: list[Tensor],
+    kbufs: list[Tensor],
+    vbufs: list[Tensor],
     tables: list[Tensor],
     weights: list[Tensor],
-    final: tuple[Tensor, Tensor],
     dims: tuple[int, int, int],
     consts: tuple[float, float, float],
-    block: int,
-    mb: int,
-) -> Tensor:
-    """Scores (float32) of the item ids ``cands``, ``mb`` at a time."""
-    c = cands.shape[0]
-    out = torch.empty(c, dtype=torch.float32, device=cands.device)
-    cb = key_block_size(block, min(mb, max(1, c)))
-    for c0 in range(0, c, mb):
-        e = F.embedding(cands[c0 : c0 + mb], item_table)
-        out[c0 : c0 + mb] = _score_candidates(
-            e + cand_action, e, keys, values, seg_index, tables, weights, final[0], final[1], dims, consts, cb
-        )
-    return out
+    sizes: tuple[int, int, int],
+) -> None:
+    """The new events' tokens ``x`` (from position ``start``) through every layer as one causal
+    chunk, their keys and values written into ``kbufs`` / ``vbufs``."""
+    num_pos, block = sizes[0], sizes[1]
+    t_seg, t_k0, t_k1, t_index, t_hidden = _causal_plan(start, x.shape[0], starts, times, block, num_pos)
+    _advance_tokens(
+        x, keys, values, t_seg, t_k0, t_k1, t_index, t_hidden, tables, weights, kbufs, vbufs, 0, dims, consts
+    )
+
+
+def _score_requests(
+    raw_cands: list[Tensor],
+    request_ts: list[float],
+    ends: list[int],
+    keys: list[Tensor],
+    values: list[Tensor],
+    seg_keys: list[Tensor],
+    seg_values: list[Tensor],
+    kbufs: list[Tensor],
+    vbufs: list[Tensor],
+    starts: list[int],
+    times: list[Tensor],
+    cand_action: Tensor,
+    embeddings: list[Tensor],
+    tables: list[Tensor],
+    weights: list[Tensor],
+    dims: tuple[int, int, int],
+    consts: tuple[float, float, float],
+    vocab: tuple[int, int, int],
+    sizes: tuple[int, int, int],
+) -> list[Tensor]:
+    """Scores of each request's candidates, ``mb`` at a time (``_rank_relay``'s arguments): request
+    ``r`` sees the cached segments and the first ``ends[r]`` new events (``keys`` / ``values``
+    hold them all)."""
+    num_items, num_pos, block, mb = vocab[0], sizes[0], sizes[1], sizes[2]
+    item_table, final_w, final_b = embeddings[0], embeddings[2], embeddings[3]
+    n_seg = len(starts) - 1
+    n = times[n_seg].shape[0]
+    device = item_table.device
+    outs: list[Tensor] = []
+    for r in range(len(raw_cands)):
+        m = ends[r]
+        if m < 0 or m > n:
+            raise ValueError("rank_relay: a request sees more events than there are")
+        keys_r, values_r = keys, values
+        if m < n:  # an earlier request: the same keys, less of the new events
+            keys_r, values_r = _with_pending(
+                seg_keys, seg_values, [k[:, :m] for k in kbufs], [v[:, :m] for v in vbufs], n_seg
+            )
+        seg_index = _request_index(starts[n_seg] + m, request_ts[r], starts, times, m, num_pos)
+        cands = _known_ids(raw_cands[r].to(device, torch.int64), num_items)
+        c = cands.shape[0]
+        out = torch.empty(c, dtype=torch.float32, device=device)
+        cb = key_block_size(block, min(mb, max(1, c)))
+        for c0 in range(0, c, mb):
+            e = F.embedding(cands[c0 : c0 + mb], item_table)
+            out[c0 : c0 + mb] = _score_candidates(
+                e + cand_action,
+                e,
+                keys_r,
+                values_r,
+                seg_index,
+                tables,
+                weights,
+                final_w,
+                final_b,
+                dims,
+                consts,
+                cb,
+            )
+        outs.append(out)
+    return outs
 
 
 def _rank_relay(
@@ -348,13 +409,12 @@ def _rank_relay(
     and the events' keys and values per layer (``[H, n, d]``), which extend the cache."""
     heads, dqk, dv = dims
     num_items, num_actions, cand_act = vocab
-    num_pos, block, mb = sizes
     item_table, action_table = embeddings[0], embeddings[1]
     device = item_table.device
     items = _known_ids(raw_items.to(device, torch.int64), num_items)
     actions = _known_ids(raw_actions.to(device, torch.int64), num_actions)
     ts = raw_ts.to(device, torch.float64)
-    cand_action, final = action_table[cand_act], (embeddings[2], embeddings[3])
+    cand_action = action_table[cand_act]
     n_layers = len(tables)
     n_seg = len(seg_start)
     n = items.shape[0]
@@ -365,54 +425,31 @@ def _rank_relay(
     starts = seg_start + [start]  # noqa: RUF005 (TorchScript has no starred lists)
     times = seg_ts + [ts]  # noqa: RUF005
     if n > 0:
-        t_seg, t_k0, t_k1, t_index, t_hidden = _causal_plan(start, n, starts, times, block, num_pos)
         x = F.embedding(items, item_table) + F.embedding(actions, action_table)
-        _advance_tokens(
-            x,
-            keys,
-            values,
-            t_seg,
-            t_k0,
-            t_k1,
-            t_index,
-            t_hidden,
-            tables,
-            weights,
-            kbufs,
-            vbufs,
-            0,
-            dims,
-            consts,
+        _advance_new_events(
+            x, start, starts, times, keys, values, kbufs, vbufs, tables, weights, dims, consts, sizes
         )
-    outs: list[Tensor] = []
-    for r in range(len(raw_cands)):
-        m = ends[r]
-        if m < 0 or m > n:
-            raise ValueError("rank_relay: a request sees more events than there are")
-        keys_r, values_r = keys, values
-        if m < n:  # an earlier request: the same keys, less of the new events
-            keys_r, values_r = _with_pending(
-                seg_keys, seg_values, [k[:, :m] for k in kbufs], [v[:, :m] for v in vbufs], n_seg
-            )
-        seg_index = _request_index(start + m, request_ts[r], starts, times, m, num_pos)
-        cands = _known_ids(raw_cands[r].to(device, torch.int64), num_items)
-        outs.append(
-            _score_in_micro_batches(
-                cands,
-                cand_action,
-                item_table,
-                keys_r,
-                values_r,
-                seg_index,
-                tables,
-                weights,
-                final,
-                dims,
-                consts,
-                block,
-                mb,
-            )
-        )
+    outs = _score_requests(
+        raw_cands,
+        request_ts,
+        ends,
+        keys,
+        values,
+        seg_keys,
+        seg_values,
+        kbufs,
+        vbufs,
+        starts,
+        times,
+        cand_action,
+        embeddings,
+        tables,
+        weights,
+        dims,
+        consts,
+        vocab,
+        sizes,
+    )
     return outs, kbufs, vbufs
 
 
