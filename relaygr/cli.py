@@ -74,6 +74,10 @@ GROUPS: dict[str, tuple[str, dict[str, tuple[str, str]]]] = {
                 "relaygr.bench.ingest",
                 "every stage's ingestion rate for a burst of long histories; request hops during it vs idle",
             ),
+            "request-path": (
+                "relaygr.bench.request_path",
+                "the project files and lines one rank request runs through (relay or full path)",
+            ),
         },
     ),
 }

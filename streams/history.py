@@ -12,7 +12,8 @@ Primitives:
 - ``partition_users(partition)`` / ``discard_partition(partition)``: the users whose events came
   from a partition, and dropping everything it contributed (its state no longer matches the
   cluster: see ``relaygr.streams.state_lineage``).
-- ``pack`` / ``unpack``: a history as fixed-width records (item int64, action int16, ts float64).
+- ``pack`` / ``unpack``: a history as fixed-width records (item int64, action int16, ts float64;
+  ``RECORD``, with the packing of incoming behaviours, is ``relaygr.streams.history_records``).
   The item column holds ``relaygr.workers.vocab.item_key`` of the raw id: an integer id as is, a
   string id as its 64-bit hash. Keys, not model ids, so the table does not depend on the
   checkpoint: a model with another vocabulary maps the same table when it serves it.
@@ -40,12 +41,12 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
-import struct
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -55,8 +56,8 @@ from rocksdict import Options, Rdict, WriteBatch
 from relaygr.schemas import BehaviorBatch, BehaviorEvent
 from relaygr.schemas.routing import Positions, covers, decode_positions, encode_positions
 from relaygr.streams.common import ForwardRate
+from relaygr.streams.history_records import RECORD, batch_records, event_record
 from relaygr.workers.prefix_kv import Events
-from relaygr.workers.vocab import item_key, item_keys
 
 UNREACHABLE = PCounter(
     "relaygr_history_wait_unreachable_total",
@@ -69,10 +70,6 @@ CLEAR_AHEAD = PCounter(
     "what it must see were fetched already, and none of them is its user's",
 )
 
-RECORD = np.dtype([("item", "<i8"), ("action", "<i2"), ("ts", "<f8")])
-# One record packed without numpy (the ingestion hot path): the same 18 bytes as RECORD.
-_RECORD_STRUCT = struct.Struct("<qhd")
-assert _RECORD_STRUCT.size == RECORD.itemsize
 # A user's events are stored as runs of records, one key per run (one RocksDB write for a whole
 # burst of a user, not one per event); runs never cross a multiple of this.
 RUN_EVENTS = 512
@@ -96,39 +93,17 @@ def to_events(rec: np.ndarray) -> Events:
     )
 
 
-def _event_record(ev: BehaviorEvent, source: tuple[int, int] | None, seen: Positions) -> tuple[bytes, int]:
-    """One event packed (or nothing, when its source offset was applied before), moving ``seen``."""
-    if source is not None:
-        q, src_offset = source
-        if src_offset <= seen.get(q, -1):
-            return b"", 0
-        seen[q] = src_offset
-    return _RECORD_STRUCT.pack(item_key(ev.item_id), ev.action, ev.ts), 1
+class _Collected(NamedTuple):
+    """What a batch adds to the table (``HistoryTable._collect``)."""
 
-
-def _batch_records(ev: BehaviorBatch, seen: Positions) -> tuple[bytes, int]:
-    """A routed batch's events packed at once, without those whose source offset is not above
-    the last applied one of its source partition (``seen``, moved on). Per source partition the
-    ingress forwards in offset order, so an event is new iff it is above every earlier one."""
-    n = len(ev.item_ids)
-    if not n:
-        return b"", 0
-    parts = np.asarray(ev.source_partitions, dtype=np.int64)
-    offsets = np.asarray(ev.source_offsets, dtype=np.int64)
-    keep = np.ones(n, dtype=bool)
-    for q in np.unique(parts).tolist():
-        at = np.flatnonzero(parts == q)
-        offs = offsets[at]
-        before = np.maximum.accumulate(np.concatenate(([seen.get(q, -1)], offs[:-1])))
-        keep[at] = offs > before
-        seen[q] = max(seen.get(q, -1), int(offs.max()))
-    rec = np.empty(n, dtype=RECORD)
-    rec["item"] = item_keys(ev.item_ids)
-    rec["action"] = ev.actions
-    rec["ts"] = ev.timestamps
-    if not keep.all():
-        rec = rec[keep]
-    return rec.tobytes(), len(rec)
+    last: int | None  # its last offset not applied before (None: it has none)
+    applied: int  # events applied
+    counts: dict[str, int]  # user -> event count before the batch
+    new: dict[str, list[bytes]]  # user -> packed records of the batch, in order
+    added: dict[str, int]  # user -> events in ``new``
+    sources: dict[str, Positions]  # user -> source partition -> last applied offset
+    incarnation: dict[str, str | None]  # user -> id of the public topic of ``sources``
+    moved: set[str]  # users whose sources (or their topic) changed
 
 
 class HistoryTable:
@@ -242,93 +217,108 @@ class HistoryTable:
         progress record). ``progress`` is the newest progress record
         of the batch. Returns how many events were applied."""
         with self._lock:
-            start = self._next_offset(partition)
-            marks = self._positions(self._progress, b"m/", partition)
             wb = WriteBatch(raw_mode=True)
-            counts: dict[str, int] = {}  # user -> event count before this batch
-            new: dict[str, list[bytes]] = {}  # user -> packed records of this batch, in order
-            added: dict[str, int] = {}
-            last, applied = None, 0
-            sources: dict[str, Positions] = {}  # user -> source partition -> last applied offset
-            incarnation: dict[str, str | None] = {}  # user -> id of the public topic of ``sources``
-            moved: set[str] = set()
-            for offset, ev, *src in batch:
-                if offset < start or (last is not None and offset <= last):
-                    continue
-                last = offset
-                if ev is None:
-                    continue
-                u = ev.user_id
-                if u not in sources:
-                    sources[u] = self._sources_of(u)
-                    incarnation[u] = self._source_topic_of(u)
-                sid = ev.source_topic_id if isinstance(ev, BehaviorBatch) else None
-                if sid is not None and sid != incarnation[u]:
-                    # Read from another public topic of that name (recreated): its offsets start
-                    # over, so the positions applied from the earlier one say nothing.
-                    if incarnation[u] is not None:
-                        sources[u] = {}
-                    incarnation[u] = sid
-                    moved.add(u)
-                if isinstance(ev, BehaviorBatch):
-                    recs, n = _batch_records(ev, sources[u])
-                else:
-                    recs, n = _event_record(ev, src[0] if src else None, sources[u])
-                if not n:
-                    continue  # forwarded twice (the ingress restarted before committing)
-                if isinstance(ev, BehaviorBatch) or src:
-                    moved.add(u)
-                if u not in counts:
-                    counts[u] = self._count(u)
-                    if counts[u] == 0:
-                        wb.put(self._ukey(partition, u), b"")
-                new.setdefault(u, []).append(recs)
-                added[u] = added.get(u, 0) + n
-                applied += n
-            if last is None:
+            got = self._collect(partition, batch, wb)
+            if got.last is None:
                 return 0
-            trims: dict[str, int] = {}
-            for u, base in counts.items():
-                n = base + added[u]
-                wb.put(self._nkey(u), str(n).encode())
-                keep_from = first = self._first(u)
-                if self._retain is not None and n - first > self._retain + max(
-                    self._align, self._retain // 4
-                ):
-                    keep_from = (n - self._retain) // self._align * self._align
-                    if keep_from > base:  # every stored event goes, and this batch's oldest ones
-                        wb.delete_range(self._ekey(u, first), self._ekey(u, base))
-                    else:
-                        self._keep_tail_of_run(wb, u, keep_from)
-                        wb.delete_range(self._ekey(u, first), self._ekey(u, keep_from))
-                    wb.put(b"f/" + u.encode(), str(keep_from).encode())
-                    trims[u] = keep_from - first
-                self._put_runs(wb, u, base, b"".join(new[u]), keep_from)
-            for u in moved:
-                wb.put(b"s/" + u.encode(), encode_positions(sources[u]))
-                if incarnation[u] is not None:
-                    wb.put(b"t/" + u.encode(), incarnation[u].encode())
+            trims = self._write_users(wb, got)
+            for u in got.moved:
+                wb.put(b"s/" + u.encode(), encode_positions(got.sources[u]))
+                if got.incarnation[u] is not None:
+                    wb.put(b"t/" + u.encode(), got.incarnation[u].encode())
             if progress:
+                marks = self._positions(self._progress, b"m/", partition)
                 for q, pos in progress.items():
                     marks[q] = max(marks.get(q, 0), pos)
                 wb.put(b"m/" + str(partition).encode(), encode_positions(marks))
-            wb.put(self._okey(partition), str(last).encode())
+            wb.put(self._okey(partition), str(got.last).encode())
             self._db.write(wb)
-            self._offsets[partition] = last
-            for u, recs in new.items():
-                cached = self._cache.get(u)
-                if cached is not None:
-                    data = b"".join(recs)
-                    cached += data
-                    self._cache_bytes += len(data)
-            for u, dropped in trims.items():
-                self.trimmed_events += dropped
-                cached = self._cache.get(u)
-                if cached is not None:
-                    del cached[: dropped * RECORD.itemsize]
-                    self._cache_bytes -= dropped * RECORD.itemsize
-            self._shrink()
-            return applied
+            self._offsets[partition] = got.last
+            self._cache_appended(got.new, trims)
+            return got.applied
+
+    def _collect(self, partition: int, batch: Iterable[tuple], wb: WriteBatch) -> _Collected:
+        """The batch's records not applied before, packed per user, with the users' counts and
+        source positions as they were (a new user of the partition is noted in ``wb``)."""
+        start = self._next_offset(partition)
+        counts: dict[str, int] = {}
+        new: dict[str, list[bytes]] = {}
+        added: dict[str, int] = {}
+        last, applied = None, 0
+        sources: dict[str, Positions] = {}
+        incarnation: dict[str, str | None] = {}
+        moved: set[str] = set()
+        for offset, ev, *src in batch:
+            if offset < start or (last is not None and offset <= last):
+                continue
+            last = offset
+            if ev is None:
+                continue
+            u = ev.user_id
+            if u not in sources:
+                sources[u] = self._sources_of(u)
+                incarnation[u] = self._source_topic_of(u)
+            sid = ev.source_topic_id if isinstance(ev, BehaviorBatch) else None
+            if sid is not None and sid != incarnation[u]:
+                # Read from another public topic of that name (recreated): its offsets start
+                # over, so the positions applied from the earlier one say nothing.
+                if incarnation[u] is not None:
+                    sources[u] = {}
+                incarnation[u] = sid
+                moved.add(u)
+            if isinstance(ev, BehaviorBatch):
+                recs, n = batch_records(ev, sources[u])
+            else:
+                recs, n = event_record(ev, src[0] if src else None, sources[u])
+            if not n:
+                continue  # forwarded twice (the ingress restarted before committing)
+            if isinstance(ev, BehaviorBatch) or src:
+                moved.add(u)
+            if u not in counts:
+                counts[u] = self._count(u)
+                if counts[u] == 0:
+                    wb.put(self._ukey(partition, u), b"")
+            new.setdefault(u, []).append(recs)
+            added[u] = added.get(u, 0) + n
+            applied += n
+        return _Collected(last, applied, counts, new, added, sources, incarnation, moved)
+
+    def _write_users(self, wb: WriteBatch, got: _Collected) -> dict[str, int]:
+        """Each user's new count and runs into ``wb``, dropping by retention what it no longer
+        keeps; returns how many events each trimmed user lost."""
+        trims: dict[str, int] = {}
+        for u, base in got.counts.items():
+            n = base + got.added[u]
+            wb.put(self._nkey(u), str(n).encode())
+            keep_from = first = self._first(u)
+            if self._retain is not None and n - first > self._retain + max(self._align, self._retain // 4):
+                keep_from = (n - self._retain) // self._align * self._align
+                if keep_from > base:  # every stored event goes, and this batch's oldest ones
+                    wb.delete_range(self._ekey(u, first), self._ekey(u, base))
+                else:
+                    self._keep_tail_of_run(wb, u, keep_from)
+                    wb.delete_range(self._ekey(u, first), self._ekey(u, keep_from))
+                wb.put(b"f/" + u.encode(), str(keep_from).encode())
+                trims[u] = keep_from - first
+            self._put_runs(wb, u, base, b"".join(got.new[u]), keep_from)
+        return trims
+
+    def _cache_appended(self, new: dict[str, list[bytes]], trims: dict[str, int]) -> None:
+        """The cached copies of the users' histories after a written batch: its records added,
+        what retention dropped taken off."""
+        for u, recs in new.items():
+            cached = self._cache.get(u)
+            if cached is not None:
+                data = b"".join(recs)
+                cached += data
+                self._cache_bytes += len(data)
+        for u, dropped in trims.items():
+            self.trimmed_events += dropped
+            cached = self._cache.get(u)
+            if cached is not None:
+                del cached[: dropped * RECORD.itemsize]
+                self._cache_bytes -= dropped * RECORD.itemsize
+        self._shrink()
 
     def _put_runs(self, wb: WriteBatch, user_id: str, seq: int, data: bytes, keep_from: int) -> None:
         """Write a user's new events (``data``, starting at event ``seq``) as runs of records, one

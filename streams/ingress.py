@@ -348,49 +348,14 @@ class Ingress:
                 self._forwarded_reset = False
                 forwarded.clear()
                 marked.clear()
-            count = len(self.beh_consumer.partitions_for_topic(src) or ()) or n_out
-            # routed partition -> user -> columns of that user's events, in fetch order
-            users: dict[int, dict[str, tuple[list, list, list, list, list]]] = {}
-            dead = []
-            n = 0
-            routed: dict[bytes, int] = {}  # key -> routed partition, once per key and fetch
-            for tp, msgs in batch.items():
-                for i, m in enumerate(msgs):
-                    if i % YIELD_EVERY == YIELD_EVERY - 1:
-                        await asyncio.sleep(0)  # a requests task may share this loop: let it run
-                    try:
-                        b = decode_keyed(BehaviorEvent, m.key, m.value, self.limit)
-                    except SchemaError as e:
-                        dead.append(self._dead_letter(m, str(e)))
-                        continue
-                    key = b.key()
-                    p = routed.get(key)
-                    if p is None:
-                        p = routed[key] = partition_for(key, n_out)
-                        self._check_partition(src, tp.partition, key, count)
-                    per_user = users.setdefault(p, {})
-                    cols = per_user.get(b.user_id)
-                    if cols is None:
-                        cols = per_user[b.user_id] = ([], [], [], [], [])
-                    cols[0].append(b.item_id)
-                    cols[1].append(b.ts)
-                    cols[2].append(b.action)
-                    cols[3].append(tp.partition)
-                    cols[4].append(m.offset)
-                    n += 1
-                if msgs:
-                    forwarded[tp.partition] = msgs[-1].offset + 1
+            users, dead, n = await self._group_by_user(batch, src, forwarded)
             # The public topic these offsets belong to, as learnt at assignment (or since noticed
             # recreated): a reader's positions of an earlier topic of that name do not count.
             sid = self.incarnations.ids.get(src)
             out = {
                 p: [_batch_record(uid, cols, sid) for uid, cols in per.items()] for p, per in users.items()
             }
-            for tp in self.beh_consumer.assignment():
-                if tp.partition not in forwarded:
-                    # Nothing read from it yet: what was before its start position is forwarded.
-                    with contextlib.suppress(Exception):
-                        forwarded[tp.partition] = await self.beh_consumer.position(tp)
+            await self._note_start_positions(forwarded)
             now = time.monotonic()
             progress = None
             if forwarded != marked and (not batch or now - last_progress >= PROGRESS_EVERY_S):
@@ -400,20 +365,8 @@ class Ingress:
                 await in_flight  # the previous fetch's batches: acknowledged before these go out
                 in_flight = None
             if out or progress is not None:
-                # Sent now, acknowledged while the next fetch is processed (order per partition
-                # holds: one producer, idempotent).
-                t_send = time.perf_counter()
                 read = sum(len(msgs) for msgs in batch.values())
-                in_flight = await self._send_behaviours(
-                    dst,
-                    {p: [r for recs in v for r in recs] for p, v in out.items()},
-                    progress,
-                    n_out,
-                    self.forward_rate.value,
-                )
-                if read >= RATE_MIN_RECORDS:  # a fetch this large is a backlog: its pace is ours
-                    self.forward_rate.observe(read, busy_s + time.perf_counter() - t_send)
-                    FORWARD_RATE.set(self.forward_rate.value or 0.0)
+                in_flight = await self._forward(dst, out, progress, n_out, read, busy_s)
                 if progress is not None:
                     marked, last_progress = dict(forwarded), now
                     PROGRESS.inc(n_out)
@@ -427,6 +380,81 @@ class Ingress:
                     in_flight = None
                 await _commit(self.beh_consumer, self.incarnations)  # all read so far is acknowledged
                 last_commit = now
+
+    async def _group_by_user(
+        self, batch: dict[TopicPartition, list], src: str, forwarded: Positions
+    ) -> tuple[dict[int, dict[str, tuple[list, list, list, list, list]]], list, int]:
+        """A fetch's valid behaviours grouped per routed partition and user, as columns (item, ts,
+        action, public partition, offset) in fetch order; the dead letters to send for the
+        others; how many were grouped. Moves ``forwarded`` past every record read."""
+        n_out = self.reg.partitions
+        count = len(self.beh_consumer.partitions_for_topic(src) or ()) or n_out
+        users: dict[int, dict[str, tuple[list, list, list, list, list]]] = {}
+        dead = []
+        n = 0
+        routed: dict[bytes, int] = {}  # key -> routed partition, once per key and fetch
+        for tp, msgs in batch.items():
+            for i, m in enumerate(msgs):
+                if i % YIELD_EVERY == YIELD_EVERY - 1:
+                    await asyncio.sleep(0)  # a requests task may share this loop: let it run
+                try:
+                    b = decode_keyed(BehaviorEvent, m.key, m.value, self.limit)
+                except SchemaError as e:
+                    dead.append(self._dead_letter(m, str(e)))
+                    continue
+                key = b.key()
+                p = routed.get(key)
+                if p is None:
+                    p = routed[key] = partition_for(key, n_out)
+                    self._check_partition(src, tp.partition, key, count)
+                per_user = users.setdefault(p, {})
+                cols = per_user.get(b.user_id)
+                if cols is None:
+                    cols = per_user[b.user_id] = ([], [], [], [], [])
+                cols[0].append(b.item_id)
+                cols[1].append(b.ts)
+                cols[2].append(b.action)
+                cols[3].append(tp.partition)
+                cols[4].append(m.offset)
+                n += 1
+            if msgs:
+                forwarded[tp.partition] = msgs[-1].offset + 1
+        return users, dead, n
+
+    async def _note_start_positions(self, forwarded: Positions) -> None:
+        """An assigned partition nothing was read from yet: what lies before its start position
+        counts as forwarded."""
+        for tp in self.beh_consumer.assignment():
+            if tp.partition not in forwarded:
+                with contextlib.suppress(Exception):
+                    forwarded[tp.partition] = await self.beh_consumer.position(tp)
+
+    async def _forward(
+        self,
+        dst: str,
+        out: dict[int, list[list]],
+        progress: bytes | None,
+        n_out: int,
+        read: int,
+        busy_s: float,
+    ) -> Any:
+        """Send one fetch's batches (and progress records); returns the future of their
+        acknowledgement. A fetch of a backlog (``read`` records, ``busy_s`` spent on it before
+        sending) measures the forward rate."""
+        # Sent now, acknowledged while the next fetch is processed (order per partition holds:
+        # one producer, idempotent).
+        t_send = time.perf_counter()
+        in_flight = await self._send_behaviours(
+            dst,
+            {p: [r for recs in v for r in recs] for p, v in out.items()},
+            progress,
+            n_out,
+            self.forward_rate.value,
+        )
+        if read >= RATE_MIN_RECORDS:  # a fetch this large is a backlog: its pace is ours
+            self.forward_rate.observe(read, busy_s + time.perf_counter() - t_send)
+            FORWARD_RATE.set(self.forward_rate.value or 0.0)
+        return in_flight
 
     async def _send_behaviours(
         self, topic: str, out: dict[int, list], progress: bytes | None, n_out: int, rate: float | None

@@ -10,6 +10,10 @@ Topology (behaviours from the routed topic, re-keyed by user id by the ingress s
 
 The rank request carries its deadline (now + the ranking budget) and keeps the user_id key, so
 it lands on the partition — hence the ranking worker — that received the prefill signal.
+
+Primitives: ``build(settings, pipeline)`` (the faust app); ``seen_add`` / ``seen_before`` /
+``seen_key`` (the ``seen`` table, chunked per user); ``rank_request`` / ``upstream_ms`` (the
+rank request of a retrieved one, with where its time went so far).
 """
 
 from __future__ import annotations
@@ -123,6 +127,42 @@ RANKREQ = PCounter("relaygr_preprocess_requests_total", "Rank requests emitted")
 DROPPED = PCounter("relaygr_preprocess_seen_dropped_total", "Candidates dropped as already seen")
 
 
+def upstream_ms(r: RetrievedRequest, received_at: float, now: float) -> dict[str, float]:
+    """Where a request's time went before ranking, in ms: each hop and stage up to ``now``
+    (pre-processing received it at ``received_at``)."""
+    return {
+        "hop_requests": max(0.0, ((r.received_at or r.ts) - r.ts) * 1000),
+        # The ingress's share of hop_requests: produced -> re-keyed onto routed-requests.
+        **({"routing": max(0.0, (r.routed_at - r.ts) * 1000)} if r.routed_at else {}),
+        "retrieval": max(0.0, (r.retrieved_at - (r.received_at or r.ts)) * 1000),
+        "hop_retrieved": max(0.0, (received_at - r.retrieved_at) * 1000),
+        "preprocess": (now - received_at) * 1000,
+    }
+
+
+def rank_request(
+    r: RetrievedRequest, candidates: list[RawId], received_at: float, budget_ms: float
+) -> RankRequest:
+    """The rank request of a retrieved one: its unseen ``candidates``, a deadline ``budget_ms``
+    from now, and whether a prefill signal went ahead of it (the trigger admitted it)."""
+    now = time.time()
+    return RankRequest(
+        request_id=r.request_id,
+        user_id=r.user_id,
+        ts=r.ts,
+        event_ts=r.event_ts,
+        candidates=candidates,
+        top_k=r.top_k,
+        deadline_ts=now + budget_ms / 1000,
+        prefill_expected=r.trigger == TriggerReason.ADMITTED,
+        trigger=r.trigger,
+        produced_at=now,
+        upstream_ms=upstream_ms(r, received_at, now),
+        label_item_id=r.label_item_id,
+        behaviors_needed=r.behaviors_needed,
+    )
+
+
 def build(settings: Settings, pipeline: PipelineSettings, worker_id: str = "0"):
     app = make_app(STAGE, settings, worker_id)
     reg = TopicRegistry(settings.topic_prefix, settings.partitions)
@@ -168,29 +208,7 @@ def build(settings: Settings, pipeline: PipelineSettings, worker_id: str = "0"):
             await asyncio.sleep(pipeline.feature_fetch_ms / 1000)
         cands = [c for c in r.candidates if seen_key(c) not in before]
         DROPPED.inc(len(r.candidates) - len(cands))
-        now = time.time()
-        out = RankRequest(
-            request_id=r.request_id,
-            user_id=r.user_id,
-            ts=r.ts,
-            event_ts=r.event_ts,
-            candidates=cands[: pipeline.max_rank_candidates],
-            top_k=r.top_k,
-            deadline_ts=now + pipeline.budget_ms / 1000,
-            prefill_expected=r.trigger == TriggerReason.ADMITTED,
-            trigger=r.trigger,
-            produced_at=now,
-            upstream_ms={
-                "hop_requests": max(0.0, ((r.received_at or r.ts) - r.ts) * 1000),
-                # The ingress's share of hop_requests: produced -> re-keyed onto routed-requests.
-                **({"routing": max(0.0, (r.routed_at - r.ts) * 1000)} if r.routed_at else {}),
-                "retrieval": max(0.0, (r.retrieved_at - (r.received_at or r.ts)) * 1000),
-                "hop_retrieved": max(0.0, (t0 - r.retrieved_at) * 1000),
-                "preprocess": (now - t0) * 1000,
-            },
-            label_item_id=r.label_item_id,
-            behaviors_needed=r.behaviors_needed,
-        )
+        out = rank_request(r, cands[: pipeline.max_rank_candidates], t0, pipeline.budget_ms)
         await deliver(lambda: send_acked(out_rank, out.key(), encode(out)), what="rank request")
         RANKREQ.inc()
 

@@ -11,6 +11,11 @@ Topology (the routed topics: the ingress stage re-keyed the public ones by user 
 Candidates: top-K items by inner product of the trained model's item embeddings with the mean
 embedding of the user's most recent items (popular items for a user without history). The
 prefill signal goes out before the emulated feature fetch, so pre-inference overlaps it.
+
+Primitives: ``build(settings, pipeline)`` (the faust app); ``CandidateGenerator``;
+``summary_add`` / ``summary_before`` (the table's per-user summary); ``prefill_signal`` /
+``retrieved`` (the two events a request produces); ``follow_worker_stats`` (the trigger's
+calibration from the workers' reports).
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ from relaygr.streams.common import (
     send_acked,
 )
 from relaygr.streams.config import PipelineSettings, trigger_config
-from relaygr.streams.trigger import SequenceAwareTrigger
+from relaygr.streams.trigger import Decision, SequenceAwareTrigger
 from relaygr.workers.latency_model import LatencyModel
 from relaygr.workers.vocab import OOV, ItemVocab, RawId
 
@@ -163,6 +168,83 @@ def load_latency(pipeline: PipelineSettings) -> LatencyModel:
     return LatencyModel()  # replaced by the first WorkerStats a ranking worker publishes
 
 
+def prefill_signal(
+    r: RecommendationRequest,
+    history_len: int,
+    decision: Decision,
+    lease_ttl_s: float,
+    needs: dict[str, int] | None,
+) -> PrefillSignal:
+    """The pre-infer signal of an admitted request: its user's prefix of ``decision.prefix_len``
+    events, leased for ``lease_ttl_s``, and the behaviours the ranking must see (``needs``)."""
+    return PrefillSignal(
+        request_id=r.request_id,
+        user_id=r.user_id,
+        ts=r.ts,
+        event_ts=r.event_ts,
+        history_len=history_len,
+        prefix_len=decision.prefix_len,
+        lease_ttl_s=lease_ttl_s,
+        issued_at=time.time(),
+        behaviors_needed=needs,
+    )
+
+
+def retrieved(
+    r: RecommendationRequest,
+    candidates: list[RawId],
+    history_len: int,
+    decision: Decision,
+    received_at: float,
+    routed_at: float | None,
+    needs: dict[str, int] | None,
+) -> RetrievedRequest:
+    """The request passed on to pre-processing with its candidates and the trigger's decision."""
+    return RetrievedRequest(
+        request_id=r.request_id,
+        user_id=r.user_id,
+        ts=r.ts,
+        event_ts=r.event_ts,
+        candidates=candidates,
+        top_k=r.top_k,
+        history_len=history_len,
+        trigger=decision.reason,
+        received_at=received_at,
+        routed_at=routed_at,
+        retrieved_at=time.time(),
+        label_item_id=r.label_item_id,
+        behaviors_needed=needs,
+    )
+
+
+async def follow_worker_stats(
+    settings: Settings, topic: str, trigger: SequenceAwareTrigger, max_bytes: int
+) -> None:
+    """Calibrate the trigger from the ranking workers' reports (a plain reader, no group): their
+    latency model of full ranking and the prefix bytes pinned per partition."""
+    from relaygr.infra.kafka import consumer
+
+    cons = consumer(settings, topic, group_id=None)
+    await cons.start()
+    try:
+        async for m in cons:
+            try:
+                st = decode(WorkerStats, m.value, max_bytes=max_bytes)
+            except SchemaError as e:
+                log.warning("bad worker stats skipped: %s", e)
+                continue
+            if st.mode == "relay" and len(st.latency_coeffs) == 3:
+                try:
+                    trigger.latency = LatencyModel.from_coeffs(st.latency_coeffs)
+                except ValueError as e:
+                    log.warning("worker %s sent an unusable latency model: %s", st.worker_id, e)
+            if st.partitions:
+                for part in st.partitions:
+                    trigger.report_footprint(part, st.pinned_bytes // len(st.partitions), as_of=st.ts)
+    finally:
+        await cons.stop()
+
+
 def build(settings: Settings, pipeline: PipelineSettings, worker_id: str = "0"):
     app = make_app(STAGE, settings, worker_id)
     reg = TopicRegistry(settings.topic_prefix, settings.partitions)
@@ -210,36 +292,12 @@ def build(settings: Settings, pipeline: PipelineSettings, worker_id: str = "0"):
         decision = trigger.decide(ev.message.partition, n, t0)
         TRIGGER.labels(decision.reason.value).inc()
         if decision.admitted:
-            sig = PrefillSignal(
-                request_id=r.request_id,
-                user_id=r.user_id,
-                ts=r.ts,
-                event_ts=r.event_ts,
-                history_len=n,
-                prefix_len=decision.prefix_len,
-                lease_ttl_s=trigger.config.lease_ttl_s,
-                issued_at=time.time(),
-                behaviors_needed=needs,
-            )
+            sig = prefill_signal(r, n, decision, trigger.config.lease_ttl_s, needs)
             await deliver(lambda: send_acked(out_prefill, sig.key(), encode(sig)), what="prefill signal")
         if pipeline.feature_fetch_ms:
             await asyncio.sleep(pipeline.feature_fetch_ms / 1000)
         cands = gen.candidates(recent, 2 * r.num_candidates)
-        out = RetrievedRequest(
-            request_id=r.request_id,
-            user_id=r.user_id,
-            ts=r.ts,
-            event_ts=r.event_ts,
-            candidates=cands[:2000],
-            top_k=r.top_k,
-            history_len=n,
-            trigger=decision.reason,
-            received_at=t0,
-            routed_at=routed_at,
-            retrieved_at=time.time(),
-            label_item_id=r.label_item_id,
-            behaviors_needed=needs,
-        )
+        out = retrieved(r, cands[:2000], n, decision, t0, routed_at, needs)
         await deliver(lambda: send_acked(out_retrieved, out.key(), encode(out)), what="retrieved request")
         REQS.inc()
         LAT.observe(time.time() - t0)
@@ -254,28 +312,7 @@ def build(settings: Settings, pipeline: PipelineSettings, worker_id: str = "0"):
             await guarded(STAGE, ev, on_request, to_dlq)
 
     @app.task
-    async def follow_worker_stats() -> None:
-        """Calibrate the trigger from the ranking workers' reports (a plain reader, no group)."""
-        from relaygr.infra.kafka import consumer
-
-        cons = consumer(settings, reg.name("worker_stats"), group_id=None)
-        await cons.start()
-        try:
-            async for m in cons:
-                try:
-                    st = decode(WorkerStats, m.value, max_bytes=limit)
-                except SchemaError as e:
-                    log.warning("bad worker stats skipped: %s", e)
-                    continue
-                if st.mode == "relay" and len(st.latency_coeffs) == 3:
-                    try:
-                        trigger.latency = LatencyModel.from_coeffs(st.latency_coeffs)
-                    except ValueError as e:
-                        log.warning("worker %s sent an unusable latency model: %s", st.worker_id, e)
-                if st.partitions:
-                    for part in st.partitions:
-                        trigger.report_footprint(part, st.pinned_bytes // len(st.partitions), as_of=st.ts)
-        finally:
-            await cons.stop()
+    async def calibrate_trigger() -> None:
+        await follow_worker_stats(settings, reg.name("worker_stats"), trigger, limit)
 
     return app

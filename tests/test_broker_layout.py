@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from relaygr.infra import broker
+from relaygr.infra import broker, broker_files
 from relaygr.infra.settings import Settings
 
 
@@ -23,7 +23,7 @@ def test_replication_follows_the_cluster_size(brokers: int, expected: tuple[int,
 
 
 def test_a_single_node_is_unreplicated_and_its_own_quorum(tmp_path: Path) -> None:
-    props = _props(broker._server_properties(tmp_path, 9101, 9102))
+    props = _props(broker_files.server_properties(tmp_path, 9101, 9102))
     assert props["node.id"] == "1" and props["controller.quorum.voters"] == "1@127.0.0.1:9102"
     assert props["offsets.topic.replication.factor"] == "1"
     assert props["transaction.state.log.min.isr"] == "1"
@@ -33,7 +33,9 @@ def test_a_single_node_is_unreplicated_and_its_own_quorum(tmp_path: Path) -> Non
 def test_cluster_nodes_share_one_quorum_and_replicate(tmp_path: Path) -> None:
     voters = {1: 9102, 2: 9104, 3: 9106}
     nodes = [
-        _props(broker._server_properties(tmp_path, 9101 + 2 * (i - 1), voters[i], node_id=i, voters=voters))
+        _props(
+            broker_files.server_properties(tmp_path, 9101 + 2 * (i - 1), voters[i], node_id=i, voters=voters)
+        )
         for i in voters
     ]
     assert {n["controller.quorum.voters"] for n in nodes} == {
@@ -83,7 +85,7 @@ def test_a_cluster_state_round_trips_with_every_node(tmp_path: Path) -> None:
         started_at=0.0,
         nodes=nodes,
     )
-    broker._write_state(settings, state)
+    broker_files.write_state(settings, state)
     back = broker.read_state(settings)
     assert back is not None and back.nodes == nodes
     assert back.bootstrap == "127.0.0.1:9101,127.0.0.1:9102,127.0.0.1:9103"

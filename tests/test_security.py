@@ -9,7 +9,7 @@ import ssl
 import pytest
 
 from relaygr.infra.acls import Operation, PatternType, ResourceType, role_acls
-from relaygr.infra.broker import _secure_server_properties, _server_properties
+from relaygr.infra.broker_files import secure_server_properties, server_properties
 from relaygr.infra.settings import Settings, kafka_client_kwargs, security_env
 from relaygr.infra.tls import BrokerTLS
 from relaygr.schemas.topics import TopicRegistry
@@ -18,7 +18,7 @@ from relaygr.streams.common import faust_credentials
 
 def test_local_broker_listens_on_loopback_only(tmp_path) -> None:
     props = dict(
-        line.split("=", 1) for line in _server_properties(tmp_path, 1234, 1235).splitlines() if "=" in line
+        line.split("=", 1) for line in server_properties(tmp_path, 1234, 1235).splitlines() if "=" in line
     )
     for url in props["listeners"].split(",") + props["advertised.listeners"].split(","):
         assert "//127.0.0.1:" in url
@@ -84,7 +84,7 @@ def test_secure_broker_config_enforces_acls_on_loopback(tmp_path) -> None:
     tls = BrokerTLS(tmp_path / "ca.pem", tmp_path / "broker.p12", "ks-pass")
     props = dict(
         line.split("=", 1)
-        for line in _secure_server_properties(tmp_path, 1234, 1235, tls, "admin-pass").splitlines()
+        for line in secure_server_properties(tmp_path, 1234, 1235, tls, "admin-pass").splitlines()
     )
     for url in props["listeners"].split(",") + props["advertised.listeners"].split(","):
         assert "//127.0.0.1:" in url

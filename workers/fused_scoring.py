@@ -221,6 +221,164 @@ def _bias_index(q_pos: Tensor, q_ts: Tensor, k_pos: Tensor, k_ts: Tensor, num_po
     return (pos * wide_columns + code).to(torch.int32)
 
 
+def _known_ids(ids: Tensor, count: int) -> Tensor:
+    """Ids ``1 .. count`` as they are, any other as row 0 (``HSTURanker.vocab_items``'s rule)."""
+    return torch.where((ids >= 1) & (ids <= count), ids, 0)
+
+
+def _with_pending(
+    seg_keys: list[Tensor], seg_values: list[Tensor], kbufs: list[Tensor], vbufs: list[Tensor], n_seg: int
+) -> tuple[list[Tensor], list[Tensor]]:
+    """Each layer's cached segments followed by its pending one (``kbufs[l]`` / ``vbufs[l]``), in
+    the ``[l * (S + 1) + s]`` order the scoring and advancing passes read."""
+    keys: list[Tensor] = []
+    values: list[Tensor] = []
+    for li in range(len(kbufs)):
+        for si in range(n_seg):
+            keys.append(seg_keys[li * n_seg + si])
+            values.append(seg_values[li * n_seg + si])
+        keys.append(kbufs[li])
+        values.append(vbufs[li])
+    return keys, values
+
+
+def _causal_plan(
+    start: int, n: int, starts: list[int], times: list[Tensor], block: int, num_pos: int
+) -> tuple[list[int], list[int], list[int], list[Tensor], list[Tensor]]:
+    """One causal chunk of the ``n`` events from position ``start`` (the last of ``times``): every
+    key block it sees as (segment, first key, end key, bias indices, mask of the keys after each
+    query where the block reaches past the first query, else empty)."""
+    device = times[0].device
+    q_pos = torch.arange(start, start + n, device=device)
+    q_ts = times[len(times) - 1]
+    kb = key_block_size(block, n)
+    t_seg: list[int] = []
+    t_k0: list[int] = []
+    t_k1: list[int] = []
+    t_index: list[Tensor] = []
+    t_hidden: list[Tensor] = []
+    no_mask = torch.empty(0, dtype=torch.bool, device=device)
+    for si in range(len(times)):
+        visible = min(times[si].shape[0], start + n - starts[si])
+        for k0 in range(0, visible, kb):
+            k1 = min(k0 + kb, visible)
+            k_pos = torch.arange(starts[si] + k0, starts[si] + k1, device=device)
+            t_seg.append(si)
+            t_k0.append(k0)
+            t_k1.append(k1)
+            t_index.append(_bias_index(q_pos, q_ts, k_pos, times[si][k0:k1], num_pos))
+            if starts[si] + k1 - 1 > start:
+                t_hidden.append(k_pos[None, :] > q_pos[:, None])
+            else:
+                t_hidden.append(no_mask)
+    return t_seg, t_k0, t_k1, t_index, t_hidden
+
+
+def _request_index(
+    position: int, request_ts: float, starts: list[int], times: list[Tensor], m: int, num_pos: int
+) -> list[Tensor]:
+    """Bias indices (flat, int64) of a request's candidates at ``position`` and ``request_ts``
+    against every cached key and the first ``m`` new events (the last of ``times``)."""
+    device = times[0].device
+    when = torch.full([1], request_ts, dtype=torch.float64, device=device)
+    last = torch.full([1], position, dtype=torch.int64, device=device)
+    n_seg = len(times) - 1
+    seg_index: list[Tensor] = []
+    for si in range(n_seg + 1):
+        k_ts = times[si] if si < n_seg else times[n_seg][:m]
+        k_pos = torch.arange(starts[si], starts[si] + k_ts.shape[0], device=device)
+        seg_index.append(_bias_index(last, when, k_pos, k_ts, num_pos).reshape(-1).long())
+    return seg_index
+
+
+def _advance_new_events(
+    x: Tensor,
+    start: int,
+    starts: list[int],
+    times: list[Tensor],
+    keys: list[Tensor],
+    values: list[Tensor],
+    kbufs: list[Tensor],
+    vbufs: list[Tensor],
+    tables: list[Tensor],
+    weights: list[Tensor],
+    dims: tuple[int, int, int],
+    consts: tuple[float, float, float],
+    sizes: tuple[int, int, int],
+) -> None:
+    """The new events' tokens ``x`` (from position ``start``) through every layer as one causal
+    chunk, their keys and values written into ``kbufs`` / ``vbufs``."""
+    num_pos, block = sizes[0], sizes[1]
+    t_seg, t_k0, t_k1, t_index, t_hidden = _causal_plan(start, x.shape[0], starts, times, block, num_pos)
+    _advance_tokens(
+        x, keys, values, t_seg, t_k0, t_k1, t_index, t_hidden, tables, weights, kbufs, vbufs, 0, dims, consts
+    )
+
+
+def _score_requests(
+    raw_cands: list[Tensor],
+    request_ts: list[float],
+    ends: list[int],
+    keys: list[Tensor],
+    values: list[Tensor],
+    seg_keys: list[Tensor],
+    seg_values: list[Tensor],
+    kbufs: list[Tensor],
+    vbufs: list[Tensor],
+    starts: list[int],
+    times: list[Tensor],
+    cand_action: Tensor,
+    embeddings: list[Tensor],
+    tables: list[Tensor],
+    weights: list[Tensor],
+    dims: tuple[int, int, int],
+    consts: tuple[float, float, float],
+    vocab: tuple[int, int, int],
+    sizes: tuple[int, int, int],
+) -> list[Tensor]:
+    """Scores of each request's candidates, ``mb`` at a time (``_rank_relay``'s arguments): request
+    ``r`` sees the cached segments and the first ``ends[r]`` new events (``keys`` / ``values``
+    hold them all)."""
+    num_items, num_pos, block, mb = vocab[0], sizes[0], sizes[1], sizes[2]
+    item_table, final_w, final_b = embeddings[0], embeddings[2], embeddings[3]
+    n_seg = len(starts) - 1
+    n = times[n_seg].shape[0]
+    device = item_table.device
+    outs: list[Tensor] = []
+    for r in range(len(raw_cands)):
+        m = ends[r]
+        if m < 0 or m > n:
+            raise ValueError("rank_relay: a request sees more events than there are")
+        keys_r, values_r = keys, values
+        if m < n:  # an earlier request: the same keys, less of the new events
+            keys_r, values_r = _with_pending(
+                seg_keys, seg_values, [k[:, :m] for k in kbufs], [v[:, :m] for v in vbufs], n_seg
+            )
+        seg_index = _request_index(starts[n_seg] + m, request_ts[r], starts, times, m, num_pos)
+        cands = _known_ids(raw_cands[r].to(device, torch.int64), num_items)
+        c = cands.shape[0]
+        out = torch.empty(c, dtype=torch.float32, device=device)
+        cb = key_block_size(block, min(mb, max(1, c)))
+        for c0 in range(0, c, mb):
+            e = F.embedding(cands[c0 : c0 + mb], item_table)
+            out[c0 : c0 + mb] = _score_candidates(
+                e + cand_action,
+                e,
+                keys_r,
+                values_r,
+                seg_index,
+                tables,
+                weights,
+                final_w,
+                final_b,
+                dims,
+                consts,
+                cb,
+            )
+        outs.append(out)
+    return outs
+
+
 def _rank_relay(
     raw_items: Tensor,
     raw_actions: Tensor,
@@ -251,13 +409,10 @@ def _rank_relay(
     and the events' keys and values per layer (``[H, n, d]``), which extend the cache."""
     heads, dqk, dv = dims
     num_items, num_actions, cand_act = vocab
-    num_pos, block, mb = sizes
-    item_table, action_table, final_w, final_b = embeddings[0], embeddings[1], embeddings[2], embeddings[3]
+    item_table, action_table = embeddings[0], embeddings[1]
     device = item_table.device
-    items = raw_items.to(device, torch.int64)
-    items = torch.where((items >= 1) & (items <= num_items), items, 0)
-    actions = raw_actions.to(device, torch.int64)
-    actions = torch.where((actions >= 1) & (actions <= num_actions), actions, 0)
+    items = _known_ids(raw_items.to(device, torch.int64), num_items)
+    actions = _known_ids(raw_actions.to(device, torch.int64), num_actions)
     ts = raw_ts.to(device, torch.float64)
     cand_action = action_table[cand_act]
     n_layers = len(tables)
@@ -266,101 +421,35 @@ def _rank_relay(
     start = seg_start[n_seg - 1] + seg_ts[n_seg - 1].shape[0] if n_seg > 0 else 0
     kbufs = [torch.empty(heads, n, dqk, dtype=item_table.dtype, device=device) for _ in range(n_layers)]
     vbufs = [torch.empty(heads, n, dv, dtype=item_table.dtype, device=device) for _ in range(n_layers)]
-    keys: list[Tensor] = []
-    values: list[Tensor] = []
-    for li in range(n_layers):
-        for si in range(n_seg):
-            keys.append(seg_keys[li * n_seg + si])
-            values.append(seg_values[li * n_seg + si])
-        keys.append(kbufs[li])
-        values.append(vbufs[li])
+    keys, values = _with_pending(seg_keys, seg_values, kbufs, vbufs, n_seg)
     starts = seg_start + [start]  # noqa: RUF005 (TorchScript has no starred lists)
     times = seg_ts + [ts]  # noqa: RUF005
     if n > 0:
-        # One causal chunk: every key block it sees, with its bias indices and, where the block
-        # reaches past the first query, the mask of the keys after each query.
-        q_pos = torch.arange(start, start + n, device=device)
-        kb = key_block_size(block, n)
-        t_seg: list[int] = []
-        t_k0: list[int] = []
-        t_k1: list[int] = []
-        t_index: list[Tensor] = []
-        t_hidden: list[Tensor] = []
-        no_mask = torch.empty(0, dtype=torch.bool, device=device)
-        for si in range(n_seg + 1):
-            visible = min(times[si].shape[0], start + n - starts[si])
-            for k0 in range(0, visible, kb):
-                k1 = min(k0 + kb, visible)
-                k_pos = torch.arange(starts[si] + k0, starts[si] + k1, device=device)
-                t_seg.append(si)
-                t_k0.append(k0)
-                t_k1.append(k1)
-                t_index.append(_bias_index(q_pos, ts, k_pos, times[si][k0:k1], num_pos))
-                if starts[si] + k1 - 1 > start:
-                    t_hidden.append(k_pos[None, :] > q_pos[:, None])
-                else:
-                    t_hidden.append(no_mask)
         x = F.embedding(items, item_table) + F.embedding(actions, action_table)
-        _advance_tokens(
-            x,
-            keys,
-            values,
-            t_seg,
-            t_k0,
-            t_k1,
-            t_index,
-            t_hidden,
-            tables,
-            weights,
-            kbufs,
-            vbufs,
-            0,
-            dims,
-            consts,
+        _advance_new_events(
+            x, start, starts, times, keys, values, kbufs, vbufs, tables, weights, dims, consts, sizes
         )
-    outs: list[Tensor] = []
-    for r in range(len(raw_cands)):
-        m = ends[r]
-        if m < 0 or m > n:
-            raise ValueError("rank_relay: a request sees more events than there are")
-        keys_r, values_r = keys, values
-        if m < n:  # an earlier request: the same keys, less of the new events
-            keys_r, values_r = [], []
-            for li in range(n_layers):
-                for si in range(n_seg):
-                    keys_r.append(seg_keys[li * n_seg + si])
-                    values_r.append(seg_values[li * n_seg + si])
-                keys_r.append(kbufs[li][:, :m])
-                values_r.append(vbufs[li][:, :m])
-        when = torch.full([1], request_ts[r], dtype=torch.float64, device=device)
-        last = torch.full([1], start + m, dtype=torch.int64, device=device)
-        seg_index: list[Tensor] = []
-        for si in range(n_seg + 1):
-            k_ts = times[si] if si < n_seg else ts[:m]
-            k_pos = torch.arange(starts[si], starts[si] + k_ts.shape[0], device=device)
-            seg_index.append(_bias_index(last, when, k_pos, k_ts, num_pos).reshape(-1).long())
-        cands = raw_cands[r].to(device, torch.int64)
-        cands = torch.where((cands >= 1) & (cands <= num_items), cands, 0)
-        c = cands.shape[0]
-        out = torch.empty(c, dtype=torch.float32, device=device)
-        cb = key_block_size(block, min(mb, max(1, c)))
-        for c0 in range(0, c, mb):
-            e = F.embedding(cands[c0 : c0 + mb], item_table)
-            out[c0 : c0 + mb] = _score_candidates(
-                e + cand_action,
-                e,
-                keys_r,
-                values_r,
-                seg_index,
-                tables,
-                weights,
-                final_w,
-                final_b,
-                dims,
-                consts,
-                cb,
-            )
-        outs.append(out)
+    outs = _score_requests(
+        raw_cands,
+        request_ts,
+        ends,
+        keys,
+        values,
+        seg_keys,
+        seg_values,
+        kbufs,
+        vbufs,
+        starts,
+        times,
+        cand_action,
+        embeddings,
+        tables,
+        weights,
+        dims,
+        consts,
+        vocab,
+        sizes,
+    )
     return outs, kbufs, vbufs
 
 

@@ -182,27 +182,6 @@ def plan_attention(
     gap64 = _scratch(cache, "gap64", tile_rows * kb, torch.float64, device)
     gap32 = _scratch(cache, "gap32", tile_rows * kb, torch.float32, device)
 
-    def time_codes(out: torch.Tensor, k_ts: torch.Tensor) -> None:
-        """Raw time codes ``out [nq, width]`` (int32) against keys at times ``k_ts [width]``."""
-        width = k_ts.shape[0]
-        for r0 in range(0, nq, tile_rows):
-            r1 = min(nq, r0 + tile_rows)
-            g64 = gap64[: (r1 - r0) * width].view(r1 - r0, width)
-            g32 = gap32[: (r1 - r0) * width].view(r1 - r0, width)
-            torch.sub(q_ts[r0:r1, None], k_ts[None, :], out=g64)
-            g32.copy_(g64).clamp_(min=1.0)
-            torch.bitwise_right_shift(g32.view(torch.int32), 22, out=out[r0:r1])
-
-    def position_part(d0: int, width: int) -> torch.Tensor:
-        """Position part of the indices of a block whose offset is ``d0`` (Toeplitz in d0)."""
-        key = (d0, nq, kb, width)
-        part = cache.get(key)
-        if part is None:
-            # part[a, b] = pos_lut[d0 - d_lo + kb - 1 + a - b]: a Toeplitz matrix, built from windows.
-            window = pos_lut[d0 - d_lo : d0 - d_lo + nq + kb - 1].flip(0)
-            part = cache[key] = window.unfold(0, kb, 1).flip(0)[:, :width]
-        return part
-
     total = sum(-(-_visible(seg, q_start, q_stop, causal) // kb) for seg in segments) * nq * kb
     codes_buf = _scratch(cache, "codes", total, torch.int32, device)
     used = 0
@@ -214,13 +193,48 @@ def plan_attention(
             d0 = q_start - (seg.start + k0) - kb + 1
             index = codes_buf[used : used + nq * (k1 - k0)].view(nq, k1 - k0)
             used += nq * (k1 - k0)
-            time_codes(index, seg.timestamps[k0:k1])
-            index.add_(position_part(d0, k1 - k0))
+            _time_codes(index, q_ts, seg.timestamps[k0:k1], gap64, gap32, tile_rows)
+            index.add_(_position_part(cache, pos_lut, d0 - d_lo, nq, kb, k1 - k0, d0))
             hidden = None
             if causal and seg.start + k1 - 1 > q_start:  # straddles the diagonal
                 hidden = grid[:, : k1 - k0] < -d0
             tasks.append(BlockTask(si, k0, k1, index, hidden))
     return tasks
+
+
+def _time_codes(
+    out: torch.Tensor,
+    q_ts: torch.Tensor,
+    k_ts: torch.Tensor,
+    gap64: torch.Tensor,
+    gap32: torch.Tensor,
+    tile_rows: int,
+) -> None:
+    """Raw time codes ``out [nq, width]`` (int32) of queries at ``q_ts [nq]`` against keys at
+    times ``k_ts [width]``, ``tile_rows`` rows at a time through the scratch buffers ``gap64`` and
+    ``gap32``."""
+    nq, width = q_ts.shape[0], k_ts.shape[0]
+    for r0 in range(0, nq, tile_rows):
+        r1 = min(nq, r0 + tile_rows)
+        g64 = gap64[: (r1 - r0) * width].view(r1 - r0, width)
+        g32 = gap32[: (r1 - r0) * width].view(r1 - r0, width)
+        torch.sub(q_ts[r0:r1, None], k_ts[None, :], out=g64)
+        g32.copy_(g64).clamp_(min=1.0)
+        torch.bitwise_right_shift(g32.view(torch.int32), 22, out=out[r0:r1])
+
+
+def _position_part(
+    cache: dict, pos_lut: torch.Tensor, at: int, nq: int, kb: int, width: int, d0: int
+) -> torch.Tensor:
+    """Position part of the indices of a block whose offset is ``d0`` (at ``at`` in ``pos_lut``),
+    kept in ``cache``: it is Toeplitz in ``d0``, and consecutive chunks meet the same offsets."""
+    key = (d0, nq, kb, width)
+    part = cache.get(key)
+    if part is None:
+        # part[a, b] = pos_lut[at + kb - 1 + a - b]: a Toeplitz matrix, built from windows.
+        window = pos_lut[at : at + nq + kb - 1].flip(0)
+        part = cache[key] = window.unfold(0, kb, 1).flip(0)[:, :width]
+    return part
 
 
 def _visible(seg: Segment, q_start: int, q_stop: int, causal: bool) -> int:
