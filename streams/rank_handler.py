@@ -40,8 +40,7 @@ from prometheus_client import Counter as PCounter
 from relaygr.schemas import PrefillSignal, RankedResult, RankPath, RankRequest, ScoredItem, TriggerReason
 from relaygr.streams.config import PipelineSettings
 from relaygr.streams.history import HistoryAlignment, HistoryTable
-from relaygr.workers.history_window import served, window_step
-from relaygr.workers.prefix_kv import Events
+from relaygr.workers.prefix_kv import Events, served, window_step
 from relaygr.workers.ranker import RankingEngine, RankOutcome
 from relaygr.workers.vocab import item_keys
 

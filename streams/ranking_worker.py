@@ -73,9 +73,9 @@ from relaygr.streams.state_lineage import HistoryLineage, deployment_dir, rewind
 from relaygr.workers.calibration import calibrate
 from relaygr.workers.cores import pin_this_thread
 from relaygr.workers.devices import keep_host_pages
-from relaygr.workers.history_window import window_step
 from relaygr.workers.latency_model import LatencyModel
 from relaygr.workers.model import HSTURanker
+from relaygr.workers.prefix_kv import window_step
 from relaygr.workers.prefix_store import PrefixStore, PrefixStoreConfig
 from relaygr.workers.ranker import RankingEngine
 from relaygr.workers.scheduler import DeviceScheduler, Priority

@@ -18,10 +18,10 @@ from relaygr.schemas import BehaviorEvent, TriggerReason
 from relaygr.streams.history import HistoryTable
 from relaygr.streams.preprocess import SEEN_CHUNK, seen_add, seen_before
 from relaygr.streams.trigger import SequenceAwareTrigger, TriggerConfig
-from relaygr.workers.history_window import served, window_start, window_step
 from relaygr.workers.latency_model import DevicePace, IngestMeter, LatencyModel
 from relaygr.workers.model import HSTURanker
 from relaygr.workers.pacing import Slicer
+from relaygr.workers.prefix_kv import served, window_start, window_step
 from relaygr.workers.prefix_store import PrefixStore, PrefixStoreConfig
 from relaygr.workers.ranker import EngineConfig, RankingEngine
 from relaygr.workers.scheduler import DeviceScheduler, Priority

@@ -82,7 +82,7 @@ class HSTUConfig(BaseModel):
     """Training window in events. Inference takes histories of any length."""
     max_seq_len: int = Field(8192, ge=16)
     """Most events of a user's history that serving reads: the most recent ones, in a window
-    whose start moves in steps of an eighth of it (see ``relaygr.workers.history_window``)."""
+    whose start moves in steps of an eighth of it (see ``relaygr.workers.prefix_kv.served``)."""
     dropout: float = Field(0.2, ge=0.0, lt=1.0)
     """Dropout on embeddings and layer outputs during training."""
     attn_normaliser: float = Field(256.0, gt=0.0)

@@ -5,6 +5,13 @@ Primitives:
 - ``history_fingerprint``: a digest of the first ``n`` events of a history. Histories are
   append-only, so a cached prefix of length ``n`` is valid for a longer history exactly when the
   fingerprint of the longer history's first ``n`` events equals the cached one.
+- ``window_step(max_len)``, ``window_start(total, max_len, step)``, ``served(history, first,
+  max_len, step)``: the part of a long history that is served. A ranker serves at most the
+  ``max_len`` most recent events (real logs have users with tens of thousands: bots, shared
+  accounts, years of history); the window's start moves in whole steps (an eighth of the cap by
+  default), not one event at a time, so a prefix cached for a window stays valid while new
+  events arrive, until the start moves on by a step. A capped user is served between
+  ``max_len - step`` and ``max_len`` events.
 - ``PrefixKV``: what pre-inference leaves behind for ranking — per-layer keys and values of the
   prefix tokens plus what the suffix needs to attend to them (positions, timestamps, length),
   the fingerprint of the history it came from and the version of the model that computed it.
@@ -151,3 +158,21 @@ class PrefixKV:
     def matches(self, history: Events) -> bool:
         """True when this prefix was computed from the first ``length`` events of ``history``."""
         return len(history) >= self.length and history_fingerprint(history, self.length) == self.fingerprint
+
+
+# ---------------------------------------------------------------- the served window
+
+
+def window_step(max_len: int) -> int:
+    return max(1, max_len // 8)
+
+
+def window_start(total: int, max_len: int, step: int) -> int:
+    if total <= max_len:
+        return 0
+    return -(-(total - max_len) // step) * step  # rounded up to a whole step: never over the cap
+
+
+def served(history: Events, first: int, max_len: int, step: int) -> tuple[Events, bool]:
+    start = max(first, window_start(first + len(history), max_len, step))
+    return (history.slice(start - first) if start > first else history), start > 0
