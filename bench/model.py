@@ -76,6 +76,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="also print the largest history each path ranks within this P99 (a 'budget' line)",
     )
+    parser.add_argument(
+        "--roofline-n", type=int, default=2048, help="size of the square fp32 matmul of the roofline"
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
     parser.add_argument("--seed", type=int, default=0)
 
@@ -165,7 +168,7 @@ def _rank_row(
     cands = torch.randint(1, model.config.num_items + 1, (n_cand,), generator=gen)
     when = float(h.timestamps[-1]) + 30.0
     prefix_events, suffix = h.slice(0, p), h.slice(p)
-    roof = matmul_roofline(device)
+    roof = matmul_roofline(device, args.roofline_n)
     prefix = model.prefill(prefix_events)
     relay_scores = model.rank(prefix, suffix, cands, when)  # warm-up, and the exactness check
     full_scores = model.rank_full(h, cands, when)

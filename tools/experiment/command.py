@@ -136,7 +136,7 @@ def prepare(args: argparse.Namespace, kinds: list[ExperimentKind]) -> Run:
     model_dir = Path(args.model or PipelineSettings().model_dir)
     ensure_model(model_dir)
     kind = kinds[0]
-    names = "+".join(k.name for k in kinds)
+    names = "-".join(k.name for k in kinds)  # topic names take letters, digits, '.', '_' and '-'
     run_id = f"exp-{names}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
     out = Path(args.out or Path(settings.home) / "experiments" / run_id)
     out.mkdir(parents=True, exist_ok=True)
@@ -155,7 +155,7 @@ def prepare(args: argparse.Namespace, kinds: list[ExperimentKind]) -> Run:
     say(f"cores: {cores.describe()}")
     if cores.pinned:  # the latency model is the device's: calibrate on the device core
         pin_tasks(os.getpid(), {cores.device[0]})
-    lat, samples = calibrate_latency(model_dir, args.threads, out / "calibration.json")
+    lat, samples = calibrate_latency(model_dir, args.threads, out / "calibration.json", args.device)
     if cores.pinned:
         pin_tasks(os.getpid(), cores.shared)
         _pin_broker(settings, cores.shared)
@@ -478,6 +478,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--threads", type=int, default=1, help="torch threads of each ranking worker (default 1)"
+    )
+    parser.add_argument(
+        "--device",
+        default=None,
+        help="the ranking workers' device, cpu, cuda[:N] or npu[:N] (default: the checkpoint's); the "
+        "latency model is calibrated there",
     )
     parser.add_argument("--theta", type=float, default=0.1, help="trigger threshold θ (default 0.1)")
     parser.add_argument("--slo-ms", type=float, help="fix B instead of measuring it")

@@ -181,11 +181,14 @@ def model_info(model_dir: Path) -> tuple[dict, str]:
     return cfg.get("config", cfg), m.model_version
 
 
-def calibrate_latency(model_dir: Path, threads: int, out: Path):
+def calibrate_latency(model_dir: Path, threads: int, out: Path, device: str | None = None):
+    """The latency model of full ranking, timed on ``device`` (default: the checkpoint's), where
+    the ranking workers will run."""
     from relaygr.workers.calibration import calibrate_and_save
     from relaygr.workers.model import HSTURanker
 
-    return calibrate_and_save(HSTURanker.load(model_dir), out, repeats=5, threads=threads)
+    model = HSTURanker.load(model_dir, device=device) if device else HSTURanker.load(model_dir)
+    return calibrate_and_save(model, out, repeats=5, threads=threads)
 
 
 def pipeline_env(
@@ -193,7 +196,9 @@ def pipeline_env(
 ) -> dict:
     from relaygr.streams.config import PipelineSettings
 
+    device = {"device": args.device} if getattr(args, "device", None) else {}
     return PipelineSettings.to_env(
+        **device,
         model_dir=model_dir,
         calibration_file=calib,
         budget_ms=budget_ms if budget_ms is not None else slo_ms,
