@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -93,6 +94,8 @@ class StepResult:
     commands: list[str] = field(default_factory=list)
     summary: dict = field(default_factory=dict)
     log: str = ""
+    cpu_s: float = 0.0  # CPU time of the step's processes (and their children), user + system
+    load_avg_1m: float = 0.0  # the machine's load when the step ended: other work slows it too
 
 
 def _relaygr(*args: str) -> list[str]:
@@ -306,6 +309,7 @@ def run_step(step: Step, budget_s: float, log: Path, env: dict[str, str], env_ok
         log.write_text(f"skipped: {why}\n")
         return res
     t0 = time.monotonic()
+    cpu0 = _children_cpu_s()
     with open(log, "w") as f:
         for cmd in step.commands:
             left = budget_s - (time.monotonic() - t0)
@@ -325,7 +329,15 @@ def run_step(step: Step, budget_s: float, log: Path, env: dict[str, str], env_ok
                 res.status, res.reason = "failed", f"exit status {rc} of: {' '.join(cmd[2:5])}"
                 break
     res.seconds = round(time.monotonic() - t0, 1)
+    res.cpu_s = round(_children_cpu_s() - cpu0, 1)
+    res.load_avg_1m = round(os.getloadavg()[0], 2)
     return res
+
+
+def _children_cpu_s() -> float:
+    """CPU seconds of every finished child process (and its waited-for children) so far."""
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
 
 
 def run_check(args: argparse.Namespace) -> dict:
