@@ -199,9 +199,18 @@ def markdown(doc: dict) -> str:
         f"model shape {doc['model_shape']}, ranking budget {doc['budget_ms']} ms.",
         "",
         table(
-            ["step", "status", "seconds", "budget (s)", "reason", "log"],
+            ["step", "status", "seconds", "budget (s)", "CPU s", "load (1 min)", "reason", "log"],
             [
-                [s["name"], s["status"], s["seconds"], s["budget_s"], s["reason"], s["log"]]
+                [
+                    s["name"],
+                    s["status"],
+                    s["seconds"],
+                    s["budget_s"],
+                    s.get("cpu_s"),
+                    s.get("load_avg_1m"),
+                    s["reason"],
+                    s["log"],
+                ]
                 for s in doc["steps"]
             ],
         ),

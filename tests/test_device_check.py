@@ -136,3 +136,36 @@ def test_summaries_of_empty_logs_are_empty_not_errors(tmp_path: Path) -> None:
     for name in STEPS:
         summarise(name, [], args)
     assert summarise("exactness", [], args)["meets_fp32_target"] is None
+
+
+def test_bench_model_takes_a_preset_and_reports_the_checks_figures(capsys) -> None:
+    from relaygr.bench import model as bench_model
+    from relaygr.cli import build_parser
+
+    argv = ["bench", "model", "--json", "--preset", "large", "--lengths", "16,24", "--suffix", "4",
+            "--candidates", "12", "--repeats", "1", "--block", "8", "--roofline-n", "32", "--threads", "1",
+            "--budget-ms", "100000"]  # fmt: skip
+    assert bench_model.run(build_parser(argv).parse_args(argv)) == 0
+    rows = parse_json_lines(capsys.readouterr().out)
+    ranks = [r for r in rows if r["kind"] == "rank"]
+    assert [(r["layers"], r["dim"], r["heads"], r["preset"]) for r in ranks] == [(8, 256, 4, "large")] * 2
+    for r in ranks:
+        assert r["top10_agreement"] == 1.0 and r["max_abs_diff"] <= 1e-4
+        assert r["kv_bytes_per_layer"] == 2 * r["prefix_len"] * 256 * 4  # keys and values, fp32
+        assert r["flop_bound"] > 1 and r["relay_tokens_per_s"] > 0
+    (budget,) = [r for r in rows if r["kind"] == "budget"]
+    assert budget["relay_max_history"] == budget["full_max_history"] == 28 and budget["ratio"] == 1.0
+
+
+def test_train_takes_a_preset_and_explicit_shape_flags_win() -> None:
+    from relaygr.cli import build_parser
+    from relaygr.tools.train_source import apply_preset
+
+    def shape(*flags: str) -> tuple:
+        argv = ["train", "--out", "x", *flags]
+        args = apply_preset(build_parser(argv).parse_args(argv))
+        return args.layers, args.heads, args.dim, args.max_seq_len
+
+    assert shape() == (2, 2, 64, 8192)  # small: the trainer's own defaults
+    assert shape("--preset", "large") == (8, 4, 256, 32768)
+    assert shape("--preset", "large", "--dim", "128", "--max-seq-len", "4096") == (8, 4, 128, 4096)
