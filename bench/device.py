@@ -162,9 +162,10 @@ def _pipeline_commands(args: argparse.Namespace, work: Path) -> list[list[str]]:
                   "--max-requests", "8", "--min-round", "8", "--max-round", "8", "--miss-rate", "0.5",
                   "--pipeline-warmup", "0", "--no-warmup", "--no-isolate"]  # fmt: skip
     else:
+        # Few points and requests: 10 point runs and the set-up must fit the step's budget.
         points = ["--lengths", "2048,8192,32768", "--history", "8192", "--qps", "20",
-                  "--qps-list", "20,40,80", "--slo-ms", str(args.budget_ms), "--max-requests", "100",
-                  "--min-round", "50", "--max-round", "100", "--pipeline-warmup", "20", "--patience", "1"]  # fmt: skip
+                  "--qps-list", "20,60", "--slo-ms", str(args.budget_ms), "--max-requests", "60",
+                  "--min-round", "30", "--max-round", "60", "--pipeline-warmup", "20", "--patience", "1"]  # fmt: skip
     commands.append(
         _relaygr(
             "experiment",
