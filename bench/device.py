@@ -1,5 +1,6 @@
-"""The prepared device check: one command that proves the accelerator path and measures RelayGR's
-axes on it in a few minutes, every result written to files as it goes.
+"""The prepared device check: the accelerator path proven and RelayGR's axes measured in minutes.
+
+One command; every result is written to files as it goes.
 
 ``relaygr bench device --out DIR [--device cuda|npu|cpu] [--quick] [--preset large]`` runs five
 steps, each a child process of its own with a time budget (a step past its budget is stopped and
@@ -372,6 +373,7 @@ def run_check(args: argparse.Namespace) -> dict:
         "budget_ms": args.budget_ms,
         "total_budget_s": TOTAL_BUDGET_S * budget_scale(args),
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "commit": _commit(),
         "out": str(out),
         "work": str(work),
         "steps": [],
@@ -399,6 +401,20 @@ def run_check(args: argparse.Namespace) -> dict:
     return doc
 
 
+def _commit() -> str | None:
+    """The checkout's commit, where the code runs from one (a copied tree has none)."""
+    try:
+        done = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
+            cwd=Path(__file__).resolve().parent,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if done.returncode != 0:
+        return None
+    return done.stdout.strip() or None
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     # Nothing here imports the model (pydantic): on a bare machine the environment step still runs
     # and says what is missing.
@@ -406,7 +422,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--out", required=True, type=Path, help="report folder (report.json, report.md, logs)"
     )
     parser.add_argument("--device", default="cuda", help="cuda[:N], npu[:N] or cpu (default cuda)")
-    parser.add_argument("--quick", action="store_true", help="tiny sizes: the dry run (seconds, any machine)")
+    parser.add_argument(
+        "--quick", action="store_true", help="tiny sizes: the dry run (any machine; minutes on a CPU)"
+    )
     parser.add_argument("--preset", default="large", help="model shape of workers.presets (default large)")
     parser.add_argument("--budget-ms", type=int, default=50, help="the ranking budget (default 50 ms)")
     parser.add_argument("--model", type=Path, help="checkpoint for the pipeline step (default: trained here)")

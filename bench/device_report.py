@@ -195,7 +195,8 @@ def markdown(doc: dict) -> str:
     lines = [
         f"# Device check: {doc['device']}{' (quick: tiny sizes)' if doc['quick'] else ''}",
         "",
-        f"Started {doc['started']}, {fmt(doc.get('seconds'))} s of a {doc['total_budget_s']:g} s budget; "
+        f"Started {doc['started']} (commit {fmt(doc.get('commit'))}), {fmt(doc.get('seconds'))} s of a "
+        f"{doc['total_budget_s']:g} s budget; "
         f"model shape {doc['model_shape']}, ranking budget {doc['budget_ms']} ms.",
         "",
         table(
