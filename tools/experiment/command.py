@@ -45,7 +45,10 @@ in it depends on the mode:
   live);
 - cores (``--pin``, on by default where the machine has a core to spare): each ranking worker's
   device thread has a CPU core of its own, every other process of the experiment (stages,
-  broker, this load generator) the other cores (``tools.cores``);
+  broker, this load generator) the other cores (``workers.cores``); with ``--core-per-stage``,
+  each stage process a core of its own too, where the machine has enough;
+- several experiments (``relaygr experiment seq-len throughput``) run one after the other on one
+  calibration, one B and one pair of pipelines, each on users of its own, each reported apart;
 - ``--repeat N`` runs the whole experiment N times and reports each run's ratio, their median and
   the worst. B is measured by the first run and fixed for the others (unless ``--slo-ms`` fixes
   it for all): measured per run it moved from 73 to 230 ms on one machine, and at the high value
