@@ -10,8 +10,16 @@ and separately ``prefill`` of the prefix and ``extend`` of the prefix by the suf
 reports the achieved GFLOP/s of each path (projections and attention, ``HSTURanker.flops``) next to
 a plain fp32 matmul measured just before it on the same device: the machine's roofline, and the
 minor page faults of a ranking call (the host heap kept, ``devices.keep_host_pages``, as serving
-keeps it: a call should fault in next to nothing).
+keeps it: a call should fault in next to nothing). A ``rank`` line also gives tokens computed per
+second on each path, the speed-up against its FLOP bound, the KV bytes of the prefix (all layers
+and per layer) and the exactness of relay against full: the worst absolute score difference and
+the top-10 agreement. ``--budget-ms`` adds a ``budget`` line: the largest history each path ranked
+within that P99. ``--preset`` takes a model shape of ``workers.presets``; ``--dtype`` one or more.
 One JSON line per measurement with ``--json``; a table otherwise.
+
+Primitives: ``synthetic_history``, ``matmul_roofline``, ``kv_bytes_per_layer``, ``top_k_agreement``,
+``budget_row``;
+``add_arguments`` / ``run``.
 """
 
 from __future__ import annotations
@@ -25,11 +33,13 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from relaygr.workers.devices import keep_host_pages, resolve_device, synchronize
+from relaygr.workers.devices import device_name, keep_host_pages, resolve_device, resolve_dtype, synchronize
 from relaygr.workers.model import HSTUConfig, HSTURanker
-from relaygr.workers.prefix_kv import Events
+from relaygr.workers.prefix_kv import Events, PrefixKV
+from relaygr.workers.presets import PRESETS, resolve_shape
 
 DEFAULT_LENGTHS = "256,512,1024,2048,4096,8192"
+BENCH_SHAPE = {"layers": 4, "dim": 128, "heads": 1}  # without --preset
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,17 +48,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=10, help="timed runs per path and length")
     parser.add_argument("--suffix", type=int, default=64, help="short-term (suffix) events")
     parser.add_argument("--candidates", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default=None,
+        help="model shape (workers.presets); explicit --layers / --dim / --heads win "
+        f"(without a preset: {BENCH_SHAPE['layers']} layers, d={BENCH_SHAPE['dim']}, {BENCH_SHAPE['heads']} head)",
+    )
+    parser.add_argument("--layers", type=int, default=None)
+    parser.add_argument("--dim", type=int, default=None)
     parser.add_argument(
         "--heads",
         type=int,
-        default=1,
+        default=None,
         help="attention heads, head dim = dim / heads (same FLOPs for any count; fewer heads, fewer scores)",
     )
     parser.add_argument("--block", type=int, default=512, help="attention block size")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        help="float32, bfloat16 or float16; several, comma separated, measure one after the other",
+    )
+    parser.add_argument(
+        "--budget-ms",
+        type=float,
+        default=None,
+        help="also print the largest history each path ranks within this P99 (a 'budget' line)",
+    )
+    parser.add_argument(
+        "--roofline-n", type=int, default=2048, help="size of the square fp32 matmul of the roofline"
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
     parser.add_argument("--seed", type=int, default=0)
 
@@ -92,38 +122,179 @@ def _stats(secs: list[float]) -> tuple[float, float]:
     return float(np.percentile(ms, 50)), float(np.percentile(ms, 99))
 
 
-def run(args: argparse.Namespace) -> int:
-    keep_host_pages()  # as a serving worker runs
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = resolve_device(args.device)
+def kv_bytes_per_layer(prefix: PrefixKV) -> int:
+    """Bytes of one layer's keys and values (every layer caches the same shapes)."""
+    if not prefix.keys:
+        return 0
+    return sum(t.numel() * t.element_size() for t in (prefix.keys[0], prefix.values[0]))
+
+
+def top_k_agreement(a: torch.Tensor, b: torch.Tensor, k: int = 10) -> float:
+    """Share of ``a``'s top ``k`` candidates that are in ``b``'s top ``k``."""
+    k = min(k, len(a))
+    if k == 0:
+        return 1.0
+    top_a, top_b = set(a.topk(k).indices.tolist()), set(b.topk(k).indices.tolist())
+    return len(top_a & top_b) / k
+
+
+def _model(args: argparse.Namespace, dtype: str) -> HSTURanker:
+    shape = resolve_shape(
+        args.preset, fallback=BENCH_SHAPE, layers=args.layers, heads=args.heads, dim=args.dim
+    )
+    head = shape["dim"] // shape["heads"]
     torch.manual_seed(args.seed)
-    head = args.dim // args.heads
     config = HSTUConfig(
-        layers=args.layers,
-        heads=args.heads,
-        dim=args.dim,
+        layers=shape["layers"],
+        heads=shape["heads"],
+        dim=shape["dim"],
         attn_dim=head,
         linear_dim=head,
         attn_block=args.block,
         candidate_batch=args.candidates,
         dropout=0.0,
-        dtype=args.dtype,
+        dtype=dtype,
         device=args.device,
     )
-    model = HSTURanker(config).eval()
-    gen = torch.Generator().manual_seed(args.seed)
-    lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
-    common = {
-        "bench": "model",
-        "device": str(device),
-        "dtype": args.dtype,
-        "layers": args.layers,
-        "dim": args.dim,
-        "heads": args.heads,
-        "threads": torch.get_num_threads(),
-        "model_version": model.model_version,
+    return HSTURanker(config).eval()
+
+
+def _rank_row(
+    model: HSTURanker, p: int, args: argparse.Namespace, gen: torch.Generator
+) -> tuple[dict, tuple]:
+    """Relay vs full at prefix length ``p``: the ``rank`` line, and what prefill/extend reuse."""
+    device, n_cand = model.device, args.candidates
+    h = synthetic_history(p + args.suffix, model.config.num_items, gen)
+    cands = torch.randint(1, model.config.num_items + 1, (n_cand,), generator=gen)
+    when = float(h.timestamps[-1]) + 30.0
+    prefix_events, suffix = h.slice(0, p), h.slice(p)
+    roof = matmul_roofline(device, args.roofline_n)
+    prefix = model.prefill(prefix_events)
+    relay_scores = model.rank(prefix, suffix, cands, when)  # warm-up, and the exactness check
+    full_scores = model.rank_full(h, cands, when)
+    relay, full, relay_faults, full_faults = [], [], [], []
+    for _ in range(args.repeats):  # interleaved: both paths see the same machine load
+        relay.append(_timed(lambda: model.rank(prefix, suffix, cands, when), device, relay_faults))
+        full.append(_timed(lambda: model.rank_full(h, cands, when), device, full_faults))
+    r50, r99 = _stats(relay)
+    f50, f99 = _stats(full)
+    rf, ff = model.flops(p, args.suffix, n_cand), model.flops(0, p + args.suffix, n_cand)
+    row = {
+        "kind": "rank",
+        "prefix_len": p,
+        "suffix_len": args.suffix,
+        "candidates": n_cand,
+        "relay_ms_p50": round(r50, 3),
+        "relay_ms_p99": round(r99, 3),
+        "full_ms_p50": round(f50, 3),
+        "full_ms_p99": round(f99, 3),
+        "speedup": round(f50 / r50, 2),
+        # The FLOP bound of the speed-up (what relay saves in arithmetic) and the share of it won.
+        "flop_bound": round(ff / rf, 2),
+        "speedup_of_flop_bound": round(f50 / r50 / (ff / rf), 3),
+        # Tokens computed per second: relay computes the suffix and the candidates, full all of them.
+        "relay_tokens_per_s": round((args.suffix + n_cand) / (r50 / 1e3)),
+        "full_tokens_per_s": round((p + args.suffix + n_cand) / (f50 / 1e3)),
+        "relay_gflops": round(rf / r50 / 1e6, 2),
+        "full_gflops": round(ff / f50 / 1e6, 2),
+        "roofline_gflops": round(roof, 2),
+        "relay_roofline_frac": round(rf / r50 / 1e6 / roof, 3),
+        "full_roofline_frac": round(ff / f50 / 1e6 / roof, 3),
+        "relay_gflop": round(rf / 1e9, 3),
+        "full_gflop": round(ff / 1e9, 3),
+        "max_abs_diff": float((relay_scores.float() - full_scores.float()).abs().max()),
+        "top10_agreement": top_k_agreement(relay_scores, full_scores),
+        "kv_bytes": prefix.nbytes(),
+        "kv_bytes_per_layer": kv_bytes_per_layer(prefix),
+        # Minor page faults per call (median), with the host heap kept as serving keeps it.
+        "relay_page_faults_p50": int(np.median(relay_faults)),
+        "full_page_faults_p50": int(np.median(full_faults)),
+        "repeats": args.repeats,
     }
+    return row, (h, prefix_events, prefix, roof)
+
+
+def _prefill_extend_rows(model: HSTURanker, p: int, args: argparse.Namespace, reuse: tuple) -> list[dict]:
+    h, prefix_events, prefix, roof = reuse
+    device = model.device
+    pre = [_timed(lambda: model.prefill(prefix_events), device) for _ in range(args.repeats)]
+    ext = [_timed(lambda: model.extend(prefix, h), device) for _ in range(args.repeats)]
+    rows = []
+    for kind, secs, flops, new in (
+        ("prefill", pre, model.flops(0, p, 0), p),
+        ("extend", ext, model.flops(p, args.suffix, 0), args.suffix),
+    ):
+        p50, p99 = _stats(secs)
+        rows.append(
+            {
+                "kind": kind,
+                "prefix_len": p,
+                "new_tokens": new,
+                "ms_p50": round(p50, 3),
+                "ms_p99": round(p99, 3),
+                "gflops": round(flops / p50 / 1e6, 2),
+                "roofline_gflops": round(roof, 2),
+                "kv_bytes": prefix.nbytes(),
+                "repeats": args.repeats,
+            }
+        )
+    return rows
+
+
+def budget_row(rank_rows: list[dict], budget_ms: float) -> dict:
+    """The largest history (prefix + suffix events) each path ranked with its P99 within
+    ``budget_ms``, among the measured lengths (None: not even the shortest), and their ratio."""
+
+    def largest(path: str) -> int | None:
+        fit = [r["prefix_len"] + r["suffix_len"] for r in rank_rows if r[f"{path}_ms_p99"] <= budget_ms]
+        return max(fit, default=None)
+
+    relay, full = largest("relay"), largest("full")
+    longest = max((r["prefix_len"] + r["suffix_len"] for r in rank_rows), default=0)
+    return {
+        "kind": "budget",
+        "budget_ms": budget_ms,
+        "relay_max_history": relay,
+        "full_max_history": full,
+        "ratio": round(relay / full, 2) if relay and full else None,
+        # When the relay path held the longest length measured, its ratio is a lower bound.
+        "relay_at_longest_measured": relay == longest,
+        "measured_lengths": [r["prefix_len"] + r["suffix_len"] for r in rank_rows],
+    }
+
+
+def _print_table(rows: list[dict], lengths: list[int]) -> None:
+    print(
+        f"{'dtype':>8} {'prefix':>7} {'relay p50/p99 ms':>18} {'full p50/p99 ms':>18} {'speedup':>8} "
+        f"{'relay GF/s':>10} {'full GF/s':>9} {'roof GF/s':>9} {'full/roof':>9} "
+        f"{'prefill ms':>10} {'extend ms':>9}"
+    )
+    by = {(r["dtype"], r["kind"], r.get("prefix_len")): r for r in rows}
+    for dtype in dict.fromkeys(r["dtype"] for r in rows):
+        for p in lengths:
+            r, pf, ex = by[(dtype, "rank", p)], by[(dtype, "prefill", p)], by[(dtype, "extend", p)]
+            print(
+                f"{dtype:>8} {p:>7} {r['relay_ms_p50']:>8.2f}/{r['relay_ms_p99']:<9.2f} {r['full_ms_p50']:>8.2f}/{r['full_ms_p99']:<9.2f}"
+                f" {r['speedup']:>8.1f} {r['relay_gflops']:>10.1f} {r['full_gflops']:>9.1f} {r['roofline_gflops']:>9.1f}"
+                f" {r['full_roofline_frac']:>9.2f} {pf['ms_p50']:>10.2f} {ex['ms_p50']:>9.2f}"
+            )
+    for r in rows:
+        if r["kind"] == "budget":
+            print(
+                f"{r['dtype']}: within {r['budget_ms']:g} ms P99: relay {r['relay_max_history']} events, "
+                f"full {r['full_max_history']} events (ratio {r['ratio']})"
+            )
+
+
+def run(args: argparse.Namespace) -> int:
+    keep_host_pages()  # as a serving worker runs
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = resolve_device(args.device)
+    lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
+    dtypes = [d.strip() for d in args.dtype.split(",") if d.strip()]
+    for d in dtypes:
+        resolve_dtype(d)  # a bad name fails before anything is measured
     rows: list[dict] = []
 
     def emit(row: dict) -> None:
@@ -131,85 +302,31 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(row), flush=True)
 
-    for p in lengths:
-        h = synthetic_history(p + args.suffix, config.num_items, gen)
-        cands = torch.randint(1, config.num_items + 1, (args.candidates,), generator=gen)
-        when = float(h.timestamps[-1]) + 30.0
-        prefix_events, suffix = h.slice(0, p), h.slice(p)
-        roof = matmul_roofline(device)
-        prefix = model.prefill(prefix_events)
-        relay_scores = model.rank(prefix, suffix, cands, when)  # warm-up, and the exactness check
-        full_scores = model.rank_full(h, cands, when)
-        max_diff = float((relay_scores - full_scores).abs().max())
-        relay, full, relay_faults, full_faults = [], [], [], []
-        for _ in range(args.repeats):  # interleaved: both paths see the same machine load
-            relay.append(_timed(lambda: model.rank(prefix, suffix, cands, when), device, relay_faults))  # noqa: B023
-            full.append(_timed(lambda: model.rank_full(h, cands, when), device, full_faults))  # noqa: B023
-        r50, r99 = _stats(relay)
-        f50, f99 = _stats(full)
-        rf, ff = (
-            model.flops(p, args.suffix, args.candidates),
-            model.flops(0, p + args.suffix, args.candidates),
-        )
-        emit(
-            {
-                **common,
-                "kind": "rank",
-                "prefix_len": p,
-                "suffix_len": args.suffix,
-                "candidates": args.candidates,
-                "relay_ms_p50": round(r50, 3),
-                "relay_ms_p99": round(r99, 3),
-                "full_ms_p50": round(f50, 3),
-                "full_ms_p99": round(f99, 3),
-                "speedup": round(f50 / r50, 2),
-                "relay_gflops": round(rf / r50 / 1e6, 2),
-                "full_gflops": round(ff / f50 / 1e6, 2),
-                "roofline_gflops": round(roof, 2),
-                "relay_roofline_frac": round(rf / r50 / 1e6 / roof, 3),
-                "full_roofline_frac": round(ff / f50 / 1e6 / roof, 3),
-                "relay_gflop": round(rf / 1e9, 3),
-                "full_gflop": round(ff / 1e9, 3),
-                "max_abs_diff": max_diff,
-                # Minor page faults per call (median), with the host heap kept as serving keeps it.
-                "relay_page_faults_p50": int(np.median(relay_faults)),
-                "full_page_faults_p50": int(np.median(full_faults)),
-                "repeats": args.repeats,
-            }
-        )
-        pre = [_timed(lambda: model.prefill(prefix_events), device) for _ in range(args.repeats)]  # noqa: B023
-        ext = [_timed(lambda: model.extend(prefix, h), device) for _ in range(args.repeats)]  # noqa: B023
-        for kind, secs, flops, new in (
-            ("prefill", pre, model.flops(0, p, 0), p),
-            ("extend", ext, model.flops(p, args.suffix, 0), args.suffix),
-        ):
-            p50, p99 = _stats(secs)
-            emit(
-                {
-                    **common,
-                    "kind": kind,
-                    "prefix_len": p,
-                    "new_tokens": new,
-                    "ms_p50": round(p50, 3),
-                    "ms_p99": round(p99, 3),
-                    "gflops": round(flops / p50 / 1e6, 2),
-                    "roofline_gflops": round(roof, 2),
-                    "kv_bytes": prefix.nbytes(),
-                    "repeats": args.repeats,
-                }
-            )
-    if not args.json:
-        print(
-            f"{'prefix':>7} {'relay p50/p99 ms':>18} {'full p50/p99 ms':>18} {'speedup':>8} "
-            f"{'relay GF/s':>10} {'full GF/s':>9} {'roof GF/s':>9} {'full/roof':>9} "
-            f"{'prefill ms':>10} {'extend ms':>9}"
-        )
-        by = {(r["kind"], r["prefix_len"]): r for r in rows}
+    for dtype in dtypes:
+        model = _model(args, dtype)
+        common = {
+            "bench": "model",
+            "device": str(device),
+            "device_name": device_name(device),
+            "dtype": dtype,
+            "layers": model.config.layers,
+            "dim": model.config.dim,
+            "heads": model.config.heads,
+            "preset": args.preset,
+            "threads": torch.get_num_threads(),
+            "model_version": model.model_version,
+        }
+        gen = torch.Generator().manual_seed(args.seed)
+        ranks = []
         for p in lengths:
-            r, pf, ex = by[("rank", p)], by[("prefill", p)], by[("extend", p)]
-            print(
-                f"{p:>7} {r['relay_ms_p50']:>8.2f}/{r['relay_ms_p99']:<9.2f} {r['full_ms_p50']:>8.2f}/{r['full_ms_p99']:<9.2f}"
-                f" {r['speedup']:>8.1f} {r['relay_gflops']:>10.1f} {r['full_gflops']:>9.1f} {r['roofline_gflops']:>9.1f}"
-                f" {r['full_roofline_frac']:>9.2f} {pf['ms_p50']:>10.2f} {ex['ms_p50']:>9.2f}"
-            )
+            row, reuse = _rank_row(model, p, args, gen)
+            ranks.append(row)
+            emit({**common, **row})
+            for r in _prefill_extend_rows(model, p, args, reuse):
+                emit({**common, **r})
+        if args.budget_ms is not None:
+            emit({**common, **budget_row(ranks, args.budget_ms)})
+        del model
+    if not args.json:
+        _print_table(rows, lengths)
     return 0

@@ -1,7 +1,8 @@
 """Prefix store tiers vs recompute: time to get a prefix's KV onto the device, per prefix length.
 
 For each prefix length (``--lengths``, default 1k, 4k and 8k events) the benchmark builds one
-HSTU ranker (4 layers, dim 128 by default; random weights: timing does not depend on training)
+HSTU ranker (4 layers, dim 128 by default, or a ``--preset`` shape; random weights: timing does
+not depend on training)
 and measures, in one run:
 
 - ``recompute``: ``HSTURanker.prefill`` of the whole history (what a miss costs);
@@ -38,9 +39,12 @@ from typing import Any
 import torch
 
 from relaygr.workers import prefix_store as prefix_store_module
-from relaygr.workers.devices import keep_host_pages
+from relaygr.workers.devices import keep_host_pages, synchronize
 from relaygr.workers.prefix_kv import Events, PrefixKV, history_fingerprint
 from relaygr.workers.prefix_store import PrefixStore, PrefixStoreConfig
+from relaygr.workers.presets import PRESETS, resolve_shape
+
+STORE_SHAPE = {"layers": 4, "dim": 128, "heads": 2}  # without --preset
 
 TARGETS = {"host_to_device_speedup_4k": 10.0, "disk_speedup": 3.0, "store_overhead_ms": 0.2}
 
@@ -51,9 +55,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="1024,4096,8192",
         help="comma-separated prefix lengths in events (default: 1k,4k,8k)",
     )
-    parser.add_argument("--layers", type=int, default=4, help="HSTU layers (default 4)")
-    parser.add_argument("--dim", type=int, default=128, help="model dimension (default 128)")
-    parser.add_argument("--heads", type=int, default=2, help="attention heads (default 2)")
+    parser.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default=None,
+        help="model shape (workers.presets); explicit --layers / --dim / --heads win",
+    )
+    parser.add_argument("--layers", type=int, default=None, help="HSTU layers (default 4)")
+    parser.add_argument("--dim", type=int, default=None, help="model dimension (default 128)")
+    parser.add_argument("--heads", type=int, default=None, help="attention heads (default 2)")
     parser.add_argument("--device", default="cpu", help="model and device-tier device (default cpu)")
     parser.add_argument(
         "--recompute-repeats", type=int, default=3, help="timed prefills per length (default 3)"
@@ -80,8 +90,7 @@ def _history(n: int, num_items: int, gen: torch.Generator) -> Events:
 
 
 def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    synchronize(device)
 
 
 async def _time_async(fn: Callable[[], Awaitable[Any]], repeats: int, device: torch.device) -> list[float]:
@@ -214,6 +223,8 @@ async def _measure_length(n: int, args: argparse.Namespace, model: Any, disk_roo
         "store_overhead": _stats(overhead),
         "host_to_device": _stats(host_to_device),
         "host_to_device_moves_bytes": device.type != "cpu",
+        # The host tier pins its tensors on CUDA (the store's default), so promotion is a DMA copy.
+        "host_pinned": device.type == "cuda",
         "host_copy": _stats(host_copy),
         "disk": _stats(disk),
         "promotions_counted": promotions,
@@ -255,7 +266,13 @@ def run(args: argparse.Namespace) -> int:
     lengths = [int(x) for x in str(args.lengths).split(",") if x.strip()]
     keep_host_pages()  # as a serving worker runs
     torch.manual_seed(args.seed)
-    cfg = HSTUConfig(layers=args.layers, dim=args.dim, heads=args.heads, dropout=0.0, device=args.device)
+    shape = resolve_shape(
+        args.preset, fallback=STORE_SHAPE, layers=args.layers, heads=args.heads, dim=args.dim
+    )
+    head = shape["dim"] // shape["heads"]
+    # A preset's heads split its width; without one, the config's own head dimensions (as before).
+    dims = {"attn_dim": head, "linear_dim": head} if args.preset else {}
+    cfg = HSTUConfig(**shape, **dims, dropout=0.0, device=args.device)
     model = HSTURanker(cfg).eval()
     rows = []
     with tempfile.TemporaryDirectory(prefix="relaygr-bench-store-", dir=args.disk_path) as root:

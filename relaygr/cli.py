@@ -70,6 +70,11 @@ GROUPS: dict[str, tuple[str, dict[str, tuple[str, str]]]] = {
                 "relaygr.bench.noisy_neighbour",
                 "ordinary users' ranking P99 with and without one 60k-event user on the same worker",
             ),
+            "device": (
+                "relaygr.bench.device",
+                "the prepared device check: environment, exactness, model, store and a short pipeline "
+                "run on an accelerator, each step within its time budget, into report.json / report.md",
+            ),
             "ingest": (
                 "relaygr.bench.ingest",
                 "every stage's ingestion rate for a burst of long histories; request hops during it vs idle",

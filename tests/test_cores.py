@@ -9,7 +9,14 @@ import threading
 
 import pytest
 
-from relaygr.workers.cores import STAGE_NICE, parse_cores, pin_tasks, pin_this_thread, plan_cores
+from relaygr.workers.cores import (
+    PIPELINE_STAGES,
+    STAGE_NICE,
+    parse_cores,
+    pin_tasks,
+    pin_this_thread,
+    plan_cores,
+)
 
 
 def test_one_device_core_per_worker_from_the_top() -> None:
@@ -27,6 +34,19 @@ def test_too_few_cores_means_no_pinning_and_says_so() -> None:
     assert "needs 4" in lay.describe()
     assert not plan_cores(1, {0, 1}).pinned
     assert not plan_cores(1, {5}).pinned
+
+
+def test_a_core_per_stage_where_the_machine_has_enough() -> None:
+    stages = (*PIPELINE_STAGES, "ranker-0")
+    lay = plan_cores(1, set(range(16)), stages=stages)
+    assert lay.device == (15,) and dict(lay.stages) == dict(zip(stages, (14, 13, 12, 11, 10), strict=True))
+    assert lay.cores_of("retrieval") == (12,) and lay.cores_of("broker") == tuple(range(10))
+    assert lay.stage_core_set().isdisjoint(lay.shared) and 15 not in lay.stage_core_set()
+    assert "retrieval: core 12" in lay.describe()
+    # Two cores must stay for the broker and the load generator, or the stages share them.
+    few = plan_cores(1, set(range(7)), stages=stages)
+    assert few.pinned and few.stages == () and few.cores_of("retrieval") == few.shared == tuple(range(6))
+    assert "needs 8 cores, 7 here" in few.describe()
 
 
 def test_parse_cores() -> None:

@@ -268,14 +268,14 @@ def test_repeat_reports_each_run_the_median_and_the_worst(monkeypatch, capsys) -
     ratios = iter([4.0, None, 6.0, 3.0])
     seen_b: list[float | None] = []
 
-    def fake_sweep(args, kind) -> dict:
+    def fake_sweep(args, kinds) -> list[dict]:
         print("== chatter that must stay off stdout")
         seen_b.append(args.slo_ms)
-        return {"ratio": next(ratios), "slo_ms": 70.0 + len(seen_b)}  # B as a run would measure it
+        return [{"ratio": next(ratios), "slo_ms": 70.0 + len(seen_b)}]  # B as a run would measure it
 
     monkeypatch.setattr(command, "run_sweep", fake_sweep)
     args = argparse.Namespace(repeat=4, json=True, slo_ms=None)
-    assert command.run_repeated(args, KINDS["throughput"]) == 0
+    assert command.run_repeated(args, [KINDS["throughput"]]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["ratios"] == [4.0, None, 6.0, 3.0]
     assert out["median_ratio"] == 4.0 and out["worst_ratio"] == 3.0 and out["runs_without_ratio"] == 1
@@ -290,11 +290,32 @@ def test_repeat_keeps_a_given_b_for_every_run(monkeypatch, capsys) -> None:
 
     seen_b: list[float | None] = []
 
-    def fake_sweep(args, kind) -> dict:
+    def fake_sweep(args, kinds) -> list[dict]:
         seen_b.append(args.slo_ms)
-        return {"ratio": 2.0, "slo_ms": args.slo_ms}
+        return [{"ratio": 2.0, "slo_ms": args.slo_ms}]
 
     monkeypatch.setattr(command, "run_sweep", fake_sweep)
-    assert command.run_repeated(argparse.Namespace(repeat=3, json=True, slo_ms=55.0), KINDS["seq-len"]) == 0
+    assert command.run_repeated(argparse.Namespace(repeat=3, json=True, slo_ms=55.0), [KINDS["seq-len"]]) == 0
     capsys.readouterr()
     assert seen_b == [55.0, 55.0, 55.0]
+
+
+def test_several_experiments_run_once_on_shared_pipelines_one_json_line_each(monkeypatch, capsys) -> None:
+    import argparse
+
+    from relaygr.tools.experiment import command
+
+    calls: list[list[str]] = []
+
+    def fake_sweep(args, kinds) -> list[dict]:
+        calls.append([k.name for k in kinds])
+        return [{"experiment": k.name, "ratio": 1.0} for k in kinds]
+
+    monkeypatch.setattr(command, "run_sweep", fake_sweep)
+    kinds = [KINDS["seq-len"], KINDS["throughput"]]
+    assert command.run_repeated(argparse.Namespace(repeat=1, json=True, slo_ms=None), kinds) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert calls == [["seq-len", "throughput"]]  # one run: one calibration, one pair of pipelines
+    assert [x["experiment"] for x in lines] == ["seq-len", "throughput"]
+    with pytest.raises(SystemExit, match="--repeat"):
+        command.run_repeated(argparse.Namespace(repeat=2, json=True, slo_ms=None), kinds)

@@ -14,6 +14,7 @@ from relaygr.workers.dense import dense_rank_full
 from relaygr.workers.inference import reference_path
 from relaygr.workers.model import HSTUConfig, HSTURanker
 from relaygr.workers.prefix_kv import Events, PrefixKV, history_fingerprint
+from relaygr.workers.presets import PRESETS, preset
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -44,12 +45,12 @@ def _config(**kw) -> HSTUConfig:
     return HSTUConfig(**(base | kw))
 
 
-def _randomise(model: HSTURanker, seed: int) -> HSTURanker:
+def _randomise(model: HSTURanker, seed: int, scale: float = 0.5) -> HSTURanker:
     """Large random weights (biases included), so that every path through the model matters."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+            p.copy_(torch.randn(p.shape, generator=gen) * scale)
     model.refresh_version()
     return model.eval()
 
@@ -323,6 +324,26 @@ def test_bf16_relay_close_to_full() -> None:
         scale = full.abs().max().clamp_min(1.0)
         worst = max(worst, float(((relay - full).abs() / scale).max()))
     assert worst <= BF16_TOL, worst
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_relay_equals_full_on_each_presets_shape(name: str) -> None:
+    # The preset's layers, heads and width at tiny lengths (small blocks, so that histories still
+    # span several of them); weights scaled to the width so that 8 layers keep scores O(1).
+    shape = preset(name).config(
+        num_items=NUM_ITEMS, attn_block=8, candidate_batch=4, dropout=0.0, max_seq_len=64
+    )
+    model = _randomise(HSTURanker(shape), 5, scale=shape.dim**-0.5)
+    model64 = _randomise(HSTURanker(shape), 5, scale=shape.dim**-0.5).to(torch.float64)
+    model64.refresh_version()
+    for n, cut, seed in ((40, 17, 0), (33, 0, 1), (29, 29, 2)):
+        h, cands = history(n, seed), candidates(9, seed)
+        ts = request_time(h, 60.0)
+        for m, rtol, atol in ((model, RTOL32, ATOL32), (model64, RTOL64, ATOL64)):
+            full = m.rank_full(h, cands, ts)
+            relay = m.rank(m.prefill(h.slice(0, cut), chunk_size=7), h.slice(cut), cands, ts)
+            torch.testing.assert_close(relay, full, rtol=rtol, atol=atol)
+            assert float(full.abs().max()) > 1e-3  # the comparison is not between zeros
 
 
 def test_unknown_ids_and_empty_inputs() -> None:

@@ -5,8 +5,10 @@ Primitives:
 - ``read_behaviours(settings, start)``: the public ``behaviors`` topic from ``start`` (the
   beginning, or a time) up to its end when reading starts, as rows, with the records that did not
   decode counted as bad rows.
-- ``add_arguments`` / ``run``: ``relaygr.workers.train``'s flags plus ``--from-topic`` and
-  ``--from-timestamp``; without ``--from-topic`` it is ``relaygr.workers.train.run`` as is.
+- ``add_arguments`` / ``run``: ``relaygr.workers.train``'s flags plus ``--preset`` (a named model
+  shape, ``workers.presets``; explicit ``--layers`` / ``--heads`` / ``--dim`` / ``--max-seq-len``
+  win), ``--from-topic`` and ``--from-timestamp``; without ``--from-topic`` it is
+  ``relaygr.workers.train.run`` on the resolved shape.
 
 The trainer itself (``relaygr.workers.train``) never imports Kafka: it takes the events read here.
 """
@@ -22,6 +24,7 @@ from relaygr.infra.topic_reader import Start, read_topic
 from relaygr.schemas import BehaviorEvent, TopicRegistry
 from relaygr.workers import train
 from relaygr.workers.interactions import BadRow, Interaction, InteractionLog, build_log
+from relaygr.workers.presets import PRESETS, SHAPE_FIELDS, resolve_shape
 
 
 def behaviour_rows(events: Iterable[BehaviorEvent]) -> list[Interaction]:
@@ -44,6 +47,19 @@ async def read_behaviours(settings: Settings, start: Start | None = None) -> tup
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     train.add_arguments(parser)
+    parser.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default="small",
+        help="model shape: "
+        + "; ".join(
+            f"{p.name}: {p.layers} layers, d={p.dim}, {p.heads} heads, {p.max_seq_len} events ({p.note})"
+            for p in PRESETS.values()
+        )
+        + " (default small; --layers, --heads, --dim, --max-seq-len given explicitly win)",
+    )
+    # None = not given: the preset decides (workers.train's own defaults are the small preset).
+    parser.set_defaults(**dict.fromkeys(SHAPE_FIELDS))
     topic = parser.add_argument_group("training from the cascade's behaviours topic")
     topic.add_argument(
         "--from-topic",
@@ -59,7 +75,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def apply_preset(args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` with the model shape resolved: explicit flags, else the preset."""
+    given = {k: getattr(args, k, None) for k in SHAPE_FIELDS}
+    shape = resolve_shape(args.preset, fallback={}, **given)
+    return argparse.Namespace(**{**vars(args), **shape})
+
+
 def run(args: argparse.Namespace) -> int:
+    args = apply_preset(args)
     if not args.from_topic:
         if args.from_timestamp is not None:
             raise SystemExit("--from-timestamp needs --from-topic")

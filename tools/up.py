@@ -121,7 +121,7 @@ class Pipeline:
             cmd += ["--metrics-port", str(port)]
         placement: dict[str, object] = {}
         if self.cores is not None:
-            placement["cpu_cores"] = format_cores(self.cores.shared)
+            placement["cpu_cores"] = format_cores(self.cores.cores_of(name))
             if name.startswith("ranker-"):
                 placement["device_core"] = self.cores.device_core(port_index - 4)
         if self.stage_nice and not name.startswith("ranker-"):
@@ -130,7 +130,7 @@ class Pipeline:
             name, cmd, {**self.env, **(env or {}), **PipelineSettings.to_env(**placement)}
         )
         if self.cores is not None:  # at once, too: the child pins itself only once it has started up
-            pin_tasks(p.pid, self.cores.shared)
+            pin_tasks(p.pid, self.cores.cores_of(name))
 
     def start(self) -> Pipeline:
         # One ingress process per input: a behaviour burst never shares a CPU slice with requests.

@@ -10,8 +10,9 @@ and none of this applies.
 Primitives:
 - ``CoreLayout``: the device cores (one per ranking worker), the shared cores, whether it pins,
   and ``describe()`` (the protocol's words).
-- ``plan_cores(workers, available, pin=True)``: the layout for ``workers`` ranking workers on the
-  cores this process may use; unless ``MIN_SHARED_CORES`` are left for everything else it does not
+- ``plan_cores(workers, available, pin=True, stages=())``: the layout for ``workers`` ranking
+  workers on the cores this process may use (with ``stages``, a core of its own for each of those
+  stage processes too, ``PIPELINE_STAGES`` being the local pipeline's, where the machine has them); unless ``MIN_SHARED_CORES`` are left for everything else it does not
   pin (and says so), and then the stage processes other than the ranking workers run at ``STAGE_NICE``: the
   shared CPU goes to ranking first, as a device of its own would.
 - ``pin_tasks(pid, cores)``: every thread of process ``pid`` onto ``cores`` (a process's threads
@@ -34,9 +35,18 @@ class CoreLayout:
     pinned: bool
     note: str = ""
     stage_nice: int = 0  # not pinned: nice level of the non-ranking stages
+    stages: tuple[tuple[str, int], ...] = ()  # (stage process, its own core), where it has one
 
     def device_core(self, worker: int) -> int | None:
         return self.device[worker % len(self.device)] if self.pinned and self.device else None
+
+    def cores_of(self, stage: str) -> tuple[int, ...]:
+        """Where stage process ``stage``'s threads run (a ranking worker's device thread aside)."""
+        own = dict(self.stages).get(stage)
+        return (own,) if own is not None else self.shared
+
+    def stage_core_set(self) -> set[int]:
+        return {core for _, core in self.stages}
 
     def describe(self) -> str:
         if not self.pinned:
@@ -48,12 +58,20 @@ class CoreLayout:
                 )
             return text
         dev = ", ".join(f"ranker-{i}: core {c}" for i, c in enumerate(self.device))
+        own = ", ".join(f"{name}: core {c}" for name, c in self.stages)
+        rest = "every other thread and process" + (
+            " (broker, load generator)" if own else " (stages, broker, load generator)"
+        )
         return (
-            f"device thread of each ranking worker on a core of its own ({dev}); every other "
-            f"thread and process (stages, broker, load generator) on core(s) {format_cores(self.shared)}"
+            f"device thread of each ranking worker on a core of its own ({dev}); "
+            + (f"each stage process on a core of its own ({own}); " if own else "")
+            + f"{rest} on core(s) {format_cores(self.shared)}"
             + (f"; {self.note}" if self.note else "")
         )
 
+
+PIPELINE_STAGES = ("ingress-requests", "ingress-behaviors", "retrieval", "preprocess")
+"""The stage processes of a local pipeline besides the ranking workers (``tools.up.Pipeline``)."""
 
 MIN_SHARED_CORES = 2
 """Cores that must stay for the stages, the broker and the load generator before a device thread
@@ -73,11 +91,19 @@ def available_cores() -> set[int]:
 
 
 def plan_cores(
-    workers: int, available: set[int] | None = None, *, pin: bool = True, stage_nice: int = STAGE_NICE
+    workers: int,
+    available: set[int] | None = None,
+    *,
+    pin: bool = True,
+    stage_nice: int = STAGE_NICE,
+    stages: tuple[str, ...] = (),
 ) -> CoreLayout:
     """One device core per ranking worker (the highest), the others shared; no pinning unless
     ``pin`` and ``MIN_SHARED_CORES`` remain shared (``workers + 2`` cores or more). Unpinned, the
-    other processes run at ``stage_nice`` (0: as the ranking workers)."""
+    other processes run at ``stage_nice`` (0: as the ranking workers). With ``stages`` (names of
+    stage processes; a ranking worker's is ``ranker-<i>``), each also gets a core of its own (the
+    next highest) where ``MIN_SHARED_CORES`` still remain; otherwise they share (and the note says
+    why)."""
     cores = sorted(available_cores() if available is None else available)
     if workers < 1:
         return CoreLayout((), tuple(cores), False, "no ranking worker")
@@ -93,7 +119,17 @@ def plan_cores(
             "shares every core",
             stage_nice,
         )
-    return CoreLayout(tuple(cores[-workers:][::-1]), tuple(cores[:-workers]), True)
+    device, rest = tuple(cores[-workers:][::-1]), cores[:-workers]
+    if not stages:
+        return CoreLayout(device, tuple(rest), True)
+    if len(rest) < len(stages) + MIN_SHARED_CORES:
+        note = (
+            f"no core of its own for each of {len(stages)} stage processes: that needs "
+            f"{workers + len(stages) + MIN_SHARED_CORES} cores, {len(cores)} here"
+        )
+        return CoreLayout(device, tuple(rest), True, note)
+    own = tuple(zip(stages, rest[::-1], strict=False))
+    return CoreLayout(device, tuple(rest[: len(rest) - len(stages)]), True, stages=own)
 
 
 def pin_tasks(pid: int, cores: tuple[int, ...] | set[int]) -> int:

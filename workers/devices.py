@@ -5,6 +5,7 @@ Primitives:
 - ``resolve_dtype(name)``, ``resolve_device(name)``: validated torch objects; ``npu`` imports the
   optional ``torch_npu`` extension and fails with an explanation when it is not installed.
 - ``synchronize(device)``: wait for queued device work (benchmarks time real work, not launches).
+- ``device_name(device)``: what the device is, in words (the accelerator's name; on CPU, the processor's).
 - ``keep_host_pages()``: make glibc's allocator keep freed memory for reuse (see its docstring).
 """
 
@@ -68,6 +69,21 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
     elif device.type == "npu":
         torch.npu.synchronize(device)  # type: ignore[attr-defined]
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    if device.type == "npu":
+        return str(torch.npu.get_device_name(device))  # type: ignore[attr-defined]
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "cpu"
 
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters

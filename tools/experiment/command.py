@@ -49,7 +49,10 @@ in it depends on the mode:
   live);
 - cores (``--pin``, on by default where the machine has a core to spare): each ranking worker's
   device thread has a CPU core of its own, every other process of the experiment (stages,
-  broker, this load generator) the other cores (``tools.cores``);
+  broker, this load generator) the other cores (``workers.cores``); with ``--core-per-stage``,
+  each stage process a core of its own too, where the machine has enough;
+- several experiments (``relaygr experiment seq-len throughput``) run one after the other on one
+  calibration, one B and one pair of pipelines, each on users of its own, each reported apart;
 - ``--repeat N`` runs the whole experiment N times and reports each run's ratio, their median and
   the worst. B is measured by the first run and fixed for the others (unless ``--slo-ms`` fixes
   it for all): measured per run it moved from 73 to 230 ms on one machine, and at the high value
@@ -76,18 +79,19 @@ import sys
 import time
 import uuid
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from relaygr.infra.settings import Settings
 from relaygr.tools.args import int_at_least, open_fraction
+from relaygr.tools.experiment import deployment
 from relaygr.tools.experiment.kinds import KINDS, ExperimentKind
 from relaygr.tools.experiment.protocol import EXPERIMENT_SHORT_TERM, MODES, PointRun, Protocol
 from relaygr.tools.experiment.report import print_headline, say, write_experiment_report
 from relaygr.tools.experiment.stopping import StopRule
 from relaygr.tools.report.figures import json_safe
 from relaygr.tools.report.markdown import fmt
-from relaygr.workers.cores import CoreLayout, available_cores, pin_tasks, plan_cores
+from relaygr.workers.cores import PIPELINE_STAGES, CoreLayout, available_cores, pin_tasks, plan_cores
 from relaygr.workers.latency_model import LatencyModel
 from relaygr.workers.movielens import MovieLens
 from relaygr.workers.train import add_source_arguments
@@ -110,6 +114,7 @@ class Run:
     samples: list[tuple[int, float]]
     cores: CoreLayout
     rule: StopRule
+    user_tag: str = ""  # before every point's user prefix: experiments sharing pipelines never share users
 
     @property
     def topics(self) -> str:
@@ -122,8 +127,9 @@ class Run:
         return self.out / "calibration.json"
 
 
-def prepare(args: argparse.Namespace, kind: ExperimentKind) -> Run:
-    """Broker, model, folders and the latency model of full ranking, before any pipeline."""
+def prepare(args: argparse.Namespace, kinds: list[ExperimentKind]) -> Run:
+    """Broker, model, folders and the latency model of full ranking, before any pipeline (shared by
+    every experiment of ``kinds``; the run's ``kind`` is the first)."""
     from relaygr.infra.cluster import ensure_broker
     from relaygr.infra.settings import get_settings
     from relaygr.streams.config import PipelineSettings
@@ -136,22 +142,27 @@ def prepare(args: argparse.Namespace, kind: ExperimentKind) -> Run:
     settings, _ = ensure_broker(get_settings())
     model_dir = Path(args.model or PipelineSettings().model_dir)
     ensure_model(model_dir)
-    run_id = f"exp-{kind.name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
+    kind = kinds[0]
+    names = "-".join(k.name for k in kinds)  # topic names take letters, digits, '.', '_' and '-'
+    run_id = f"exp-{names}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
     out = Path(args.out or Path(settings.home) / "experiments" / run_id)
     out.mkdir(parents=True, exist_ok=True)
     root = Path(settings.home) / "experiments" / "state" / run_id
-    say(f"{kind.name} experiment {run_id}: report in {out}")
-    if kind.name == "seq-len":
-        model_dir = serving_cap_at_least(model_dir, 2 * int(max(kind.points(args))), out / "model", say)
+    say(f"{names} experiment {run_id}: report in {out}")
+    for k in kinds:
+        if k.name == "seq-len":
+            model_dir = deployment.serving_cap_at_least(
+                model_dir, 2 * int(max(k.points(args))), out / "model", say
+            )
     cores = (
-        plan_cores(1)
+        plan_cores(1, stages=(*PIPELINE_STAGES, "ranker-0") if args.core_per_stage else ())
         if not args.no_pin
         else CoreLayout((), tuple(sorted(available_cores())), False, "--no-pin")
     )
     say(f"cores: {cores.describe()}")
     if cores.pinned:  # the latency model is the device's: calibrate on the device core
         pin_tasks(os.getpid(), {cores.device[0]})
-    lat, samples = calibrate_latency(model_dir, args.threads, out / "calibration.json")
+    lat, samples = calibrate_latency(model_dir, args.threads, out / "calibration.json", args.device)
     if cores.pinned:
         pin_tasks(os.getpid(), cores.shared)
         _pin_broker(settings, cores.shared)
@@ -167,26 +178,6 @@ def prepare(args: argparse.Namespace, kind: ExperimentKind) -> Run:
     start = window_start(args, ml)
     rule = StopRule(args.miss_rate, args.confidence, args.max_requests, args.min_round, args.max_round)
     return Run(kind, args, settings, model_dir, run_id, out, root, ml, start, lat, samples, cores, rule)
-
-
-def serving_cap_at_least(model_dir: Path, cap: int, out: Path, say) -> Path:
-    """``model_dir``, or a copy of it in ``out`` whose serving cap (``max_seq_len``) is ``cap``
-    when its own is lower. A point at or above the cap can never hold: its users' histories grow
-    past it during the window and every ranking reads a truncated one. The cap bounds serving
-    only (the weights do not depend on it), so the copy ranks the events it reads as the original
-    does; its model version differs and the protocol records it."""
-    cfg = json.loads((model_dir / "config.json").read_text())
-    if cfg.get("max_seq_len", 0) >= cap:
-        return model_dir
-    out.mkdir(parents=True, exist_ok=True)
-    for f in model_dir.iterdir():
-        if f.is_file() and f.name != "config.json":
-            shutil.copy2(f, out / f.name)
-    (out / "config.json").write_text(json.dumps({**cfg, "max_seq_len": cap}, indent=2) + "\n")
-    say(
-        f"serving cap raised from {cfg.get('max_seq_len')} to {cap} events for this run (model copy in {out})"
-    )
-    return out
 
 
 def _pin_broker(settings: Settings, cores: tuple[int, ...] | set[int]) -> None:
@@ -232,7 +223,8 @@ def fix_protocol(run: Run, xs: list[float], slo_ms: float, slo_how: str) -> Prot
         seed=args.seed,
         points=xs,
         point_label=kind.point_label,
-        requests_per_point=text["requests_per_point"],
+        requests_per_point=text["requests_per_point"]
+        + ("; the first point runs once (--first-point-once)" if args.first_point_once else ""),
         history=text["history"],
         synthesis=(
             f"{run.ml.name} histories are shorter than these lengths: each user's real history "
@@ -267,6 +259,7 @@ def sweep(run: Run, deps: list, xs: list[float], slo_ms: float) -> tuple[list[Po
     built: dict[str, object] = {}  # topic -> trace: points of one shape share it
     traces = {}
     points: list[PointRun] = []
+    patience = args.patience if args.patience is not None else kind.default_patience
     active = dict.fromkeys(MODES, True)
     fails: Counter[str] = Counter()
     for i, x in enumerate(xs):
@@ -285,11 +278,11 @@ def sweep(run: Run, deps: list, xs: list[float], slo_ms: float) -> tuple[list[Po
                 continue
             if not args.no_isolate:
                 _isolate(d, deps)
-            for attempt in (1, 2) if i == 0 else (2,):
+            for attempt in (1, 2) if i == 0 and not getattr(args, "first_point_once", False) else (2,):
                 pr = _run_one(run, d, traces[x], x, i, attempt, n_requests, slo_ms, len(xs))
                 points.append(pr)
             fails[d.mode] = 0 if pr.holds else fails[d.mode] + 1
-            if args.patience and fails[d.mode] >= args.patience:
+            if patience and fails[d.mode] >= patience:
                 active[d.mode] = False
     return points, traces
 
@@ -321,7 +314,7 @@ def _run_one(
             x=x,
             qps=kind.qps(args, x),
             n_requests=n_requests,
-            user_prefix=f"p{i}{'a' if attempt == 1 else ''}-",
+            user_prefix=f"{run.user_tag}p{i}{'a' if attempt == 1 else ''}-",
             slo_ms=slo_ms,
             seed=args.seed + i,
             out_dir=run.out / "results",
@@ -342,18 +335,15 @@ def _run_one(
     return pr
 
 
-def run_sweep(args: argparse.Namespace, kind: ExperimentKind) -> dict:
+def run_sweep(args: argparse.Namespace, kinds: list[ExperimentKind]) -> list[dict]:
+    """One run of every experiment of ``kinds`` on one pair of pipelines (one calibration, one SLO
+    bound): each experiment's points on users of its own, its report in ``--out`` (in
+    ``--out/<experiment>`` when there are several). Returns their headlines."""
     from relaygr.infra.kafka import delete_topics_with_prefix
-    from relaygr.tools.experiment.deployment import (
-        Deployment,
-        build_and_publish,
-        measure_slo,
-        pipeline_env,
-        warm_pipeline,
-    )
+    from relaygr.tools.experiment.deployment import Deployment, build_and_publish, measure_slo, pipeline_env
 
     t_start = time.monotonic()
-    run = prepare(args, kind)
+    run = prepare(args, kinds)
     deps: list[Deployment] = []
     done = False
     try:
@@ -365,39 +355,20 @@ def run_sweep(args: argparse.Namespace, kind: ExperimentKind) -> dict:
             run.settings, args, run.model_dir, run.calibration, run.latency, ref, run.root, run.topics,
             run.cores,
         )  # fmt: skip
-        xs = kind.points(args)
-        proto = fix_protocol(run, xs, slo_ms, slo_how)
-        (run.out / "protocol.json").write_text(proto.model_dump_json(indent=2))
-        say(f"protocol fixed: B = {slo_ms:g} ms, W = {slo_ms:g} ms, points {', '.join(f'{x:g}' for x in xs)}")
-
         env = pipeline_env(args, run.model_dir, run.calibration, slo_ms)
         deps = [Deployment(run.settings, m, env, run.root, run.topics, 1, run.cores) for m in MODES]
-
-        async def start_all() -> None:
-            for d in deps:
-                await d.start()
-            for d in deps:
-                say(f"{d.mode} pipeline ready in {await d.pipe.wait_ready(timeout_s=300):.1f} s")
-            for d in deps:
-                if not args.no_isolate:
-                    for other in deps:
-                        if other is not d:
-                            other.pipe.pause()
-                    if d.pipe.paused:
-                        d.pipe.resume()
-                        await d.pipe.wait_ready(timeout_s=300)
-                await warm_pipeline(d, ref, args, run.root / "warmup")
-            say(f"pipelines warmed up ({args.pipeline_warmup} unmeasured requests each)")
-
-        asyncio.run(start_all())
-        points, traces = sweep(run, deps, xs, slo_ms)
-        doc = write_experiment_report(run.out, kind, proto, points, traces, args)
+        asyncio.run(_start_and_warm(deps, ref, args, run.root / "warmup"))
+        docs = []
+        for k, kind in enumerate(kinds):
+            out = run.out if len(kinds) == 1 else run.out / kind.name
+            one = replace(run, kind=kind, out=out, user_tag=f"k{k}-" if len(kinds) > 1 else "")
+            docs.append(_one_experiment(one, deps, slo_ms, slo_how))
         done = True
     finally:
         for d in deps:
             d.pipe.stop()
         if run.cores.pinned:  # back on every core: the broker, and this process for a next run
-            every = set(run.cores.shared) | set(run.cores.device)
+            every = set(run.cores.shared) | set(run.cores.device) | set(run.cores.stage_core_set())
             _pin_broker(run.settings, every)
             pin_tasks(os.getpid(), every)
         if not args.keep:
@@ -406,22 +377,71 @@ def run_sweep(args: argparse.Namespace, kind: ExperimentKind) -> dict:
                 shutil.rmtree(run.root, ignore_errors=True)
             else:
                 say(f"logs and state kept in {run.root}")
-    doc["headline"]["seconds"] = round(time.monotonic() - t_start, 1)
-    doc["headline"]["cores"] = run.cores.describe()
-    doc["headline"]["load_average"] = list(os.getloadavg())
-    (run.out / "report.json").write_text(json.dumps(json_safe(doc), indent=2))
-    print_headline(doc, kind)
-    return doc["headline"]
+    heads = []
+    for kind, out, doc in docs:
+        doc["headline"]["seconds"] = round(time.monotonic() - t_start, 1)
+        doc["headline"]["cores"] = run.cores.describe()
+        doc["headline"]["load_average"] = list(os.getloadavg())
+        (out / "report.json").write_text(json.dumps(json_safe(doc), indent=2))
+        print_headline(doc, kind)
+        heads.append(doc["headline"])
+    return heads
 
 
-def run_repeated(args: argparse.Namespace, kind: ExperimentKind) -> int:
-    """``--repeat`` runs of the whole experiment: each run's headline, the median and worst ratio."""
+async def _start_and_warm(deps: list, ref, args: argparse.Namespace, scratch: Path) -> None:
+    """Start every mode's pipeline, wait until each answers, then warm each up (alone, unless
+    ``--no-isolate``)."""
+    from relaygr.tools.experiment.deployment import warm_pipeline
+
+    for d in deps:
+        await d.start()
+    for d in deps:
+        say(f"{d.mode} pipeline ready in {await d.pipe.wait_ready(timeout_s=300):.1f} s")
+    for d in deps:
+        if not args.no_isolate:
+            for other in deps:
+                if other is not d:
+                    other.pipe.pause()
+            if d.pipe.paused:
+                d.pipe.resume()
+                await d.pipe.wait_ready(timeout_s=300)
+        await warm_pipeline(d, ref, args, scratch)
+    say(f"pipelines warmed up ({args.pipeline_warmup} unmeasured requests each)")
+
+
+def _one_experiment(run: Run, deps: list, slo_ms: float, slo_how: str) -> tuple[ExperimentKind, Path, dict]:
+    """``run.kind``'s protocol, sweep and report on the running pipelines."""
+    xs = run.kind.points(run.args)
+    proto = fix_protocol(run, xs, slo_ms, slo_how)
+    run.out.mkdir(parents=True, exist_ok=True)
+    (run.out / "protocol.json").write_text(proto.model_dump_json(indent=2))
+    say(
+        f"{run.kind.name}: protocol fixed: B = {slo_ms:g} ms, W = {slo_ms:g} ms, points "
+        + ", ".join(f"{x:g}" for x in xs)
+    )
+    points, traces = sweep(run, deps, xs, slo_ms)
+    return run.kind, run.out, write_experiment_report(run.out, run.kind, proto, points, traces, run.args)
+
+
+def run_repeated(args: argparse.Namespace, kinds: list[ExperimentKind]) -> int:
+    """``--repeat`` runs of the whole experiment: each run's headline, the median and worst ratio.
+    Several experiments run once, on shared pipelines, and print one JSON line each."""
+    if len(kinds) > 1:
+        if args.repeat > 1:
+            raise SystemExit("--repeat runs one experiment: name only one")
+        with contextlib.redirect_stdout(sys.stderr):
+            heads = run_sweep(args, kinds)
+        if args.json:
+            for head in heads:
+                print(json.dumps(json_safe(head)))
+        return 0
+    kind = kinds[0]
     heads = []
     for r in range(max(1, args.repeat)):
         if args.repeat > 1:
             say(f"run {r + 1} of {args.repeat}")
         with contextlib.redirect_stdout(sys.stderr):  # stdout carries only the JSON line
-            heads.append(run_sweep(args, kind))
+            heads += run_sweep(args, kinds)
         if args.slo_ms is None and heads[-1].get("slo_ms"):
             # One B for every run (see the module docstring).
             how = f"measured by run {r + 1} of {args.repeat} and fixed for the runs after it"
@@ -454,7 +474,12 @@ def run_repeated(args: argparse.Namespace, kind: ExperimentKind) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("which", choices=sorted(KINDS), help="the experiment")
+    parser.add_argument(
+        "which",
+        nargs="+",
+        choices=sorted(KINDS),
+        help="the experiment; several run one after the other on the same pipelines",
+    )
     add_source_arguments(parser)
     parser.add_argument("--out", type=Path, help="report folder (default $RELAYGR_HOME/experiments/<run>)")
     parser.add_argument(
@@ -462,6 +487,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--threads", type=int, default=1, help="torch threads of each ranking worker (default 1)"
+    )
+    parser.add_argument(
+        "--device",
+        default=None,
+        help="the ranking workers' device, cpu, cuda[:N] or npu[:N] (default: the checkpoint's); the "
+        "latency model is calibrated there",
     )
     parser.add_argument("--theta", type=float, default=0.1, help="trigger threshold θ (default 0.1)")
     parser.add_argument("--slo-ms", type=float, help="fix B instead of measuring it")
@@ -520,6 +551,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--no-isolate", action="store_true", help="keep the other mode's pipeline live during a point"
     )
+    g.add_argument(
+        "--core-per-stage",
+        action="store_true",
+        help="also a core of its own for each stage process, where the machine has enough (workers.cores)",
+    )
+    g.add_argument(
+        "--first-point-once",
+        action="store_true",
+        help="run the first point once, not twice (short checks; the protocol records it)",
+    )
     g = parser.add_argument_group("seq-len")
     g.add_argument("--lengths", default="512,1024,2048,4096,8192", help="history lengths (events)")
     g.add_argument("--qps", type=float, default=10.0, help="request rate of every point")
@@ -542,14 +583,12 @@ def run(args: argparse.Namespace) -> int:
     from relaygr.infra.broker import BrokerError
     from relaygr.infra.kafka import TopicError
 
-    kind = KINDS[args.which]
-    if args.patience is None:
-        args.patience = kind.default_patience
+    kinds = [KINDS[w] for w in dict.fromkeys(args.which)]
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     # Stopped from outside, ``relaygr`` unwinds (SystemExit), so the pipelines (some of them
     # SIGSTOPped) are stopped too.
     try:
-        return run_repeated(args, kind)
+        return run_repeated(args, kinds)
     except (BrokerError, TopicError, RuntimeError, TimeoutError) as e:
         print(f"relaygr experiment: {e}", file=sys.stderr)
         return 1

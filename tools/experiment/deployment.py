@@ -9,7 +9,7 @@ Primitives:
 - ``measure_slo(...) -> (B, how)``: the SLO bound from a baseline pipeline without truncation
   (see ``tools.experiment`` for the protocol).
 - ``calibrate_latency``, ``pipeline_env``, ``window_start``, ``build_and_publish``: the set-up
-  both modes share.
+  both modes share; ``serving_cap_at_least``: a copy of the model whose serving cap fits the points.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import shutil
 import time
 from pathlib import Path
 
@@ -180,11 +181,14 @@ def model_info(model_dir: Path) -> tuple[dict, str]:
     return cfg.get("config", cfg), m.model_version
 
 
-def calibrate_latency(model_dir: Path, threads: int, out: Path):
+def calibrate_latency(model_dir: Path, threads: int, out: Path, device: str | None = None):
+    """The latency model of full ranking, timed on ``device`` (default: the checkpoint's), where
+    the ranking workers will run."""
     from relaygr.workers.calibration import calibrate_and_save
     from relaygr.workers.model import HSTURanker
 
-    return calibrate_and_save(HSTURanker.load(model_dir), out, repeats=5, threads=threads)
+    model = HSTURanker.load(model_dir, device=device) if device else HSTURanker.load(model_dir)
+    return calibrate_and_save(model, out, repeats=5, threads=threads)
 
 
 def pipeline_env(
@@ -192,7 +196,9 @@ def pipeline_env(
 ) -> dict:
     from relaygr.streams.config import PipelineSettings
 
+    device = {"device": args.device} if getattr(args, "device", None) else {}
     return PipelineSettings.to_env(
+        **device,
         model_dir=model_dir,
         calibration_file=calib,
         budget_ms=budget_ms if budget_ms is not None else slo_ms,
@@ -286,3 +292,23 @@ def measure_slo(
     )
     say(f"SLO: B = {b:g} ms ({how})")
     return b, how
+
+
+def serving_cap_at_least(model_dir: Path, cap: int, out: Path, say) -> Path:
+    """``model_dir``, or a copy of it in ``out`` whose serving cap (``max_seq_len``) is ``cap``
+    when its own is lower. A point at or above the cap can never hold: its users' histories grow
+    past it during the window and every ranking reads a truncated one. The cap bounds serving
+    only (the weights do not depend on it), so the copy ranks the events it reads as the original
+    does; its model version differs and the protocol records it."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    if cfg.get("max_seq_len", 0) >= cap:
+        return model_dir
+    out.mkdir(parents=True, exist_ok=True)
+    for f in model_dir.iterdir():
+        if f.is_file() and f.name != "config.json":
+            shutil.copy2(f, out / f.name)
+    (out / "config.json").write_text(json.dumps({**cfg, "max_seq_len": cap}, indent=2) + "\n")
+    say(
+        f"serving cap raised from {cfg.get('max_seq_len')} to {cap} events for this run (model copy in {out})"
+    )
+    return out
