@@ -168,7 +168,8 @@ def prepare(args: argparse.Namespace, kinds: list[ExperimentKind]) -> Run:
         _pin_broker(settings, cores.shared)
     say("latency model of full ranking: " + ", ".join(f"{n} tokens {ms:.1f} ms" for n, ms in samples))
     cap = json.loads((model_dir / "config.json").read_text()).get("max_seq_len") or 8192
-    kind.size(args, lat, int(cap), say)
+    for k in kinds:  # what the calibration decides (one B for all of them)
+        k.size(args, lat, int(cap), say)
     if getattr(args, "interactions", None) is not None:
         log, source = load_log(args)
         report_bad_rows(log)
