@@ -76,9 +76,12 @@ def size_training(num_items: int, history_lengths: Sequence[int]) -> dict[str, C
     }
 
 
-def describe(choices: dict[str, Choice], overridden: set[str] = frozenset()) -> list[str]:
-    """One line per choice; values set on the command line say so instead of a reason."""
+def describe(choices: dict[str, Choice], given: dict[str, object] | None = None) -> list[str]:
+    """One line per choice; ``given`` values (set on the command line) replace the sized ones and
+    say so instead of a reason."""
+    given = given or {}
     return [
-        f"  {name:<15} {c.value!s:>6}  ({'set on the command line' if name in overridden else c.reason})"
+        f"  {name:<15} {given.get(name, c.value)!s:>6}  "
+        f"({'set on the command line' if name in given else c.reason})"
         for name, c in choices.items()
     ]

@@ -250,23 +250,21 @@ def resolve_settings(
 ) -> TrainSettings:
     """The command line's settings; what it leaves open is sized from the log and printed."""
     choices = size_training(num_items, [len(h) for h in histories.values()])
-    given = {name for name in _SIZED if getattr(args, name) is not None}
-    value = {name: (getattr(args, name) if name in given else choices[name].value) for name in _SIZED}
-    if "max_len" in given:  # the normaliser follows the window it was sized for
-        choices["attn_normaliser"] = dataclasses.replace(
-            choices["attn_normaliser"], value=float(args.max_len)
-        )
-    if "dim" in given and "heads" not in given:
-        value["heads"] = max(1, args.dim // 32) if args.dim % 32 == 0 else 1
+    given = {name: getattr(args, name) for name in _SIZED if getattr(args, name) is not None}
+    if "max_len" in given:  # the normaliser follows the window
+        given["attn_normaliser"] = float(given["max_len"])
+    if "dim" in given and "heads" not in given:  # 32 dimensions a head where the width allows
+        given["heads"] = max(1, given["dim"] // 32) if given["dim"] % 32 == 0 else 1
+    value = {name: given.get(name, c.value) for name, c in choices.items()}
     log("settings sized from the log:")
-    for line in describe(choices, given | ({"attn_normaliser"} & ({"max_len"} & given))):
+    for line in describe(choices, given):
         log(line)
     return TrainSettings(
         dim=int(value["dim"]),
         heads=int(value["heads"]),
         layers=args.layers,
         max_len=int(value["max_len"]),
-        attn_normaliser=float(choices["attn_normaliser"].value),
+        attn_normaliser=float(value["attn_normaliser"]),
         dropout=args.dropout,
         lr=args.lr,
         batch_size=args.batch_size,
