@@ -136,7 +136,7 @@ def train_model(
         opt, lambda step: min(1.0, (step + 1) / warmup) * max(0.05, 1 - step / max(1, total))
     )
     losses: list[float] = []
-    step, t0 = 0, time.perf_counter()
+    step, t0, cpu0 = 0, time.perf_counter(), time.process_time()
     for epoch in range(epochs):
         model.train()
         ep_loss, ep_n = 0.0, 0
@@ -170,7 +170,8 @@ def train_model(
         val = f"  valid NDCG@10 {stopping.scores[-1]:.4f}" if stopping is not None else ""
         log(
             f"epoch {epoch + 1}/{epochs}  loss {losses[-1]:.4f}{val}  steps {step}/{total}  "
-            f"elapsed {fmt_secs(elapsed)}  eta at most {fmt_secs(elapsed / step * (total - step))}"
+            f"elapsed {fmt_secs(elapsed)} (cpu {fmt_secs(time.process_time() - cpu0)})  "
+            f"eta at most {fmt_secs(elapsed / step * (total - step))}"
         )
         if stop:
             log(f"early stop: best validation NDCG@10 {stopping.best:.4f} at epoch {stopping.best_epoch + 1}")

@@ -303,6 +303,7 @@ class Trained:
     losses: list[float]
     stopping: EarlyStopping
     seconds: float
+    cpu_seconds: float
 
 
 def train_once(
@@ -318,7 +319,7 @@ def train_once(
     model.set_vocab(log.vocab)
     train_hist, valid = split
     stopping = EarlyStopping(train_hist, valid, patience=s.patience)
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     losses = train_model(
         model,
         train_hist,
@@ -331,7 +332,7 @@ def train_once(
         stopping=stopping if valid else None,
         log=progress,
     )
-    return Trained(model, losses, stopping, time.perf_counter() - t0)
+    return Trained(model, losses, stopping, time.perf_counter() - t0, time.process_time() - cpu0)
 
 
 def _eval_lengths(spec: str) -> list[int | None]:
@@ -396,6 +397,7 @@ def run(args: argparse.Namespace, log: InteractionLog | None = None, source: str
             "validation_ndcg_per_epoch": trained.stopping.scores,
             "loss_per_epoch": trained.losses,
             "seconds": round(trained.seconds, 1),
+            "cpu_seconds": round(trained.cpu_seconds, 1),
             "seed": args.seed,
             "parameters": sum(p.numel() for p in trained.model.parameters()),
         },
