@@ -37,6 +37,7 @@ class Objective:
     popular_share: float = 0.5
     in_batch_share: float = 0.0
     aux_weight: float = 1.0
+    last_cut: bool = False
 
 
 @dataclass
@@ -152,6 +153,7 @@ def train_model(
                 popularity=popularity,
                 popular_share=obj.popular_share,
                 in_batch_share=obj.in_batch_share,
+                last_cut=obj.last_cut,
             )
             loss = batch_loss(model, batch, obj.aux_weight)
             opt.zero_grad(set_to_none=True)

@@ -45,11 +45,14 @@ def make_batch(
     popularity: np.ndarray | None = None,
     popular_share: float = 0.0,
     in_batch_share: float = 0.0,
+    last_cut: bool = False,
 ) -> Batch:
     """Pad ``windows`` (each >= 2 events) into a batch; pick up to ``cuts`` cut points per row
     (all of them for short rows) and ``negatives`` random negatives per cut: an ``in_batch_share``
     of them are targets of the batch's cut points (any row's), a ``popular_share`` drawn by
-    ``popularity`` (item probabilities, index = item id), the rest uniformly."""
+    ``popularity`` (item probabilities, index = item id), the rest uniformly. With ``last_cut``
+    every row's last event is always one of its cuts: the request that sees the whole window, as
+    ranking a user's next item after the whole history does."""
     B = len(windows)
     T = max(len(w) for w in windows)
     S = min(cuts, T - 1)
@@ -64,6 +67,8 @@ def make_batch(
         items[b, :n], actions[b, :n], ts[b, :n] = w.item_ids, w.action_ids, w.timestamps
         if n - 1 <= S:
             chosen = np.arange(1, n)
+        elif last_cut:
+            chosen = np.append(np.sort(rng.choice(np.arange(1, n - 1), size=S - 1, replace=False)), n - 1)
         else:
             chosen = np.sort(rng.choice(np.arange(1, n), size=S, replace=False))
         cut[b, : len(chosen)] = chosen

@@ -152,6 +152,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--aux-weight", type=float, default=1.0, help="weight of the auxiliary next-item loss (0: off)"
     )
+    parser.add_argument(
+        "--last-cut",
+        choices=["on", "off"],
+        default="off",
+        help="on: every training row also predicts the item after its whole window",
+    )
     parser.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
     parser.add_argument(
         "--tune",
@@ -236,10 +242,13 @@ class TrainSettings:
     in_batch_share: float
     popular_share: float
     aux_weight: float
+    last_cut: bool
 
     @property
     def objective(self) -> Objective:
-        return Objective(self.cuts, self.negatives, self.popular_share, self.in_batch_share, self.aux_weight)
+        return Objective(
+            self.cuts, self.negatives, self.popular_share, self.in_batch_share, self.aux_weight, self.last_cut
+        )
 
 
 _SIZED = ("dim", "heads", "negatives", "cuts", "max_len", "epochs")
@@ -275,6 +284,7 @@ def resolve_settings(
         in_batch_share=args.in_batch_share,
         popular_share=args.popular_share,
         aux_weight=args.aux_weight,
+        last_cut=args.last_cut == "on",
     )
 
 
