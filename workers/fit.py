@@ -105,6 +105,16 @@ def _epoch_batches(
     return batches
 
 
+def _optimiser(model: HSTURanker, lr: float, total: int, steps_per_epoch: int):
+    """AdamW with a short warm-up, then linear decay over the cap (early stopping usually ends sooner)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
+    warmup = max(1, min(total // 20, 2 * steps_per_epoch))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda step: min(1.0, (step + 1) / warmup) * max(0.05, 1 - step / max(1, total))
+    )
+    return opt, sched
+
+
 def train_model(
     model: HSTURanker,
     sequences: dict[str, Events],
@@ -130,12 +140,7 @@ def train_model(
     popularity = _popularity(model, seqs)
     steps_per_epoch = math.ceil(len(seqs) / batch_size)
     total = steps_per_epoch * epochs if max_steps is None else min(max_steps, steps_per_epoch * epochs)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
-    warmup = max(1, min(total // 20, 2 * steps_per_epoch))
-    # Warm-up, then linear decay over the cap (early stopping usually ends sooner).
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda step: min(1.0, (step + 1) / warmup) * max(0.05, 1 - step / max(1, total))
-    )
+    opt, sched = _optimiser(model, lr, total, steps_per_epoch)
     losses: list[float] = []
     step, t0, cpu0 = 0, time.perf_counter(), time.process_time()
     for epoch in range(epochs):
