@@ -184,3 +184,12 @@ def test_a_model_with_the_sized_normaliser_is_still_relay_exact() -> None:
     cache = model.prefill(hist.slice(0, 25))
     relay = model.rank(cache, hist.slice(25), cands, float(hist.timestamps[-1]) + 5)
     torch.testing.assert_close(relay, full, rtol=1e-5, atol=1e-5)
+
+
+def test_last_cut_always_asks_for_the_item_after_the_whole_window() -> None:
+    rng = np.random.default_rng(1)
+    windows = [Events.from_lists(list(range(1, n + 1)), list(range(n)), [1] * n) for n in (9, 12, 20)]
+    for _ in range(5):
+        batch = make_batch(windows, cuts=3, negatives=4, num_items=50, rng=rng, last_cut=True)
+        assert batch.cuts.max(dim=1).values.tolist() == [8, 11, 19]
+        assert all(len(set(row)) == 3 for row in batch.cuts.tolist())
