@@ -90,8 +90,8 @@ def test_in_batch_negatives_are_targets_of_the_batch() -> None:
 class ScriptedStopping(EarlyStopping):
     """Validation scores from a script instead of a ranking pass."""
 
-    def __init__(self, script: list[float], patience: int) -> None:
-        super().__init__({}, {}, patience=patience)
+    def __init__(self, script: list[float], patience: int, min_epochs: int = 1) -> None:
+        super().__init__({}, {}, patience=patience, min_epochs=min_epochs)
         self._script = iter(script)
 
     def score(self, model) -> float:
@@ -109,6 +109,8 @@ def test_early_stopping_stops_after_patience_and_restores_the_best_epoch() -> No
     assert decisions == [False, False, False, True] and stop.best_epoch == 1 and stop.best == 0.3
     stop.restore_best(model)
     assert torch.all(model.item_emb.weight == 1.0)
+    late = ScriptedStopping([0.3, 0.1, 0.1, 0.1, 0.1, 0.1], patience=2, min_epochs=5)
+    assert [late.should_stop(model) for _ in range(5)] == [False, False, False, False, True]
 
 
 def test_the_search_is_bounded_distinct_and_starts_from_the_sized_defaults() -> None:

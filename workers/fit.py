@@ -4,7 +4,9 @@ Primitives:
 - ``Objective``: what a step optimises (cut points, negatives and their mix, auxiliary weight).
 - ``EarlyStopping``: after each epoch, NDCG@10 of the validation target (the event before each
   user's test event) ranked against the whole catalogue through ``rank_full``; keeps the best
-  weights, says when ``patience`` epochs have not improved on them, and restores them at the end.
+  weights, says when ``patience`` epochs have not improved on them (never before ``min_epochs``:
+  on ML-100K validation NDCG@10 falls from epoch 1 to epoch 2 before it rises), and restores them
+  at the end.
 - ``train_model``: AdamW over shuffled, length-bucketed batches of random windows of at most
   ``config.max_len`` events; progress to the log; returns the mean loss of each epoch.
 """
@@ -47,6 +49,7 @@ class EarlyStopping:
     histories: dict[str, Events]
     targets: dict[str, Events]
     patience: int = 3
+    min_epochs: int = 5
     users: int = VALIDATION_USERS
     scores: list[float] = field(default_factory=list)
     best_epoch: int = -1
@@ -72,7 +75,8 @@ class EarlyStopping:
         if self.best_epoch < 0 or self.scores[-1] > self.scores[self.best_epoch]:
             self.best_epoch = epoch
             self._best_state = copy.deepcopy(model.state_dict())
-        return epoch - self.best_epoch >= self.patience
+        # Patience counts only after ``min_epochs``: the first epochs dip below their start.
+        return epoch + 1 >= self.min_epochs and epoch - self.best_epoch >= self.patience
 
     def restore_best(self, model: HSTURanker) -> None:
         if self._best_state is not None:

@@ -32,6 +32,7 @@ MAX_WINDOW = 1024
 """Longest training window: dense training attention is quadratic in it."""
 MAX_EPOCHS = 30
 PATIENCE = 3
+MIN_EPOCHS = 5
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,8 @@ def size_training(num_items: int, history_lengths: Sequence[int]) -> dict[str, C
         ),
         "epochs": Choice(
             MAX_EPOCHS,
-            f"a cap: training stops when validation NDCG@10 has not improved for {PATIENCE} epochs",
+            f"a cap: after {MIN_EPOCHS} epochs, training stops when validation NDCG@10 has not "
+            f"improved for {PATIENCE} epochs",
         ),
     }
 

@@ -43,7 +43,7 @@ from relaygr.workers.quality import (
     split_leave_last_out,
     split_validation,
 )
-from relaygr.workers.sizing import PATIENCE, describe, size_training
+from relaygr.workers.sizing import MIN_EPOCHS, PATIENCE, describe, size_training
 from relaygr.workers.vocab import ItemVocab
 
 __all__ = [
@@ -117,6 +117,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=PATIENCE,
         help="epochs without a better validation NDCG@10 before stopping",
+    )
+    parser.add_argument(
+        "--min-epochs", type=int, default=MIN_EPOCHS, help="epochs before early stopping may stop training"
     )
     parser.add_argument("--max-len", type=int, default=None, help="training window in events" + auto)
     parser.add_argument(
@@ -328,7 +331,7 @@ def train_once(
     model = HSTURanker(model_config(s, log, args))
     model.set_vocab(log.vocab)
     train_hist, valid = split
-    stopping = EarlyStopping(train_hist, valid, patience=s.patience)
+    stopping = EarlyStopping(train_hist, valid, patience=s.patience, min_epochs=args.min_epochs)
     t0, cpu0 = time.perf_counter(), time.process_time()
     losses = train_model(
         model,
