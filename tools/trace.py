@@ -310,10 +310,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         settings, _ = ensure_broker(get_settings())
         t0 = time.monotonic()
-        if args.interactions is None:
-            source = args.dataset or "ml-100k"
+        if args.interactions is None and (args.dataset or "ml-100k") == "ml-100k":
+            source = "ml-100k"
             dataset = load_movielens(source)
-        else:
+        else:  # a file, or a dataset whose ids are strings (ml-1m)
             log, source = load_log(args)
             report_bad_rows(log)
             dataset = log_as_dataset(log, Path(source).stem)

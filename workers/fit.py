@@ -1,0 +1,194 @@
+"""The training loop of the HSTU ranker, with early stopping on a validation split.
+
+Primitives:
+- ``Objective``: what a step optimises (cut points, negatives and their mix, auxiliary weight).
+- ``EarlyStopping``: after each epoch, NDCG@10 of the validation target (the event before each
+  user's test event) ranked against the whole catalogue through ``rank_full``; keeps the best
+  weights, says when ``patience`` epochs have not improved on them (never before ``min_epochs``:
+  on ML-100K validation NDCG@10 falls from epoch 1 to epoch 2 before it rises), and restores them
+  at the end.
+- ``train_model``: AdamW over shuffled, length-bucketed batches of random windows of at most
+  ``config.max_len`` events; progress to the log; returns the mean loss of each epoch.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from relaygr.workers.model import HSTURanker
+from relaygr.workers.objectives import batch_loss, make_batch
+from relaygr.workers.prefix_kv import Events
+from relaygr.workers.quality import _log, evaluate, fmt_secs
+
+VALIDATION_USERS = 256
+"""Users ranked after each epoch: enough to tell a better epoch, few enough to stay cheap."""
+
+
+@dataclass(frozen=True)
+class Objective:
+    cuts: int = 16
+    negatives: int = 31
+    popular_share: float = 0.5
+    in_batch_share: float = 0.0
+    aux_weight: float = 1.0
+    last_cut: bool = False
+
+
+@dataclass
+class EarlyStopping:
+    """Validation NDCG@10 after each epoch; the best weights are kept and restored."""
+
+    histories: dict[str, Events]
+    targets: dict[str, Events]
+    patience: int = 3
+    min_epochs: int = 5
+    users: int = VALIDATION_USERS
+    scores: list[float] = field(default_factory=list)
+    best_epoch: int = -1
+    _best_state: dict | None = None
+
+    def __post_init__(self) -> None:
+        # An evenly spread, fixed subset: the same users every epoch.
+        users = sorted(self.targets)
+        step = max(1, len(users) // max(1, self.users))
+        self._users = users[::step][: self.users]
+
+    def score(self, model: HSTURanker) -> float:
+        model.eval()
+        hist = {u: self.histories[u] for u in self._users}
+        got = evaluate(model, hist, self.targets, lengths=[None], log=lambda _: None)
+        model.train()
+        return float(got["all"]["NDCG@10"])
+
+    def should_stop(self, model: HSTURanker) -> bool:
+        """Score this epoch; keep its weights if best; ``True`` once patience has run out."""
+        self.scores.append(self.score(model))
+        epoch = len(self.scores) - 1
+        if self.best_epoch < 0 or self.scores[-1] > self.scores[self.best_epoch]:
+            self.best_epoch = epoch
+            self._best_state = copy.deepcopy(model.state_dict())
+        # Patience counts only after ``min_epochs``: the first epochs dip below their start.
+        return epoch + 1 >= self.min_epochs and epoch - self.best_epoch >= self.patience
+
+    def restore_best(self, model: HSTURanker) -> None:
+        if self._best_state is not None:
+            model.load_state_dict(self._best_state)
+
+    @property
+    def best(self) -> float:
+        return self.scores[self.best_epoch] if self.scores else float("nan")
+
+
+def _popularity(model: HSTURanker, seqs: list[Events]) -> np.ndarray:
+    counts = np.zeros(model.config.num_items + 1)
+    for s in seqs:
+        np.add.at(counts, model.vocab_items(s.item_ids).cpu().numpy(), 1)
+    counts[0] = 0
+    return counts / max(1.0, counts.sum())
+
+
+def _epoch_batches(
+    seqs: list[Events], max_len: int, batch_size: int, rng: np.random.Generator
+) -> list[list[Events]]:
+    """One random window of at most ``max_len`` events per sequence, grouped by length."""
+    windows = []
+    for s in seqs:
+        start = int(rng.integers(0, len(s) - max_len + 1)) if len(s) > max_len else 0
+        windows.append(s.slice(start, start + max_len))
+    order = np.argsort([len(w) + rng.random() for w in windows])  # length buckets, random ties
+    batches = [[windows[i] for i in order[k : k + batch_size]] for k in range(0, len(order), batch_size)]
+    rng.shuffle(batches)
+    return batches
+
+
+def _optimiser(model: HSTURanker, lr: float, total: int, steps_per_epoch: int):
+    """AdamW with a short warm-up, then linear decay over the cap (early stopping usually ends sooner)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
+    warmup = max(1, min(total // 20, 2 * steps_per_epoch))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda step: min(1.0, (step + 1) / warmup) * max(0.05, 1 - step / max(1, total))
+    )
+    return opt, sched
+
+
+def train_model(
+    model: HSTURanker,
+    sequences: dict[str, Events],
+    *,
+    epochs: int,
+    batch_size: int = 32,
+    lr: float = 3e-3,
+    objective: Objective | None = None,
+    seed: int = 0,
+    max_steps: int | None = None,
+    stopping: EarlyStopping | None = None,
+    log: Callable[[str], None] = _log,
+    **objective_fields,
+) -> list[float]:
+    """Train in place; returns the mean loss of each epoch. ``objective_fields`` (``cuts``,
+    ``negatives``, ...) set an ``Objective`` when none is given. With ``stopping``, training ends
+    when validation stops improving and the best epoch's weights are restored."""
+    obj = objective or Objective(**objective_fields)
+    rng = np.random.default_rng(seed)
+    torch.manual_seed(seed)
+    random.seed(seed)
+    seqs = [s for s in sequences.values() if len(s) >= 2]
+    popularity = _popularity(model, seqs)
+    steps_per_epoch = math.ceil(len(seqs) / batch_size)
+    total = steps_per_epoch * epochs if max_steps is None else min(max_steps, steps_per_epoch * epochs)
+    opt, sched = _optimiser(model, lr, total, steps_per_epoch)
+    losses: list[float] = []
+    step, t0, cpu0 = 0, time.perf_counter(), time.process_time()
+    for epoch in range(epochs):
+        model.train()
+        ep_loss, ep_n = 0.0, 0
+        for rows in _epoch_batches(seqs, model.config.max_len, batch_size, rng):
+            if max_steps is not None and step >= max_steps:
+                break
+            batch = make_batch(
+                rows,
+                obj.cuts,
+                obj.negatives,
+                model.config.num_items,
+                rng,
+                popularity=popularity,
+                popular_share=obj.popular_share,
+                in_batch_share=obj.in_batch_share,
+                last_cut=obj.last_cut,
+            )
+            loss = batch_loss(model, batch, obj.aux_weight)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            ep_loss += float(loss.detach())
+            ep_n += 1
+            step += 1
+        if ep_n == 0:
+            break
+        losses.append(ep_loss / ep_n)
+        stop = stopping is not None and stopping.should_stop(model)
+        elapsed = time.perf_counter() - t0
+        val = f"  valid NDCG@10 {stopping.scores[-1]:.4f}" if stopping is not None else ""
+        log(
+            f"epoch {epoch + 1}/{epochs}  loss {losses[-1]:.4f}{val}  steps {step}/{total}  "
+            f"elapsed {fmt_secs(elapsed)} (cpu {fmt_secs(time.process_time() - cpu0)})  "
+            f"eta at most {fmt_secs(elapsed / step * (total - step))}"
+        )
+        if stop:
+            log(f"early stop: best validation NDCG@10 {stopping.best:.4f} at epoch {stopping.best_epoch + 1}")
+            break
+    if stopping is not None:
+        stopping.restore_best(model)
+    model.eval()
+    model.refresh_version()
+    return losses

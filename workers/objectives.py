@@ -1,0 +1,137 @@
+"""Training objectives of the HSTU ranker: target-aware sampled softmax at many cut points per row.
+
+Primitives:
+- ``Batch`` / ``make_batch``: a padded batch of training windows with cut points; at each cut the
+  true next item and sampled negatives become candidate tokens (what ranking scores), so training
+  fits the exact scoring path the worker serves. Negatives mix uniform draws, in-batch negatives
+  (the targets of the batch's other cut points: popular items as often as they are consumed, the
+  way eSASRec and HSTU train) and, optionally, draws by popularity.
+- ``batch_loss``: sampled softmax over (target, negatives) at every cut, plus an optional
+  full-softmax next-item loss on every history position (every position predicts the next item).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from relaygr.workers.dense import train_scores
+from relaygr.workers.model import HSTURanker
+from relaygr.workers.prefix_kv import Events
+
+
+@dataclass(frozen=True)
+class Batch:
+    items: torch.Tensor  # [B, T]
+    actions: torch.Tensor  # [B, T]
+    timestamps: torch.Tensor  # [B, T] float64
+    lengths: torch.Tensor  # [B]
+    cuts: torch.Tensor  # [B, S]
+    cut_ts: torch.Tensor  # [B, S]
+    candidates: torch.Tensor  # [B, S, K]; column 0 is the true next item
+    weight: torch.Tensor  # [B, S] 1 for real cut points, 0 for padding
+
+
+def make_batch(
+    windows: Sequence[Events],
+    cuts: int,
+    negatives: int,
+    num_items: int,
+    rng: np.random.Generator,
+    popularity: np.ndarray | None = None,
+    popular_share: float = 0.0,
+    in_batch_share: float = 0.0,
+    last_cut: bool = False,
+) -> Batch:
+    """Pad ``windows`` (each >= 2 events) into a batch; pick up to ``cuts`` cut points per row
+    (all of them for short rows) and ``negatives`` random negatives per cut: an ``in_batch_share``
+    of them are targets of the batch's cut points (any row's), a ``popular_share`` drawn by
+    ``popularity`` (item probabilities, index = item id), the rest uniformly. With ``last_cut``
+    every row's last event is always one of its cuts: the request that sees the whole window, as
+    ranking a user's next item after the whole history does."""
+    B = len(windows)
+    T = max(len(w) for w in windows)
+    S = min(cuts, T - 1)
+    items = torch.zeros(B, T, dtype=torch.int64)
+    actions = torch.zeros(B, T, dtype=torch.int64)
+    ts = torch.zeros(B, T, dtype=torch.float64)
+    lengths = torch.tensor([len(w) for w in windows])
+    cut = np.ones((B, S), dtype=np.int64)
+    weight = np.zeros((B, S), dtype=np.float32)
+    for b, w in enumerate(windows):
+        n = len(w)
+        items[b, :n], actions[b, :n], ts[b, :n] = w.item_ids, w.action_ids, w.timestamps
+        if n - 1 <= S:
+            chosen = np.arange(1, n)
+        elif last_cut:
+            chosen = np.append(np.sort(rng.choice(np.arange(1, n - 1), size=S - 1, replace=False)), n - 1)
+        else:
+            chosen = np.sort(rng.choice(np.arange(1, n), size=S, replace=False))
+        cut[b, : len(chosen)] = chosen
+        weight[b, : len(chosen)] = 1.0
+    cut_t = torch.from_numpy(cut)
+    targets = torch.gather(items, 1, cut_t)
+    cut_ts = torch.gather(ts, 1, cut_t)
+    neg = rng.integers(1, num_items + 1, size=(B, S, negatives))
+    n_in = min(negatives, round(negatives * in_batch_share))
+    n_pop = min(negatives - n_in, round(negatives * popular_share)) if popularity is not None else 0
+    if n_in:
+        pool = targets.numpy()[weight > 0]
+        neg[..., :n_in] = pool[rng.integers(0, len(pool), size=(B, S, n_in))]
+    if n_pop:
+        neg[..., n_in : n_in + n_pop] = rng.choice(len(popularity), size=(B, S, n_pop), p=popularity)
+    neg = torch.from_numpy(neg)
+    return Batch(
+        items=items,
+        actions=actions,
+        timestamps=ts,
+        lengths=lengths,
+        cuts=cut_t,
+        cut_ts=cut_ts,
+        candidates=torch.cat([targets[..., None], neg], dim=-1),
+        weight=torch.from_numpy(weight),
+    )
+
+
+def batch_loss(model: HSTURanker, batch: Batch, aux_weight: float = 0.0) -> torch.Tensor:
+    """Sampled softmax over (true next item, negatives) at every cut point: the served scores.
+
+    With ``aux_weight`` > 0, adds that times a full-softmax next-item loss on the history tokens'
+    final states (``state_t . item_embedding``, predicting event ``t + 1``): a dense, cheap
+    signal for the shared embeddings and layers. The ranking score itself is only ever the
+    candidate-token path above."""
+    out = train_scores(
+        model,
+        batch.items,
+        batch.actions,
+        batch.timestamps,
+        batch.lengths,
+        batch.cuts,
+        batch.cut_ts,
+        batch.candidates,
+        history_states=aux_weight > 0,
+    )
+    scores, states = out if isinstance(out, tuple) else (out, None)
+    scores = scores.float()
+    cands = batch.candidates.to(scores.device)
+    # A negative that happens to be the target is not a negative.
+    clash = cands[..., 1:] == cands[..., :1]
+    scores = torch.cat([scores[..., :1], scores[..., 1:].masked_fill(clash, float("-inf"))], dim=-1)
+    zeros = torch.zeros(scores.shape[0] * scores.shape[1], dtype=torch.int64, device=scores.device)
+    ce = F.cross_entropy(scores.flatten(0, 1), zeros, reduction="none")
+    w = batch.weight.to(scores.device).flatten()
+    loss = (ce * w).sum() / w.sum().clamp_min(1.0)
+    if states is not None:
+        items = model.vocab_items(batch.items)
+        nxt = items[:, 1:]
+        valid = (
+            torch.arange(1, items.shape[1], device=items.device) < batch.lengths.to(items.device)[:, None]
+        ) & (nxt > 0)
+        logits = states[:, :-1][valid].float() @ model.item_emb.weight.float().t()
+        logits[:, 0] = float("-inf")  # never predict the unknown id
+        loss = loss + aux_weight * F.cross_entropy(logits, nxt[valid])
+    return loss

@@ -1,0 +1,89 @@
+"""Training defaults sized from the interaction log itself, each with the reason it was chosen.
+
+Primitives:
+- ``Choice``: one chosen value and the sentence that explains it.
+- ``size_training(num_items, history_lengths)``: the defaults for a log with this catalogue and
+  these per-user history lengths, as ``{name: Choice}``:
+  - ``dim`` (embedding and model width) grows with the fourth root of the catalogue, a power of
+    two in [32, 256]; ``heads`` keep 32 dimensions each;
+  - ``negatives`` (sampled per target) grow with the square root of the catalogue, a power of
+    two in [16, 256] and never more than the catalogue holds; ``cuts`` (scored targets per
+    training row) shrink as negatives grow, so one row always scores about ``CANDIDATE_TOKENS``
+    candidate tokens (the cost of a step stays put);
+  - ``max_len`` (the training window) covers the 95th percentile of history lengths, rounded up
+    to a multiple of 32, in [32, ``MAX_WINDOW``], and ``attn_normaliser`` equals it: a constant
+    of the checkpoint, so a prefix cache stays exact, sized so that a full window's attention sum
+    is of order one;
+  - ``epochs`` is a cap; training stops earlier on the validation NDCG@10 (``patience``).
+- ``describe(choices)``: the lines ``relaygr train`` prints.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+CANDIDATE_TOKENS = 512
+"""Candidate tokens one training row scores (cuts x (negatives + 1)): a step's fixed cost."""
+MAX_WINDOW = 1024
+"""Longest training window: dense training attention is quadratic in it."""
+MAX_EPOCHS = 30
+PATIENCE = 3
+MIN_EPOCHS = 5
+
+
+@dataclass(frozen=True)
+class Choice:
+    value: int | float
+    reason: str
+
+
+def _pow2(x: float, lo: int, hi: int) -> int:
+    return int(min(hi, max(lo, 2 ** round(math.log2(max(x, 1.0))))))
+
+
+def size_training(num_items: int, history_lengths: Sequence[int]) -> dict[str, Choice]:
+    """Defaults for a log of ``num_items`` items whose users have these history lengths."""
+    lengths = np.asarray(history_lengths, dtype=np.float64)
+    if num_items < 1 or lengths.size == 0:
+        raise ValueError("sizing needs at least one item and one history")
+    dim = _pow2(8 * num_items**0.25, 32, 256)
+    negatives = min(_pow2(2 * math.sqrt(num_items), 16, 256), max(1, num_items - 1))
+    cuts = max(4, CANDIDATE_TOKENS // (negatives + 1))
+    p95 = float(np.percentile(lengths, 95))
+    window = int(min(MAX_WINDOW, max(32, 32 * math.ceil(p95 / 32))))
+    return {
+        "dim": Choice(dim, f"catalogue of {num_items} items: 8 x items^(1/4) = {8 * num_items**0.25:.0f}"),
+        "heads": Choice(max(1, dim // 32), f"32 dimensions per head at width {dim}"),
+        "negatives": Choice(
+            negatives, f"catalogue of {num_items} items: 2 x sqrt(items) = {2 * math.sqrt(num_items):.0f}"
+        ),
+        "cuts": Choice(cuts, f"{CANDIDATE_TOKENS} candidate tokens per row / ({negatives} negatives + 1)"),
+        "max_len": Choice(
+            window,
+            f"95th percentile of history lengths is {p95:.0f} (longest {int(lengths.max())}, "
+            f"median {float(np.median(lengths)):.0f})",
+        ),
+        "attn_normaliser": Choice(
+            float(window), "the training window: a full window's attention sum is O(1)"
+        ),
+        "epochs": Choice(
+            MAX_EPOCHS,
+            f"a cap: after {MIN_EPOCHS} epochs, training stops when validation NDCG@10 has not "
+            f"improved for {PATIENCE} epochs",
+        ),
+    }
+
+
+def describe(choices: dict[str, Choice], given: dict[str, object] | None = None) -> list[str]:
+    """One line per choice; ``given`` values (set on the command line) replace the sized ones and
+    say so instead of a reason."""
+    given = given or {}
+    return [
+        f"  {name:<15} {given.get(name, c.value)!s:>6}  "
+        f"({'set on the command line' if name in given else c.reason})"
+        for name, c in choices.items()
+    ]
