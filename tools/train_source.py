@@ -50,13 +50,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--preset",
         choices=sorted(PRESETS),
-        default="small",
+        default=None,
         help="model shape: "
         + "; ".join(
             f"{p.name}: {p.layers} layers, d={p.dim}, {p.heads} heads, {p.max_seq_len} events ({p.note})"
             for p in PRESETS.values()
         )
-        + " (default small; --layers, --heads, --dim, --max-seq-len given explicitly win)",
+        + " (default: small's layers and serving cap, width and heads sized from the log; --layers, "
+        "--heads, --dim, --max-seq-len given explicitly win)",
     )
     # None = not given: the preset decides (workers.train's own defaults are the small preset).
     parser.set_defaults(**dict.fromkeys(SHAPE_FIELDS))
@@ -78,6 +79,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def apply_preset(args: argparse.Namespace) -> argparse.Namespace:
     """``args`` with the model shape resolved: explicit flags, else the preset."""
     given = {k: getattr(args, k, None) for k in SHAPE_FIELDS}
+    if args.preset is None:
+        # No preset: the small one's depth and serving cap; width and heads stay for training to
+        # size from the log (``workers.sizing``) unless given.
+        small = PRESETS["small"].shape()
+        return argparse.Namespace(
+            **{**vars(args), **{k: small[k] for k in ("layers", "max_seq_len") if given[k] is None}}
+        )
     shape = resolve_shape(args.preset, fallback={}, **given)
     return argparse.Namespace(**{**vars(args), **shape})
 
