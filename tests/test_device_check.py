@@ -167,6 +167,7 @@ def test_train_takes_a_preset_and_explicit_shape_flags_win() -> None:
         args = apply_preset(build_parser(argv).parse_args(argv))
         return args.layers, args.heads, args.dim, args.max_seq_len
 
-    assert shape() == (2, 2, 64, 8192)  # small: the trainer's own defaults
+    assert shape() == (2, None, None, 8192)  # small's depth and cap; width and heads sized from the log
+    assert shape("--preset", "small") == (2, 2, 64, 8192)
     assert shape("--preset", "large") == (8, 4, 256, 32768)
     assert shape("--preset", "large", "--dim", "128", "--max-seq-len", "4096") == (8, 4, 128, 4096)
