@@ -26,6 +26,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--mode", choices=["relay", "baseline"], help="override RELAYGR_MODE")
     parser.add_argument(
+        "--standby",
+        action="store_true",
+        help="ranking only: start as the replacement of the running worker of this id: build its "
+        "state beside it, and take over its partitions when it hands over (SIGUSR1 to it)",
+    )
+    parser.add_argument(
         "--metrics-port", type=int, default=0, help="Prometheus endpoint on 127.0.0.1 (0 = off)"
     )
     parser.add_argument("--log-level", default="warning", help="python log level")
@@ -86,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
                 pipeline,
                 f"ranker-{args.worker_id}" if args.worker_id.isdigit() else args.worker_id,
                 args.metrics_port,
+                standby=args.standby,
             )
         from relaygr.streams.common import freeze_heap, serve_metrics
 

@@ -1,0 +1,209 @@
+"""A standby ranking worker: the replacement that takes over a running worker's partitions with no
+process start on the request path (make before break, under the same static member id).
+
+1. Stand by. With the model loaded and the device warmed up, it reads the partitions the active
+   process owns (``assignment.json``) with a consumer outside the group (manual assignment): it
+   rebuilds their histories from ``routed-behaviors`` into a fresh state generation and pre-infers
+   their prefill signals from now on into its own prefix store, so its cache is warm when it takes
+   over. Request partitions stay unfetched. Once every history is caught up: ``ready``.
+2. Take over. The active process, told to hand over (SIGUSR1), finishes and commits what it holds
+   and leaves the committed offsets in ``handover.json``. The standby ranks the requests of those
+   partitions from exactly there (the old process handled everything before; so results are
+   produced once), at once, still outside the group: ``serving``. Partitions it did not warm are
+   caught up first.
+3. Join. It joins the group with the same ``group_instance_id``: the coordinator replaces the
+   old member and hands back the same assignment, with no rebalance. Between two fetches the
+   worker switches to the group's consumer at the offsets it reached and commits what it did
+   meanwhile: ``joined``. Its state generation becomes the current one, and the old one is
+   deleted once the old process is gone.
+
+Nothing stale is served: the standby's histories and prefixes are computed from the topics, never
+copied from the old generation.
+
+Primitives: ``Standby(worker, metrics_port).run()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from typing import TYPE_CHECKING
+
+from aiokafka import AIOKafkaConsumer, TopicPartition
+
+from relaygr.infra.kafka import consumer, producer
+
+if TYPE_CHECKING:
+    from relaygr.streams.ranking_worker import RankingWorker
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.005  # how often the hand-over file is looked for: the gap it adds to a hand-over
+
+
+class Standby:
+    """Stands by for the active process of ``worker``'s id, takes over from it, joins the group."""
+
+    def __init__(self, worker: RankingWorker, metrics_port: int = 0) -> None:
+        self.w = worker
+        self.metrics_port = metrics_port
+        self.pid = os.getpid()
+        self.partitions: list[int] = []
+        self.group: AIOKafkaConsumer | None = None
+        self.old_pid: int | None = None
+        self.cleanup: asyncio.Task | None = None
+        names = worker.reg.name
+        self.beh, self.sig, self.rank = names("routed_behaviors"), names("prefill"), names("rank")
+
+    async def run(self) -> None:
+        w = self.w
+        w.files.clear_handover()  # one left by an earlier hand-over is not for this process
+        w.files.write_standby("warming", self.pid)
+        took = await w.engine.warm_up()
+        log.info("%s (standby): warmed up the device in %.2f s", w.worker_id, took)
+        partitions = await self._active_partitions()
+        w.producer = producer(w.settings)
+        await w.producer.start()
+        w.consumer = consumer(w.settings, group_id=None, max_poll_records=500, fetch_max_wait_ms=20)
+        await w.consumer.start()
+        await self._assign(partitions, None)
+        stand_by = asyncio.create_task(self._stand_by())
+        stand_by.add_done_callback(self._failed)
+        try:
+            await w.serve()
+        finally:
+            stand_by.cancel()
+
+    def _failed(self, task: asyncio.Task) -> None:
+        """A standby that cannot take over stops (its owner sees it exit) rather than idle."""
+        if not task.cancelled() and task.exception() is not None:
+            log.error("%s (standby): taking over failed", self.w.worker_id, exc_info=task.exception())
+            self.w.stop()
+
+    async def _active_partitions(self) -> list[int]:
+        """The partitions the active process owns (it writes them at every assignment)."""
+        while (partitions := self.w.files.read_assignment()) is None:
+            await asyncio.sleep(0.1)
+        return partitions
+
+    # ------------------------------------------------------------------ reading outside the group
+
+    async def _assign(self, partitions: list[int], offsets: dict[str, dict[int, int]] | None) -> None:
+        """Read ``partitions`` outside the group: behaviours from the history table's offsets,
+        signals from ``offsets`` (None: from now on), requests held (from ``offsets`` once
+        released)."""
+        w = self.w
+        await w._finish_appliers()
+        gone = {tp for tp in w.assigned if tp.partition not in partitions}
+        w.tracker.forget(gone)
+        for p in {tp.partition for tp in gone}:
+            w.applier.forget(p)
+            w.alignment.forget(p)
+        tps = [TopicPartition(t, p) for t in (self.beh, self.sig, self.rank) for p in partitions]
+        w.consumer.assign(tps)
+        await w.lineage.verify(self.beh, partitions)
+        behaviours = [TopicPartition(self.beh, p) for p in partitions]
+        for tp in behaviours:
+            start = w.history.next_offset(tp.partition)
+            w.consumer.seek(tp, start)
+            w.alignment.forget(tp.partition)
+            w.applier.catch_up(tp.partition, start)
+        ends = await w.consumer.end_offsets(behaviours)
+        for tp in behaviours:
+            w.applier.catch_up_to(tp.partition, ends.get(tp))
+        for p in partitions:
+            if offsets is None:
+                await w.consumer.seek_to_end(TopicPartition(self.sig, p))
+            else:
+                w.consumer.seek(TopicPartition(self.sig, p), offsets[self.sig][p])
+                w.consumer.seek(TopicPartition(self.rank, p), offsets[self.rank][p])
+        w.held = {TopicPartition(self.rank, p) for p in partitions}
+        w.assigned = set(tps)
+        self.partitions = sorted(partitions)
+
+    async def _caught_up(self) -> None:
+        while any(p in self.w.applier.catching_up for p in self.partitions):
+            await asyncio.sleep(0.05)
+
+    # ------------------------------------------------------------------ the hand-over
+
+    async def _stand_by(self) -> None:
+        w = self.w
+        t0 = time.monotonic()
+        await self._caught_up()
+        w.files.write_standby("ready", self.pid)
+        w._note(event="standby_ready", partitions=self.partitions, seconds=round(time.monotonic() - t0, 3))
+        while (handover := w.files.read_handover()) is None:
+            await asyncio.sleep(POLL_S)
+        offsets, self.old_pid = handover
+        t_handover = time.monotonic()
+        handed = sorted(offsets.get(self.rank, {}))
+        if handed != self.partitions:  # the group moved partitions meanwhile: catch those up first
+            await self._assign(handed, offsets)
+            await self._caught_up()
+        else:
+            for p in handed:
+                w.consumer.seek(TopicPartition(self.rank, p), offsets[self.rank][p])
+        w.held = set()
+        w.files.write_standby("serving", self.pid)
+        w._note(event="took_over", partitions=handed, offsets={t: o for t, o in offsets.items()})
+        log.info("%s (standby): serving %s from %s", w.worker_id, handed, offsets)
+        self.group, listener = w.group_consumer()
+        await self.group.start()
+        await listener.assigned_once.wait()
+        log.info(
+            "%s: joined the group %.2f s after the hand-over", w.worker_id, time.monotonic() - t_handover
+        )
+        w.before_fetch = self._switch
+
+    async def _switch(self) -> None:
+        """Between two fetches: go on with the group's consumer where the manual one got to."""
+        w, group = self.w, self.group
+        assert group is not None
+        w.before_fetch = None
+        manual = w.consumer
+        positions = {tp: await manual.position(tp) for tp in manual.assignment() if tp.topic != self.beh}
+        await w._finish_appliers()
+        mine = group.assignment()
+        for tp in mine:
+            if tp.topic == self.beh:
+                group.seek(tp, w.history.next_offset(tp.partition))
+            elif tp in positions:
+                group.seek(tp, positions[tp])
+        w.tracker.forget(set(positions) - mine)
+        w.consumer, w.in_group, w.assigned = group, True, set(mine)
+        await manual.stop()
+        await w._commit()
+        w.watch_lineage()
+        w.files.promote(w.state_dir)
+        w.files.write_standby("joined", self.pid)
+        w._note(event="joined", partitions=sorted({tp.partition for tp in mine}))
+        self.cleanup = asyncio.create_task(self._after_old_exit())
+
+    async def _after_old_exit(self, timeout_s: float = 120.0) -> None:
+        """Once the old process has exited: serve the metrics on its port, delete its state."""
+        deadline = time.monotonic() + timeout_s
+        while self.old_pid is not None and time.monotonic() < deadline:
+            try:
+                os.kill(self.old_pid, 0)
+            except ProcessLookupError:
+                break
+            await asyncio.sleep(0.2)
+        else:
+            if self.old_pid is not None:
+                log.warning("%s: pid %d still there; its state is kept", self.w.worker_id, self.old_pid)
+                return
+        removed = self.w.files.remove_stale_generations()
+        log.info("%s: removed the old state %s", self.w.worker_id, [p.name for p in removed])
+        if self.metrics_port:
+            from relaygr.streams.common import serve_metrics
+
+            for _ in range(50):  # the port may linger a moment after its process
+                with contextlib.suppress(OSError):
+                    serve_metrics(self.metrics_port)
+                    return
+                await asyncio.sleep(0.2)
+            log.warning("%s: metrics port %d stays busy", self.w.worker_id, self.metrics_port)
