@@ -74,6 +74,11 @@ GROUPS: dict[str, tuple[str, dict[str, tuple[str, str]]]] = {
                 "relaygr.bench.ingest",
                 "every stage's ingestion rate for a burst of long histories; request hops during it vs idle",
             ),
+            "rolling-restart": (
+                "relaygr.bench.rolling_restart",
+                "every ranking worker replaced by a warm standby in turn at a steady load: lost, "
+                "duplicated, timeouts, relay share and ranking P99 per window",
+            ),
         },
     ),
 }
