@@ -41,6 +41,7 @@ async def test_roll_one_worker_under_load(kafka_settings, tmp_path, model_dir) -
         "RELAYGR_CALIBRATION_FILE": str(model_dir / "calibration.json"),
         "RELAYGR_MODE": "relay",
         "RELAYGR_THETA": "0.000001",  # every user with history is at risk: the relay path runs
+        "RELAYGR_SHORT_TERM": "8",
     }
     ml = load_movielens("ml-100k")
     behaviours, requests = lengthened_users(ml, 8, 60)
