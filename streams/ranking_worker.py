@@ -76,6 +76,7 @@ from relaygr.streams.common import DEAD_LETTERS, commit_existing, dead_letter, d
 from relaygr.streams.config import PipelineSettings, engine_config
 from relaygr.streams.history import HistoryAlignment, HistoryTable
 from relaygr.streams.history_applier import BehaviourApplier
+from relaygr.streams.offset_tracker import OffsetTracker
 from relaygr.streams.rank_handler import RankHandler
 from relaygr.streams.state_lineage import HistoryLineage, deployment_dir, rewind_old_topic_offsets
 from relaygr.streams.worker_files import WorkerFiles
@@ -107,38 +108,6 @@ PACE = Gauge(
 )
 INFLIGHT = Gauge("relaygr_rank_inflight", "Signals and requests being handled")
 INFLIGHT_PEAK = Gauge("relaygr_rank_inflight_peak", "Most signals and requests handled at once")
-
-
-class OffsetTracker:
-    """Per partition: the next offset that is safe to commit (all before it are finished)."""
-
-    def __init__(self) -> None:
-        self._pending: dict[TopicPartition, set[int]] = {}
-        self._next: dict[TopicPartition, int] = {}
-
-    def start(self, tp: TopicPartition, offset: int) -> None:
-        self._pending.setdefault(tp, set()).add(offset)
-        self._next[tp] = max(self._next.get(tp, 0), offset + 1)
-
-    def done(self, tp: TopicPartition, offset: int) -> None:
-        self._pending.get(tp, set()).discard(offset)
-
-    def committable(self, tps: set[TopicPartition] | None = None) -> dict[TopicPartition, int]:
-        out = {}
-        for tp, nxt in self._next.items():
-            if tps is not None and tp not in tps:
-                continue
-            pending = self._pending.get(tp)
-            out[tp] = min(pending) if pending else nxt
-        return out
-
-    def pending(self, tps: set[TopicPartition] | None = None) -> int:
-        return sum(len(v) for tp, v in self._pending.items() if tps is None or tp in tps)
-
-    def forget(self, tps: set[TopicPartition]) -> None:
-        for tp in tps:
-            self._pending.pop(tp, None)
-            self._next.pop(tp, None)
 
 
 class RankingWorker:
