@@ -27,9 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
-import sys
 import threading
 import time
 import uuid
@@ -37,7 +35,7 @@ from collections import Counter
 from pathlib import Path
 
 from relaygr.bench.host_cpu import HostCpuSampler
-from relaygr.bench.ingest import on_fresh_pipeline
+from relaygr.bench.ingest import bench_on_fresh_pipeline
 from relaygr.infra.kafka import consumer
 from relaygr.infra.settings import Settings
 from relaygr.schemas import BehaviorEvent, RankedResult, RecommendationRequest, TopicRegistry, decode, encode
@@ -281,15 +279,6 @@ def _plot(windows: list[dict], restarts: list[dict], budget_ms: float, path: Pat
 
 
 def run(args: argparse.Namespace) -> int:
-    def say(msg: str) -> None:
-        if not args.json:
-            print(f"== {msg}", file=sys.stderr, flush=True)
-
-    line = on_fresh_pipeline(
-        "rolling",
-        args.ranking_workers,
-        lambda s, reg, pipe, ml: _measure(s, reg, pipe, args, ml, say),
-        say,
+    return bench_on_fresh_pipeline(
+        "rolling", args, lambda s, reg, pipe, ml, say: _measure(s, reg, pipe, args, ml, say)
     )
-    print(json.dumps(line))
-    return 0

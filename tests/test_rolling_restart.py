@@ -16,6 +16,7 @@ import pytest
 from relaygr.bench.rolling_restart import LibrdkafkaRequests, count_results, lengthened_users
 from relaygr.infra.kafka import delete_topics_with_prefix, ensure_topics
 from relaygr.schemas import RecommendationRequest, TopicRegistry
+from relaygr.streams.config import PipelineSettings
 from relaygr.streams.state_lineage import deployment_dir
 from relaygr.streams.worker_files import WorkerFiles
 from relaygr.tools.traffic import publish
@@ -36,13 +37,14 @@ async def test_roll_one_worker_under_load(kafka_settings, tmp_path, model_dir) -
     settings = kafka_settings.model_copy(update={"topic_prefix": prefix, "home": tmp_path, "partitions": 4})
     reg = TopicRegistry(prefix, 4)
     await ensure_topics(reg, settings)
-    env = {
-        "RELAYGR_MODEL_DIR": str(model_dir),
-        "RELAYGR_CALIBRATION_FILE": str(model_dir / "calibration.json"),
-        "RELAYGR_MODE": "relay",
-        "RELAYGR_THETA": "0.000001",  # every user with history is at risk: the relay path runs
-        "RELAYGR_SHORT_TERM": "8",
-    }
+    # Every user with history is at risk (theta), and a short short-term window: signals flow.
+    env = PipelineSettings.to_env(
+        model_dir=model_dir,
+        calibration_file=model_dir / "calibration.json",
+        mode="relay",
+        theta=1e-6,
+        short_term=8,
+    )
     ml = load_movielens("ml-100k")
     behaviours, requests = lengthened_users(ml, 8, 60)
     pipe = Pipeline(settings, ranking_workers=2, env=env)
