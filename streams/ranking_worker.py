@@ -276,17 +276,17 @@ class RankingWorker:
             await self._shut_down()
 
     async def _shut_down(self) -> None:
-        with contextlib.suppress(Exception):
-            await self.lineage.close()
-        with contextlib.suppress(Exception):
-            await self.incarnations.close()
         await self._drain(set(self.assigned), timeout_s=30)
         await self._finish_appliers()
         committed: dict[TopicPartition, int] = {}
         with contextlib.suppress(Exception):
             committed = await self._commit()
-        if self.handing_over and self.in_group:
+        if self.handing_over and self.in_group:  # first: the successor waits for it
             await self._leave_handover(committed)
+        with contextlib.suppress(Exception):
+            await self.lineage.close()
+        with contextlib.suppress(Exception):
+            await self.incarnations.close()
         await self.consumer.stop()
         await self.producer.stop()
         with contextlib.suppress(TimeoutError):
