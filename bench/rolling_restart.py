@@ -4,7 +4,8 @@ One relay pipeline (``relaygr up``'s ``Pipeline``, --ranking-workers), trained m
 0. --users MovieLens users, each history lengthened to --events behaviours by time-shifted
    repetition, are published and applied;
 1. requests from confluent-kafka (librdkafka, its default settings: a producer that is not ours)
-   at --qps, round-robin over the users, for --steady-s seconds;
+   at --qps, round-robin over the users, for --warmup-s seconds (the caches fill), then
+   --steady-s seconds (the steady level);
 2. then, requests going on, each ranking worker in turn is replaced by a warm standby
    (``Pipeline.roll_worker``: the standby warms up beside it, the old process hands over, the
    standby serves from the committed offsets and joins the group), --settle-s seconds apart;
@@ -52,6 +53,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--events", type=int_at_least(1), default=1500, help="behaviours per user (history length)"
     )
     parser.add_argument("--qps", type=float_above(0), default=10.0, help="request rate")
+    parser.add_argument(
+        "--warmup-s",
+        type=float,
+        default=30.0,
+        help="seconds of requests first, before the steady level is measured (the caches fill)",
+    )
     parser.add_argument(
         "--steady-s", type=float_above(0), default=30.0, help="seconds of steady load before and after"
     )
@@ -200,8 +207,8 @@ async def _measure(settings: Settings, reg: TopicRegistry, pipe, args, ml, say) 
     cpu = HostCpuSampler(label="run").start()
     load = LibrdkafkaRequests(settings, reg.name("requests"), requests, args.qps).start()
     t0 = time.time()
-    say(f"steady: {args.steady_s:g} s at {args.qps:g} req/s")
-    await asyncio.sleep(args.steady_s)
+    say(f"warm-up {args.warmup_s:g} s, then steady {args.steady_s:g} s at {args.qps:g} req/s")
+    await asyncio.sleep(args.warmup_s + args.steady_s)
     restarts = []
     for i in range(args.ranking_workers):
         started = time.time()
@@ -222,11 +229,16 @@ async def _measure(settings: Settings, reg: TopicRegistry, pipe, args, ml, say) 
     results, counts = await count_results(settings, reg, {r.request_id for r in sent})
     answered = sorted(results.values(), key=lambda r: r.ts)
     windows = timeline(answered, t0, args.window_s)
-    steady = [r for r in answered if r.ts - t0 < args.steady_s]
+    steady = [r for r in answered if args.warmup_s <= r.ts - t0 < args.warmup_s + args.steady_s]
     steady_share = sum(r.path.value.startswith("relay") for r in steady) / max(1, len(steady))
     level = 0.95 * steady_share  # "back to its steady level": within 5 % of it
     for rs in restarts:
         rs["relay_back_s"] = _recovery_s(windows, rs["at_s"], level, args.window_s)
+        # Why the results sent in the window after the hand-over left the relay path.
+        after = [r for r in answered if 0 <= r.ts - t0 - rs["at_s"] < args.window_s]
+        rs["off_relay_after"] = dict(
+            Counter(r.path_reason or r.path.value for r in after if not r.path.value.startswith("relay"))
+        )
     budget_ms = PipelineSettings().budget_ms
     slowest = max((ranking_ms(r) for r in answered), default=math.nan)
     return {
@@ -243,6 +255,8 @@ async def _measure(settings: Settings, reg: TopicRegistry, pipe, args, ml, say) 
         "ranking_max_ms": round(slowest, 1),
         "ranking_p99_ms": round(percentile([ranking_ms(r) for r in answered], 99), 1),
         "windows_over_budget": sum(w["ranking_p99_ms"] > budget_ms for w in windows),
+        "warmup_s": args.warmup_s,
+        "steady_s": args.steady_s,
         "steady_relay_share": round(steady_share, 3),
         "restarts": restarts,
         "window_s": args.window_s,
