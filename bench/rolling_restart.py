@@ -205,8 +205,8 @@ async def _measure(settings: Settings, reg: TopicRegistry, pipe, args, ml, say) 
     behaviours, requests = lengthened_users(ml, args.users, args.events)
     await publish(settings, reg, behaviours, [], wait_for_ingest=True, settle_s=0)
     cpu = HostCpuSampler(label="run").start()
-    load = LibrdkafkaRequests(settings, reg.name("requests"), requests, args.qps).start()
     t0 = time.time()
+    load = LibrdkafkaRequests(settings, reg.name("requests"), requests, args.qps).start()
     say(f"warm-up {args.warmup_s:g} s, then steady {args.steady_s:g} s at {args.qps:g} req/s")
     await asyncio.sleep(args.warmup_s + args.steady_s)
     restarts = []
@@ -288,8 +288,9 @@ def _plot(windows: list[dict], restarts: list[dict], budget_ms: float, path: Pat
     share.set_ylim(0, 1.05)
     share.set_ylabel("relay share")
     share.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="upper left")
     ax.set_title("Rolling restart: each ranking worker replaced by a warm standby (dotted)")
-    return save_plot(plt, fig, ax, path)
+    return save_plot(plt, fig, ax, path, legend=False)
 
 
 def run(args: argparse.Namespace) -> int:
