@@ -35,11 +35,9 @@ knows no Kafka; the ``RankingEngine`` is its only way to the device); behaviours
 the history table by ``streams.history_applier.BehaviourApplier``. Model work runs on the engine's
 device thread; this loop only fetches, schedules and publishes.
 
-Rolling restarts (``streams.standby``): the worker keeps ``assignment.json`` current in its folder;
-on SIGUSR1 it hands over: it stops fetching, finishes and commits what it holds, leaves the
-committed offsets in ``handover.json`` (``streams.worker_files``) and exits without leaving the
-group, for a standby of the same worker id to serve on from them. Its local state lives in the
-folder's current generation, so that a standby can build the next one meanwhile.
+Rolling restarts (``streams.standby``, ``streams.worker_files``): on SIGUSR1 the worker finishes
+and commits what it holds, leaves the committed offsets in ``handover.json`` for a standby of its
+id and exits without leaving the group (nor persisting a state its successor rebuilds).
 """
 
 from __future__ import annotations
@@ -157,8 +155,7 @@ class RankingWorker:
         self.assigned: set[TopicPartition] = set()
         self.peak_inflight = 0
         self._stop = asyncio.Event()
-        # A standby reads without group membership (nothing to commit) and holds its request
-        # partitions unfetched until the hand-over; ``before_fetch`` runs between two fetches.
+        # A standby: outside the group, its request partitions held until the hand-over.
         self.in_group = not standby
         self.held: set[TopicPartition] = set()
         self.before_fetch: Callable[[], Awaitable[None]] | None = None
@@ -289,8 +286,11 @@ class RankingWorker:
             await self.incarnations.close()
         await self.consumer.stop()
         await self.producer.stop()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.engine.drain(), 10)  # ranked suffixes, before the store persists
+        if self.handing_over and self.engine.store is not None:  # its successor rebuilds it all
+            self.engine.store.config = self.engine.store.config.model_copy(update={"persist_on_close": False})
+        elif not self.handing_over:
+            with contextlib.suppress(TimeoutError):  # ranked suffixes, before the store persists
+                await asyncio.wait_for(self.engine.drain(), 10)
         self.engine.close()
         self.history.close()
         self.events_log.close()

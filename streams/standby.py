@@ -55,6 +55,7 @@ class Standby:
         self.group: AIOKafkaConsumer | None = None
         self.old_pid: int | None = None
         self.cleanup: asyncio.Task | None = None
+        self.manual_stopped: asyncio.Task | None = None
         names = worker.reg.name
         self.beh, self.sig, self.rank = names("routed_behaviors"), names("prefill"), names("rank")
 
@@ -174,9 +175,8 @@ class Standby:
             elif tp in positions:
                 group.seek(tp, positions[tp])
         w.tracker.forget(set(positions) - mine)
-        w.consumer, w.in_group, w.assigned = group, True, set(mine)
-        await manual.stop()
-        await w._commit()
+        w.consumer, w.in_group, w.assigned = group, True, set(mine)  # the loop commits next
+        self.manual_stopped = asyncio.create_task(manual.stop())  # not on the loop's path
         w.watch_lineage()
         w.files.promote(w.state_dir)
         w.files.write_standby("joined", self.pid)
