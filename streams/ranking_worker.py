@@ -46,7 +46,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import signal
 import time
 from collections.abc import Awaitable, Callable
@@ -76,6 +75,7 @@ from relaygr.streams.history import HistoryAlignment, HistoryTable
 from relaygr.streams.history_applier import BehaviourApplier
 from relaygr.streams.offset_tracker import OffsetTracker
 from relaygr.streams.rank_handler import RankHandler
+from relaygr.streams.standby import hand_over
 from relaygr.streams.state_lineage import HistoryLineage, deployment_dir, rewind_old_topic_offsets
 from relaygr.streams.worker_files import WorkerFiles
 from relaygr.workers.calibration import calibrate
@@ -273,22 +273,20 @@ class RankingWorker:
             await self._shut_down()
 
     async def _shut_down(self) -> None:
-        await self._drain(set(self.assigned), timeout_s=30)
-        await self._finish_appliers()
-        committed: dict[TopicPartition, int] = {}
-        with contextlib.suppress(Exception):
-            committed = await self._commit()
-        if self.handing_over and self.in_group:  # first: the successor waits for it
-            await self._leave_handover(committed)
+        if self.handing_over and self.in_group:
+            await hand_over(self)  # requests drained and committed, handover.json (streams.standby)
+        else:
+            await self._drain(set(self.assigned), timeout_s=30)
+            await self._finish_appliers()
+            with contextlib.suppress(Exception):
+                await self._commit()
         with contextlib.suppress(Exception):
             await self.lineage.close()
         with contextlib.suppress(Exception):
             await self.incarnations.close()
         await self.consumer.stop()
         await self.producer.stop()
-        if self.handing_over and self.engine.store is not None:  # its successor rebuilds it all
-            self.engine.store.config = self.engine.store.config.model_copy(update={"persist_on_close": False})
-        elif not self.handing_over:
+        if not self.handing_over:  # (a successor rebuilds its own state: nothing to persist)
             with contextlib.suppress(TimeoutError):  # ranked suffixes, before the store persists
                 await asyncio.wait_for(self.engine.drain(), 10)
         self.engine.close()
@@ -361,7 +359,7 @@ class RankingWorker:
 
     def _spawn(self, tp: TopicPartition, m, handler) -> None:
         self.tracker.start(tp, m.offset)
-        task = asyncio.create_task(self._guard(tp, m, handler))
+        task = asyncio.create_task(self._guard(tp, m, handler), name=tp.topic)
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
@@ -389,20 +387,6 @@ class RankingWorker:
         if offsets:
             await commit_existing(self.consumer, offsets, incarnations=self.incarnations)
         return offsets
-
-    async def _leave_handover(self, committed: dict[TopicPartition, int]) -> None:
-        """``handover.json``: per request and signal partition, the offset its successor starts
-        at (committed, or where this member would have read next: nothing fetched since)."""
-        offsets: dict[str, dict[int, int]] = {}
-        for tp in self.assigned:
-            if tp.topic == self.reg.name("routed_behaviors"):
-                continue
-            at = committed.get(tp)
-            if at is None:
-                at = await asyncio.wait_for(self.consumer.position(tp), 5)
-            offsets.setdefault(tp.topic, {})[tp.partition] = at
-        self.files.write_handover(offsets, os.getpid())
-        log.info("%s: handed over at %s", self.worker_id, offsets)
 
     async def _drain(self, tps: set[TopicPartition], timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

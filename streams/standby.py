@@ -20,7 +20,9 @@ process start on the request path (make before break, under the same static memb
 Nothing stale is served: the standby's histories and prefixes are computed from the topics, never
 copied from the old generation.
 
-Primitives: ``Standby(worker, metrics_port).run()``.
+Primitives: ``Standby(worker, metrics_port).run()``; ``hand_over(worker)``, the old process's side:
+the requests in flight finished and committed, ``handover.json`` written, the pre-inferences still
+running dropped (the successor computes its own), and nothing persisted.
 """
 
 from __future__ import annotations
@@ -42,6 +44,35 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 POLL_S = 0.005  # how often the hand-over file is looked for: the gap it adds to a hand-over
+
+
+async def hand_over(w: RankingWorker) -> None:
+    """The shut-down's drain and commit when ``w`` hands over: requests only are waited for; per
+    request and signal partition ``handover.json`` names the committed offset (or, for one with
+    nothing fetched since, the member's position: the same)."""
+    rank = w.reg.name("rank")
+    await w._drain({tp for tp in w.assigned if tp.topic == rank}, timeout_s=30)
+    await w._finish_appliers()
+    committed: dict[TopicPartition, int] = {}
+    with contextlib.suppress(Exception):
+        committed = await w._commit()
+    offsets: dict[str, dict[int, int]] = {}
+    for tp in w.assigned:
+        if tp.topic == w.reg.name("routed_behaviors"):
+            continue
+        at = committed.get(tp)
+        if at is None:
+            at = await asyncio.wait_for(w.consumer.position(tp), 5)
+        offsets.setdefault(tp.topic, {})[tp.partition] = at
+    w.files.write_handover(offsets, os.getpid())
+    log.info("%s: handed over at %s", w.worker_id, offsets)
+    # Pre-inferences still running: the successor saw their signals and computes its own.
+    prefills = [t for t in w.tasks if t.get_name() == w.reg.name("prefill")]
+    for task in prefills:
+        task.cancel()
+    await asyncio.gather(*prefills, return_exceptions=True)
+    if w.engine.store is not None:  # nor is this state kept: the successor rebuilt its own
+        w.engine.store.config = w.engine.store.config.model_copy(update={"persist_on_close": False})
 
 
 class Standby:
