@@ -5,7 +5,8 @@ process start on the request path (make before break, under the same static memb
    process owns (``assignment.json``) with a consumer outside the group (manual assignment): it
    rebuilds their histories from ``routed-behaviors`` into a fresh state generation and pre-infers
    their prefill signals from now on into its own prefix store, so its cache is warm when it takes
-   over. Request partitions stay unfetched. Once every history is caught up: ``ready``.
+   over. Request partitions stay unfetched. Once every history is caught up and every signal
+   published by then pre-inferred: ``ready``.
 2. Take over. The active process, told to hand over (SIGUSR1), finishes and commits what it holds
    and leaves the committed offsets in ``handover.json``. The standby ranks the requests of those
    partitions from exactly there (the old process handled everything before; so results are
@@ -160,12 +161,29 @@ class Standby:
         while any(p in self.w.applier.catching_up for p in self.partitions):
             await asyncio.sleep(0.05)
 
+    async def _signals_handled(self) -> None:
+        """Wait until every prefill signal published by now is pre-inferred: its users' next
+        requests find their prefixes cached, not being computed (those waited for their
+        histories until now, and are the users active lately)."""
+        w = self.w
+        signals = [TopicPartition(self.sig, p) for p in self.partitions]
+        ends = await w.consumer.end_offsets(signals)
+        for tp in signals:
+            while True:
+                done = w.tracker.committable({tp}).get(tp)
+                if done is None and not w.tracker.pending({tp}):
+                    done = await w.consumer.position(tp)
+                if done is not None and done >= ends[tp]:
+                    break
+                await asyncio.sleep(0.05)
+
     # ------------------------------------------------------------------ the hand-over
 
     async def _stand_by(self) -> None:
         w = self.w
         t0 = time.monotonic()
         await self._caught_up()
+        await self._signals_handled()
         w.files.write_standby("ready", self.pid)
         w._note(event="standby_ready", partitions=self.partitions, seconds=round(time.monotonic() - t0, 3))
         while (handover := w.files.read_handover()) is None:
