@@ -125,9 +125,8 @@ class Standby:
     # ------------------------------------------------------------------ reading outside the group
 
     async def _assign(self, partitions: list[int], offsets: dict[str, dict[int, int]] | None) -> None:
-        """Read ``partitions`` outside the group: behaviours from the history table's offsets,
-        signals from ``offsets`` (None: from now on), requests held (from ``offsets`` once
-        released)."""
+        """Read ``partitions`` outside the group: behaviours from the history table's offsets;
+        signals (from ``offsets``, None: from now on) and requests (from ``offsets``) held."""
         w = self.w
         await w._finish_appliers()
         gone = {tp for tp in w.assigned if tp.partition not in partitions}
@@ -153,13 +152,17 @@ class Standby:
             else:
                 w.consumer.seek(TopicPartition(self.sig, p), offsets[self.sig][p])
                 w.consumer.seek(TopicPartition(self.rank, p), offsets[self.rank][p])
-        w.held = {TopicPartition(self.rank, p) for p in partitions}
+        # Held until their histories are caught up: a prefix of a partial history would have to
+        # be extended over the rest when the user's next request comes.
+        w.held = {TopicPartition(t, p) for t in (self.sig, self.rank) for p in partitions}
         w.assigned = set(tps)
         self.partitions = sorted(partitions)
 
     async def _caught_up(self) -> None:
+        """Wait until the histories are rebuilt, then pre-infer the signals from where they are."""
         while any(p in self.w.applier.catching_up for p in self.partitions):
             await asyncio.sleep(0.05)
+        self.w.held = {tp for tp in self.w.held if tp.topic != self.sig}
 
     async def _signals_handled(self) -> None:
         """Wait until every prefill signal published by now is pre-inferred: its users' next
@@ -183,7 +186,7 @@ class Standby:
         w = self.w
         t0 = time.monotonic()
         await self._caught_up()
-        await self._signals_handled()
+        await self._signals_handled()  # those of the catch-up time too: the users active lately
         w.files.write_standby("ready", self.pid)
         w._note(event="standby_ready", partitions=self.partitions, seconds=round(time.monotonic() - t0, 3))
         while (handover := w.files.read_handover()) is None:
