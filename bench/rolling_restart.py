@@ -67,6 +67,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--window-s", type=float_above(0), default=5.0, help="window of the timeline")
     parser.add_argument("--plot", type=Path, default=None, metavar="PNG", help="write the timeline here")
+    parser.add_argument(
+        "--worker-events",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="copy each ranking worker's events.jsonl here (the deployment is removed at the end)",
+    )
 
 
 class LibrdkafkaRequests:
@@ -227,6 +234,8 @@ async def _measure(settings: Settings, reg: TopicRegistry, pipe, args, ml, say) 
     sent = await asyncio.to_thread(load.stop)
     host = await cpu.stop()
     results, counts = await count_results(settings, reg, {r.request_id for r in sent})
+    if args.worker_events is not None:
+        _copy_worker_events(settings, args.worker_events)
     answered = sorted(results.values(), key=lambda r: r.ts)
     windows = timeline(answered, t0, args.window_s)
     steady = [r for r in answered if args.warmup_s <= r.ts - t0 < args.warmup_s + args.steady_s]
@@ -264,6 +273,16 @@ async def _measure(settings: Settings, reg: TopicRegistry, pipe, args, ml, say) 
         "host_cpu": host["run"],
         "plot": str(_plot(windows, restarts, budget_ms, args.plot)) if args.plot else None,
     }
+
+
+def _copy_worker_events(settings: Settings, out: Path) -> None:
+    import shutil
+
+    from relaygr.streams.state_lineage import deployment_dir
+
+    out.mkdir(parents=True, exist_ok=True)
+    for f in deployment_dir(settings, "workers").glob("*/events.jsonl"):
+        shutil.copy(f, out / f"{f.parent.name}.events.jsonl")
 
 
 def _plot(windows: list[dict], restarts: list[dict], budget_ms: float, path: Path) -> Path:
