@@ -5,8 +5,10 @@ process start on the request path (make before break, under the same static memb
    process owns (``assignment.json``) with a consumer outside the group (manual assignment): it
    rebuilds their histories from ``routed-behaviors`` into a fresh state generation and pre-infers
    their prefill signals from now on into its own prefix store, so its cache is warm when it takes
-   over. Request partitions stay unfetched. Once every history is caught up and every signal
-   published by then pre-inferred: ``ready``.
+   over. Request partitions stay unfetched; so do signals until the histories are caught up
+   (a prefix of a partial history would need extending later). Then each user whose signal came
+   within ``standby_warm_s`` (the users the active process keeps warm) is pre-inferred once, and
+   once every signal published by then is handled: ``ready``.
 2. Take over. The active process, told to hand over (SIGUSR1), finishes and commits what it holds
    and leaves the committed offsets in ``handover.json``. The standby ranks the requests of those
    partitions from exactly there (the old process handled everything before; so results are
@@ -38,6 +40,8 @@ from typing import TYPE_CHECKING
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from relaygr.infra.kafka import consumer, producer
+from relaygr.schemas import PrefillSignal, SchemaError
+from relaygr.streams.common import decode_keyed
 
 if TYPE_CHECKING:
     from relaygr.streams.ranking_worker import RankingWorker
@@ -159,10 +163,43 @@ class Standby:
         self.partitions = sorted(partitions)
 
     async def _caught_up(self) -> None:
-        """Wait until the histories are rebuilt, then pre-infer the signals from where they are."""
         while any(p in self.w.applier.catching_up for p in self.partitions):
             await asyncio.sleep(0.05)
-        self.w.held = {tp for tp in self.w.held if tp.topic != self.sig}
+
+    async def _warm_recent_users(self) -> int:
+        """Pre-infer, for each user whose prefill signal came within ``standby_warm_s`` (the users
+        the active process keeps warm), its latest one, on the caught-up history. Returns how
+        many users. Their other signals are device hits then."""
+        w = self.w
+        signals = [TopicPartition(self.sig, p) for p in self.partitions]
+        latest = {}
+        reader = consumer(w.settings, group_id=None)
+        await reader.start()
+        try:
+            reader.assign(signals)
+            since = int((time.time() - w.pipeline.standby_warm_s) * 1000)
+            starts = await reader.offsets_for_times({tp: since for tp in signals})
+            ends = await reader.end_offsets(signals)
+            todo = {}
+            for tp in signals:
+                found = starts.get(tp)
+                if found is not None and found.offset < ends[tp]:
+                    reader.seek(tp, found.offset)
+                    todo[tp] = ends[tp]
+            deadline = time.monotonic() + 60  # a bound: this only warms the cache
+            while todo and time.monotonic() < deadline:
+                for tp, msgs in (await reader.getmany(*todo, timeout_ms=200)).items():
+                    for m in msgs:
+                        with contextlib.suppress(SchemaError):  # dead-lettered by its reader
+                            s = decode_keyed(PrefillSignal, m.key, m.value, w.settings.max_message_bytes)
+                            latest[s.user_id] = (tp.partition, s)
+                for tp in list(todo):
+                    if await reader.position(tp) >= todo[tp]:
+                        del todo[tp]
+        finally:
+            await reader.stop()
+        await asyncio.gather(*(w.handler.prefill(s, p) for p, s in latest.values()), return_exceptions=True)
+        return len(latest)
 
     async def _signals_handled(self) -> None:
         """Wait until every prefill signal published by now is pre-inferred: its users' next
@@ -186,7 +223,10 @@ class Standby:
         w = self.w
         t0 = time.monotonic()
         await self._caught_up()
-        await self._signals_handled()  # those of the catch-up time too: the users active lately
+        warmed = await self._warm_recent_users()
+        log.info("%s (standby): pre-inferred the prefixes of %d users active lately", w.worker_id, warmed)
+        w.held = {tp for tp in w.held if tp.topic != self.sig}
+        await self._signals_handled()  # those of the catch-up time too
         w.files.write_standby("ready", self.pid)
         w._note(event="standby_ready", partitions=self.partitions, seconds=round(time.monotonic() - t0, 3))
         while (handover := w.files.read_handover()) is None:
