@@ -159,8 +159,11 @@ async def count_results(
     return first, counts
 
 
-def timeline(results: list[RankedResult], t0: float, window_s: float) -> list[dict[str, float]]:
-    """Per window of send time from ``t0``: its start (s), requests, relay share, ranking P99 (ms)."""
+def timeline(
+    results: list[RankedResult], t0: float, window_s: float, budget_ms: float
+) -> list[dict[str, float]]:
+    """Per window of send time from ``t0``: its start (s), requests, relay share, ranking P99 (ms),
+    and how many rankings took longer than ``budget_ms``."""
     bins: dict[int, list[RankedResult]] = {}
     for r in results:
         bins.setdefault(int((r.ts - t0) // window_s), []).append(r)
@@ -170,6 +173,7 @@ def timeline(results: list[RankedResult], t0: float, window_s: float) -> list[di
             "n": len(rs),
             "relay_share": round(sum(r.path.value.startswith("relay") for r in rs) / len(rs), 3),
             "ranking_p99_ms": round(percentile([ranking_ms(r) for r in rs], 99), 1),
+            "over_budget": sum(ranking_ms(r) > budget_ms for r in rs),
         }
         for k, rs in sorted(bins.items())
     ]
@@ -237,7 +241,8 @@ async def _measure(settings: Settings, reg: TopicRegistry, pipe, args, ml, say) 
     if args.worker_events is not None:
         _copy_worker_events(settings, args.worker_events)
     answered = sorted(results.values(), key=lambda r: r.ts)
-    windows = timeline(answered, t0, args.window_s)
+    budget_ms = PipelineSettings().budget_ms  # what the pipeline was started with (RELAYGR_BUDGET_MS)
+    windows = timeline(answered, t0, args.window_s, budget_ms)
     steady = [r for r in answered if args.warmup_s <= r.ts - t0 < args.warmup_s + args.steady_s]
     steady_share = sum(r.path.value.startswith("relay") for r in steady) / max(1, len(steady))
     level = 0.95 * steady_share  # "back to its steady level": within 5 % of it
@@ -248,7 +253,6 @@ async def _measure(settings: Settings, reg: TopicRegistry, pipe, args, ml, say) 
         rs["off_relay_after"] = dict(
             Counter(r.path_reason or r.path.value for r in after if not r.path.value.startswith("relay"))
         )
-    budget_ms = PipelineSettings().budget_ms
     slowest = max((ranking_ms(r) for r in answered), default=math.nan)
     return {
         "bench": "rolling_restart",
