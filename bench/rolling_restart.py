@@ -311,7 +311,7 @@ def _plot(windows: list[dict], restarts: list[dict], budget_ms: float, path: Pat
     share.set_ylim(0, 1.05)
     share.set_ylabel("relay share")
     share.legend(fontsize=8, loc="lower right")
-    ax.legend(fontsize=8, loc="upper left")
+    ax.legend(fontsize=8, loc="center left")
     ax.set_title("Rolling restart: each ranking worker replaced by a warm standby (dotted)")
     return save_plot(plt, fig, ax, path, legend=False)
 
