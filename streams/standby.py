@@ -20,6 +20,9 @@ process start on the request path (make before break, under the same static memb
    meanwhile: ``joined``. Its state generation becomes the current one, and the old one is
    deleted once the old process is gone.
 
+A standby warms up at nice +10 (``STANDBY_NICE``, where it may come back to its own level at the
+hand-over): it runs on the cores of the workers serving beside it, and must not slow them.
+
 Nothing stale is served: the standby's histories and prefixes are computed from the topics, never
 copied from the old generation.
 
@@ -42,6 +45,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from relaygr.infra.kafka import consumer, producer
 from relaygr.schemas import PrefillSignal, SchemaError
 from relaygr.streams.common import decode_keyed
+from relaygr.workers.cores import may_renice_to, nice_tasks
 
 if TYPE_CHECKING:
     from relaygr.streams.ranking_worker import RankingWorker
@@ -49,6 +53,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 POLL_S = 0.005  # how often the hand-over file is looked for: the gap it adds to a hand-over
+STANDBY_NICE = 10  # added to the nice level while standing by
 
 
 async def hand_over(w: RankingWorker) -> None:
@@ -91,6 +96,7 @@ class Standby:
         self.group: AIOKafkaConsumer | None = None
         self.old_pid: int | None = None
         self.cleanup: asyncio.Task | None = None
+        self.nice = 0
         self.manual_stopped: asyncio.Task | None = None
         names = worker.reg.name
         self.beh, self.sig, self.rank = names("routed_behaviors"), names("prefill"), names("rank")
@@ -99,6 +105,11 @@ class Standby:
         w = self.w
         w.files.clear_handover()  # one left by an earlier hand-over is not for this process
         w.files.write_standby("warming", self.pid)
+        # Warming up beside the serving workers, on their cores: at a lower priority, where this
+        # process may come back to its own at the hand-over.
+        self.nice = os.getpriority(os.PRIO_PROCESS, 0)
+        if may_renice_to(self.nice):
+            nice_tasks(self.pid, self.nice + STANDBY_NICE)
         took = await w.engine.warm_up()
         log.info("%s (standby): warmed up the device in %.2f s", w.worker_id, took)
         partitions = await self._active_partitions()
@@ -240,6 +251,7 @@ class Standby:
         else:
             for p in handed:
                 w.consumer.seek(TopicPartition(self.rank, p), offsets[self.rank][p])
+        nice_tasks(self.pid, self.nice)
         w.held = set()
         w.files.write_standby("serving", self.pid)
         w._note(event="took_over", partitions=handed, offsets={t: o for t, o in offsets.items()})
