@@ -68,6 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--window-s", type=float_above(0), default=5.0, help="window of the timeline")
     parser.add_argument("--plot", type=Path, default=None, metavar="PNG", help="write the timeline here")
     parser.add_argument(
+        "--results", type=Path, default=None, metavar="FILE", help="also write every result as a JSON line"
+    )
+    parser.add_argument(
         "--worker-events",
         type=Path,
         default=None,
@@ -240,6 +243,9 @@ async def _measure(settings: Settings, reg: TopicRegistry, pipe, args, ml, say) 
     results, counts = await count_results(settings, reg, {r.request_id for r in sent})
     if args.worker_events is not None:
         _copy_worker_events(settings, args.worker_events)
+    if args.results is not None:
+        args.results.parent.mkdir(parents=True, exist_ok=True)
+        args.results.write_text("".join(r.model_dump_json() + "\n" for r in results.values()))
     answered = sorted(results.values(), key=lambda r: r.ts)
     budget_ms = PipelineSettings().budget_ms  # what the pipeline was started with (RELAYGR_BUDGET_MS)
     windows = timeline(answered, t0, args.window_s, budget_ms)
