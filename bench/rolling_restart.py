@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import sys
 import threading
 import time
 import uuid
@@ -323,6 +324,15 @@ def _plot(windows: list[dict], restarts: list[dict], budget_ms: float, path: Pat
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        import confluent_kafka  # noqa: F401  the requests' producer: checked before minutes of set-up
+    except ImportError:
+        print(
+            "relaygr bench rolling-restart: the requests come from confluent-kafka, which is not "
+            "installed (pip install 'confluent-kafka>=2.4', or the package's dev extra)",
+            file=sys.stderr,
+        )
+        return 2
     return bench_on_fresh_pipeline(
         "rolling", args, lambda s, reg, pipe, ml, say: _measure(s, reg, pipe, args, ml, say)
     )
