@@ -553,6 +553,7 @@ def main(
     metrics_port: int = 0,
     *,
     standby: bool = False,
+    handover_asked: Callable[[], bool] = lambda: False,
 ) -> int:
     """Run the worker until SIGTERM/SIGINT (stop) or SIGUSR1 (hand over to a standby). With
     ``standby``, first stand by for the active process of ``worker_id`` and take over from it
@@ -572,6 +573,8 @@ def main(
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, worker.stop)
         loop.add_signal_handler(signal.SIGUSR1, worker.hand_over)
+        if handover_asked():  # while starting up: hands over as soon as it runs
+            worker.hand_over()
         if standby:
             from relaygr.streams.standby import Standby
 

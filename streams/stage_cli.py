@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 
 from relaygr.infra.broker import BrokerError
@@ -62,6 +63,9 @@ def run(args: argparse.Namespace) -> int:
         level=args.log_level.upper(),
         format=f"%(asctime)s {args.stage}[{args.worker_id}] %(levelname)s %(message)s",
     )
+    handover_asked: list[bool] = []
+    if args.stage == "ranking":  # a hand-over asked for while starting up: not the default (exit)
+        signal.signal(signal.SIGUSR1, lambda *_: handover_asked.append(True))
     settings = get_settings()
     pipeline = PipelineSettings()
     if args.mode:
@@ -93,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
                 f"ranker-{args.worker_id}" if args.worker_id.isdigit() else args.worker_id,
                 args.metrics_port,
                 standby=args.standby,
+                handover_asked=lambda: bool(handover_asked),
             )
         from relaygr.streams.common import freeze_heap, serve_metrics
 

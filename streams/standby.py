@@ -240,9 +240,7 @@ class Standby:
         await self._signals_handled()  # those of the catch-up time too
         w.files.write_standby("ready", self.pid)
         w._note(event="standby_ready", partitions=self.partitions, seconds=round(time.monotonic() - t0, 3))
-        while (handover := w.files.read_handover()) is None:
-            await asyncio.sleep(POLL_S)
-        offsets, self.old_pid = handover
+        offsets, self.old_pid = await self._handed_over()
         t_handover = time.monotonic()
         handed = sorted(offsets.get(self.rank, {}))
         if handed != self.partitions:  # the group moved partitions meanwhile: catch those up first
@@ -263,6 +261,21 @@ class Standby:
             "%s: joined the group %.2f s after the hand-over", w.worker_id, time.monotonic() - t_handover
         )
         w.before_fetch = self._switch
+
+    async def _handed_over(self) -> tuple[dict[str, dict[int, int]], int | None]:
+        """The hand-over's offsets and the pid that handed over. An active process that exits
+        without handing over (a crash) hands over nothing: the group's committed offsets then
+        say where to go on, once this process has joined."""
+        active = self.w.files.active_pid()
+        checked = time.monotonic()
+        while (handover := self.w.files.read_handover()) is None:
+            await asyncio.sleep(POLL_S)
+            if active is not None and time.monotonic() - checked > 0.5:
+                checked = time.monotonic()
+                if not _alive(active):
+                    log.warning("%s (standby): pid %d exited without handing over", self.w.worker_id, active)
+                    return {}, None
+        return handover
 
     async def _switch(self) -> None:
         """Between two fetches: go on with the group's consumer where the manual one got to."""
@@ -291,9 +304,7 @@ class Standby:
         """Once the old process has exited: serve the metrics on its port, delete its state."""
         deadline = time.monotonic() + timeout_s
         while self.old_pid is not None and time.monotonic() < deadline:
-            try:
-                os.kill(self.old_pid, 0)
-            except ProcessLookupError:
+            if not _alive(self.old_pid):
                 break
             await asyncio.sleep(0.2)
         else:
@@ -311,3 +322,13 @@ class Standby:
                     return
                 await asyncio.sleep(0.2)
             log.warning("%s: metrics port %d stays busy", self.w.worker_id, self.metrics_port)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's: the pid was reused
+        return False
+    return True

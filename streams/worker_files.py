@@ -11,8 +11,9 @@ Primitives:
   - ``state_dir()``: the current generation (the folder itself for a worker that never rolled);
     ``new_generation()``: a fresh one for a standby; ``promote(gen)``: make it current;
     ``remove_stale_generations()``: delete every generation but the current one.
-  - ``write_assignment(partitions)`` / ``read_assignment()``: the partitions the active process
-    owns (``assignment.json``, rewritten at every assignment and revocation).
+  - ``write_assignment(partitions)`` / ``read_assignment()`` / ``active_pid()``: the partitions
+    the active process owns and its pid (``assignment.json``, rewritten at every assignment and
+    revocation).
   - ``write_handover(offsets, pid)`` / ``read_handover()`` / ``clear_handover()``: the committed
     offsets (topic -> partition -> offset) a process that hands over leaves behind
     (``handover.json``).
@@ -82,6 +83,11 @@ class WorkerFiles:
     def read_assignment(self) -> list[int] | None:
         data = self._read("assignment.json")
         return None if data is None else [int(p) for p in data["partitions"]]
+
+    def active_pid(self) -> int | None:
+        """The pid of the process that wrote the assignment (the active one), if known."""
+        data = self._read("assignment.json")
+        return None if data is None else int(data["pid"])
 
     def write_handover(self, offsets: dict[str, dict[int, int]], pid: int) -> None:
         self._write("handover.json", {"pid": pid, "offsets": offsets})

@@ -186,9 +186,9 @@ class Pipeline:
         old = self.supervisor.adopt(name, standby)
         t1 = time.monotonic()
         old.send_signal(signal.SIGUSR1)
-        _wait_standby(files, standby, "serving", 60.0)
+        _wait_standby(files, standby, "serving", 60.0, old)
         took["serving"] = time.monotonic() - t1
-        _wait_standby(files, standby, "joined", 60.0)
+        _wait_standby(files, standby, "joined", 60.0, old)
         took["joined"] = time.monotonic() - t1
         end_process(old, grace_s=60.0)  # it exits on its own once it has handed over
         took["old_exit"] = time.monotonic() - t1
@@ -280,11 +280,20 @@ class Pipeline:
             await prod.stop()
 
 
-def _wait_standby(files: WorkerFiles, proc: subprocess.Popen, state: str, timeout_s: float) -> None:
-    """Wait until the standby ``proc`` says it reached ``state`` (or a later one)."""
+def _wait_standby(
+    files: WorkerFiles,
+    proc: subprocess.Popen,
+    state: str,
+    timeout_s: float,
+    old: subprocess.Popen | None = None,
+) -> None:
+    """Wait until the standby ``proc`` says it reached ``state`` (or a later one); meanwhile reap
+    ``old`` once it exits (a process that crashed instead of handing over is seen gone)."""
     deadline = time.monotonic() + timeout_s
     want = STANDBY_STATES.index(state)
     while time.monotonic() < deadline:
+        if old is not None:
+            old.poll()
         seen = files.read_standby()
         if seen is not None and seen[1] == proc.pid and STANDBY_STATES.index(seen[0]) >= want:
             return
