@@ -296,6 +296,7 @@ class Standby:
         self.manual_stopped = asyncio.create_task(manual.stop())  # not on the loop's path
         w.watch_lineage()
         w.files.promote(w.state_dir)
+        w.files.clear_handover()  # done with
         w.files.write_standby("joined", self.pid)
         w._note(event="joined", partitions=sorted({tp.partition for tp in mine}))
         self.cleanup = asyncio.create_task(self._after_old_exit())
