@@ -257,21 +257,30 @@ def on_fresh_pipeline(tag: str, ranking_workers: int, measure, say, *, metrics: 
         shutil.rmtree(s.home, ignore_errors=True)
 
 
-def run(args: argparse.Namespace) -> int:
-    if args.min_len > args.max_len:
-        print("relaygr bench ingest: --min-len must not exceed --max-len", file=sys.stderr)
-        return 2
+def bench_on_fresh_pipeline(tag: str, args: argparse.Namespace, measure, *, metrics: bool = False) -> int:
+    """``on_fresh_pipeline`` with ``args.ranking_workers`` workers for a bench command: progress on
+    stderr unless ``args.json``; ``await measure(settings, registry, pipeline, movielens, say)``;
+    its JSON line on stdout."""
 
     def say(msg: str) -> None:
         if not args.json:
             print(f"== {msg}", file=sys.stderr, flush=True)
 
     line = on_fresh_pipeline(
-        "ingest",
+        tag,
         args.ranking_workers,
-        lambda s, reg, pipe, ml: _measure(s, reg, pipe, args, ml, say),
+        lambda s, reg, pipe, ml: measure(s, reg, pipe, ml, say),
         say,
-        metrics=True,
+        metrics=metrics,
     )
     print(json.dumps(line))
     return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.min_len > args.max_len:
+        print("relaygr bench ingest: --min-len must not exceed --max-len", file=sys.stderr)
+        return 2
+    return bench_on_fresh_pipeline(
+        "ingest", args, lambda s, reg, pipe, ml, say: _measure(s, reg, pipe, args, ml, say), metrics=True
+    )

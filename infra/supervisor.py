@@ -8,7 +8,11 @@ Primitives:
   supervised, whatever its exit code, is started again with the same command after its backoff,
   while the others keep running; each restart is one log line (``<log_dir>/supervisor.log`` and
   stderr) and counts in ``restarts[name]``. ``release(name, kill=False)`` ends one child for good
-  (SIGTERM, or SIGKILL) without a restart; ``stop()`` ends them all.
+  (SIGTERM, or SIGKILL) without a restart; ``stop()`` ends them all. A rolling restart replaces
+  a child without a gap: ``start_standby(name, extra_args)`` starts its replacement beside it
+  (same command plus ``extra_args``, same log, not supervised yet), and ``adopt(name, proc)``
+  makes that the supervised process and returns the one it replaces, whose exit then restarts
+  nothing (a crash of the replacement restarts the child's own command).
 - ``CrashLoop``: what ``failure`` holds (and ``check()`` raises) once a child crashed too often:
   the supervisor then restarts nothing more, and its owner stops the deployment.
 - ``end_process(proc, kill=False, grace_s=30)``: SIGTERM (or SIGKILL), wait, SIGKILL after the grace.
@@ -128,6 +132,22 @@ class Supervisor:
         with self._lock:
             child = self._children.pop(name)
         end_process(child.proc, kill=kill, grace_s=grace_s)
+
+    def start_standby(self, name: str, extra_args: list[str]) -> subprocess.Popen:
+        """Start a replacement of child ``name`` beside it, unsupervised until ``adopt``."""
+        with self._lock:
+            child = self._children[name]
+            return self._popen(child.argv + list(extra_args), child.env, child.log_path)
+
+    def adopt(self, name: str, replacement: subprocess.Popen) -> subprocess.Popen:
+        """Supervise ``replacement`` as child ``name`` from now on; returns the process it
+        replaces, which its caller ends (its exit is no longer watched)."""
+        with self._lock:
+            child = self._children[name]
+            old, child.proc = child.proc, replacement
+            child.restart_at = None  # a restart waiting out its backoff is what this replaces
+            self._say(f"stage {name}: pid {replacement.pid} takes over from pid {old.pid}", child)
+            return old
 
     def stop(self, grace_s: float = 30.0) -> None:
         """End every child (SIGTERM to all, then wait for each); nothing is restarted any more."""

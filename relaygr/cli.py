@@ -83,6 +83,11 @@ GROUPS: dict[str, tuple[str, dict[str, tuple[str, str]]]] = {
                 "relaygr.bench.request_path",
                 "the project files and lines one rank request runs through (relay or full path)",
             ),
+            "rolling-restart": (
+                "relaygr.bench.rolling_restart",
+                "every ranking worker replaced by a warm standby in turn at a steady load: lost, "
+                "duplicated, timeouts, relay share and ranking P99 per window",
+            ),
         },
     ),
 }

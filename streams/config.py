@@ -190,6 +190,13 @@ class PipelineSettings(BaseSettings):
         "ranking would miss its deadline. Past it, the result says history_complete: false.",
     )
     stats_interval_s: float = Field(default=2.0, gt=0, description="Ranking worker: WorkerStats period.")
+    standby_warm_s: float = Field(
+        default=120.0,
+        ge=0,
+        description="Ranking worker standby (rolling restart): pre-infer the latest prefill signal of "
+        "each user seen within this many seconds before it is ready (the users active lately), so "
+        "that the hand-over finds their prefixes cached.",
+    )
     torch_threads: int = Field(
         default=1,
         ge=0,

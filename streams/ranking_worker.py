@@ -34,6 +34,10 @@ letters, stats). What a signal or a request means is ``streams.rank_handler.Rank
 knows no Kafka; the ``RankingEngine`` is its only way to the device); behaviours are written into
 the history table by ``streams.history_applier.BehaviourApplier``. Model work runs on the engine's
 device thread; this loop only fetches, schedules and publishes.
+
+Rolling restarts (``streams.standby``, ``streams.worker_files``): on SIGUSR1 the worker finishes
+and commits what it holds, leaves the committed offsets in ``handover.json`` for a standby of its
+id and exits without leaving the group (nor persisting a state its successor rebuilds).
 """
 
 from __future__ import annotations
@@ -44,9 +48,10 @@ import json
 import logging
 import signal
 import time
+from collections.abc import Awaitable, Callable
 
 import torch
-from aiokafka import ConsumerRebalanceListener, TopicPartition
+from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.coordinator.assignors.range import RangePartitionAssignor
 from prometheus_client import Counter as PCounter
 from prometheus_client import Gauge, Histogram
@@ -68,8 +73,11 @@ from relaygr.streams.common import DEAD_LETTERS, commit_existing, dead_letter, d
 from relaygr.streams.config import PipelineSettings, engine_config
 from relaygr.streams.history import HistoryAlignment, HistoryTable
 from relaygr.streams.history_applier import BehaviourApplier
+from relaygr.streams.offset_tracker import OffsetTracker
 from relaygr.streams.rank_handler import RankHandler
+from relaygr.streams.standby import hand_over
 from relaygr.streams.state_lineage import HistoryLineage, deployment_dir, rewind_old_topic_offsets
+from relaygr.streams.worker_files import WorkerFiles
 from relaygr.workers.calibration import calibrate
 from relaygr.workers.cores import pin_this_thread
 from relaygr.workers.devices import keep_host_pages
@@ -100,38 +108,6 @@ INFLIGHT = Gauge("relaygr_rank_inflight", "Signals and requests being handled")
 INFLIGHT_PEAK = Gauge("relaygr_rank_inflight_peak", "Most signals and requests handled at once")
 
 
-class OffsetTracker:
-    """Per partition: the next offset that is safe to commit (all before it are finished)."""
-
-    def __init__(self) -> None:
-        self._pending: dict[TopicPartition, set[int]] = {}
-        self._next: dict[TopicPartition, int] = {}
-
-    def start(self, tp: TopicPartition, offset: int) -> None:
-        self._pending.setdefault(tp, set()).add(offset)
-        self._next[tp] = max(self._next.get(tp, 0), offset + 1)
-
-    def done(self, tp: TopicPartition, offset: int) -> None:
-        self._pending.get(tp, set()).discard(offset)
-
-    def committable(self, tps: set[TopicPartition] | None = None) -> dict[TopicPartition, int]:
-        out = {}
-        for tp, nxt in self._next.items():
-            if tps is not None and tp not in tps:
-                continue
-            pending = self._pending.get(tp)
-            out[tp] = min(pending) if pending else nxt
-        return out
-
-    def pending(self, tps: set[TopicPartition] | None = None) -> int:
-        return sum(len(v) for tp, v in self._pending.items() if tps is None or tp in tps)
-
-    def forget(self, tps: set[TopicPartition]) -> None:
-        for tp in tps:
-            self._pending.pop(tp, None)
-            self._next.pop(tp, None)
-
-
 class RankingWorker:
     """The Kafka shell of a ranking worker: wiring, the consumer loop with its bounded queue
     (pause/resume), offsets, commits and rebalances, dead letters and stats. What a signal or a
@@ -144,20 +120,24 @@ class RankingWorker:
         worker_id: str,
         *,
         static_membership: bool = True,
+        standby: bool = False,
     ) -> None:
         self.settings, self.pipeline, self.worker_id = settings, pipeline, worker_id
         self.reg = TopicRegistry(settings.topic_prefix, settings.partitions)
         self.static_membership = static_membership
         self.dir = deployment_dir(settings, "workers") / worker_id  # per topic prefix
         self.dir.mkdir(parents=True, exist_ok=True)
+        self.files = WorkerFiles(self.dir)
+        # A standby builds the next generation of the state while the active process holds this one.
+        self.state_dir = self.files.new_generation() if standby else self.files.state_dir()
         self.engine = self._engine()
         self.history = HistoryTable(
-            self.dir / "history",
+            self.state_dir / "history",
             retain_events=pipeline.history_retain_events or 2 * self.engine.max_seq_len,
             retain_align=window_step(self.engine.max_seq_len),
         )
         self.alignment = HistoryAlignment(self.history)
-        self.lineage = HistoryLineage(STAGE, settings, self.dir, self.history, self.engine.store)
+        self.lineage = HistoryLineage(STAGE, settings, self.state_dir, self.history, self.engine.store)
         self.events_log = open(self.dir / "events.jsonl", "a", buffering=1)  # noqa: SIM115
         self.handler = RankHandler(
             self.engine, self.history, self.alignment, pipeline, worker_id, self._note, self._log_end
@@ -175,6 +155,12 @@ class RankingWorker:
         self.assigned: set[TopicPartition] = set()
         self.peak_inflight = 0
         self._stop = asyncio.Event()
+        # A standby: outside the group, its request partitions held until the hand-over.
+        self.in_group = not standby
+        self.held: set[TopicPartition] = set()
+        self.before_fetch: Callable[[], Awaitable[None]] | None = None
+        self.handing_over = False
+        self.lineage_task: asyncio.Task | None = None
 
     def _engine(self) -> RankingEngine:
         """The model on its device thread (a core of its own when emulating an accelerator), the
@@ -198,7 +184,7 @@ class RankingWorker:
                     device=str(model.device),
                     device_budget_bytes=int(pipeline.device_cache_mb * mib),
                     host_budget_bytes=int(pipeline.host_cache_mb * mib),
-                    disk_path=str(self.dir / "prefix-store") if pipeline.disk_cache_mb > 0 else None,
+                    disk_path=str(self.state_dir / "prefix-store") if pipeline.disk_cache_mb > 0 else None,
                     disk_budget_bytes=int(pipeline.disk_cache_mb * mib),
                     default_lease_ttl_s=pipeline.lease_ttl_s,
                 ),
@@ -229,12 +215,18 @@ class RankingWorker:
     def stop(self) -> None:
         self._stop.set()
 
-    async def run(self) -> None:
+    def hand_over(self) -> None:
+        """Stop as ``stop`` does, leaving the committed offsets in ``handover.json``."""
+        self.handing_over = True
+        self._stop.set()
+
+    def group_consumer(self) -> tuple[AIOKafkaConsumer, _Rebalance]:
+        """The group member's consumer, subscribed (not started), and its rebalance listener."""
         topics = [self.reg.name("routed_behaviors"), self.reg.name("prefill"), self.reg.name("rank")]
         kw = {}
         if self.static_membership:
             kw["group_instance_id"] = self.worker_id
-        self.consumer = consumer(
+        group_consumer = consumer(
             self.settings,
             group_id=f"{self.settings.topic_prefix}-ranking",
             max_poll_records=500,
@@ -249,35 +241,54 @@ class RankingWorker:
             partition_assignment_strategy=(RangePartitionAssignor,),
             **kw,
         )
+        listener = _Rebalance(self, group_consumer)
+        group_consumer.subscribe(topics, listener=listener)
+        return group_consumer, listener
+
+    async def run(self) -> None:
         # Before joining the group: the first requests must not pay the process's cold start.
         took = await self.engine.warm_up()
         log.info("%s: warmed up the device in %.2f s", self.worker_id, took)
-        self.consumer.subscribe(topics, listener=_Rebalance(self))
+        self.consumer, _ = self.group_consumer()
         self.producer = producer(self.settings)
         await self.producer.start()
         await self.consumer.start()
+        self.watch_lineage()
+        await self.serve()
+
+    def watch_lineage(self) -> None:
+        """Check the assigned histories against the cluster every few seconds (group members)."""
+        beh = self.reg.name("routed_behaviors")
+        self.lineage_task = asyncio.create_task(self.lineage.watch(self.consumer, beh))
+
+    async def serve(self) -> None:
+        """The consumer loop until ``stop``, then the shut-down (the consumer and producer started)."""
         stats = asyncio.create_task(self._publish_stats())
-        lineage = asyncio.create_task(self.lineage.watch(self.consumer, self.reg.name("routed_behaviors")))
         try:
             await self._loop()
         finally:
             stats.cancel()
-            lineage.cancel()
+            if self.lineage_task is not None:
+                self.lineage_task.cancel()
             await self._shut_down()
 
     async def _shut_down(self) -> None:
+        if self.handing_over and self.in_group:
+            await hand_over(self)  # requests drained and committed, handover.json (streams.standby)
+        else:
+            await self._drain(set(self.assigned), timeout_s=30)
+            await self._finish_appliers()
+            with contextlib.suppress(Exception):
+                await self._commit()
         with contextlib.suppress(Exception):
             await self.lineage.close()
         with contextlib.suppress(Exception):
             await self.incarnations.close()
-        await self._drain(set(self.assigned), timeout_s=30)
-        await self._finish_appliers()
-        with contextlib.suppress(Exception):
-            await self._commit()
         await self.consumer.stop()
         await self.producer.stop()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.engine.drain(), 10)  # ranked suffixes, before the store persists
+        if not self.handing_over:  # (a successor rebuilds its own state: nothing to persist)
+            with contextlib.suppress(TimeoutError):  # ranked suffixes, before the store persists
+                await asyncio.wait_for(self.engine.drain(), 10)
         self.engine.close()
         self.history.close()
         self.events_log.close()
@@ -286,16 +297,19 @@ class RankingWorker:
         beh, sig = self.reg.name("routed_behaviors"), self.reg.name("prefill")
         last_commit = time.monotonic()
         while not self._stop.is_set():
+            if self.before_fetch is not None:
+                await self.before_fetch()
             assignment = self.consumer.assignment()
             self._reap_appliers()
             # Bounded queue: at most max_inflight signals and requests in flight; past that the
             # work partitions are paused (behaviours keep flowing) and the rest waits in Kafka.
             room = self.pipeline.max_inflight - len(self.tasks)
-            work = [tp for tp in assignment if tp.topic != beh]
+            work = [tp for tp in assignment if tp.topic != beh and tp not in self.held]
             if room <= 0:
                 self.consumer.pause(*work)
             else:
                 self.consumer.resume(*work)
+            self.consumer.pause(*(self.held & assignment))
             # A behaviours partition whose last batch is still being applied is not fetched.
             applying = {tp for tp in self.appliers if tp in assignment}
             self.consumer.pause(*applying)
@@ -345,7 +359,7 @@ class RankingWorker:
 
     def _spawn(self, tp: TopicPartition, m, handler) -> None:
         self.tracker.start(tp, m.offset)
-        task = asyncio.create_task(self._guard(tp, m, handler))
+        task = asyncio.create_task(self._guard(tp, m, handler), name=tp.topic)
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
@@ -359,7 +373,10 @@ class RankingWorker:
         except Exception:  # not marked done: the offset stays uncommitted and is redelivered
             log.exception("handling %s@%d failed", tp, m.offset)
 
-    async def _commit(self) -> None:
+    async def _commit(self) -> dict[TopicPartition, int]:
+        """Commit what is finished (nothing outside the group); returns the offsets committed."""
+        if not self.in_group:
+            return {}
         offsets = self.tracker.committable(self.assigned)
         # Behaviours are resumed from the history table's own offsets; committing them too lets
         # operators read this worker's ingestion lag with the usual consumer-group tools.
@@ -369,6 +386,7 @@ class RankingWorker:
                 offsets[tp] = self.history.next_offset(tp.partition)
         if offsets:
             await commit_existing(self.consumer, offsets, incarnations=self.incarnations)
+        return offsets
 
     async def _drain(self, tps: set[TopicPartition], timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -419,6 +437,8 @@ class RankingWorker:
     async def _publish_stats(self) -> None:
         while True:
             await asyncio.sleep(self.pipeline.stats_interval_s)
+            if not self.in_group:  # a standby speaks for no partitions yet
+                continue
             try:
                 st = self._stats()
                 await self.producer.send_and_wait(self.reg.name("worker_stats"), encode(st), key=st.key())
@@ -461,8 +481,10 @@ def _ahead_record(m) -> tuple[int, bytes | None, Positions | None]:
 
 
 class _Rebalance(ConsumerRebalanceListener):
-    def __init__(self, worker: RankingWorker) -> None:
+    def __init__(self, worker: RankingWorker, group_consumer: AIOKafkaConsumer) -> None:
         self.w = worker
+        self.consumer = group_consumer  # the worker's own, once a standby switched to it
+        self.assigned_once = asyncio.Event()
 
     async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
         revoked = set(revoked)
@@ -472,9 +494,10 @@ class _Rebalance(ConsumerRebalanceListener):
         with contextlib.suppress(Exception):
             offsets = self.w.tracker.committable(revoked)
             if offsets:
-                await commit_existing(self.w.consumer, offsets, incarnations=self.w.incarnations)
+                await commit_existing(self.consumer, offsets, incarnations=self.w.incarnations)
         self.w.tracker.forget(revoked)
         self.w.assigned -= revoked
+        self.w.files.write_assignment([tp.partition for tp in self.w.assigned])
         for tp in revoked:
             if tp.topic == self.w.reg.name("routed_behaviors"):
                 self.w.applier.forget(tp.partition)
@@ -493,19 +516,21 @@ class _Rebalance(ConsumerRebalanceListener):
             STAGE,
             self.w.worker_id,
             group,
-            self.w.consumer,
+            self.consumer,
             self.w.incarnations,
             [tp for tp in assigned if tp.topic != beh],
         )
         for tp in behaviours:
             # The history table knows how far it got: resume there, not at the group offset.
             start = self.w.history.next_offset(tp.partition)
-            self.w.consumer.seek(tp, start)
+            self.consumer.seek(tp, start)
             self.w.alignment.forget(tp.partition)
             # Timed from here: the loop may apply fetched behaviours while this callback awaits.
             self.w.applier.catch_up(tp.partition, start)
         await self._track_catch_up(behaviours)
+        self.w.files.write_assignment([tp.partition for tp in self.w.assigned if tp.topic == beh])
         self.w._note(event="assigned", partitions=sorted(tp.partition for tp in behaviours))
+        self.assigned_once.set()
         log.info("%s assigned %s", self.w.worker_id, sorted((t.topic, t.partition) for t in assigned))
 
     async def _track_catch_up(self, behaviours: list[TopicPartition]) -> None:
@@ -514,28 +539,48 @@ class _Rebalance(ConsumerRebalanceListener):
         if not fresh:
             return
         try:
-            ends = await asyncio.wait_for(self.w.consumer.end_offsets(fresh), 5)
+            ends = await asyncio.wait_for(self.consumer.end_offsets(fresh), 5)
         except Exception:  # only a measurement: never hold up the assignment for it
             ends = {}
         for tp in fresh:
             self.w.applier.catch_up_to(tp.partition, ends.get(tp))
 
 
-def main(settings: Settings, pipeline: PipelineSettings, worker_id: str, metrics_port: int = 0) -> int:
+def main(
+    settings: Settings,
+    pipeline: PipelineSettings,
+    worker_id: str,
+    metrics_port: int = 0,
+    *,
+    standby: bool = False,
+    handover_asked: Callable[[], bool] = lambda: False,
+) -> int:
+    """Run the worker until SIGTERM/SIGINT (stop) or SIGUSR1 (hand over to a standby). With
+    ``standby``, first stand by for the active process of ``worker_id`` and take over from it
+    (``streams.standby``); its metrics are served once the active process is gone."""
     from relaygr.streams.common import freeze_heap, serve_metrics
 
     keep_host_pages()  # scratch tensors reuse heap pages instead of faulting in fresh ones
     if pipeline.torch_threads:
         torch.set_num_threads(pipeline.torch_threads)
-    serve_metrics(metrics_port)
-    worker = RankingWorker(settings, pipeline, worker_id)
+    if not standby:
+        serve_metrics(metrics_port)
+    worker = RankingWorker(settings, pipeline, worker_id, standby=standby)
     freeze_heap()  # the model, torch and aiokafka: out of every later full collection
 
     async def go() -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, worker.stop)
-        await worker.run()
+        loop.add_signal_handler(signal.SIGUSR1, worker.hand_over)
+        if handover_asked():  # while starting up: hands over as soon as it runs
+            worker.hand_over()
+        if standby:
+            from relaygr.streams.standby import Standby
+
+            await Standby(worker, metrics_port).run()
+        else:
+            await worker.run()
 
     asyncio.run(go())
     return 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 
 from relaygr.infra.broker import BrokerError
@@ -25,6 +26,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--worker-id", default="0", help="this process's id (ranking: also its static group member id)"
     )
     parser.add_argument("--mode", choices=["relay", "baseline"], help="override RELAYGR_MODE")
+    parser.add_argument(
+        "--standby",
+        action="store_true",
+        help="ranking only: start as the replacement of the running worker of this id: build its "
+        "state beside it, and take over its partitions when it hands over (SIGUSR1 to it)",
+    )
     parser.add_argument(
         "--metrics-port", type=int, default=0, help="Prometheus endpoint on 127.0.0.1 (0 = off)"
     )
@@ -56,6 +63,9 @@ def run(args: argparse.Namespace) -> int:
         level=args.log_level.upper(),
         format=f"%(asctime)s {args.stage}[{args.worker_id}] %(levelname)s %(message)s",
     )
+    handover_asked: list[bool] = []
+    if args.stage == "ranking":  # a hand-over asked for while starting up: not the default (exit)
+        signal.signal(signal.SIGUSR1, lambda *_: handover_asked.append(True))
     settings = get_settings()
     pipeline = PipelineSettings()
     if args.mode:
@@ -86,6 +96,8 @@ def run(args: argparse.Namespace) -> int:
                 pipeline,
                 f"ranker-{args.worker_id}" if args.worker_id.isdigit() else args.worker_id,
                 args.metrics_port,
+                standby=args.standby,
+                handover_asked=lambda: bool(handover_asked),
             )
         from relaygr.streams.common import freeze_heap, serve_metrics
 

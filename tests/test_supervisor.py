@@ -98,3 +98,18 @@ def test_stop_ends_every_child_and_restarts_nothing(tmp_path: Path) -> None:
     assert all(p.returncode is not None for p in procs)
     time.sleep(0.2)
     assert not sup.processes() and not sup.restarts
+
+
+def test_an_adopted_replacement_is_supervised_and_the_old_process_is_not(supervisor: Supervisor) -> None:
+    old = supervisor.spawn("ranker-0", SLEEPER, dict(os.environ))
+    standby = supervisor.start_standby("ranker-0", ["--standby"])
+    assert standby.args[-1] == "--standby" and supervisor.processes()["ranker-0"] is old
+    assert supervisor.adopt("ranker-0", standby) is old
+    os.kill(old.pid, signal.SIGKILL)  # the old process's exit restarts nothing
+    old.wait()
+    time.sleep(0.2)
+    assert supervisor.processes()["ranker-0"] is standby and not supervisor.restarts
+    os.kill(standby.pid, signal.SIGKILL)  # the replacement's crash restarts the child's own command
+    _until(lambda: supervisor.processes()["ranker-0"].pid != standby.pid, "ranker-0 restarted")
+    assert supervisor.processes()["ranker-0"].args == SLEEPER
+    assert supervisor.restarts == {"ranker-0": 1}

@@ -11,8 +11,14 @@ thread runs on a CPU core of its own and every other process on the other cores
 (``workers.cores``); otherwise the non-ranking stages run at a lower CPU priority (nice 10), so the
 ranking workers get the shared cores first.
 
-Primitives: ``Pipeline`` (start, wait_ready, scrape, check, pause, resume, stop), ``Scrape`` (one stage's
-Prometheus samples, parsed by ``prometheus_client.parser``: ``value``, ``by_label``).
+Rolling restart (``Pipeline.roll_worker``, ``rolling_restart``; SIGUSR1 to ``relaygr up``, or
+``relaygr up --rolling-restart`` from another shell): each ranking worker in turn is replaced by a
+standby of the same id that warmed up beside it and takes over its partitions when it hands over
+(``streams.standby``), so no request waits for a process to start.
+
+Primitives: ``Pipeline`` (start, wait_ready, scrape, check, pause, resume, stop, roll_worker,
+rolling_restart), ``Scrape`` (one stage's Prometheus samples, parsed by
+``prometheus_client.parser``: ``value``, ``by_label``), ``signal_running_up`` (the operator's verb).
 """
 
 from __future__ import annotations
@@ -34,8 +40,10 @@ from prometheus_client.samples import Sample
 
 from relaygr.infra.broker import BrokerError, free_port
 from relaygr.infra.settings import SECURITY_FIELDS, Settings, cluster_env, get_settings, settings_env
-from relaygr.infra.supervisor import CrashLoop, RestartPolicy, Supervisor
+from relaygr.infra.supervisor import CrashLoop, RestartPolicy, Supervisor, end_process
 from relaygr.streams.config import PipelineSettings
+from relaygr.streams.state_lineage import deployment_dir
+from relaygr.streams.worker_files import STANDBY_STATES, WorkerFiles
 from relaygr.tools.args import float_above, int_at_least
 from relaygr.workers.cores import CoreLayout, format_cores, pin_tasks, plan_cores
 
@@ -154,6 +162,44 @@ class Pipeline:
         once its session times out (a static member sends no leave). ``kill``: SIGKILL."""
         self.supervisor.release(f"ranker-{i}", kill=kill)
 
+    def roll_worker(self, i: int, *, ready_timeout_s: float = 600.0, say=None) -> dict[str, float]:
+        """Replace ranking worker ``ranker-{i}`` with no gap: start its standby, wait until it is
+        warm, tell the old process to hand over (SIGUSR1), wait until the new one serves and has
+        joined the group; the supervisor then keeps the new process running as ``ranker-{i}``.
+        Returns seconds: ``warm`` (standby start to ready), ``serving`` (hand-over signal to
+        ranking), ``joined`` (to group membership), ``old_exit`` (to the old process's exit)."""
+        name = f"ranker-{i}"
+        files = WorkerFiles(deployment_dir(self.settings, "workers") / name)
+        files.clear_standby()
+        t0 = time.monotonic()
+        standby = self.supervisor.start_standby(name, ["--standby"])
+        if self.cores is not None:
+            pin_tasks(standby.pid, self.cores.shared)
+        try:
+            _wait_standby(files, standby, "ready", ready_timeout_s)
+        except BaseException:
+            end_process(standby, kill=True)
+            raise
+        took = {"warm": time.monotonic() - t0}
+        if say is not None:
+            say(f"{name}: standby pid {standby.pid} ready in {took['warm']:.1f} s; handing over")
+        old = self.supervisor.adopt(name, standby)
+        t1 = time.monotonic()
+        old.send_signal(signal.SIGUSR1)
+        _wait_standby(files, standby, "serving", 60.0, old)
+        took["serving"] = time.monotonic() - t1
+        _wait_standby(files, standby, "joined", 60.0, old)
+        took["joined"] = time.monotonic() - t1
+        end_process(old, grace_s=60.0)  # it exits on its own once it has handed over
+        took["old_exit"] = time.monotonic() - t1
+        return took
+
+    def rolling_restart(self, *, say=None) -> dict[str, dict[str, float]]:
+        """``roll_worker`` for every running ranking worker, one at a time."""
+        return {
+            f"ranker-{i}": self.roll_worker(i, say=say) for i in range(self.n) if f"ranker-{i}" in self.procs
+        }
+
     def crash(self, name: str) -> int:
         """SIGKILL stage ``name`` behind the supervisor's back, as a crash would; the supervisor
         restarts it. Returns the killed pid."""
@@ -234,6 +280,45 @@ class Pipeline:
             await prod.stop()
 
 
+def _wait_standby(
+    files: WorkerFiles,
+    proc: subprocess.Popen,
+    state: str,
+    timeout_s: float,
+    old: subprocess.Popen | None = None,
+) -> None:
+    """Wait until the standby ``proc`` says it reached ``state`` (or a later one); meanwhile reap
+    ``old`` once it exits (a process that crashed instead of handing over is seen gone)."""
+    deadline = time.monotonic() + timeout_s
+    want = STANDBY_STATES.index(state)
+    while time.monotonic() < deadline:
+        if old is not None:
+            old.poll()
+        seen = files.read_standby()
+        if seen is not None and seen[1] == proc.pid and STANDBY_STATES.index(seen[0]) >= want:
+            return
+        if proc.poll() is not None:
+            raise RuntimeError(
+                f"the standby (pid {proc.pid}) exited with code {proc.returncode} before {state}"
+            )
+        time.sleep(0.02)
+    raise TimeoutError(f"the standby (pid {proc.pid}) was not {state} within {timeout_s:.0f} s")
+
+
+def _pid_file(settings: Settings) -> Path:
+    return Path(settings.home) / "up.pid"
+
+
+def signal_running_up(settings: Settings) -> int:
+    """Ask the running ``relaygr up`` of this home for a rolling restart (SIGUSR1); its pid."""
+    try:
+        pid = int(_pid_file(settings).read_text())
+        os.kill(pid, signal.SIGUSR1)
+    except (FileNotFoundError, ValueError, ProcessLookupError) as e:
+        raise RuntimeError(f"no running `relaygr up` in {settings.home} ({e})") from e
+    return pid
+
+
 DESCRIPTION = """\
 Run every stage of the cascade on this machine, one process each: ingress-requests,
 ingress-behaviors, retrieval, preprocess and ranker-0 .. ranker-N-1, against the configured broker
@@ -245,6 +330,14 @@ a backoff (0.5 s, doubling up to 10 s while it keeps failing) and the other stag
 Kafka redelivers what it had not committed, and a ranking worker takes its partitions back
 (static membership). Each restart is printed and counted. Only a crash loop, a stage exiting more
 than --max-restarts times within --restart-window seconds, stops the whole deployment (exit 1).
+
+Rolling restart (a deploy no request notices): SIGUSR1 to `relaygr up`, or `relaygr up
+--rolling-restart` in another shell (same RELAYGR_HOME), restarts the ranking workers one at a
+time. For each, a standby of the same worker id starts beside it, loads the model, warms up and
+rebuilds the histories of its partitions (and pre-infers their prefill signals) without joining
+the group; the old process then finishes and commits what it holds and hands over; the standby
+ranks from the committed offsets at once and joins the group under the same static member id (no
+rebalance). Each request is answered once; none waits for a process to start.
 """
 
 
@@ -274,18 +367,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="each ranking worker's device thread on a core of its own, every other stage off it",
     )
+    parser.add_argument(
+        "--rolling-restart",
+        action="store_true",
+        help="do not start anything: ask the `relaygr up` running in this RELAYGR_HOME to restart "
+        "its ranking workers one at a time, each replaced by a warm standby (same as SIGUSR1 to it)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     settings = get_settings()
-    stop = False
+    if args.rolling_restart:
+        try:
+            pid = signal_running_up(settings)
+        except RuntimeError as e:
+            print(f"relaygr up: {e}", file=sys.stderr)
+            return 1
+        print(f"asked relaygr up (pid {pid}) for a rolling restart of its ranking workers; see its output")
+        return 0
+    stop, roll = False, False
 
     def on_signal(*_: object) -> None:
         nonlocal stop
         stop = True
 
+    def on_roll(*_: object) -> None:
+        nonlocal roll
+        roll = True
+
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGHUP, on_signal)  # the stages run in sessions of their own
+    signal.signal(signal.SIGUSR1, on_roll)
+    pid_file = _pid_file(settings)
+    pid_file.parent.mkdir(parents=True, exist_ok=True)
+    pid_file.write_text(str(os.getpid()))
     try:
         with Pipeline(
             settings,
@@ -304,6 +419,9 @@ def run(args: argparse.Namespace) -> int:
             )
             while not stop:
                 pipe.check()
+                if roll:
+                    roll = False
+                    _rolling_restart(pipe)
                 time.sleep(0.5)
             restarts = dict(pipe.restarts)
     except KeyboardInterrupt:
@@ -313,9 +431,28 @@ def run(args: argparse.Namespace) -> int:
         if isinstance(e, CrashLoop):
             print("relaygr up: stopped every stage", file=sys.stderr)
         return 1
+    finally:
+        pid_file.unlink(missing_ok=True)
     if restarts:
         print(
             "relaygr up: restarts " + ", ".join(f"{k} {v}" for k, v in sorted(restarts.items())),
             file=sys.stderr,
         )
     return 0
+
+
+def _rolling_restart(pipe: Pipeline) -> None:
+    """The operator's rolling restart: every ranking worker in turn; a failed one is reported
+    and leaves the old process serving."""
+    print("relaygr up: rolling restart of the ranking workers", flush=True)
+    for i in range(pipe.n):
+        try:
+            took = pipe.roll_worker(i)
+        except (RuntimeError, TimeoutError) as e:
+            print(f"relaygr up: rolling restart of ranker-{i} failed: {e}", file=sys.stderr, flush=True)
+            continue
+        print(
+            f"relaygr up: ranker-{i} replaced: standby warm in {took['warm']:.1f} s, serving "
+            f"{took['serving'] * 1000:.0f} ms after the hand-over, in the group after {took['joined']:.1f} s",
+            flush=True,
+        )

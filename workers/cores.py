@@ -15,6 +15,9 @@ Primitives:
   stage processes too, ``PIPELINE_STAGES`` being the local pipeline's, where the machine has them); unless ``MIN_SHARED_CORES`` are left for everything else it does not
   pin (and says so), and then the stage processes other than the ranking workers run at ``STAGE_NICE``: the
   shared CPU goes to ranking first, as a device of its own would.
+- ``nice_tasks(pid, level)`` and ``may_renice_to(level)``: every thread of ``pid`` at a nice
+  level, and whether this process may go back down to one (a standby warms up at a lower priority
+  than the workers serving beside it).
 - ``pin_tasks(pid, cores)``: every thread of process ``pid`` onto ``cores`` (a process's threads
   each carry their own mask; new threads inherit their creator's).
 - ``pin_this_thread(core)``: the calling thread onto one core (the device thread).
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -132,9 +136,9 @@ def plan_cores(
     return CoreLayout(device, tuple(rest[: len(rest) - len(stages)]), True, stages=own)
 
 
-def pin_tasks(pid: int, cores: tuple[int, ...] | set[int]) -> int:
-    """Every thread of ``pid`` onto ``cores``; returns how many were pinned (threads that end
-    meanwhile are skipped)."""
+def _each_thread(pid: int, action: Callable[[int], None]) -> int:
+    """``action(tid)`` for every thread of ``pid``; returns for how many it worked (threads that
+    end meanwhile, or that may not be changed, are skipped)."""
     n = 0
     try:
         tids = os.listdir(f"/proc/{pid}/task")
@@ -142,11 +146,31 @@ def pin_tasks(pid: int, cores: tuple[int, ...] | set[int]) -> int:
         tids = [str(pid)]
     for tid in tids:
         try:
-            os.sched_setaffinity(int(tid), set(cores))
+            action(int(tid))
             n += 1
-        except (ProcessLookupError, PermissionError, OSError):
+        except OSError:
             continue
     return n
+
+
+def pin_tasks(pid: int, cores: tuple[int, ...] | set[int]) -> int:
+    """Every thread of ``pid`` onto ``cores``; returns how many were pinned."""
+    return _each_thread(pid, lambda tid: os.sched_setaffinity(tid, set(cores)))
+
+
+def nice_tasks(pid: int, level: int) -> int:
+    """Every thread of ``pid`` at nice ``level`` (on Linux a nice level is a thread's); returns
+    how many were set."""
+    return _each_thread(pid, lambda tid: os.setpriority(os.PRIO_PROCESS, tid, level))
+
+
+def may_renice_to(level: int) -> bool:
+    """Whether this process may set a thread's nice level back down to ``level`` (root, or
+    RLIMIT_NICE allows it)."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NICE)
+    return os.geteuid() == 0 or soft == resource.RLIM_INFINITY or 20 - soft <= level
 
 
 def pin_this_thread(core: int) -> None:

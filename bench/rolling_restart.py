@@ -1,0 +1,338 @@
+"""Rolling-restart benchmark on the real broker: every ranking worker replaced in turn, at a steady load.
+
+One relay pipeline (``relaygr up``'s ``Pipeline``, --ranking-workers), trained model:
+0. --users MovieLens users, each history lengthened to --events behaviours by time-shifted
+   repetition, are published and applied;
+1. requests from confluent-kafka (librdkafka, its default settings: a producer that is not ours)
+   at --qps, round-robin over the users, for --warmup-s seconds (the caches fill), then
+   --steady-s seconds (the steady level);
+2. then, requests going on, each ranking worker in turn is replaced by a warm standby
+   (``Pipeline.roll_worker``: the standby warms up beside it, the old process hands over, the
+   standby serves from the committed offsets and joins the group), --settle-s seconds apart;
+3. then --steady-s seconds more.
+It prints one JSON line: requests, lost and duplicated results (every result on the results
+topic counted per request id), timeouts (results whose ranking took longer than the budget: a
+caller with the ranking budget as its deadline would have given up), per --window-s window of
+send time the relay share and the ranking P99 (nearest rank), per restart how long the standby
+took to warm up, to serve after the hand-over signal and to join, and the time until the relay
+share was back to its steady level (that of step 1) after its hand-over, and the host's CPU (busy
+and steal: what else ran on the machine); with --plot, a PNG of the timeline.
+
+Primitives (the broker test uses them too): ``LibrdkafkaRequests`` (requests at a rate from a
+confluent-kafka producer in a thread of its own), ``count_results`` (every result of some
+requests, counted per request id), ``lengthened_users`` (users with histories of a given length,
+one request each), ``timeline`` (per window: relay share, ranking P99).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import sys
+import threading
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+
+from relaygr.bench.host_cpu import HostCpuSampler
+from relaygr.bench.ingest import bench_on_fresh_pipeline
+from relaygr.infra.kafka import consumer
+from relaygr.infra.settings import Settings
+from relaygr.schemas import BehaviorEvent, RankedResult, RecommendationRequest, TopicRegistry, decode, encode
+from relaygr.streams.config import PipelineSettings
+from relaygr.tools.args import float_above, int_at_least
+from relaygr.tools.report.figures import percentile, ranking_ms
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print only the JSON line")
+    parser.add_argument("--ranking-workers", type=int_at_least(1), default=2, help="ranking workers")
+    parser.add_argument("--users", type=int_at_least(1), default=20, help="users sending requests")
+    parser.add_argument(
+        "--events", type=int_at_least(1), default=1500, help="behaviours per user (history length)"
+    )
+    parser.add_argument("--qps", type=float_above(0), default=10.0, help="request rate")
+    parser.add_argument(
+        "--warmup-s",
+        type=float,
+        default=30.0,
+        help="seconds of requests first, before the steady level is measured (the caches fill)",
+    )
+    parser.add_argument(
+        "--steady-s", type=float_above(0), default=30.0, help="seconds of steady load before and after"
+    )
+    parser.add_argument(
+        "--settle-s", type=float, default=10.0, help="seconds between one worker's hand-over and the next"
+    )
+    parser.add_argument("--window-s", type=float_above(0), default=5.0, help="window of the timeline")
+    parser.add_argument("--plot", type=Path, default=None, metavar="PNG", help="write the timeline here")
+    parser.add_argument(
+        "--results", type=Path, default=None, metavar="FILE", help="also write every result as a JSON line"
+    )
+    parser.add_argument(
+        "--worker-events",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="copy each ranking worker's events.jsonl here (the deployment is removed at the end)",
+    )
+
+
+class LibrdkafkaRequests:
+    """Requests at ``qps`` from a confluent-kafka producer with its default settings, in a
+    thread of its own (librdkafka hashes keys with CRC32: the cascade re-keys them). Each is the
+    next of ``requests`` (round-robin) with a fresh id and its send time; ``sent`` keeps them."""
+
+    def __init__(self, settings: Settings, topic: str, requests: list[RecommendationRequest], qps: float):
+        import confluent_kafka
+
+        self.producer = confluent_kafka.Producer({"bootstrap.servers": settings.bootstrap})
+        self.topic, self.requests, self.qps = topic, requests, qps
+        self.sent: list[RecommendationRequest] = []
+        self.failed: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="requests", daemon=True)
+
+    def start(self) -> LibrdkafkaRequests:
+        self._thread.start()
+        return self
+
+    def stop(self) -> list[RecommendationRequest]:
+        """Stop sending, wait for every acknowledgement; returns what was sent."""
+        self._stop.set()
+        self._thread.join()
+        if self.producer.flush(60) != 0:
+            raise RuntimeError("confluent-kafka did not deliver every request within 60 s")
+        if self.failed:
+            raise RuntimeError(f"{len(self.failed)} requests were not delivered: {self.failed[:3]}")
+        return self.sent
+
+    def _delivered(self, err, msg) -> None:
+        if err is not None:
+            self.failed.append(str(err))
+
+    def _run(self) -> None:
+        t0 = time.monotonic()
+        i = 0
+        while not self._stop.is_set():
+            wait = t0 + i / self.qps - time.monotonic()
+            if wait > 0:
+                self._stop.wait(wait)
+                self.producer.poll(0)
+                continue
+            base = self.requests[i % len(self.requests)]
+            r = base.model_copy(
+                update={"request_id": f"{base.request_id}-{uuid.uuid4().hex[:8]}", "ts": time.time()}
+            )
+            self.producer.produce(self.topic, value=encode(r), key=r.key(), on_delivery=self._delivered)
+            self.producer.poll(0)
+            self.sent.append(r)
+            i += 1
+
+
+async def count_results(
+    settings: Settings,
+    reg: TopicRegistry,
+    request_ids: set[str],
+    *,
+    timeout_s: float = 120.0,
+    linger_s: float = 3.0,
+) -> tuple[dict[str, RankedResult], Counter[str]]:
+    """Every result on the results topic for ``request_ids``: the first of each, and how many
+    there were of each. Reads until all came and ``linger_s`` more (a late second copy counts)."""
+    cons = consumer(settings, reg.name("results"), group_id=None)
+    await cons.start()
+    first: dict[str, RankedResult] = {}
+    counts: Counter[str] = Counter()
+    try:
+        deadline = time.monotonic() + timeout_s
+        done_at: float | None = None
+        while time.monotonic() < deadline and (done_at is None or time.monotonic() < done_at + linger_s):
+            for msgs in (await cons.getmany(timeout_ms=200)).values():
+                for m in msgs:
+                    r = decode(RankedResult, m.value)
+                    if r.request_id in request_ids:
+                        counts[r.request_id] += 1
+                        first.setdefault(r.request_id, r)
+            if done_at is None and request_ids <= first.keys():
+                done_at = time.monotonic()
+    finally:
+        await cons.stop()
+    return first, counts
+
+
+def timeline(
+    results: list[RankedResult], t0: float, window_s: float, budget_ms: float
+) -> list[dict[str, float]]:
+    """Per window of send time from ``t0``: its start (s), requests, relay share, ranking P99 (ms),
+    and how many rankings took longer than ``budget_ms``."""
+    bins: dict[int, list[RankedResult]] = {}
+    for r in results:
+        bins.setdefault(int((r.ts - t0) // window_s), []).append(r)
+    return [
+        {
+            "t_s": k * window_s,
+            "n": len(rs),
+            "relay_share": round(sum(r.path.value.startswith("relay") for r in rs) / len(rs), 3),
+            "ranking_p99_ms": round(percentile([ranking_ms(r) for r in rs], 99), 1),
+            "over_budget": sum(ranking_ms(r) > budget_ms for r in rs),
+        }
+        for k, rs in sorted(bins.items())
+    ]
+
+
+def _recovery_s(windows: list[dict[str, float]], at_s: float, level: float, window_s: float) -> float | None:
+    """Seconds from ``at_s`` until the first window at or after it whose relay share is back at
+    ``level`` begins (0 if the window holding ``at_s`` is; None if none is), window granularity."""
+    for w in windows:
+        if w["t_s"] + window_s <= at_s:
+            continue
+        if w["relay_share"] >= level:
+            return round(max(0.0, w["t_s"] - at_s), 1)
+    return None
+
+
+def lengthened_users(ml, count: int, events: int) -> tuple[list[BehaviorEvent], list[RecommendationRequest]]:
+    """``count`` MovieLens users, each history lengthened to ``events``; one request per user."""
+    from relaygr.tools.traffic import synthesise
+
+    behaviours, requests = [], []
+    for u in sorted(ml.histories)[:count]:
+        h = ml.histories[u]
+        h = synthesise(h, -(-events // len(h)))
+        h = h.slice(len(h) - events)
+        uid = f"roll-{u}"
+        behaviours += [
+            BehaviorEvent(user_id=uid, item_id=int(i), ts=float(t), action=int(a))
+            for i, a, t in zip(h.item_ids.tolist(), h.action_ids.tolist(), h.timestamps.tolist(), strict=True)
+        ]
+        requests.append(
+            RecommendationRequest(request_id=f"roll-{u}", user_id=uid, ts=0.0, num_candidates=128)
+        )
+    return behaviours, requests
+
+
+async def _measure(settings: Settings, reg: TopicRegistry, pipe, args, ml, say) -> dict:
+    from relaygr.tools.traffic import publish
+
+    behaviours, requests = lengthened_users(ml, args.users, args.events)
+    await publish(settings, reg, behaviours, [], wait_for_ingest=True, settle_s=0)
+    cpu = HostCpuSampler(label="run").start()
+    t0 = time.time()
+    load = LibrdkafkaRequests(settings, reg.name("requests"), requests, args.qps).start()
+    say(f"warm-up {args.warmup_s:g} s, then steady {args.steady_s:g} s at {args.qps:g} req/s")
+    await asyncio.sleep(args.warmup_s + args.steady_s)
+    restarts = []
+    for i in range(args.ranking_workers):
+        started = time.time()
+        took = await asyncio.to_thread(pipe.roll_worker, i, say=say)
+        handed_over = started + took["warm"]  # the hand-over signal, just after the standby was ready
+        restarts.append(
+            {
+                "worker": f"ranker-{i}",
+                "at_s": round(handed_over - t0, 2),
+                **{f"{k}_s": round(v, 3) for k, v in took.items()},
+            }
+        )
+        say(f"ranker-{i} rolled: {took}")
+        await asyncio.sleep(args.settle_s)
+    await asyncio.sleep(args.steady_s)
+    sent = await asyncio.to_thread(load.stop)
+    host = await cpu.stop()
+    results, counts = await count_results(settings, reg, {r.request_id for r in sent})
+    if args.worker_events is not None:
+        _copy_worker_events(settings, args.worker_events)
+    if args.results is not None:
+        args.results.parent.mkdir(parents=True, exist_ok=True)
+        args.results.write_text("".join(r.model_dump_json() + "\n" for r in results.values()))
+    answered = sorted(results.values(), key=lambda r: r.ts)
+    budget_ms = PipelineSettings().budget_ms  # what the pipeline was started with (RELAYGR_BUDGET_MS)
+    windows = timeline(answered, t0, args.window_s, budget_ms)
+    steady = [r for r in answered if args.warmup_s <= r.ts - t0 < args.warmup_s + args.steady_s]
+    steady_share = sum(r.path.value.startswith("relay") for r in steady) / max(1, len(steady))
+    level = 0.95 * steady_share  # "back to its steady level": within 5 % of it
+    for rs in restarts:
+        rs["relay_back_s"] = _recovery_s(windows, rs["at_s"], level, args.window_s)
+        # Why the results sent in the window after the hand-over left the relay path.
+        after = [r for r in answered if 0 <= r.ts - t0 - rs["at_s"] < args.window_s]
+        rs["off_relay_after"] = dict(
+            Counter(r.path_reason or r.path.value for r in after if not r.path.value.startswith("relay"))
+        )
+    slowest = max((ranking_ms(r) for r in answered), default=math.nan)
+    return {
+        "bench": "rolling_restart",
+        "ranking_workers": args.ranking_workers,
+        "users": args.users,
+        "history_len": args.events,
+        "qps": args.qps,
+        "requests": len(sent),
+        "lost": len(sent) - len(results),
+        "duplicated": sum(c - 1 for c in counts.values() if c > 1),
+        "timeouts": sum(ranking_ms(r) > budget_ms for r in answered),
+        "budget_ms": budget_ms,
+        "ranking_max_ms": round(slowest, 1),
+        "ranking_p99_ms": round(percentile([ranking_ms(r) for r in answered], 99), 1),
+        "windows_over_budget": sum(w["ranking_p99_ms"] > budget_ms for w in windows),
+        "warmup_s": args.warmup_s,
+        "steady_s": args.steady_s,
+        "steady_relay_share": round(steady_share, 3),
+        "restarts": restarts,
+        "window_s": args.window_s,
+        "windows": windows,
+        "host_cpu": host["run"],
+        "plot": str(_plot(windows, restarts, budget_ms, args.plot)) if args.plot else None,
+    }
+
+
+def _copy_worker_events(settings: Settings, out: Path) -> None:
+    import shutil
+
+    from relaygr.streams.state_lineage import deployment_dir
+
+    out.mkdir(parents=True, exist_ok=True)
+    for f in deployment_dir(settings, "workers").glob("*/events.jsonl"):
+        shutil.copy(f, out / f"{f.parent.name}.events.jsonl")
+
+
+def _plot(windows: list[dict], restarts: list[dict], budget_ms: float, path: Path) -> Path:
+    """Relay share and ranking P99 per window, each hand-over marked."""
+    from relaygr.tools.report.plots import pyplot, save_plot
+
+    plt = pyplot()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    xs = [w["t_s"] for w in windows]
+    ax.plot(
+        xs, [w["ranking_p99_ms"] for w in windows], marker="o", color="tab:blue", label="ranking P99 (ms)"
+    )
+    ax.axhline(budget_ms, color="red", ls="--", lw=1, label=f"budget {budget_ms:g} ms")
+    for rs in restarts:
+        ax.axvline(rs["at_s"], color="grey", ls=":", lw=1)
+        ax.annotate(rs["worker"], (rs["at_s"], budget_ms), fontsize=7, rotation=90, va="bottom")
+    ax.set_xlabel("send time (s), windows of equal length")
+    ax.set_ylabel("ranking P99 (ms)")
+    share = ax.twinx()
+    share.plot(xs, [w["relay_share"] for w in windows], marker="s", color="tab:green", label="relay share")
+    share.set_ylim(0, 1.05)
+    share.set_ylabel("relay share")
+    share.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="center left")
+    ax.set_title("Rolling restart: each ranking worker replaced by a warm standby (dotted)")
+    return save_plot(plt, fig, ax, path, legend=False)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        import confluent_kafka  # noqa: F401  the requests' producer: checked before minutes of set-up
+    except ImportError:
+        print(
+            "relaygr bench rolling-restart: the requests come from confluent-kafka, which is not "
+            "installed (pip install 'confluent-kafka>=2.4', or the package's dev extra)",
+            file=sys.stderr,
+        )
+        return 2
+    return bench_on_fresh_pipeline(
+        "rolling", args, lambda s, reg, pipe, ml, say: _measure(s, reg, pipe, args, ml, say)
+    )

@@ -1,0 +1,335 @@
+"""A standby ranking worker: the replacement that takes over a running worker's partitions with no
+process start on the request path (make before break, under the same static member id).
+
+1. Stand by. With the model loaded and the device warmed up, it reads the partitions the active
+   process owns (``assignment.json``) with a consumer outside the group (manual assignment): it
+   rebuilds their histories from ``routed-behaviors`` into a fresh state generation and pre-infers
+   their prefill signals from now on into its own prefix store, so its cache is warm when it takes
+   over. Request partitions stay unfetched; so do signals until the histories are caught up
+   (a prefix of a partial history would need extending later). Then each user whose signal came
+   within ``standby_warm_s`` (the users the active process keeps warm) is pre-inferred once, and
+   once every signal published by then is handled: ``ready``.
+2. Take over. The active process, told to hand over (SIGUSR1), finishes and commits what it holds
+   and leaves the committed offsets in ``handover.json``. The standby ranks the requests of those
+   partitions from exactly there (the old process handled everything before; so results are
+   produced once), at once, still outside the group: ``serving``. Partitions it did not warm are
+   caught up first.
+3. Join. It joins the group with the same ``group_instance_id``: the coordinator replaces the
+   old member and hands back the same assignment, with no rebalance. Between two fetches the
+   worker switches to the group's consumer at the offsets it reached and commits what it did
+   meanwhile: ``joined``. Its state generation becomes the current one, and the old one is
+   deleted once the old process is gone.
+
+A standby warms up at nice +10 (``STANDBY_NICE``, where it may come back to its own level at the
+hand-over): it runs on the cores of the workers serving beside it, and must not slow them.
+
+Nothing stale is served: the standby's histories and prefixes are computed from the topics, never
+copied from the old generation.
+
+Primitives: ``Standby(worker, metrics_port).run()``; ``hand_over(worker)``, the old process's side:
+the requests in flight finished and committed, ``handover.json`` written, the pre-inferences still
+running dropped (the successor computes its own), and nothing persisted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from typing import TYPE_CHECKING
+
+from aiokafka import AIOKafkaConsumer, TopicPartition
+
+from relaygr.infra.kafka import consumer, producer
+from relaygr.schemas import PrefillSignal, SchemaError
+from relaygr.streams.common import decode_keyed
+from relaygr.workers.cores import may_renice_to, nice_tasks
+
+if TYPE_CHECKING:
+    from relaygr.streams.ranking_worker import RankingWorker
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.005  # how often the hand-over file is looked for: the gap it adds to a hand-over
+STANDBY_NICE = 10  # added to the nice level while standing by
+
+
+async def hand_over(w: RankingWorker) -> None:
+    """The shut-down's drain and commit when ``w`` hands over: requests only are waited for; per
+    request and signal partition ``handover.json`` names the committed offset (or, for one with
+    nothing fetched since, the member's position: the same)."""
+    rank = w.reg.name("rank")
+    await w._drain({tp for tp in w.assigned if tp.topic == rank}, timeout_s=30)
+    await w._finish_appliers()
+    committed: dict[TopicPartition, int] = {}
+    with contextlib.suppress(Exception):
+        committed = await w._commit()
+    offsets: dict[str, dict[int, int]] = {}
+    for tp in w.assigned:
+        if tp.topic == w.reg.name("routed_behaviors"):
+            continue
+        at = committed.get(tp)
+        if at is None:
+            at = await asyncio.wait_for(w.consumer.position(tp), 5)
+        offsets.setdefault(tp.topic, {})[tp.partition] = at
+    w.files.write_handover(offsets, os.getpid())
+    log.info("%s: handed over at %s", w.worker_id, offsets)
+    # Pre-inferences still running: the successor saw their signals and computes its own.
+    prefills = [t for t in w.tasks if t.get_name() == w.reg.name("prefill")]
+    for task in prefills:
+        task.cancel()
+    await asyncio.gather(*prefills, return_exceptions=True)
+    if w.engine.store is not None:  # nor is this state kept: the successor rebuilt its own
+        w.engine.store.config = w.engine.store.config.model_copy(update={"persist_on_close": False})
+
+
+class Standby:
+    """Stands by for the active process of ``worker``'s id, takes over from it, joins the group."""
+
+    def __init__(self, worker: RankingWorker, metrics_port: int = 0) -> None:
+        self.w = worker
+        self.metrics_port = metrics_port
+        self.pid = os.getpid()
+        self.partitions: list[int] = []
+        self.group: AIOKafkaConsumer | None = None
+        self.old_pid: int | None = None
+        self.cleanup: asyncio.Task | None = None
+        self.nice = 0
+        self.manual_stopped: asyncio.Task | None = None
+        names = worker.reg.name
+        self.beh, self.sig, self.rank = names("routed_behaviors"), names("prefill"), names("rank")
+
+    async def run(self) -> None:
+        w = self.w
+        w.files.clear_handover()  # one left by an earlier hand-over is not for this process
+        w.files.write_standby("warming", self.pid)
+        # Warming up beside the serving workers, on their cores: at a lower priority, where this
+        # process may come back to its own at the hand-over.
+        self.nice = os.getpriority(os.PRIO_PROCESS, 0)
+        if may_renice_to(self.nice):
+            nice_tasks(self.pid, self.nice + STANDBY_NICE)
+        took = await w.engine.warm_up()
+        log.info("%s (standby): warmed up the device in %.2f s", w.worker_id, took)
+        partitions = await self._active_partitions()
+        w.producer = producer(w.settings)
+        await w.producer.start()
+        w.consumer = consumer(w.settings, group_id=None, max_poll_records=500, fetch_max_wait_ms=20)
+        await w.consumer.start()
+        await self._assign(partitions, None)
+        stand_by = asyncio.create_task(self._stand_by())
+        stand_by.add_done_callback(self._failed)
+        try:
+            await w.serve()
+        finally:
+            stand_by.cancel()
+
+    def _failed(self, task: asyncio.Task) -> None:
+        """A standby that cannot take over stops (its owner sees it exit) rather than idle."""
+        if not task.cancelled() and task.exception() is not None:
+            log.error("%s (standby): taking over failed", self.w.worker_id, exc_info=task.exception())
+            self.w.stop()
+
+    async def _active_partitions(self) -> list[int]:
+        """The partitions the active process owns (it writes them at every assignment)."""
+        while (partitions := self.w.files.read_assignment()) is None:
+            await asyncio.sleep(0.1)
+        return partitions
+
+    # ------------------------------------------------------------------ reading outside the group
+
+    async def _assign(self, partitions: list[int], offsets: dict[str, dict[int, int]] | None) -> None:
+        """Read ``partitions`` outside the group: behaviours from the history table's offsets;
+        signals (from ``offsets``, None: from now on) and requests (from ``offsets``) held."""
+        w = self.w
+        await w._finish_appliers()
+        gone = {tp for tp in w.assigned if tp.partition not in partitions}
+        w.tracker.forget(gone)
+        for p in {tp.partition for tp in gone}:
+            w.applier.forget(p)
+            w.alignment.forget(p)
+        tps = [TopicPartition(t, p) for t in (self.beh, self.sig, self.rank) for p in partitions]
+        w.consumer.assign(tps)
+        await w.lineage.verify(self.beh, partitions)
+        behaviours = [TopicPartition(self.beh, p) for p in partitions]
+        for tp in behaviours:
+            start = w.history.next_offset(tp.partition)
+            w.consumer.seek(tp, start)
+            w.alignment.forget(tp.partition)
+            w.applier.catch_up(tp.partition, start)
+        ends = await w.consumer.end_offsets(behaviours)
+        for tp in behaviours:
+            w.applier.catch_up_to(tp.partition, ends.get(tp))
+        for p in partitions:
+            if offsets is None:
+                await w.consumer.seek_to_end(TopicPartition(self.sig, p))
+            else:
+                w.consumer.seek(TopicPartition(self.sig, p), offsets[self.sig][p])
+                w.consumer.seek(TopicPartition(self.rank, p), offsets[self.rank][p])
+        # Held until their histories are caught up: a prefix of a partial history would have to
+        # be extended over the rest when the user's next request comes.
+        w.held = {TopicPartition(t, p) for t in (self.sig, self.rank) for p in partitions}
+        w.assigned = set(tps)
+        self.partitions = sorted(partitions)
+
+    async def _caught_up(self) -> None:
+        while any(p in self.w.applier.catching_up for p in self.partitions):
+            await asyncio.sleep(0.05)
+
+    async def _warm_recent_users(self) -> int:
+        """Pre-infer, for each user whose prefill signal came within ``standby_warm_s`` (the users
+        the active process keeps warm), its latest one, on the caught-up history. Returns how
+        many users. Their other signals are device hits then."""
+        w = self.w
+        signals = [TopicPartition(self.sig, p) for p in self.partitions]
+        latest = {}
+        reader = consumer(w.settings, group_id=None)
+        await reader.start()
+        try:
+            reader.assign(signals)
+            since = int((time.time() - w.pipeline.standby_warm_s) * 1000)
+            starts = await reader.offsets_for_times({tp: since for tp in signals})
+            ends = await reader.end_offsets(signals)
+            todo = {}
+            for tp in signals:
+                found = starts.get(tp)
+                if found is not None and found.offset < ends[tp]:
+                    reader.seek(tp, found.offset)
+                    todo[tp] = ends[tp]
+            deadline = time.monotonic() + 60  # a bound: this only warms the cache
+            while todo and time.monotonic() < deadline:
+                for tp, msgs in (await reader.getmany(*todo, timeout_ms=200)).items():
+                    for m in msgs:
+                        with contextlib.suppress(SchemaError):  # dead-lettered by its reader
+                            s = decode_keyed(PrefillSignal, m.key, m.value, w.settings.max_message_bytes)
+                            latest[s.user_id] = (tp.partition, s)
+                for tp in list(todo):
+                    if await reader.position(tp) >= todo[tp]:
+                        del todo[tp]
+        finally:
+            await reader.stop()
+        await asyncio.gather(*(w.handler.prefill(s, p) for p, s in latest.values()), return_exceptions=True)
+        return len(latest)
+
+    async def _signals_handled(self) -> None:
+        """Wait until every prefill signal published by now is pre-inferred: its users' next
+        requests find their prefixes cached, not being computed (those waited for their
+        histories until now, and are the users active lately)."""
+        w = self.w
+        signals = [TopicPartition(self.sig, p) for p in self.partitions]
+        ends = await w.consumer.end_offsets(signals)
+        for tp in signals:
+            while True:
+                done = w.tracker.committable({tp}).get(tp)
+                if done is None and not w.tracker.pending({tp}):
+                    done = await w.consumer.position(tp)
+                if done is not None and done >= ends[tp]:
+                    break
+                await asyncio.sleep(0.05)
+
+    # ------------------------------------------------------------------ the hand-over
+
+    async def _stand_by(self) -> None:
+        w = self.w
+        t0 = time.monotonic()
+        await self._caught_up()
+        warmed = await self._warm_recent_users()
+        log.info("%s (standby): pre-inferred the prefixes of %d users active lately", w.worker_id, warmed)
+        w.held = {tp for tp in w.held if tp.topic != self.sig}
+        await self._signals_handled()  # those of the catch-up time too
+        w.files.write_standby("ready", self.pid)
+        w._note(event="standby_ready", partitions=self.partitions, seconds=round(time.monotonic() - t0, 3))
+        offsets, self.old_pid = await self._handed_over()
+        t_handover = time.monotonic()
+        handed = sorted(offsets.get(self.rank, {}))
+        if handed != self.partitions:  # the group moved partitions meanwhile: catch those up first
+            await self._assign(handed, offsets)
+            await self._caught_up()
+        else:
+            for p in handed:
+                w.consumer.seek(TopicPartition(self.rank, p), offsets[self.rank][p])
+        nice_tasks(self.pid, self.nice)
+        w.held = set()
+        w.files.write_standby("serving", self.pid)
+        w._note(event="took_over", partitions=handed, offsets={t: o for t, o in offsets.items()})
+        log.info("%s (standby): serving %s from %s", w.worker_id, handed, offsets)
+        self.group, listener = w.group_consumer()
+        await self.group.start()
+        await listener.assigned_once.wait()
+        log.info(
+            "%s: joined the group %.2f s after the hand-over", w.worker_id, time.monotonic() - t_handover
+        )
+        w.before_fetch = self._switch
+
+    async def _handed_over(self) -> tuple[dict[str, dict[int, int]], int | None]:
+        """The hand-over's offsets and the pid that handed over. An active process that exits
+        without handing over (a crash) hands over nothing: the group's committed offsets then
+        say where to go on, once this process has joined."""
+        active = self.w.files.active_pid()
+        checked = time.monotonic()
+        while (handover := self.w.files.read_handover()) is None:
+            await asyncio.sleep(POLL_S)
+            if active is not None and time.monotonic() - checked > 0.5:
+                checked = time.monotonic()
+                if not _alive(active):
+                    log.warning("%s (standby): pid %d exited without handing over", self.w.worker_id, active)
+                    return {}, None
+        return handover
+
+    async def _switch(self) -> None:
+        """Between two fetches: go on with the group's consumer where the manual one got to."""
+        w, group = self.w, self.group
+        assert group is not None
+        w.before_fetch = None
+        manual = w.consumer
+        positions = {tp: await manual.position(tp) for tp in manual.assignment() if tp.topic != self.beh}
+        await w._finish_appliers()
+        mine = group.assignment()
+        for tp in mine:
+            if tp.topic == self.beh:
+                group.seek(tp, w.history.next_offset(tp.partition))
+            elif tp in positions:
+                group.seek(tp, positions[tp])
+        w.tracker.forget(set(positions) - mine)
+        w.consumer, w.in_group, w.assigned = group, True, set(mine)  # the loop commits next
+        self.manual_stopped = asyncio.create_task(manual.stop())  # not on the loop's path
+        w.watch_lineage()
+        w.files.promote(w.state_dir)
+        w.files.clear_handover()  # done with
+        w.files.write_standby("joined", self.pid)
+        w._note(event="joined", partitions=sorted({tp.partition for tp in mine}))
+        self.cleanup = asyncio.create_task(self._after_old_exit())
+
+    async def _after_old_exit(self, timeout_s: float = 120.0) -> None:
+        """Once the old process has exited: serve the metrics on its port, delete its state."""
+        deadline = time.monotonic() + timeout_s
+        while self.old_pid is not None and time.monotonic() < deadline:
+            if not _alive(self.old_pid):
+                break
+            await asyncio.sleep(0.2)
+        else:
+            if self.old_pid is not None:
+                log.warning("%s: pid %d still there; its state is kept", self.w.worker_id, self.old_pid)
+                return
+        removed = self.w.files.remove_stale_generations()
+        log.info("%s: removed the old state %s", self.w.worker_id, [p.name for p in removed])
+        if self.metrics_port:
+            from relaygr.streams.common import serve_metrics
+
+            for _ in range(50):  # the port may linger a moment after its process
+                with contextlib.suppress(OSError):
+                    serve_metrics(self.metrics_port)
+                    return
+                await asyncio.sleep(0.2)
+            log.warning("%s: metrics port %d stays busy", self.w.worker_id, self.metrics_port)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's: the pid was reused
+        return False
+    return True

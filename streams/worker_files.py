@@ -1,0 +1,131 @@
+"""The files a ranking worker keeps in its folder, through which a replacement takes over from it.
+
+A worker's folder (``deployment_dir(settings, "workers") / worker_id``) holds what outlives one
+process: ``events.jsonl`` (the audit trail the reports read, shared by every process of the worker)
+and the generations of its local state. A generation (``gen-<n>``: the history table, the prefix
+store's disk tier, the lineage book) is opened by one process at a time (RocksDB locks it); a
+replacement builds the next generation while the active process still serves from the current one.
+
+Primitives:
+- ``WorkerFiles(folder)``:
+  - ``state_dir()``: the current generation (the folder itself for a worker that never rolled);
+    ``new_generation()``: a fresh one for a standby; ``promote(gen)``: make it current;
+    ``remove_stale_generations()``: delete every generation but the current one.
+  - ``write_assignment(partitions)`` / ``read_assignment()`` / ``active_pid()``: the partitions
+    the active process owns and its pid (``assignment.json``, rewritten at every assignment and
+    revocation).
+  - ``write_handover(offsets, pid)`` / ``read_handover()`` / ``clear_handover()``: the committed
+    offsets (topic -> partition -> offset) a process that hands over leaves behind
+    (``handover.json``).
+  - ``write_standby(state, pid)`` / ``read_standby()``: how far a replacement is
+    (``standby.json``: ``warming``, ``ready``, ``serving``, ``joined``).
+- ``STANDBY_STATES``: those states, in order.
+
+Every file is written to a temporary name and renamed: a reader sees the old content or the new.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+STANDBY_STATES = ("warming", "ready", "serving", "joined")
+_LEGACY_STATE = ("history", "prefix-store", "lineage.json")  # state kept in the folder itself
+
+
+class WorkerFiles:
+    """The hand-over files and state generations of one ranking worker's folder."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = Path(folder)
+
+    # ------------------------------------------------------------------ generations
+
+    def state_dir(self) -> Path:
+        """The current generation's folder."""
+        current = self._read("current.json")
+        if current is None:
+            return self.folder
+        return self.folder / str(current["generation"])
+
+    def new_generation(self) -> Path:
+        """A fresh, empty generation folder, numbered after every existing one."""
+        numbers = [int(p.name[4:]) for p in self.folder.glob("gen-*") if p.name[4:].isdigit()]
+        gen = self.folder / f"gen-{max(numbers, default=0) + 1}"
+        gen.mkdir(parents=True)
+        return gen
+
+    def promote(self, generation: Path) -> None:
+        """Make ``generation`` the one a (re)started worker opens."""
+        self._write("current.json", {"generation": generation.name})
+
+    def remove_stale_generations(self) -> list[Path]:
+        """Delete every generation but the current one (their processes have exited)."""
+        current = self.state_dir()
+        stale = [p for p in self.folder.glob("gen-*") if p != current]
+        if current != self.folder:
+            stale += [self.folder / name for name in _LEGACY_STATE if (self.folder / name).exists()]
+        for p in stale:
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+        return stale
+
+    # ------------------------------------------------------------------ hand-over
+
+    def write_assignment(self, partitions: list[int]) -> None:
+        self._write("assignment.json", {"partitions": sorted(set(partitions)), "pid": os.getpid()})
+
+    def read_assignment(self) -> list[int] | None:
+        data = self._read("assignment.json")
+        return None if data is None else [int(p) for p in data["partitions"]]
+
+    def active_pid(self) -> int | None:
+        """The pid of the process that wrote the assignment (the active one), if known."""
+        data = self._read("assignment.json")
+        return None if data is None else int(data["pid"])
+
+    def write_handover(self, offsets: dict[str, dict[int, int]], pid: int) -> None:
+        self._write("handover.json", {"pid": pid, "offsets": offsets})
+
+    def read_handover(self) -> tuple[dict[str, dict[int, int]], int] | None:
+        """(topic -> partition -> committed offset, the pid that handed over), or None."""
+        data = self._read("handover.json")
+        if data is None:
+            return None
+        offsets = {t: {int(p): int(o) for p, o in parts.items()} for t, parts in data["offsets"].items()}
+        return offsets, int(data["pid"])
+
+    def clear_handover(self) -> None:
+        (self.folder / "handover.json").unlink(missing_ok=True)
+
+    def write_standby(self, state: str, pid: int) -> None:
+        if state not in STANDBY_STATES:
+            raise ValueError(f"unknown standby state {state!r} (one of {', '.join(STANDBY_STATES)})")
+        self._write("standby.json", {"state": state, "pid": pid})
+
+    def read_standby(self) -> tuple[str, int] | None:
+        """(state, pid) of the replacement, or None."""
+        data = self._read("standby.json")
+        return None if data is None else (str(data["state"]), int(data["pid"]))
+
+    def clear_standby(self) -> None:
+        (self.folder / "standby.json").unlink(missing_ok=True)
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _write(self, name: str, data: dict[str, Any]) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        tmp = self.folder / f".{name}.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps(data))
+        os.replace(tmp, self.folder / name)
+
+    def _read(self, name: str) -> dict[str, Any] | None:
+        try:
+            return json.loads((self.folder / name).read_text())
+        except FileNotFoundError:
+            return None

@@ -1,0 +1,79 @@
+"""A rolling restart under load on the real broker: one ranking worker of a two-worker deployment is
+replaced by a warm standby (``Pipeline.roll_worker``) while confluent-kafka sends requests.
+Every request is answered exactly once (every result on the topic is counted), and the new
+process serves: its results follow its take-over in the worker's audit trail, and the supervisor
+watches it as the worker."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from pathlib import Path
+
+import pytest
+
+from relaygr.bench.rolling_restart import LibrdkafkaRequests, count_results, lengthened_users
+from relaygr.infra.kafka import delete_topics_with_prefix, ensure_topics
+from relaygr.schemas import RecommendationRequest, TopicRegistry
+from relaygr.streams.config import PipelineSettings
+from relaygr.streams.state_lineage import deployment_dir
+from relaygr.streams.worker_files import WorkerFiles
+from relaygr.tools.traffic import publish
+from relaygr.tools.up import Pipeline
+from relaygr.workers.movielens import load_movielens
+
+pytest.importorskip("confluent_kafka")
+
+pytestmark = [pytest.mark.broker, pytest.mark.slow]
+
+
+def _events(folder: Path) -> list[dict]:
+    return [json.loads(line) for line in (folder / "events.jsonl").read_text().splitlines()]
+
+
+async def test_roll_one_worker_under_load(kafka_settings, tmp_path, model_dir) -> None:
+    prefix = f"roll-{uuid.uuid4().hex[:8]}"
+    settings = kafka_settings.model_copy(update={"topic_prefix": prefix, "home": tmp_path, "partitions": 4})
+    reg = TopicRegistry(prefix, 4)
+    await ensure_topics(reg, settings)
+    # Every user with history is at risk (theta), and a short short-term window: signals flow.
+    env = PipelineSettings.to_env(
+        model_dir=model_dir,
+        calibration_file=model_dir / "calibration.json",
+        mode="relay",
+        theta=1e-6,
+        short_term=8,
+    )
+    ml = load_movielens("ml-100k")
+    behaviours, requests = lengthened_users(ml, 8, 60)
+    pipe = Pipeline(settings, ranking_workers=2, env=env)
+    pipe.start()
+    try:
+        await pipe.wait_ready(timeout_s=240)
+        await publish(settings, reg, behaviours, [], wait_for_ingest=True, settle_s=0)
+        load = LibrdkafkaRequests(settings, reg.name("requests"), requests, qps=10).start()
+        await asyncio.sleep(1.0)
+        old_pid = pipe.procs["ranker-0"].pid
+        took = await asyncio.to_thread(pipe.roll_worker, 0)
+        await asyncio.sleep(2.0)
+        sent = await asyncio.to_thread(load.stop)
+        new_pid = pipe.procs["ranker-0"].pid
+        results, counts = await count_results(settings, reg, {r.request_id for r in sent}, timeout_s=120)
+        assert pipe.restarts["ranker-0"] == 0  # handed over, not restarted
+        pipe.check()
+    finally:
+        pipe.stop()
+        await delete_topics_with_prefix(settings, prefix)
+    assert isinstance(sent[0], RecommendationRequest)
+    assert set(results) == {r.request_id for r in sent}, "lost results"
+    assert all(c == 1 for c in counts.values()), {k: c for k, c in counts.items() if c > 1}
+    assert new_pid != old_pid and set(took) == {"warm", "serving", "joined", "old_exit"}
+    folder = deployment_dir(settings, "workers") / "ranker-0"
+    events = _events(folder)
+    kinds = [e["event"] for e in events]
+    assert {"standby_ready", "took_over", "joined"} <= set(kinds)
+    after = kinds[kinds.index("took_over") :]
+    assert "result" in after, "the new process ranked nothing"
+    # Its state generation is the current one; the old one is gone once the old process exited.
+    assert WorkerFiles(folder).state_dir().name.startswith("gen-")
