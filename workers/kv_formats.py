@@ -51,9 +51,7 @@ def _kv_elem_bytes(fmt: str, exact: torch.dtype) -> int:
     return 2 if fmt == "bf16" else 1
 
 
-def token_bytes(
-    layers: int, heads: int, attn_dim: int, linear_dim: int, dtype: torch.dtype, fmt: str
-) -> int:
+def token_bytes(layers: int, heads: int, attn_dim: int, linear_dim: int, dtype: torch.dtype, fmt: str) -> int:
     """Bytes one cached token takes in ``fmt``: keys and values of every layer (plus the int8
     scales), its position and its timestamp (float64)."""
     check_format(fmt)
