@@ -29,6 +29,7 @@ import asyncio
 import json
 import math
 import statistics
+import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -141,7 +142,9 @@ def score_errors(
     worst: dict[str, float] = dict.fromkeys(COLD_FORMATS, 0.0)
     overlap: dict[str, list[float]] = {f: [] for f in COLD_FORMATS}
     ndcg: dict[str, list[float]] = {f: [] for f in COLD_FORMATS}
-    for _, history in requests:
+    for i, (_, history) in enumerate(requests):
+        if i and i % 500 == 0:
+            print(f"   {i}/{len(requests)} requests scored", file=sys.stderr, flush=True)
         cands = torch.randperm(model.config.num_items, generator=gen)[:candidates] + 1
         ts = float(history.timestamps[-1]) + 60.0
         p = len(history) - suffix
