@@ -172,7 +172,7 @@ def score_errors(
 # ---------------------------------------------------------------------- the store
 
 
-async def _store_figures(
+async def store_tier_figures(
     model: Any, prefixes: list[tuple[int, Events, PrefixKV]], fmt: str, root: str, rounds: int
 ) -> dict[str, float]:
     """Host and disk bytes per cached user as the store accounts them, and promotion from disk."""
@@ -236,7 +236,7 @@ def store_figures(
         prefix_events = history.slice(0, len(history) - suffix)
         prefixes.append((u, prefix_events, model.prefill(prefix_events)))
     with tempfile.TemporaryDirectory(prefix="relaygr-cold-tiers-") as root:
-        return {f: asyncio.run(_store_figures(model, prefixes, f, root, rounds)) for f in COLD_FORMATS}
+        return {f: asyncio.run(store_tier_figures(model, prefixes, f, root, rounds)) for f in COLD_FORMATS}
 
 
 # ---------------------------------------------------------------------- the report

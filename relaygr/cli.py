@@ -70,6 +70,10 @@ GROUPS: dict[str, tuple[str, dict[str, tuple[str, str]]]] = {
                 "relaygr.bench.cold_tiers",
                 "cold-tier formats (exact, bf16, int8): ranking error, users per GB, promotion from disk",
             ),
+            "plan": (
+                "relaygr.bench.plan_check",
+                "relaygr plan's predicted bytes and device time next to a measured engine run",
+            ),
             "pipeline": (
                 "relaygr.bench.pipeline",
                 "Kafka hop overhead; relay vs baseline ranking P99 on the broker",

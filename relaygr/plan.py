@@ -23,9 +23,10 @@ ASSUMPTIONS = (
     "over budget x theta); a cached user holds the whole served history (retain_suffix)",
     "bytes: device tier in the model's dtype; host in the cold format; disk in the cold format plus "
     "the blob's header, alignment, checksum and sequence number",
-    "device time: pre-inference of p events predict(p) - predict(0) on a miss (and the events new "
-    "since the last ranking beyond the suffix on a hit); relay ranking predict(p + suffix + C) - "
-    "predict(p); full ranking predict(n)",
+    "device time: pre-inference of p events (predict(p) - predict(0)) x prefill_pace on a miss (and "
+    "the events new since the last ranking beyond the suffix on a hit); relay ranking (predict(p + "
+    "suffix + C) - predict(p)) x relay_pace; full ranking predict(n); the paces come from `relaygr "
+    "calibrate` (1 when the calibration file has none)",
     "hit rate: LRU with equally active users holds the most recent ones, so hit rate = the share of "
     "at-risk users the workers' tiers hold together (skewed activity only raises it)",
     "workers: enough for the cached users in device + host + disk budgets, and for the device time "
@@ -75,6 +76,8 @@ def run(args: argparse.Namespace) -> int:
     if not Path(calibration).exists():
         raise SystemExit(f"plan: no latency model at {calibration} (write one with `relaygr calibrate`)")
     latency = LatencyModel.load(calibration)
+    calibrated = json.loads(Path(calibration).read_text())
+    paces = {k: float(calibrated.get(k, 1.0)) for k in ("prefill_pace", "relay_pace")}
     shape = ModelShape.of(config)
     workload = Workload(
         users=args.users,
@@ -86,6 +89,8 @@ def run(args: argparse.Namespace) -> int:
         candidates=settings.max_rank_candidates,
         hit_rate=args.hit_rate,
         new_events=args.new_events,
+        slice_ms=settings.device_slice_ms,
+        **paces,
     )
     mib = 1 << 20
     worker = WorkerShape(
@@ -102,7 +107,12 @@ def run(args: argparse.Namespace) -> int:
         "history_p50": args.history_p50,
         "history_p99": args.history_p99,
         "max_seq_len": shape.max_seq_len,
-        "latency_model": {"coeffs": latency.coeffs(), "file": str(calibration)},
+        "latency_model": {
+            "coeffs": latency.coeffs(),
+            "file": str(calibration),
+            **paces,
+            "paces_measured": all(k in calibrated for k in paces),
+        },
         "worker_budgets_bytes": {
             "device": worker.device_bytes,
             "host": worker.host_bytes,

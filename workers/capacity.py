@@ -22,10 +22,14 @@ The models behind the figures, stated so that they can be checked:
   event, as ``PrefixKV.nbytes``), the host tier the cold format, the disk tier the cold format
   plus the blob's overhead.
 - Device time (the latency model's own arithmetic, as ``workers.pacing`` plans with it): a
-  pre-inference of p events costs ``predict(p) - predict(0)``; a relay ranking of s new events and
-  C candidates against p cached ones ``predict(p + s + C) - predict(p)``; a full ranking of n
-  events ``predict(n)``. A request of a cached user (a hit, share = hit rate) pre-infers nothing
-  beyond the events new since its last ranking (``new_events``, if more than the suffix).
+  pre-inference of p events costs ``(predict(p) - predict(0)) × prefill_pace``; a relay ranking
+  of s new events and C candidates against p cached ones ``(predict(p + s + C) - predict(p)) ×
+  relay_pace``; a full ranking of n events ``predict(n)``. The paces are measured by calibration
+  (``calibration.measure_paces``: sliced chunks and skinny queries against many cached keys run
+  slower than the full-ranking fit says). As the engine does, a suffix whose computation would
+  take more than a slice is pre-inferred with the prefix. A request of a cached user (a hit, share
+  = hit rate) pre-infers nothing beyond the events new since its last ranking (``new_events``, if
+  more than the suffix).
 - Hit rate: LRU under independent requests of equally active users keeps the most recent users,
   so the hit rate is the share of at-risk users the workers' tiers hold together. Skewed activity
   only raises it; this is the conservative bound.
@@ -79,6 +83,9 @@ class Workload:
     candidates: int
     hit_rate: float = 0.9
     new_events: int = 0
+    slice_ms: float = 0.0  # the workers' device slice (0: pre-inference not sliced by time)
+    prefill_pace: float = 1.0  # sliced pre-inference time over the model's marginal time
+    relay_pace: float = 1.0  # relay ranking time over the model's marginal time
 
 
 @dataclass(frozen=True)
@@ -135,11 +142,17 @@ def device_ms_per_request(latency: LatencyModel, served: np.ndarray, w: Workload
     """Per history length: pre-inference and ranking device ms of one request (see the module)."""
     risk = _at_risk(latency, served, w)
     prefix = np.maximum(served - w.short_term, 0)
-    prefill = _predict(latency, prefix) - latency.a
+    # As the engine does: a suffix that would cost the ranking more than a slice is pre-inferred too.
+    suffix_ms = (_predict(latency, served) - _predict(latency, prefix)) * w.prefill_pace
+    extends = (w.slice_ms > 0) & (suffix_ms > w.slice_ms)
+    cached = np.where(extends, served, prefix)
+    prefill = (_predict(latency, cached) - latency.a) * w.prefill_pace
     extend_by = max(0, w.new_events - w.short_term)
-    extension = _predict(latency, prefix) - _predict(latency, np.maximum(prefix - extend_by, 0))
+    extension = (
+        _predict(latency, cached) - _predict(latency, np.maximum(cached - extend_by, 0))
+    ) * w.prefill_pace
     pre = np.where(risk, (1 - w.hit_rate) * prefill + w.hit_rate * extension, 0.0)
-    relay = _predict(latency, prefix + w.short_term + w.candidates) - _predict(latency, prefix)
+    relay = (_predict(latency, served + w.candidates) - _predict(latency, cached)) * w.relay_pace
     rank = np.where(risk, relay, _predict(latency, served))
     return {"at_risk": risk, "preinfer_ms": pre, "rank_ms": rank, "prefill_ms": np.where(risk, prefill, 0.0)}
 
