@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"plan: no latency model at {calibration} (write one with `relaygr calibrate`)")
     latency = LatencyModel.load(calibration)
     calibrated = json.loads(Path(calibration).read_text())
-    paces = {k: float(calibrated.get(k, 1.0)) for k in ("prefill_pace", "relay_pace")}
+    paces = {k: tuple(map(tuple, calibrated.get(k, [[0.0, 1.0]]))) for k in ("prefill_pace", "relay_pace")}
     shape = ModelShape.of(config)
     workload = Workload(
         users=args.users,

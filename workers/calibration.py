@@ -18,6 +18,7 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -29,7 +30,7 @@ from relaygr.workers.prefix_kv import Events
 CALIBRATION_LENGTHS: tuple[int, ...] = (64, 256, 512, 1024, 2048)
 """History lengths timed by default: short to long enough to see the quadratic term."""
 
-PACE_LENGTHS: tuple[int, ...] = (1024, 2048, 4096)
+PACE_LENGTHS: tuple[int, ...] = (512, 1024, 2048, 4096, 8192)
 """Cached lengths at which ``measure_paces`` times sliced pre-inference and relay ranking."""
 
 
@@ -86,37 +87,41 @@ def measure_paces(
     candidates: int = 128,
     lengths: tuple[int, ...] = PACE_LENGTHS,
     clock: Callable[[], float] = time.perf_counter,
-) -> dict[str, float]:
-    """How much slower than ``latency`` predicts the two kinds of relay work run (as a worker runs
-    them): ``prefill_pace``, a pre-inference sliced into chunks of ``slice_ms`` predicted device
-    time (at most ``chunk`` events; a chunk late in a long history is skinny against many keys),
-    against ``predict(n) - predict(0)``; ``relay_pace``, ranking ``suffix`` events and
-    ``candidates`` against a cached prefix of n events, against ``predict(n + suffix + C) -
-    predict(n)``. Each is total measured over total predicted across ``lengths``."""
+) -> dict[str, list[list[float]]]:
+    """Per cached length n, how much slower than ``latency`` predicts the two kinds of relay work
+    run, as a worker runs them: ``prefill_pace``, a pre-inference sliced as the engine slices it
+    (``pacing.Slicer``: chunks of ``slice_ms`` predicted device time at the measured pace, at most
+    ``chunk`` events; a chunk late in a long history is skinny against many keys), against
+    ``predict(n) - predict(0)``; ``relay_pace``, ranking ``suffix`` events and ``candidates``
+    against a cached prefix of n events, against ``predict(n + suffix + C) - predict(n)``.
+    Each as ``[[n, pace], ...]``."""
+    from relaygr.workers.latency_model import DevicePace
+    from relaygr.workers.pacing import Slicer
+
     gen = torch.Generator().manual_seed(1)
     cands = torch.randint(1, model.config.num_items + 1, (candidates,), generator=gen)
-
-    def chunk_size(cached: int) -> int:
-        return latency.tokens_within_slice(cached, slice_ms, lo=16, hi=chunk) if slice_ms else chunk
-
-    spent = {"prefill": 0.0, "relay": 0.0}
-    predicted = {"prefill": 0.0, "relay": 0.0}
+    out: dict[str, list[list[float]]] = {"prefill_pace": [], "relay_pace": []}
+    pace = DevicePace()  # carried from length to length, as a worker's is
     for n in lengths:
         hist = _synthetic(model, n + suffix, gen)
         head = hist.slice(0, n)
         ts = float(hist.timestamps[-1]) + 60.0
         prefix = model.prefill(head)  # warm-up, and the prefix the relay ranking reads
+        slicer = Slicer(latency, pace, slice_ms, chunk) if slice_ms else None
+        steps = model.prefill_steps(head, slicer or chunk)
         t0 = clock()
-        for _ in model.prefill_steps(head, chunk_size):
+        for _ in slicer.measured(steps) if slicer is not None else steps:
             pass
-        spent["prefill"] += clock() - t0
-        predicted["prefill"] += latency.predict_ms(n) - latency.predict_ms(0)
+        spent = (clock() - t0) * 1000
+        out["prefill_pace"].append([n, spent / (latency.predict_ms(n) - latency.predict_ms(0))])
         model.rank(prefix, hist.slice(n), cands, ts)  # warm-up
         t0 = clock()
         model.rank(prefix, hist.slice(n), cands, ts)
-        spent["relay"] += clock() - t0
-        predicted["relay"] += latency.predict_ms(n + suffix + candidates) - latency.predict_ms(n)
-    return {f"{k}_pace": spent[k] * 1000 / predicted[k] for k in spent if predicted[k] > 0}
+        spent = (clock() - t0) * 1000
+        out["relay_pace"].append(
+            [n, spent / (latency.predict_ms(n + suffix + candidates) - latency.predict_ms(n))]
+        )
+    return out
 
 
 def calibrate_and_save(
@@ -127,7 +132,7 @@ def calibrate_and_save(
     candidates: int = 128,
     repeats: int = 3,
     threads: int = 0,
-    paces: dict[str, float] | None = None,
+    paces: dict[str, Any] | None = None,
 ) -> tuple[LatencyModel, list[tuple[int, float]]]:
     """``calibrate`` and write the result to ``out`` (with ``paces`` when given: ``paces(...)``
     of ``measure_paces``' keyword arguments); returns what ``calibrate`` returns."""

@@ -84,8 +84,10 @@ class Workload:
     hit_rate: float = 0.9
     new_events: int = 0
     slice_ms: float = 0.0  # the workers' device slice (0: pre-inference not sliced by time)
-    prefill_pace: float = 1.0  # sliced pre-inference time over the model's marginal time
-    relay_pace: float = 1.0  # relay ranking time over the model's marginal time
+    # Measured time over the model's marginal time, per cached length ([[n, pace], ...], linear
+    # in between, flat beyond): sliced pre-inference, and relay ranking.
+    prefill_pace: tuple[tuple[float, float], ...] = ((0.0, 1.0),)
+    relay_pace: tuple[tuple[float, float], ...] = ((0.0, 1.0),)
 
 
 @dataclass(frozen=True)
@@ -138,21 +140,28 @@ def _predict(latency: LatencyModel, n: np.ndarray | float) -> np.ndarray:
     )
 
 
+def pace_at(table: tuple[tuple[float, float], ...] | list, n: np.ndarray) -> np.ndarray:
+    """The pace of ``table`` at lengths ``n`` (linear between its points, flat beyond)."""
+    xs, ys = zip(*sorted((float(a), float(b)) for a, b in table), strict=True)
+    return np.interp(np.asarray(n, dtype=np.float64), xs, ys)
+
+
 def device_ms_per_request(latency: LatencyModel, served: np.ndarray, w: Workload) -> dict[str, np.ndarray]:
     """Per history length: pre-inference and ranking device ms of one request (see the module)."""
     risk = _at_risk(latency, served, w)
     prefix = np.maximum(served - w.short_term, 0)
     # As the engine does: a suffix that would cost the ranking more than a slice is pre-inferred too.
-    suffix_ms = (_predict(latency, served) - _predict(latency, prefix)) * w.prefill_pace
+    suffix_ms = (_predict(latency, served) - _predict(latency, prefix)) * pace_at(w.prefill_pace, prefix)
     extends = (w.slice_ms > 0) & (suffix_ms > w.slice_ms)
     cached = np.where(extends, served, prefix)
-    prefill = (_predict(latency, cached) - latency.a) * w.prefill_pace
+    prefill_pace = pace_at(w.prefill_pace, cached)
+    prefill = (_predict(latency, cached) - latency.a) * prefill_pace
     extend_by = max(0, w.new_events - w.short_term)
-    extension = (
-        _predict(latency, cached) - _predict(latency, np.maximum(cached - extend_by, 0))
-    ) * w.prefill_pace
+    extended_from = np.maximum(cached - extend_by, 0)
+    extension = (_predict(latency, cached) - _predict(latency, extended_from)) * prefill_pace
     pre = np.where(risk, (1 - w.hit_rate) * prefill + w.hit_rate * extension, 0.0)
-    relay = (_predict(latency, served + w.candidates) - _predict(latency, cached)) * w.relay_pace
+    relay_marginal = _predict(latency, served + w.candidates) - _predict(latency, cached)
+    relay = relay_marginal * pace_at(w.relay_pace, cached)
     rank = np.where(risk, relay, _predict(latency, served))
     return {"at_risk": risk, "preinfer_ms": pre, "rank_ms": rank, "prefill_ms": np.where(risk, prefill, 0.0)}
 
