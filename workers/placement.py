@@ -17,9 +17,8 @@ Primitives:
   - ``forget(user_ids)``, ``cached_length``, ``where``, ``metrics``, ``layout``, ``persist_unwritten``.
 - ``Entry``, ``Plan``, ``LeaseResult``: its records.
 
-The device tier holds prefixes exactly as computed; the host and disk tiers hold them in the
-configured cold format (``kv_formats``: exact, bf16 or int8), and every byte count of a tier
-(budgets, room-making, metrics) is the bytes that tier stores.
+The device tier holds prefixes as computed, host and disk in the cold format (``kv_formats``);
+every tier's byte counts (budgets, room-making, metrics) are the bytes it stores.
 
 Placement and eviction policy (LRU per tier, pins respected): an entry goes to the highest tier
 whose budget can take it. Making room on the device demotes the least recently used *unpinned*
@@ -137,13 +136,9 @@ class PrefixPlacement:
                     if key[1] != model_version:
                         self.disk.delete(key)
                         self.counters["disk_purged_other_version"] += 1
+            backlog, on_write = config.disk_backlog_bytes, self._on_disk_write
             self.writer = DiskWriter(
-                self.disk,
-                config.disk_backlog_bytes,
-                self.lock,
-                self.counters,
-                self._on_disk_write,
-                cold_format=self.cold_format,
+                self.disk, backlog, self.lock, self.counters, on_write, cold_format=self.cold_format
             )
         self.tiers = ("device", "host", "disk") if self.disk is not None else ("device", "host")
 
