@@ -144,13 +144,13 @@ def _print_table(out: dict) -> None:
     )
     print(
         f"{'format':7s} {'device B/user':>14s} {'host B/user':>12s} {'disk B/user':>12s} "
-        f"{'host users/GB':>14s} {'disk users/GB':>14s} {'workers':>8s}"
+        f"{'host users/GB':>14s} {'disk users/GB':>14s} {'for cache':>10s} {'workers':>8s}"
     )
     for fmt, f in plan["formats"].items():
         b, u = f["bytes_per_cached_user"], f["users_per_gb"]
         print(
             f"{fmt:7s} {b['device']:14.0f} {b['host']:12.0f} {b['disk']:12.0f} "
-            f"{u['host'] or 0:14.0f} {u['disk'] or 0:14.0f} {f['workers']:8d}"
+            f"{u['host'] or 0:14.0f} {u['disk'] or 0:14.0f} {f['workers_for_cache']:10d} {f['workers']:8d}"
         )
     for line in out["assumptions"]:
         print(f"  - {line}")
