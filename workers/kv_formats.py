@@ -140,8 +140,9 @@ def to_warm(prefix: PrefixKV, device: torch.device | str) -> PrefixKV:
     if moved.kv_format == "int8":
         if len(moved.scales) != 2 * n:
             raise ValueError(f"int8 prefix with {len(moved.scales)} scales for {n} layers")
+        # One new tensor per block of values, scaled in place (float16 scales are exact in float32).
         tensors = [
-            (q.float() * s.float()).to(dtype)
+            q.to(torch.float32).mul_(s.to(torch.float32)).to(dtype)
             for q, s in zip((*moved.keys, *moved.values), moved.scales, strict=True)
         ]
     else:

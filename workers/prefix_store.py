@@ -315,6 +315,8 @@ class PrefixStore:
             if seq == meta.seq:
                 raise CodecError("bad_header", "blob does not match its index record")
             return None  # rewritten since the plan with another history: not what was validated
+        if self.device.type == "cpu":  # decoded here: no hop to the device executor for it
+            prefix = to_warm(prefix, self.device)
         return prefix
 
     # ------------------------------------------------------------------ compute, single-flight
