@@ -4,12 +4,15 @@ Primitives:
 - ``lognormal_lengths(p50, p99, cap, points)``: a representative sample of history lengths (equally
   spaced quantiles of a log-normal through the given median and 99th percentile, capped at the
   model's ``max_seq_len``: what a ranking serves).
+- ``ModelShape``: the model's KV shape and dtype; ``token_bytes(fmt)`` per cached event.
 - ``WorkerShape``: what one ranking worker brings (tier budgets) and the load it may carry.
 - ``Workload``: users, requests per second, the trigger's settings, the target hit rate.
 - ``capacity_plan(model_shape, latency, lengths, workload, worker, formats) -> dict``: per cold
   format the bytes per cached user on device, host and disk, users per GB of each tier, the
   pre-inference and ranking device milliseconds per second at that load and the ranking workers
   needed for the target hit rate.
+- ``device_ms_per_request(latency, served, workload)``: per history length, the pre-inference and
+  ranking device ms of one request; ``pace_at(table, n)``: a measured pace at lengths ``n``.
 - ``disk_overhead_bytes(model_shape, length, fmt)``: what a blob adds to its tensors on disk
   (header, alignment, checksum, sequence number), measured by encoding one.
 
