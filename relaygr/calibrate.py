@@ -28,6 +28,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int_at_least(0),
         help="torch CPU threads to time with, 0 = torch's default (default: RELAYGR_TORCH_THREADS)",
     )
+    parser.add_argument(
+        "--no-paces",
+        action="store_true",
+        help="skip timing sliced pre-inference and relay ranking (the paces `relaygr plan` uses)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -38,10 +43,24 @@ def run(args: argparse.Namespace) -> int:
     model_dir = args.model or PipelineSettings().model_dir
     model = HSTURanker.load(model_dir, device=args.device)
     lengths = tuple(int(x) for x in args.lengths.split(","))
-    threads = args.threads if args.threads is not None else PipelineSettings().torch_threads
+    settings = PipelineSettings()
+    threads = args.threads if args.threads is not None else settings.torch_threads
     out = args.out or Path(model_dir) / "calibration.json"
+    paces = None
+    if not args.no_paces:
+        paces = {
+            "slice_ms": settings.device_slice_ms,
+            "chunk": settings.prefill_chunk,
+            "suffix": settings.short_term,
+        }
     lat, samples = calibrate_and_save(
-        model, out, lengths=lengths, candidates=args.candidates, threads=threads
+        model, out, lengths=lengths, candidates=args.candidates, threads=threads, paces=paces
     )
-    print(json.dumps({"calibration": str(out), "coeffs": lat.coeffs(), "samples": samples}))
+    written = json.loads(out.read_text())
+    print(
+        json.dumps(
+            {"calibration": str(out), "coeffs": lat.coeffs(), "samples": samples}
+            | {k: written[k] for k in ("prefill_pace", "relay_pace") if k in written}
+        )
+    )
     return 0

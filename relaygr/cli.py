@@ -38,6 +38,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "relaygr.tools.train_source",
         "train the HSTU ranker on MovieLens, an interaction log file or the behaviors topic",
     ),
+    "plan": (
+        "relaygr.plan",
+        "capacity plan: bytes per cached user, users per GB per tier, device time and workers for a load",
+    ),
     "trace": ("relaygr.tools.trace", "build a request trace of a dataset and publish it to a trace topic"),
     "replay": (
         "relaygr.tools.replay",
@@ -62,6 +66,14 @@ GROUPS: dict[str, tuple[str, dict[str, tuple[str, str]]]] = {
                 "rank with a cached prefix vs full inference, per prefix length",
             ),
             "store": ("relaygr.bench.store", "prefix store tiers vs recompute, per prefix length"),
+            "cold-tiers": (
+                "relaygr.bench.cold_tiers",
+                "cold-tier formats (exact, bf16, int8): ranking error, users per GB, promotion from disk",
+            ),
+            "plan": (
+                "relaygr.bench.plan_check",
+                "relaygr plan's predicted bytes and device time next to a measured engine run",
+            ),
             "pipeline": (
                 "relaygr.bench.pipeline",
                 "Kafka hop overhead; relay vs baseline ranking P99 on the broker",

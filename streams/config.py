@@ -126,6 +126,11 @@ class PipelineSettings(BaseSettings):
         ge=0,
         description="Prefix store: RocksDB tier MiB (0 = off).",
     )
+    cold_kv_format: Literal["exact", "bf16", "int8"] = Field(
+        default=_default(PrefixStoreConfig, "cold_kv_format"),
+        description="Prefix store: how the host and disk tiers store keys and values (exact, bf16, or "
+        "int8 with a float16 scale per token and head); the device tier stays exact.",
+    )
     calibration_file: Path | None = Field(
         default=None,
         description="Latency model JSON from `relaygr calibrate`; default: calibrate at worker start.",

@@ -186,6 +186,7 @@ class RankingWorker:
                     host_budget_bytes=int(pipeline.host_cache_mb * mib),
                     disk_path=str(self.state_dir / "prefix-store") if pipeline.disk_cache_mb > 0 else None,
                     disk_budget_bytes=int(pipeline.disk_cache_mb * mib),
+                    cold_kv_format=pipeline.cold_kv_format,
                     default_lease_ttl_s=pipeline.lease_ttl_s,
                 ),
                 model_version=model.model_version,

@@ -1,7 +1,8 @@
 """The prefix store's disk write-back queue: writes and deletes on one thread, off every other path.
 
 Primitives:
-- ``DiskWriter(disk, backlog_bytes, lock, counters, on_landed)``: the writer thread of a ``DiskTier``.
+- ``DiskWriter(disk, backlog_bytes, lock, counters, on_landed, cold_format=...)``: the writer
+  thread of a ``DiskTier``; it writes each prefix in the store's cold format (``kv_formats``).
   - ``enqueue(key, gen, prefix, force=False) -> bool``: queue a write of version ``gen`` of
     ``key``; refused (counted in ``disk_write_drops``) when the bytes waiting would exceed
     ``backlog_bytes``. Until it lands the copy is ``pending`` and readers serve it from memory.
@@ -23,6 +24,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from relaygr.workers.kv_codec import encode
+from relaygr.workers.kv_formats import ColdFormat, to_cold
 from relaygr.workers.prefix_kv import PrefixKV
 from relaygr.workers.tiers import DiskTier, StoreKey
 
@@ -39,8 +41,11 @@ class DiskWriter:
         lock: threading.RLock,
         counters: Counter[str],
         on_landed: OnLanded,
+        *,
+        cold_format: ColdFormat = "exact",
     ) -> None:
         self.disk = disk
+        self.cold_format = cold_format
         self.backlog_bytes = backlog_bytes
         self._lock = lock
         self._m = counters
@@ -89,7 +94,7 @@ class DiskWriter:
     def _write(self, key: StoreKey, gen: int, prefix: PrefixKV, nb: int) -> None:
         written, evicted, blob_bytes = False, [], 0
         try:
-            blob = encode(prefix)
+            blob = encode(to_cold(prefix, self.cold_format))
             blob_bytes = len(blob)
             written, evicted = self.disk.write(key, blob, prefix.length, prefix.fingerprint)
         except Exception:

@@ -13,7 +13,9 @@ Layout (all integers little-endian)::
     format version             u16
     header length H            u32
     header                     H bytes, UTF-8 JSON: model version, prefix length, fingerprint,
-                               meta, kv dtype, and per tensor its dtype, shape, offset, size
+                               meta, kv dtype, cold format (``kv_formats``: exact, bf16 or int8,
+                               the dtype it decodes to, the number of int8 scale tensors), and
+                               per tensor its dtype, shape, offset, size
     payload                    the tensors' raw bytes, each starting at a 64-byte boundary
     crc32                      u32 over everything above
 
@@ -74,6 +76,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 def _tensors(prefix: PrefixKV) -> list[tuple[str, torch.Tensor]]:
     named = [(f"k{i}", k) for i, k in enumerate(prefix.keys)]
     named += [(f"v{i}", v) for i, v in enumerate(prefix.values)]
+    named += [(f"s{i}", s) for i, s in enumerate(prefix.scales)]
     named += [("positions", prefix.positions), ("timestamps", prefix.timestamps)]
     return named
 
@@ -113,6 +116,9 @@ def encode(prefix: PrefixKV) -> bytes:
         "fingerprint": prefix.fingerprint.hex(),
         "num_layers": len(prefix.keys),
         "kv_dtype": _dtype_name(prefix.dtype),
+        "kv_format": prefix.kv_format,
+        "exact_dtype": _dtype_name(prefix.exact_dtype) if prefix.exact_dtype is not None else None,
+        "scales": len(prefix.scales),
         "meta": dict(prefix.meta),
         "payload_bytes": offset,
         "tensors": specs,
@@ -172,14 +178,26 @@ def decode(blob: bytes | bytearray | memoryview, expected_model_version: str | N
         num_layers = int(header["num_layers"])
         meta = {str(k): str(v) for k, v in dict(header["meta"]).items()}
         specs = list(header["tensors"])
+        # Blobs written before the cold formats existed have none of these fields: exact.
+        kv_format = str(header.get("kv_format", "exact"))
+        num_scales = int(header.get("scales", 0))
+        exact_name = header.get("exact_dtype")
+        exact_dtype = None if exact_name is None else _DTYPES[exact_name]
     except (KeyError, TypeError, ValueError) as e:
         raise CodecError("bad_header", f"missing or malformed field ({e})") from None
     if expected_model_version is not None and model_version != expected_model_version:
         raise CodecError(
             "model_version", f"blob of model {model_version!r}, wanted {expected_model_version!r}"
         )
-    if len(fingerprint) != FINGERPRINT_BYTES or len(specs) != 2 * num_layers + 2 or length < 0:
-        raise CodecError("bad_header", "inconsistent layer count, fingerprint or length")
+    if (
+        len(fingerprint) != FINGERPRINT_BYTES
+        or len(specs) != 2 * num_layers + num_scales + 2
+        or length < 0
+        or kv_format not in ("exact", "bf16", "int8")
+        or num_scales != (2 * num_layers if kv_format == "int8" else 0)
+        or (kv_format == "exact") != (exact_dtype is None)
+    ):
+        raise CodecError("bad_header", "inconsistent layer count, fingerprint, length or format")
 
     buf = bytearray(payload)  # the one copy; every tensor views into it
     tensors: dict[str, torch.Tensor] = {}
@@ -209,6 +227,7 @@ def decode(blob: bytes | bytearray | memoryview, expected_model_version: str | N
     try:
         keys = [tensors[f"k{i}"] for i in range(num_layers)]
         values = [tensors[f"v{i}"] for i in range(num_layers)]
+        scales = [tensors[f"s{i}"] for i in range(num_scales)]
         positions, timestamps = tensors["positions"], tensors["timestamps"]
     except KeyError as e:
         raise CodecError("bad_header", f"missing tensor {e}") from None
@@ -221,4 +240,7 @@ def decode(blob: bytes | bytearray | memoryview, expected_model_version: str | N
         fingerprint=fingerprint,
         model_version=model_version,
         meta=meta,
+        kv_format=kv_format,
+        scales=scales,
+        exact_dtype=exact_dtype,
     )

@@ -17,6 +17,9 @@ Primitives:
   - ``forget(user_ids)``, ``cached_length``, ``where``, ``metrics``, ``layout``, ``persist_unwritten``.
 - ``Entry``, ``Plan``, ``LeaseResult``: its records.
 
+The device tier holds prefixes as computed, host and disk in the cold format (``kv_formats``);
+every tier's byte counts (budgets, room-making, metrics) are the bytes it stores.
+
 Placement and eviction policy (LRU per tier, pins respected): an entry goes to the highest tier
 whose budget can take it. Making room on the device demotes the least recently used *unpinned*
 device entry to host; making room on host demotes the least recently used *unleased* host entry
@@ -44,6 +47,7 @@ from typing import Any, Literal
 import torch
 
 from relaygr.workers.disk_writer import DiskWriter
+from relaygr.workers.kv_formats import check_format, cold_nbytes, to_warm
 from relaygr.workers.leases import LeaseTable
 from relaygr.workers.prefix_kv import Events, PrefixKV, history_fingerprint
 from relaygr.workers.store_counters import StoreCounters
@@ -116,6 +120,7 @@ class PrefixPlacement:
         self.clock = clock
         self.lock = threading.RLock()
         self.counters = StoreCounters()
+        self.cold_format = check_format(config.cold_kv_format)
         self._on_host = on_host or (lambda key, entry: None)
         self._device_tier: MemoryTier[StoreKey, Entry] = MemoryTier("device", config.device_budget_bytes)
         self._host_tier: MemoryTier[StoreKey, Entry] = MemoryTier("host", config.host_budget_bytes)
@@ -131,8 +136,9 @@ class PrefixPlacement:
                     if key[1] != model_version:
                         self.disk.delete(key)
                         self.counters["disk_purged_other_version"] += 1
+            backlog, on_write = config.disk_backlog_bytes, self._on_disk_write
             self.writer = DiskWriter(
-                self.disk, config.disk_backlog_bytes, self.lock, self.counters, self._on_disk_write
+                self.disk, backlog, self.lock, self.counters, on_write, cold_format=self.cold_format
             )
         self.tiers = ("device", "host", "disk") if self.disk is not None else ("device", "host")
 
@@ -258,12 +264,17 @@ class PrefixPlacement:
             self._spill(victim, entry)
         return True
 
+    def host_bytes(self, prefix: PrefixKV) -> int:
+        """Bytes ``prefix`` takes in the host tier: its cold form's (``kv_formats``)."""
+        return cold_nbytes(prefix, self.cold_format)
+
     def _demote_from_device(self, key: StoreKey) -> None:
         entry = self._device_tier.pop(key)
         assert entry is not None
-        if self._make_host_room(entry.nbytes):
-            entry.tier = "host"
-            self._host_tier.add(key, entry, entry.nbytes)
+        host_nb = self.host_bytes(entry.prefix)
+        if self._make_host_room(host_nb):
+            entry.tier, entry.nbytes = "host", host_nb
+            self._host_tier.add(key, entry, host_nb)
             self.counters["demotions_device_to_host"] += 1
             self._on_host(key, entry)
         else:
@@ -294,6 +305,8 @@ class PrefixPlacement:
     def _place(self, key: StoreKey, prefix: PrefixKV, gen: int, on_disk: bool) -> str:
         """Put ``prefix`` in the highest tier that takes it; returns "device", "host", "disk" or
         "none". The key must have no memory entry."""
+        if prefix.kv_format != "exact":  # the device tier holds exact prefixes only
+            prefix = to_warm(prefix, prefix.device)
         nb = prefix.nbytes()
         lease = self._leases.get(key)
         to_device = False
@@ -313,10 +326,11 @@ class PrefixPlacement:
             self._device_tier.add(key, entry, nb)
             self._entries[key] = entry
             return "device"
-        entry = Entry(prefix, nb, "host", gen, on_disk)
+        host_nb = self.host_bytes(prefix)
+        entry = Entry(prefix, host_nb, "host", gen, on_disk)
         self._entries[key] = entry
-        if self._make_host_room(nb):
-            self._host_tier.add(key, entry, nb)
+        if self._make_host_room(host_nb):
+            self._host_tier.add(key, entry, host_nb)
             self._on_host(key, entry)
             return "host"
         self._spill(key, entry)

@@ -14,7 +14,8 @@ Primitives:
   ``max_len - step`` and ``max_len`` events.
 - ``PrefixKV``: what pre-inference leaves behind for ranking — per-layer keys and values of the
   prefix tokens plus what the suffix needs to attend to them (positions, timestamps, length),
-  the fingerprint of the history it came from and the version of the model that computed it.
+  the fingerprint of the history it came from and the version of the model that computed it; in
+  a cold tier, possibly in a compressed form (``kv_formats``).
 
 This module is the interface between the model (which produces and consumes ``PrefixKV``) and the
 prefix store (which keeps it in device memory, host memory or RocksDB). It imports only torch.
@@ -116,6 +117,11 @@ class PrefixKV:
     fingerprint: bytes
     model_version: str
     meta: dict[str, str] = field(default_factory=dict)
+    # A cold tier's compressed form (``kv_formats``): keys and values in ``kv_format``, with the
+    # int8 scales, to be decoded to ``exact_dtype``. The model only ever sees "exact" prefixes.
+    kv_format: str = "exact"
+    scales: list[torch.Tensor] = field(default_factory=list)
+    exact_dtype: torch.dtype | None = None
 
     @property
     def device(self) -> torch.device:
@@ -131,7 +137,7 @@ class PrefixKV:
 
     def nbytes(self) -> int:
         """Bytes held by all tensors (what the prefix store budgets)."""
-        tensors = [*self.keys, *self.values, self.positions, self.timestamps]
+        tensors = [*self.keys, *self.values, *self.scales, self.positions, self.timestamps]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def to(self, device: torch.device | str, *, pin: bool = False, non_blocking: bool = False) -> PrefixKV:
@@ -150,6 +156,7 @@ class PrefixKV:
             self,
             keys=[move(k) for k in self.keys],
             values=[move(v) for v in self.values],
+            scales=[move(s) for s in self.scales],
             positions=move(self.positions),
             timestamps=move(self.timestamps),
             meta=dict(self.meta),

@@ -1,7 +1,8 @@
 """The memory-aware expander: a tiered store of ``PrefixKV`` with leases, promotion and single-flight.
 
 Primitives:
-- ``PrefixStoreConfig``: devices, byte budgets per tier, disk folder, lease TTL, disk policy.
+- ``PrefixStoreConfig``: devices, byte budgets per tier, disk folder, lease TTL, disk policy, the
+  cold tiers' format (``cold_kv_format``: exact, bf16 or int8; promotion decodes to the model's dtype).
 - ``PrefixStore``: the asynchronous orchestration over the placement core (``placement``: which
   tier holds each prefix, leases, room-making, demotion, spill, all synchronous and testable
   without asyncio). One entry per key ``(user_id, model_version)`` in at most one memory tier
@@ -47,6 +48,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from relaygr.workers.kv_codec import CodecError, decode
+from relaygr.workers.kv_formats import ColdFormat, to_cold, to_warm
 from relaygr.workers.leases import DEFAULT_LEASE_TTL_S
 from relaygr.workers.placement import (
     Entry,
@@ -120,6 +122,13 @@ class PrefixStoreConfig(BaseModel):
         512 << 20,
         ge=0,
         description="Most bytes of prefixes waiting for the disk writer; a write beyond it is dropped and counted.",
+    )
+    cold_kv_format: ColdFormat = Field(
+        "exact",
+        description=(
+            "How the host and disk tiers store keys and values: exact (the model's dtype), bf16, or "
+            "int8 with a float16 scale per token and head. The device tier is always exact."
+        ),
     )
     persist_on_close: bool = Field(
         True, description="At close, write memory entries that the disk lacks so that a restart finds them."
@@ -201,17 +210,23 @@ class PrefixStore:
         return self.placement.put(user_id, prefix, keep_longer=keep_longer)
 
     def _schedule_host_copy(self, key: StoreKey, entry: Entry) -> None:
-        """Move a demoted entry's tensors to host memory off the calling thread. Until the copy
-        lands the entry keeps its device tensors (and is promoted back without a copy)."""
+        """Move a demoted entry's tensors to host memory, in the cold format, off the calling
+        thread. Until the copy lands the entry keeps its device tensors (and is promoted back
+        without a copy)."""
         src = entry.prefix
-        needs_copy = src.device.type != "cpu" or (
-            self._pin and torch.cuda.is_available() and src.keys and not src.keys[0].is_pinned()
+        fmt = self.placement.cold_format
+        needs_copy = (
+            src.device.type != "cpu"
+            or src.kv_format != fmt
+            or (self._pin and torch.cuda.is_available() and src.keys and not src.keys[0].is_pinned())
         )
         if not needs_copy or self._closed:
             return
 
         def copy() -> None:
-            self.placement.replace_host_tensors(key, entry, src, src.to("cpu", pin=self._pin))
+            # Compressed where the tensors are (the device's bandwidth), then moved.
+            cold = to_cold(src, fmt).to("cpu", pin=self._pin)
+            self.placement.replace_host_tensors(key, entry, src, cold)
 
         self._executor.submit(copy)
 
@@ -266,8 +281,8 @@ class PrefixStore:
                 assert plan.pending is not None
                 src = plan.pending[1]
             moved = src
-            if not same_device(src.device, self.device):
-                moved = await loop.run_in_executor(self._executor, src.to, self.device)
+            if src.kv_format != "exact" or not same_device(src.device, self.device):
+                moved = await loop.run_in_executor(self._executor, to_warm, src, self.device)
             self.placement.promoted(key, plan, moved)
             return Lookup(moved, "host", plan.invalidated)
 
@@ -275,8 +290,10 @@ class PrefixStore:
         meta = plan.disk_meta
         try:
             loaded = await loop.run_in_executor(self._reader, self._read_disk, key, meta)
-            if loaded is not None and not same_device(loaded.device, self.device):
-                loaded = await loop.run_in_executor(self._executor, loaded.to, self.device)
+            if loaded is not None and (
+                loaded.kv_format != "exact" or not same_device(loaded.device, self.device)
+            ):
+                loaded = await loop.run_in_executor(self._executor, to_warm, loaded, self.device)
         except CodecError as e:
             self.placement.corrupt(key, meta.seq)
             log.warning("prefix store: corrupt disk entry %r deleted (%s)", key, e)
@@ -298,6 +315,8 @@ class PrefixStore:
             if seq == meta.seq:
                 raise CodecError("bad_header", "blob does not match its index record")
             return None  # rewritten since the plan with another history: not what was validated
+        if self.device.type == "cpu":  # decoded here: no hop to the device executor for it
+            prefix = to_warm(prefix, self.device)
         return prefix
 
     # ------------------------------------------------------------------ compute, single-flight

@@ -46,6 +46,7 @@ import torch
 
 from relaygr.workers.device_jobs import run_in_burst, run_job, run_steps
 from relaygr.workers.engine_config import EngineConfig
+from relaygr.workers.kv_formats import token_bytes
 from relaygr.workers.latency_model import LatencyModel
 from relaygr.workers.model import HSTURanker
 from relaygr.workers.pacing import DevicePacing, Slicer
@@ -556,6 +557,5 @@ class RankingEngine:
 
 def kv_bytes_per_token(model: HSTURanker) -> int:
     c = model.config
-    elem = torch.empty((), dtype=model.dtype).element_size()
-    # keys + values per layer, plus the position (int64) and timestamp (float64) of the token.
-    return len(model.layers) * c.heads * (c.attn_dim + c.linear_dim) * elem + 16
+    # keys + values per layer in the model's dtype, plus the token's position and timestamp.
+    return token_bytes(len(model.layers), c.heads, c.attn_dim, c.linear_dim, model.dtype, "exact")

@@ -87,6 +87,9 @@ class DeviceScheduler:
         # Yielding chunked jobs between two steps, until the jobs queued at their boundary ran.
         self._parked: list[_Job] = []
         self.busy_s = {Priority.RANK: 0.0, Priority.PREFILL: 0.0}
+        # The device thread's CPU time in those jobs: on a CPU device, the work itself, without
+        # the time other processes of a shared machine took the core away.
+        self.cpu_s = {Priority.RANK: 0.0, Priority.PREFILL: 0.0}
         self.jobs_done = {Priority.RANK: 0, Priority.PREFILL: 0}
         self.batches_run = 0  # turns that ran more than one batched job
         self._thread = threading.Thread(target=self._run, name=f"relaygr-{name}", daemon=True)
@@ -223,12 +226,13 @@ class DeviceScheduler:
             if job.fut.cancelled():
                 continue
             prio = Priority(job.priority)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 result, exc = job.fn(), None
             except BaseException as e:  # handed to the awaiting coroutine
                 result, exc = None, e
             self.busy_s[prio] += time.perf_counter() - t0
+            self.cpu_s[prio] += time.thread_time() - c0
             with self._cv:
                 self._running = None
                 if job.steps and exc is None and result is None and not self._closed:
@@ -282,7 +286,7 @@ class DeviceScheduler:
                 self._running = None
             return
         prio = Priority(min(j.priority for j in jobs))
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         assert jobs[0].run_batch is not None
         try:
             results, exc = jobs[0].run_batch([j.item for j in jobs]), None
@@ -291,6 +295,7 @@ class DeviceScheduler:
         except BaseException as e:
             results, exc = [None] * len(jobs), e
         self.busy_s[prio] += time.perf_counter() - t0
+        self.cpu_s[prio] += time.thread_time() - c0
         with self._cv:
             self._running = None
         self.jobs_done[prio] += len(jobs)

@@ -1,0 +1,156 @@
+"""Capacity plan: cache bytes, device time and ranking workers for a user base and a load.
+
+From the model's KV bytes per event in each cold-tier format (exact, bf16, int8) and the latency
+model calibrated on this machine (``<model>/calibration.json`` or ``RELAYGR_CALIBRATION_FILE``;
+``relaygr calibrate`` writes it), for ``--users`` users sending ``--qps`` requests per second with
+histories of median ``--history-p50`` and 99th percentile ``--history-p99`` events (log-normal,
+capped at the model's ``max_seq_len``): the bytes per cached user on device, host and disk, users
+per GB (10^9 bytes) of each tier, the pre-inference device time per second, and the ranking
+workers needed for ``--hit-rate`` (their tier budgets are the RELAYGR_*_CACHE_MB settings).
+The models behind each figure are those of ``relaygr.workers.capacity``, restated in the output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from relaygr.tools.args import float_above, int_at_least, open_fraction
+
+ASSUMPTIONS = (
+    "cached users: those the trigger pre-infers (full ranking of min(history, max_seq_len) predicted "
+    "over budget x theta); a cached user holds the whole served history (retain_suffix)",
+    "bytes: device tier in the model's dtype; host in the cold format; disk in the cold format plus "
+    "the blob's header, alignment, checksum and sequence number",
+    "device time: pre-inference of p events (predict(p) - predict(0)) x prefill_pace on a miss (and "
+    "the events new since the last ranking beyond the suffix on a hit); relay ranking (predict(p + "
+    "suffix + C) - predict(p)) x relay_pace; full ranking predict(n); the paces come from `relaygr "
+    "calibrate` (1 when the calibration file has none)",
+    "hit rate: LRU with equally active users holds the most recent ones, so hit rate = the share of "
+    "at-risk users the workers' tiers hold together (skewed activity only raises it)",
+    "workers: enough for the cached users in device + host + disk budgets, and for the device time "
+    "at --max-utilisation",
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--users", type=int_at_least(1), required=True, help="users of the service")
+    parser.add_argument("--qps", type=float_above(0), required=True, help="ranking requests per second")
+    parser.add_argument("--history-p50", type=int_at_least(1), required=True, help="median history events")
+    parser.add_argument("--history-p99", type=int_at_least(1), required=True, help="99th percentile events")
+    parser.add_argument("--model", type=Path, help="checkpoint folder (default: RELAYGR_MODEL_DIR)")
+    parser.add_argument("--calibration", type=Path, help="latency model JSON (default: the model's)")
+    parser.add_argument(
+        "--format",
+        choices=["exact", "bf16", "int8", "all"],
+        default="all",
+        help="cold-tier format(s) to plan for (default: all three side by side)",
+    )
+    parser.add_argument("--hit-rate", type=open_fraction, default=0.9, help="target hit rate of cached users")
+    parser.add_argument(
+        "--new-events", type=int_at_least(0), default=0, help="events a returning user adds between requests"
+    )
+    parser.add_argument(
+        "--max-utilisation", type=open_fraction, default=0.7, help="device busy share a worker may run at"
+    )
+    parser.add_argument("--json", action="store_true", help="one JSON line")
+
+
+def run(args: argparse.Namespace) -> int:
+    from relaygr.streams.config import PipelineSettings
+    from relaygr.streams.trigger import TriggerConfig
+    from relaygr.workers.capacity import ModelShape, WorkerShape, Workload, capacity_plan, lognormal_lengths
+    from relaygr.workers.latency_model import LatencyModel
+    from relaygr.workers.model import HSTUConfig
+
+    if args.history_p99 < args.history_p50:
+        raise SystemExit("plan: --history-p99 must be at least --history-p50")
+    settings = PipelineSettings()
+    model_dir = args.model or settings.model_dir
+    config_file = Path(model_dir) / "config.json"
+    if not config_file.exists():
+        raise SystemExit(f"plan: no model in {model_dir} (train one with `relaygr train --out {model_dir}`)")
+    config = HSTUConfig.model_validate(json.loads(config_file.read_text()))
+    calibration = args.calibration or settings.calibration_file or Path(model_dir) / "calibration.json"
+    if not Path(calibration).exists():
+        raise SystemExit(f"plan: no latency model at {calibration} (write one with `relaygr calibrate`)")
+    latency = LatencyModel.load(calibration)
+    calibrated = json.loads(Path(calibration).read_text())
+    paces = {k: tuple(map(tuple, calibrated.get(k, [[0.0, 1.0]]))) for k in ("prefill_pace", "relay_pace")}
+    shape = ModelShape.of(config)
+    workload = Workload(
+        users=args.users,
+        qps=args.qps,
+        budget_ms=settings.budget_ms,
+        theta=settings.theta,
+        short_term=settings.short_term,
+        min_prefix=TriggerConfig.model_fields["min_prefix"].default,
+        candidates=settings.max_rank_candidates,
+        hit_rate=args.hit_rate,
+        new_events=args.new_events,
+        slice_ms=settings.device_slice_ms,
+        **paces,
+    )
+    mib = 1 << 20
+    worker = WorkerShape(
+        device_bytes=int(settings.device_cache_mb * mib),
+        host_bytes=int(settings.host_cache_mb * mib),
+        disk_bytes=int(settings.disk_cache_mb * mib),
+        max_utilisation=args.max_utilisation,
+    )
+    formats = ("exact", "bf16", "int8") if args.format == "all" else (args.format,)
+    lengths = lognormal_lengths(args.history_p50, args.history_p99, shape.max_seq_len)
+    plan = capacity_plan(shape, latency, lengths, workload, worker, formats)
+    out = {
+        "plan": plan,
+        "history_p50": args.history_p50,
+        "history_p99": args.history_p99,
+        "max_seq_len": shape.max_seq_len,
+        "latency_model": {
+            "coeffs": latency.coeffs(),
+            "file": str(calibration),
+            **paces,
+            "paces_measured": all(k in calibrated for k in paces),
+        },
+        "worker_budgets_bytes": {
+            "device": worker.device_bytes,
+            "host": worker.host_bytes,
+            "disk": worker.disk_bytes,
+        },
+        "assumptions": list(ASSUMPTIONS),
+    }
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    _print_table(out)
+    return 0
+
+
+def _print_table(out: dict) -> None:
+    plan = out["plan"]
+    print(
+        f"{plan['users']} users, {plan['qps']:g} req/s, history p50 {out['history_p50']} / p99 "
+        f"{out['history_p99']} events (max_seq_len {out['max_seq_len']})"
+    )
+    print(
+        f"at risk (cached): {plan['at_risk_share']:.1%} of users, mean cached length "
+        f"{plan['mean_cached_len']:.0f} events; {plan['cached_users_for_hit_rate']:.0f} users cached for "
+        f"hit rate {plan['hit_rate']:g}"
+    )
+    print(
+        f"device time: pre-inference {plan['preinfer_device_ms_per_s']:.1f} ms/s, ranking "
+        f"{plan['rank_device_ms_per_s']:.1f} ms/s -> {plan['workers_for_device_time']} worker(s)"
+    )
+    print(
+        f"{'format':7s} {'device B/user':>14s} {'host B/user':>12s} {'disk B/user':>12s} "
+        f"{'host users/GB':>14s} {'disk users/GB':>14s} {'for cache':>10s} {'workers':>8s}"
+    )
+    for fmt, f in plan["formats"].items():
+        b, u = f["bytes_per_cached_user"], f["users_per_gb"]
+        print(
+            f"{fmt:7s} {b['device']:14.0f} {b['host']:12.0f} {b['disk']:12.0f} "
+            f"{u['host'] or 0:14.0f} {u['disk'] or 0:14.0f} {f['workers_for_cache']:10d} {f['workers']:8d}"
+        )
+    for line in out["assumptions"]:
+        print(f"  - {line}")

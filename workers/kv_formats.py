@@ -1,0 +1,159 @@
+"""Formats of the prefix store's cold tiers (host memory and disk): ``exact``, ``bf16`` or ``int8``.
+
+The device tier always holds a prefix exactly as the model computed it. A colder tier may keep its
+keys and values in fewer bytes; a promotion decodes them back to the model's dtype on the device.
+
+Primitives:
+- ``ColdFormat``: ``exact`` (the model's dtype, bit for bit), ``bf16`` (bfloat16 keys and values)
+  or ``int8`` (symmetric int8 with one float16 scale per block; a block is one head's key or
+  value vector of one token, so an outlier token costs precision only to itself).
+- ``to_cold(prefix, fmt) -> PrefixKV``: the cold form, on the prefix's device (an exact or
+  already-cold prefix in that format is returned as it is). Positions are stored as int32 when
+  they fit (they always do below 2^31 events; lossless).
+- ``to_warm(prefix, device) -> PrefixKV``: the exact-dtype prefix on ``device`` (compressed
+  tensors are moved first, then decoded there: fewer bytes cross the bus).
+- ``cold_nbytes(prefix, fmt)``: the bytes of ``to_cold(prefix, fmt)`` without building it.
+- ``token_bytes(layers, heads, attn_dim, linear_dim, dtype, fmt)``: bytes one cached token takes in
+  a format (what ``relaygr plan`` multiplies by history lengths).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Literal, get_args
+
+import torch
+
+from relaygr.workers.prefix_kv import PrefixKV
+
+ColdFormat = Literal["exact", "bf16", "int8"]
+COLD_FORMATS: tuple[str, ...] = get_args(ColdFormat)
+
+_INT8_MAX = 127
+_SCALE_DTYPE = torch.float16
+_MIN_SCALE = 2.0**-24  # the smallest float16 subnormal: an all-zero block stays exactly zero
+_SMALL_POSITIONS = torch.int32
+
+
+def check_format(fmt: str) -> ColdFormat:
+    if fmt not in COLD_FORMATS:
+        raise ValueError(f"cold KV format must be one of {', '.join(COLD_FORMATS)}, got {fmt!r}")
+    return fmt  # type: ignore[return-value]
+
+
+def _elem(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _kv_elem_bytes(fmt: str, exact: torch.dtype) -> int:
+    if fmt == "exact":
+        return _elem(exact)
+    return 2 if fmt == "bf16" else 1
+
+
+def token_bytes(layers: int, heads: int, attn_dim: int, linear_dim: int, dtype: torch.dtype, fmt: str) -> int:
+    """Bytes one cached token takes in ``fmt``: keys and values of every layer (plus the int8
+    scales), its position and its timestamp (float64)."""
+    check_format(fmt)
+    per_layer = heads * (attn_dim + linear_dim) * _kv_elem_bytes(fmt, dtype)
+    if fmt == "int8":
+        per_layer += 2 * heads * _elem(_SCALE_DTYPE)
+    position = 8 if fmt == "exact" else _elem(_SMALL_POSITIONS)
+    return layers * per_layer + position + 8
+
+
+def cold_nbytes(prefix: PrefixKV, fmt: str) -> int:
+    """``to_cold(prefix, fmt).nbytes()``, computed from the shapes alone."""
+    check_format(fmt)
+    if fmt == "exact" or prefix.kv_format == fmt:
+        return prefix.nbytes()
+    if prefix.kv_format != "exact":  # re-encoding a cold prefix goes through its exact form
+        fmt_elem = _kv_elem_bytes(fmt, prefix.exact_dtype or torch.float32)
+    else:
+        fmt_elem = _kv_elem_bytes(fmt, prefix.dtype)
+    total = 0
+    for t in (*prefix.keys, *prefix.values):
+        total += t.numel() * fmt_elem
+        if fmt == "int8":
+            total += (t.numel() // max(1, t.shape[-1])) * _elem(_SCALE_DTYPE)
+    total += prefix.positions.numel() * _elem(_positions_dtype(prefix.positions))
+    return total + prefix.timestamps.numel() * prefix.timestamps.element_size()
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    return a.type == b.type and (a.index or 0) == (b.index or 0)
+
+
+def _positions_dtype(positions: torch.Tensor) -> torch.dtype:
+    if positions.numel() == 0:
+        return _SMALL_POSITIONS
+    top = int(positions.abs().max())
+    return _SMALL_POSITIONS if top < 2**31 else positions.dtype
+
+
+def _quantize(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 values and float16 scales (one per last-axis vector). The scale is rounded to float16
+    before quantizing, so that decoding multiplies by exactly the scale the values were made with."""
+    x = t.float()
+    absmax = x.abs().amax(dim=-1, keepdim=True)
+    scale = (absmax / _INT8_MAX).clamp(min=_MIN_SCALE).to(_SCALE_DTYPE)
+    q = torch.round(x / scale.float()).clamp(-_INT8_MAX, _INT8_MAX).to(torch.int8)
+    return q, scale
+
+
+def to_cold(prefix: PrefixKV, fmt: str) -> PrefixKV:
+    """The cold form of ``prefix`` in ``fmt``, on the prefix's device."""
+    check_format(fmt)
+    if fmt == "exact" or prefix.kv_format == fmt:
+        return prefix
+    if prefix.kv_format != "exact":
+        prefix = to_warm(prefix, prefix.device)
+    if fmt == "bf16":
+        keys = [k.to(torch.bfloat16) for k in prefix.keys]
+        values = [v.to(torch.bfloat16) for v in prefix.values]
+        scales: list[torch.Tensor] = []
+    else:
+        pairs = [_quantize(t) for t in (*prefix.keys, *prefix.values)]
+        n = len(prefix.keys)
+        keys, values = [q for q, _ in pairs[:n]], [q for q, _ in pairs[n:]]
+        scales = [s for _, s in pairs]
+    return replace(
+        prefix,
+        keys=keys,
+        values=values,
+        positions=prefix.positions.to(_positions_dtype(prefix.positions)),
+        kv_format=fmt,
+        scales=scales,
+        exact_dtype=prefix.dtype,
+        meta=dict(prefix.meta),
+    )
+
+
+def to_warm(prefix: PrefixKV, device: torch.device | str) -> PrefixKV:
+    """``prefix`` in its exact dtype on ``device`` (decoded there when it is a cold form)."""
+    device = torch.device(device)
+    moved = prefix if _same_device(prefix.device, device) else prefix.to(device)
+    if moved.kv_format == "exact":
+        return moved
+    dtype = moved.exact_dtype or torch.float32
+    n = len(moved.keys)
+    if moved.kv_format == "int8":
+        if len(moved.scales) != 2 * n:
+            raise ValueError(f"int8 prefix with {len(moved.scales)} scales for {n} layers")
+        # One new tensor per block of values, scaled in place (float16 scales are exact in float32).
+        tensors = [
+            q.to(torch.float32).mul_(s.to(torch.float32)).to(dtype)
+            for q, s in zip((*moved.keys, *moved.values), moved.scales, strict=True)
+        ]
+    else:
+        tensors = [t.to(dtype) for t in (*moved.keys, *moved.values)]
+    return replace(
+        moved,
+        keys=tensors[:n],
+        values=tensors[n:],
+        positions=moved.positions.to(torch.int64),
+        kv_format="exact",
+        scales=[],
+        exact_dtype=None,
+        meta=dict(moved.meta),
+    )
