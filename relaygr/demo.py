@@ -132,7 +132,9 @@ def size_to_machine(
     from relaygr.workers.latency_model import LatencyModel
 
     cfg = json.loads((model_dir / "config.json").read_text())
-    max_seq_len = int(cfg.get("config", cfg).get("max_seq_len") or cfg.get("max_seq_len") or 8192)
+    max_seq_len = int(cfg.get("max_seq_len") or 8192)
+    # The demo never pins cores apart: a CPU device shares its cores with the stages and the broker.
+    device = str(json.loads(calibration.read_text()).get("device", "cpu"))
     work = size_demo(
         LatencyModel.load(calibration),
         budget_ms,
@@ -140,6 +142,7 @@ def size_to_machine(
         short_term,
         history=args.max_history,
         qps=args.qps,
+        shared_device=device.startswith("cpu"),
     )
     _step("workload sized to this machine")
     for line in work.lines():

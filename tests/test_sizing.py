@@ -9,6 +9,7 @@ from relaygr.tools.sizing import (
     BREAK_FACTOR,
     GRID,
     QPS_RANGE,
+    SHARED_DEVICE_MAX_QPS,
     THROUGHPUT_FRACTION,
     relay_ms,
     size_demo,
@@ -80,11 +81,20 @@ def test_flags_override_the_choice_and_are_marked() -> None:
     assert size_demo(SLOW_CPU, BUDGET, 512, SHORT, history=1000).history == 512  # never past the cap
 
 
-def test_relay_ranking_costs_the_suffix_at_the_end_of_the_history() -> None:
+def test_relay_ranking_costs_the_suffix_and_the_candidates_at_the_end_of_the_history() -> None:
     lat = LatencyModel(a=1.0, b=0.01, c=0.0)
-    assert relay_ms(lat, 4096, 64) == pytest.approx(1.0 + 0.64)
+    assert relay_ms(lat, 4096, 64, candidates=128) == pytest.approx(1.0 + 0.01 * 192)
     quad = LatencyModel(a=1.0, b=0.0, c=1e-6)
-    assert relay_ms(quad, 4096, 64) == pytest.approx(1.0 + 1e-6 * (4096**2 - 4032**2))
+    assert relay_ms(quad, 4096, 64, candidates=128) == pytest.approx(1.0 + 1e-6 * (4096**2 - 3904**2))
+    assert relay_ms(lat, 100, 64, candidates=128) == pytest.approx(lat.predict_ms(100))  # all of it
+
+
+def test_a_cpu_device_shared_with_the_stages_gets_a_lower_rate() -> None:
+    alone = size_demo(FAST_CPU, BUDGET, 32768, SHORT)
+    shared = size_demo(FAST_CPU, BUDGET, 32768, SHORT, shared_device=True)
+    assert shared.history == alone.history
+    assert shared.qps == SHARED_DEVICE_MAX_QPS < alone.qps
+    assert "shared with the stages" in shared.why_qps
 
 
 @pytest.mark.parametrize("latency", [SLOW_CPU, FAST_CPU], ids=["slow-cpu", "fast-cpu"])

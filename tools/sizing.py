@@ -7,12 +7,13 @@ experiment read the machine's own calibration (the ``LatencyModel`` of full rank
 Primitives:
 - ``relay_ms(latency, history, short_term)``: predicted time of a relay ranking of ``history``
   events whose prefix is cached: the fixed cost of a ranking plus the marginal cost of the
-  ``short_term`` suffix against the long prefix.
+  ``short_term`` suffix and the candidates against the long prefix.
 - ``Workload``: a chosen history length and rate, the predictions behind them and why (``lines()``
   prints them).
 - ``size_demo(latency, budget_ms, max_seq_len, short_term)``: the shortest history at which full
   ranking is predicted to take ``BREAK_FACTOR`` × the budget (clearly broken), within the model's
-  serving cap; the rate at which relay rankings keep the device ``RELAY_UTILISATION`` busy.
+  serving cap; the rate at which relay rankings keep the device ``RELAY_UTILISATION`` busy (at most
+  ``SHARED_DEVICE_MAX_QPS`` where the device is a CPU shared with the stages).
 - ``size_throughput(latency, budget_ms, max_seq_len, short_term)``: the longest history whose full
   ranking at low load takes ``THROUGHPUT_FRACTION`` of the budget (most of it, with room for the
   queueing that load adds), and the compute ratio of full to relay ranking there.
@@ -38,14 +39,21 @@ GRID = 64
 QPS_RANGE = (1.0, 20.0)
 """The demo's rate: at least one request a second; at most 20, what the stages of one small
 machine sustain next to the ranking worker."""
+SHARED_DEVICE_MAX_QPS = 10.0
+"""At most this rate where the device is a CPU whose cores the ranking workers share with the
+stages and the broker: there Poisson bursts of 20/s queued relay rankings past the budget (one
+of four demo runs on 2 cores: P99 121 ms, against 36-49 ms at the same load)."""
+CANDIDATES = 128
+"""Candidates per request (the trace's and the calibration's)."""
 
 
-def relay_ms(latency: LatencyModel, history: int, short_term: int) -> float:
+def relay_ms(latency: LatencyModel, history: int, short_term: int, candidates: int = CANDIDATES) -> float:
     """Predicted relay ranking of ``history`` events against a cached prefix of all but the last
-    ``short_term``: the fixed cost of a ranking (the candidates, the calls) plus what those events
-    cost at the end of a long history (``predict(n) - predict(n - s)``)."""
-    s = min(short_term, history)
-    return latency.a + latency.predict_ms(history) - latency.predict_ms(history - s)
+    ``short_term``: the fixed cost of a ranking plus what the suffix and the candidates cost at the
+    end of a long history. The calibration times ``n`` events with ``candidates`` candidates
+    (about ``f(n + candidates)``), so that is ``predict(n) - predict(n - short_term - candidates)``."""
+    tail = min(short_term + candidates, history)
+    return latency.a + latency.predict_ms(history) - latency.predict_ms(history - tail)
 
 
 @dataclass(frozen=True)
@@ -108,9 +116,11 @@ def size_demo(
     *,
     history: int | None = None,
     qps: float | None = None,
+    shared_device: bool = False,
 ) -> Workload:
     """The demo's workload on the machine ``latency`` was calibrated on (see the module doc);
-    ``history`` / ``qps`` override the choice (the reasons then say what the machine predicts)."""
+    ``history`` / ``qps`` override the choice (the reasons then say what the machine predicts);
+    ``shared_device``: the device is a CPU shared with the stages (the rate is capped lower)."""
     lo = min(max(MIN_HISTORY, 2 * short_term), max_seq_len)
     longest_ms = latency.predict_ms(max_seq_len)
     target = BREAK_FACTOR * budget_ms
@@ -142,11 +152,13 @@ def size_demo(
         rate, why_rate = qps, f"relay ranking predicted at {relay:.1f} ms each"
     else:
         fit = RELAY_UTILISATION * 1000.0 / max(relay, 1e-3)
-        rate = round(min(QPS_RANGE[1], max(QPS_RANGE[0], fit)), 1)
+        cap = SHARED_DEVICE_MAX_QPS if shared_device else QPS_RANGE[1]
+        rate = round(min(cap, max(QPS_RANGE[0], fit)), 1)
+        shared = " (the device's cores are shared with the stages)" if shared_device else ""
         why_rate = (
             f"relay ranking predicted at {relay:.1f} ms each, so {fit:.0f}/s would keep the device "
             f"{RELAY_UTILISATION:.0%} busy"
-            + (f"; capped at {QPS_RANGE[1]:g}/s" if fit > QPS_RANGE[1] else "")
+            + (f"; capped at {cap:g}/s{shared}" if fit > cap else "")
             + f"; full ranking at this rate would need {rate * full / 10:.0f} % of it"
         )
     given = tuple(k for k, v in (("history", history), ("qps", qps)) if v is not None)
