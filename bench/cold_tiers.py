@@ -179,61 +179,95 @@ def score_errors(
 # ---------------------------------------------------------------------- the store
 
 
-async def store_tier_figures(
-    model: Any, prefixes: list[tuple[int, Events, PrefixKV]], fmt: str, root: str, rounds: int
-) -> dict[str, float]:
-    """Host and disk bytes per cached user as the store accounts them, and promotion from disk."""
+def host_bytes_per_user(model: Any, prefixes: list[tuple[int, Events, PrefixKV]], fmt: str) -> float:
+    """Host-tier bytes per cached user as the store accounts them in ``fmt``."""
     from relaygr.workers.prefix_store import PrefixStore, PrefixStoreConfig
 
-    device = str(model.device)
     total = sum(p.nbytes() for _, _, p in prefixes)
     copies = ThreadPoolExecutor(1, thread_name_prefix="cold-tiers-copy")
-    host_cfg = PrefixStoreConfig(
-        device=device, device_budget_bytes=0, host_budget_bytes=2 * total, cold_kv_format=fmt
+    cfg = PrefixStoreConfig(
+        device=str(model.device), device_budget_bytes=0, host_budget_bytes=2 * total, cold_kv_format=fmt
     )
-    with PrefixStore(host_cfg, model.model_version, executor=copies) as host_store:
+    with PrefixStore(cfg, model.model_version, executor=copies) as store:
         for u, _, p in prefixes:
-            host_store.put(u, p)
+            store.put(u, p)
         copies.submit(lambda: None).result()  # the compressing copies have landed
-        host = host_store.metrics()
-    disk_cfg = PrefixStoreConfig(
-        device=device,
-        device_budget_bytes=0,
-        host_budget_bytes=0,
-        disk_path=f"{root}/{fmt}",
-        disk_budget_bytes=4 * total,
-        disk_backlog_bytes=4 * total,
-        cold_kv_format=fmt,
-        persist_on_close=False,
-    )
-    times: list[float] = []
-    with PrefixStore(disk_cfg, model.model_version, executor=copies) as disk_store:
-        for u, _, p in prefixes:
-            disk_store.put(u, p)
-        disk_store.flush()
-        disk = disk_store.metrics()
+        host = store.metrics()
+    copies.shutdown()
+    return host["bytes_host"] / max(1, host["entries_host"])
+
+
+async def disk_tier_figures(
+    model: Any, prefixes: list[tuple[int, Events, PrefixKV]], root: str, rounds: int
+) -> dict[str, dict[str, float]]:
+    """Per format, disk bytes per cached user and promotion from disk: one store per format, the
+    lookups interleaved (each user in every format in turn, the order rotating), so that whatever
+    else the machine does falls on every format alike."""
+    from relaygr.workers.prefix_store import PrefixStore, PrefixStoreConfig
+
+    total = sum(p.nbytes() for _, _, p in prefixes)
+    copies = ThreadPoolExecutor(1, thread_name_prefix="cold-tiers-copy")
+    stores = {}
+    for fmt in COLD_FORMATS:
+        cfg = PrefixStoreConfig(
+            device=str(model.device),
+            device_budget_bytes=0,
+            host_budget_bytes=0,
+            disk_path=f"{root}/{fmt}",
+            disk_budget_bytes=4 * total,
+            disk_backlog_bytes=4 * total,
+            cold_kv_format=fmt,
+            persist_on_close=False,
+        )
+        stores[fmt] = PrefixStore(cfg, model.model_version, executor=copies)
+    times: dict[str, list[float]] = {f: [] for f in COLD_FORMATS}
+    try:
+        for store in stores.values():
+            for u, _, p in prefixes:
+                store.put(u, p)
+            store.flush()
+        turn = 0
         for _ in range(rounds):
             for u, history, _ in prefixes:
-                t0 = time.perf_counter()
-                found = await disk_store.lookup(u, history)
-                if model.device.type == "cuda":
-                    torch.cuda.synchronize(model.device)
-                times.append((time.perf_counter() - t0) * 1e3)
-                assert found.tier == "disk", found.tier
-    copies.shutdown()
-    times.sort()
+                turn += 1
+                for fmt in COLD_FORMATS[turn % 3 :] + COLD_FORMATS[: turn % 3]:
+                    t0 = time.perf_counter()
+                    found = await stores[fmt].lookup(u, history)
+                    if model.device.type == "cuda":
+                        torch.cuda.synchronize(model.device)
+                    times[fmt].append((time.perf_counter() - t0) * 1e3)
+                    assert found.tier == "disk", found.tier
+        disk = {f: s.metrics() for f, s in stores.items()}
+    finally:
+        for store in stores.values():
+            store.close()
+        copies.shutdown()
+    out = {}
+    for f, ts in times.items():
+        ts.sort()
+        out[f] = {
+            "disk_bytes_per_user": disk[f]["bytes_disk"] / max(1, disk[f]["entries_disk"]),
+            "promote_disk_median_ms": statistics.median(ts),
+            "promote_disk_p99_ms": ts[min(len(ts) - 1, round(0.99 * (len(ts) - 1)))],
+        }
+    return out
+
+
+async def store_tier_figures(
+    model: Any, prefixes: list[tuple[int, Events, PrefixKV]], root: str, rounds: int
+) -> dict[str, dict[str, float]]:
+    """Per format: host and disk bytes per cached user as the store accounts them, and promotion
+    from disk (``disk_tier_figures``)."""
+    disk = await disk_tier_figures(model, prefixes, root, rounds)
     return {
-        "host_bytes_per_user": host["bytes_host"] / max(1, host["entries_host"]),
-        "disk_bytes_per_user": disk["bytes_disk"] / max(1, disk["entries_disk"]),
-        "promote_disk_median_ms": statistics.median(times),
-        "promote_disk_p99_ms": times[min(len(times) - 1, round(0.99 * (len(times) - 1)))],
+        f: {"host_bytes_per_user": host_bytes_per_user(model, prefixes, f), **disk[f]} for f in COLD_FORMATS
     }
 
 
 def store_figures(
     model: Any, requests: list[tuple[int, Events]], users: int, prefix_len: int, rounds: int
 ) -> dict[str, dict[str, float]]:
-    """``store_tier_figures`` per format for the first ``users`` users' prefixes of
+    """``store_tier_figures`` for the first ``users`` users' prefixes of
     ``prefix_len`` events (their histories lengthened as the requests' are)."""
     from relaygr.tools.trace import lengthen
 
@@ -247,7 +281,7 @@ def store_figures(
         prefix_events = lengthen(history, prefix_len)
         prefixes.append((u, prefix_events, model.prefill(prefix_events)))
     with tempfile.TemporaryDirectory(prefix="relaygr-cold-tiers-") as root:
-        return {f: asyncio.run(store_tier_figures(model, prefixes, f, root, rounds)) for f in COLD_FORMATS}
+        return asyncio.run(store_tier_figures(model, prefixes, root, rounds))
 
 
 def long_promotions(store: dict[str, dict[str, float]], length: int) -> dict[str, Any]:

@@ -109,9 +109,8 @@ async def _measure(model: Any, latency: Any, histories: list[tuple[int, Any]], r
     engine.close()
 
     from relaygr.bench.cold_tiers import store_tier_figures
-    from relaygr.workers.kv_formats import COLD_FORMATS
 
-    tiers = {f: await store_tier_figures(model, prefixes, f, root, 1) for f in COLD_FORMATS}
+    tiers = await store_tier_figures(model, prefixes, root, 1)
     n = len(histories)
     return {
         "admitted": admitted,

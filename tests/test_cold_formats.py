@@ -220,3 +220,63 @@ def test_to_cold_leaves_a_prefix_used_by_the_model_untouched() -> None:
     to_cold(p, "int8")
     to_cold(p, "bf16")
     assert all(torch.equal(a, b) for a, b in zip(before, _tensors(p), strict=True))
+
+
+def _square_prefix(n: int) -> PrefixKV:
+    """Keys and values of one shape: ``to_cold`` and the codec lay the int8 blocks back to back."""
+    g = torch.Generator().manual_seed(3)
+    history = _history(n)
+    return PrefixKV(
+        keys=[torch.randn(HEADS, n, DK, generator=g) for _ in range(LAYERS)],
+        values=[torch.randn(HEADS, n, DK, generator=g) * 5 for _ in range(LAYERS)],
+        positions=torch.arange(n, dtype=torch.int64),
+        timestamps=history.timestamps.clone(),
+        length=n,
+        fingerprint=history_fingerprint(history),
+        model_version="m1",
+    )
+
+
+@pytest.mark.parametrize("n", [1, 33])
+def test_back_to_back_int8_blocks_decode_as_each_block_alone(n: int) -> None:
+    from relaygr.workers.kv_formats import _back_to_back
+
+    cold = to_cold(_square_prefix(n), "int8")
+    read = decode(encode(cold))
+    # Both the cold form and the blob read back hold every layer as one run (the fast path) ...
+    assert _back_to_back(_tensors(cold)) is not None and _back_to_back(cold.scales) is not None
+    assert _back_to_back(_tensors(read)) is not None and _back_to_back(read.scales) is not None
+    # ... which decodes exactly as each block scaled on its own.
+    want = [
+        q.to(torch.float32) * s.to(torch.float32) for q, s in zip(_tensors(cold), cold.scales, strict=True)
+    ]
+    for got in (to_warm(cold, "cpu"), to_warm(read, "cpu")):
+        assert all(torch.equal(a, b) for a, b in zip(_tensors(got), want, strict=True))
+        assert got.positions.dtype == torch.int64 and torch.equal(got.timestamps, cold.timestamps)
+    # Blocks copied apart (no longer one run) take the block-by-block path, to the same result.
+    apart = PrefixKV(
+        **{
+            **{
+                f: getattr(cold, f)
+                for f in ("positions", "timestamps", "length", "fingerprint", "model_version")
+            },
+            "keys": [k.clone() for k in cold.keys],
+            "values": [v.clone() for v in cold.values],
+            "scales": [s.clone() for s in cold.scales],
+            "kv_format": "int8",
+            "exact_dtype": torch.float32,
+        }
+    )
+    assert _back_to_back(_tensors(apart)) is None
+    assert all(torch.equal(a, b) for a, b in zip(_tensors(to_warm(apart, "cpu")), want, strict=True))
+
+
+def test_the_codec_reads_a_run_of_like_tensors_as_views_of_one() -> None:
+    from relaygr.workers.kv_formats import _back_to_back
+
+    exact = _square_prefix(9)
+    read = decode(encode(exact))
+    assert _back_to_back(_tensors(read)) is not None
+    assert all(torch.equal(a, b) for a, b in zip(_tensors(read), _tensors(exact), strict=True))
+    mixed = decode(encode(_prefix(9)))  # keys and values of two shapes: two runs
+    assert _back_to_back(_tensors(mixed)) is None and _back_to_back(mixed.keys) is not None

@@ -16,12 +16,15 @@ Layout (all integers little-endian)::
                                meta, kv dtype, cold format (``kv_formats``: exact, bf16 or int8,
                                the dtype it decodes to, the number of int8 scale tensors), and
                                per tensor its dtype, shape, offset, size
-    payload                    the tensors' raw bytes, each starting at a 64-byte boundary
+    payload                    the tensors' raw bytes; a tensor whose dtype or shape differs from
+                               the one before it starts at a 64-byte boundary, one like it follows
+                               it directly (a run: the layers' keys and values, the int8 scales)
     crc32                      u32 over everything above
 
 The checksum is for detecting torn writes and bit rot, not tampering. Decoding copies the payload
 once into a fresh buffer and views every tensor into it, so the result is writable and owns its
-memory. This module imports only the standard library, torch and ``prefix_kv``.
+memory; the tensors of a run are views of one tensor (``kv_formats.to_warm`` decodes a run of
+int8 blocks in one operation). This module imports only the standard library, torch and ``prefix_kv``.
 """
 
 from __future__ import annotations
@@ -90,10 +93,13 @@ def encode(prefix: PrefixKV) -> bytes:
     parts: list[memoryview | bytes] = []
     specs: list[dict[str, Any]] = []
     offset = 0
+    previous: tuple[torch.dtype, torch.Size] | None = None
     for name, t in _tensors(prefix):
         raw = t.detach().to("cpu").contiguous()
         nbytes = raw.numel() * raw.element_size()
-        pad = (-offset) % _ALIGN
+        same = previous == (raw.dtype, raw.shape)
+        previous = (raw.dtype, raw.shape)
+        pad = 0 if same else (-offset) % _ALIGN
         if pad:
             parts.append(bytes(pad))
             offset += pad
@@ -166,6 +172,42 @@ def peek_header(blob: bytes | bytearray | memoryview) -> dict[str, Any]:
     return _split(blob)[0]
 
 
+_Spec = tuple[str, torch.dtype, list[int], int, int, int]  # name, dtype, shape, offset, bytes, count
+
+
+def _checked_spec(spec: Any, payload_bytes: int) -> _Spec:
+    try:
+        name = str(spec["name"])
+        dtype = _DTYPES[spec["dtype"]]
+        shape = [int(s) for s in spec["shape"]]
+        offset, nbytes = int(spec["offset"]), int(spec["nbytes"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise CodecError("bad_header", f"tensor spec {spec!r} ({e})") from None
+    count = 1
+    for s in shape:
+        count *= s
+    if (
+        min(shape, default=0) < 0
+        or count * dtype.itemsize != nbytes
+        or offset < 0
+        or offset + nbytes > payload_bytes
+    ):
+        raise CodecError("bad_header", f"tensor {name} does not fit the payload")
+    return name, dtype, shape, offset, nbytes, count
+
+
+def _runs(specs: list[_Spec]) -> list[list[_Spec]]:
+    """Consecutive tensors of one dtype and shape that lie back to back: each run is read as one."""
+    runs: list[list[_Spec]] = []
+    for spec in specs:
+        last = runs[-1][-1] if runs else None
+        if last is not None and last[1:3] == spec[1:3] and last[3] + last[4] == spec[3]:
+            runs[-1].append(spec)
+        else:
+            runs.append([spec])
+    return runs
+
+
 def decode(blob: bytes | bytearray | memoryview, expected_model_version: str | None = None) -> PrefixKV:
     """Rebuild the ``PrefixKV`` in ``blob`` as CPU tensors."""
     header, payload = _split(blob)
@@ -201,29 +243,13 @@ def decode(blob: bytes | bytearray | memoryview, expected_model_version: str | N
 
     buf = bytearray(payload)  # the one copy; every tensor views into it
     tensors: dict[str, torch.Tensor] = {}
-    for spec in specs:
-        try:
-            name = str(spec["name"])
-            dtype = _DTYPES[spec["dtype"]]
-            shape = [int(s) for s in spec["shape"]]
-            offset, nbytes = int(spec["offset"]), int(spec["nbytes"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise CodecError("bad_header", f"tensor spec {spec!r} ({e})") from None
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        count = 1
-        for s in shape:
-            count *= s
-        if (
-            min(shape, default=0) < 0
-            or count * itemsize != nbytes
-            or offset < 0
-            or offset + nbytes > len(buf)
-        ):
-            raise CodecError("bad_header", f"tensor {name} does not fit the payload")
+    for run in _runs([_checked_spec(spec, len(buf)) for spec in specs]):
+        _, dtype, shape, offset, _, count = run[0]
         if count == 0:
-            tensors[name] = torch.empty(shape, dtype=dtype)
-        else:
-            tensors[name] = torch.frombuffer(buf, dtype=dtype, count=count, offset=offset).reshape(shape)
+            tensors.update((r[0], torch.empty(shape, dtype=dtype)) for r in run)
+            continue
+        block = torch.frombuffer(buf, dtype=dtype, count=count * len(run), offset=offset)
+        tensors.update(zip((r[0] for r in run), block.view(len(run), *shape).unbind(0), strict=True))
     try:
         keys = [tensors[f"k{i}"] for i in range(num_layers)]
         values = [tensors[f"v{i}"] for i in range(num_layers)]

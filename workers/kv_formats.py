@@ -11,7 +11,9 @@ Primitives:
   already-cold prefix in that format is returned as it is). Positions are stored as int32 when
   they fit (they always do below 2^31 events; lossless).
 - ``to_warm(prefix, device) -> PrefixKV``: the exact-dtype prefix on ``device`` (compressed
-  tensors are moved first, then decoded there: fewer bytes cross the bus).
+  tensors are moved first, then decoded there: fewer bytes cross the bus). int8 blocks that lie
+  back to back (as ``to_cold`` and the disk codec lay them out) move in one copy and decode in one
+  multiplication for all layers.
 - ``cold_nbytes(prefix, fmt)``: the bytes of ``to_cold(prefix, fmt)`` without building it.
 - ``token_bytes(layers, heads, attn_dim, linear_dim, dtype, fmt)``: bytes one cached token takes in
   a format (what ``relaygr plan`` multiplies by history lengths).
@@ -101,6 +103,43 @@ def _quantize(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
+def _quantize_layers(
+    keys: list[torch.Tensor], values: list[torch.Tensor]
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """int8 keys, values and their scales; when every block has one shape, all of them in one
+    pass and back to back in memory (``to_warm`` and the codec then treat them as one tensor)."""
+    blocks = (*keys, *values)
+    n = len(keys)
+    if blocks and all(t.shape == blocks[0].shape for t in blocks):
+        q, s = _quantize(torch.stack(blocks))
+        qs, ss = list(q.unbind(0)), list(s.unbind(0))
+    else:
+        pairs = [_quantize(t) for t in blocks]
+        qs, ss = [q for q, _ in pairs], [s for _, s in pairs]
+    return qs[:n], qs[n:], ss
+
+
+def _back_to_back(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """``tensors`` as one tensor ``[len, *shape]`` when they are contiguous views of one base
+    tensor, of one shape and dtype, lying one after another; else None."""
+    first = tensors[0] if tensors else None
+    base = first._base if first is not None else None
+    if first is None or base is None:
+        return None
+    step = first.numel() * first.element_size()
+    start = first.data_ptr()
+    for i, t in enumerate(tensors):
+        if (
+            t._base is not base
+            or t.shape != first.shape
+            or t.dtype != first.dtype
+            or not t.is_contiguous()
+            or t.data_ptr() != start + i * step
+        ):
+            return None
+    return first.as_strided((len(tensors), *first.shape), (first.numel(), *first.stride()))
+
+
 def to_cold(prefix: PrefixKV, fmt: str) -> PrefixKV:
     """The cold form of ``prefix`` in ``fmt``, on the prefix's device."""
     check_format(fmt)
@@ -113,10 +152,7 @@ def to_cold(prefix: PrefixKV, fmt: str) -> PrefixKV:
         values = [v.to(torch.bfloat16) for v in prefix.values]
         scales: list[torch.Tensor] = []
     else:
-        pairs = [_quantize(t) for t in (*prefix.keys, *prefix.values)]
-        n = len(prefix.keys)
-        keys, values = [q for q, _ in pairs[:n]], [q for q, _ in pairs[n:]]
-        scales = [s for _, s in pairs]
+        keys, values, scales = _quantize_layers(prefix.keys, prefix.values)
     return replace(
         prefix,
         keys=keys,
@@ -132,28 +168,40 @@ def to_cold(prefix: PrefixKV, fmt: str) -> PrefixKV:
 def to_warm(prefix: PrefixKV, device: torch.device | str) -> PrefixKV:
     """``prefix`` in its exact dtype on ``device`` (decoded there when it is a cold form)."""
     device = torch.device(device)
+    dtype = prefix.exact_dtype or torch.float32
+    n = len(prefix.keys)
+    if prefix.kv_format == "int8":
+        if len(prefix.scales) != 2 * n:
+            raise ValueError(f"int8 prefix with {len(prefix.scales)} scales for {n} layers")
+        blocks, scales = _back_to_back([*prefix.keys, *prefix.values]), _back_to_back(prefix.scales)
+        if blocks is not None and scales is not None:
+            # Every layer in one copy and one multiplication (float16 scales are exact in float32).
+            warm = blocks.to(device).to(torch.float32).mul_(scales.to(device)).to(dtype)
+            return _exact_form(prefix, list(warm.unbind(0)), device)
     moved = prefix if _same_device(prefix.device, device) else prefix.to(device)
     if moved.kv_format == "exact":
         return moved
-    dtype = moved.exact_dtype or torch.float32
-    n = len(moved.keys)
     if moved.kv_format == "int8":
-        if len(moved.scales) != 2 * n:
-            raise ValueError(f"int8 prefix with {len(moved.scales)} scales for {n} layers")
-        # One new tensor per block of values, scaled in place (float16 scales are exact in float32).
         tensors = [
-            q.to(torch.float32).mul_(s.to(torch.float32)).to(dtype)
+            q.to(torch.float32).mul_(s).to(dtype)
             for q, s in zip((*moved.keys, *moved.values), moved.scales, strict=True)
         ]
     else:
         tensors = [t.to(dtype) for t in (*moved.keys, *moved.values)]
+    return _exact_form(moved, tensors, device)
+
+
+def _exact_form(prefix: PrefixKV, tensors: list[torch.Tensor], device: torch.device) -> PrefixKV:
+    """``prefix`` with ``tensors`` (its layers' keys, then values, decoded) as an exact prefix."""
+    n = len(prefix.keys)
     return replace(
-        moved,
+        prefix,
         keys=tensors[:n],
         values=tensors[n:],
-        positions=moved.positions.to(torch.int64),
+        positions=prefix.positions.to(device, torch.int64),
+        timestamps=prefix.timestamps.to(device),
         kv_format="exact",
         scales=[],
         exact_dtype=None,
-        meta=dict(moved.meta),
+        meta=dict(prefix.meta),
     )
