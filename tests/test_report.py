@@ -181,3 +181,20 @@ def test_run_report_writes_json_markdown_and_plots(tmp_path) -> None:
     h = headline(s)
     assert h["hr@10"] == pytest.approx(20 / 30) and h["paths"] == {"relay": 30}
     json.dumps(h)  # finite or None only
+
+
+def test_prefill_outcomes_keeps_the_last_outcome_of_each_request(tmp_path):
+    from relaygr.tools.report.inputs import prefill_outcomes, prefill_statuses
+
+    worker = tmp_path / "dep" / "ranker-0"
+    worker.mkdir(parents=True)
+    lines = [
+        {"event": "prefill", "request_id": "a", "status": "abandoned"},
+        {"event": "result", "request_id": "a", "path": "full_truncated"},
+        {"event": "prefill", "request_id": "b", "status": "computed"},
+        {"event": "prefill", "request_id": "a", "status": "device"},
+        {"event": "prefill", "request_id": "c", "status": "abandoned"},
+    ]
+    (worker / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in lines) + "{torn")
+    assert prefill_outcomes(tmp_path, {"a", "b", "d"}) == {"a": "device", "b": "computed"}
+    assert sorted(prefill_statuses(tmp_path, {"a", "c"})) == ["abandoned", "abandoned", "device"]

@@ -2,7 +2,8 @@
 ranking workers' event logs.
 
 Primitives: ``read_results`` (the last result per request id), ``read_labels``,
-``read_admitted``, ``read_admitted_ids``, ``prefill_statuses``.
+``read_admitted``, ``read_admitted_ids``, ``prefill_statuses``, ``prefill_outcomes`` (the last
+pre-inference outcome per request id).
 """
 
 from __future__ import annotations
@@ -43,8 +44,7 @@ async def read_admitted(settings, topic: str, request_ids: set[str]) -> int:
     return len(await read_admitted_ids(settings, topic, request_ids))
 
 
-def prefill_statuses(workers_dir: Path, request_ids: set[str] | None = None) -> list[str]:
-    """Pre-inference outcomes from the ranking workers' ``events.jsonl`` under ``workers_dir``."""
+def _prefill_events(workers_dir: Path, request_ids: set[str] | None) -> list[dict]:
     out = []
     for f in sorted(Path(workers_dir).glob("**/events.jsonl")):
         for line in f.read_text().splitlines():
@@ -53,5 +53,15 @@ def prefill_statuses(workers_dir: Path, request_ids: set[str] | None = None) -> 
             except json.JSONDecodeError:
                 continue
             if e.get("event") == "prefill" and (request_ids is None or e.get("request_id") in request_ids):
-                out.append(str(e.get("status")))
+                out.append(e)
     return out
+
+
+def prefill_statuses(workers_dir: Path, request_ids: set[str] | None = None) -> list[str]:
+    """Pre-inference outcomes from the ranking workers' ``events.jsonl`` under ``workers_dir``."""
+    return [str(e.get("status")) for e in _prefill_events(workers_dir, request_ids)]
+
+
+def prefill_outcomes(workers_dir: Path, request_ids: set[str]) -> dict[str, str]:
+    """The last pre-inference outcome of each of ``request_ids`` that has one."""
+    return {str(e["request_id"]): str(e.get("status")) for e in _prefill_events(workers_dir, request_ids)}
