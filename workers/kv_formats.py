@@ -126,18 +126,16 @@ def _back_to_back(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     base = first._base if first is not None else None
     if first is None or base is None:
         return None
+    shape, dtype = first.shape, first.dtype
     step = first.numel() * first.element_size()
-    start = first.data_ptr()
-    for i, t in enumerate(tensors):
-        if (
-            t._base is not base
-            or t.shape != first.shape
-            or t.dtype != first.dtype
-            or not t.is_contiguous()
-            or t.data_ptr() != start + i * step
-        ):
+    at = first.data_ptr()
+    for t in tensors:
+        if t._base is not base or t.data_ptr() != at or t.shape != shape or t.dtype != dtype:
             return None
-    return first.as_strided((len(tensors), *first.shape), (first.numel(), *first.stride()))
+        if not t.is_contiguous():
+            return None
+        at += step
+    return first.as_strided((len(tensors), *shape), (first.numel(), *first.stride()))
 
 
 def to_cold(prefix: PrefixKV, fmt: str) -> PrefixKV:
@@ -176,8 +174,12 @@ def to_warm(prefix: PrefixKV, device: torch.device | str) -> PrefixKV:
         blocks, scales = _back_to_back([*prefix.keys, *prefix.values]), _back_to_back(prefix.scales)
         if blocks is not None and scales is not None:
             # Every layer in one copy and one multiplication (float16 scales are exact in float32).
-            warm = blocks.to(device).to(torch.float32).mul_(scales.to(device)).to(dtype)
-            return _exact_form(prefix, list(warm.unbind(0)), device)
+            if not _same_device(blocks.device, device):
+                blocks, scales = blocks.to(device), scales.to(device)
+            warm = blocks.to(torch.float32).mul_(scales)
+            return _exact_form(
+                prefix, list((warm if dtype == torch.float32 else warm.to(dtype)).unbind(0)), device
+            )
     moved = prefix if _same_device(prefix.device, device) else prefix.to(device)
     if moved.kv_format == "exact":
         return moved
@@ -199,7 +201,9 @@ def _exact_form(prefix: PrefixKV, tensors: list[torch.Tensor], device: torch.dev
         keys=tensors[:n],
         values=tensors[n:],
         positions=prefix.positions.to(device, torch.int64),
-        timestamps=prefix.timestamps.to(device),
+        timestamps=prefix.timestamps
+        if _same_device(prefix.timestamps.device, device)
+        else prefix.timestamps.to(device),
         kv_format="exact",
         scales=[],
         exact_dtype=None,
