@@ -5,7 +5,8 @@ Primitives:
   child process, through ``relaygr train``) unless a checkpoint is there.
 - ``ensure_calibration(model_dir)``: time full ranking of that model on this machine, with the
   workers' thread count, and write ``model_dir/calibration.json``; returns its path.
-Each step is printed as a ``== ...`` line.
+Each step is printed as a ``== ...`` line on standard error (with the training's own output), so a
+command's standard output stays what it promises (one JSON line for ``--json``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 
 
 def _step(msg: str) -> None:
-    print(f"== {msg}", flush=True)
+    print(f"== {msg}", file=sys.stderr, flush=True)
 
 
 def ensure_model(model_dir: Path) -> None:
@@ -25,7 +26,7 @@ def ensure_model(model_dir: Path) -> None:
         return
     _step(f"training the HSTU ranker on MovieLens-100K into {model_dir} (once)")
     cmd = [sys.executable, "-m", "relaygr.cli", "train", "--dataset", "ml-100k", "--out", str(model_dir)]
-    subprocess.run(cmd, check=True)
+    subprocess.run(cmd, check=True, stdout=sys.stderr)
 
 
 def ensure_calibration(model_dir: Path) -> Path:
@@ -38,5 +39,5 @@ def ensure_calibration(model_dir: Path) -> Path:
     model = HSTURanker.load(model_dir)
     threads = PipelineSettings().torch_threads  # time it as the workers will run it
     _, samples = calibrate_and_save(model, path, threads=threads)
-    print("   " + ", ".join(f"{n} tokens {ms:.1f} ms" for n, ms in samples))
+    print("   " + ", ".join(f"{n} tokens {ms:.1f} ms" for n, ms in samples), file=sys.stderr)
     return path
