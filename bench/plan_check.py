@@ -110,6 +110,11 @@ async def _measure(model: Any, latency: Any, histories: list[tuple[int, Any]], r
 
     from relaygr.bench.cold_tiers import store_tier_figures
 
+    if not prefixes:
+        raise SystemExit(
+            "relaygr bench plan: the trigger admitted none of the users at these history lengths, so "
+            "nothing was cached to measure: raise --history-p50 (see the calibration's at-risk length)"
+        )
     tiers = await store_tier_figures(model, prefixes, root, 1)
     n = len(histories)
     return {
