@@ -75,7 +75,7 @@ from relaygr.streams.history import HistoryAlignment, HistoryTable
 from relaygr.streams.history_applier import BehaviourApplier
 from relaygr.streams.offset_tracker import OffsetTracker
 from relaygr.streams.rank_handler import RankHandler
-from relaygr.streams.standby import hand_over
+from relaygr.streams.standby import hand_over, stand_aside
 from relaygr.streams.state_lineage import HistoryLineage, deployment_dir, rewind_old_topic_offsets
 from relaygr.streams.worker_files import WorkerFiles
 from relaygr.workers.calibration import calibrate
@@ -156,7 +156,7 @@ class RankingWorker:
         self.peak_inflight = 0
         self._stop = asyncio.Event()
         # A standby: outside the group, its request partitions held until the hand-over.
-        self.in_group = not standby
+        self.in_group, self.standing_by = not standby, standby
         self.held: set[TopicPartition] = set()
         self.before_fetch: Callable[[], Awaitable[None]] | None = None
         self.handing_over = False
@@ -204,8 +204,12 @@ class RankingWorker:
         return fitted
 
     def _note(self, **fields: object) -> None:
-        """One JSON line per signal handled / result produced (the worker's own audit trail)."""
-        self.events_log.write(json.dumps({"worker_id": self.worker_id, "t": time.time(), **fields}) + "\n")
+        """One JSON line per signal handled / result produced (the worker's own audit trail); a
+        standby's say so (the active process handles those signals too)."""
+        mark = {"standby": True} if self.standing_by else {}
+        self.events_log.write(
+            json.dumps({"worker_id": self.worker_id, "t": time.time(), **fields, **mark}) + "\n"
+        )
 
     def _log_end(self, partition: int) -> int | None:
         """The routed-behaviours partition's log end as the consumer last heard it."""
@@ -562,6 +566,8 @@ def main(
     from relaygr.streams.common import freeze_heap, serve_metrics
 
     keep_host_pages()  # scratch tensors reuse heap pages instead of faulting in fresh ones
+    # A standby: at the lowest priority before the model loads (``streams.standby``).
+    serve_nice = stand_aside(settings, worker_id) if standby else None
     if pipeline.torch_threads:
         torch.set_num_threads(pipeline.torch_threads)
     if not standby:
@@ -579,7 +585,7 @@ def main(
         if standby:
             from relaygr.streams.standby import Standby
 
-            await Standby(worker, metrics_port).run()
+            await Standby(worker, metrics_port, serve_nice).run()
         else:
             await worker.run()
 

@@ -20,13 +20,19 @@ process start on the request path (make before break, under the same static memb
    meanwhile: ``joined``. Its state generation becomes the current one, and the old one is
    deleted once the old process is gone.
 
-A standby warms up at nice +10 (``STANDBY_NICE``, where it may come back to its own level at the
-hand-over): it runs on the cores of the workers serving beside it, and must not slow them.
+A standby warms up at the lowest CPU priority (nice 19, ``STANDBY_NICE``, where it may come back
+to the worker's level at the hand-over; ``relaygr up`` lowers it from its first instruction on),
+and its device thread rests after each pre-inference turn as long as the turn took
+(``WARM_REST_RATIO``; the scheduler's ``pace``): it runs on the cores of the workers serving beside
+it, has no deadline, and must not slow them. While it stands by, its lines in ``events.jsonl``
+say ``"standby": true`` (its pre-inferences are for requests the active process ranks).
 
 Nothing stale is served: the standby's histories and prefixes are computed from the topics, never
 copied from the old generation.
 
-Primitives: ``Standby(worker, metrics_port).run()``; ``hand_over(worker)``, the old process's side:
+Primitives: ``Standby(worker, metrics_port, serve_nice).run()``; ``stand_aside(settings,
+worker_id)``, the standby's first step: every thread at ``STANDBY_NICE``, and the level to serve at;
+``hand_over(worker)``, the old process's side:
 the requests in flight finished and committed, ``handover.json`` written, the pre-inferences still
 running dropped (the successor computes its own), and nothing persisted.
 """
@@ -43,8 +49,11 @@ from typing import TYPE_CHECKING
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from relaygr.infra.kafka import consumer, producer
+from relaygr.infra.settings import Settings
 from relaygr.schemas import PrefillSignal, SchemaError
 from relaygr.streams.common import decode_keyed
+from relaygr.streams.state_lineage import deployment_dir
+from relaygr.streams.worker_files import WorkerFiles
 from relaygr.workers.cores import may_renice_to, nice_tasks
 
 if TYPE_CHECKING:
@@ -53,7 +62,26 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 POLL_S = 0.005  # how often the hand-over file is looked for: the gap it adds to a hand-over
-STANDBY_NICE = 10  # added to the nice level while standing by
+STANDBY_NICE = 19  # the nice level while standing by: the lowest
+WARM_REST_RATIO = 1.0  # while standing by, the device thread rests this × each pre-inference turn
+
+
+def stand_aside(settings: Settings, worker_id: str) -> int | None:
+    """Put every thread of this process (and those it starts later) at ``STANDBY_NICE``. Returns
+    the nice level to serve at after the hand-over: the active process's (``relaygr up`` may have
+    lowered this one already), else the parent's; None where this process could not come back to
+    it (then it stays where it is)."""
+    files = WorkerFiles(deployment_dir(settings, "workers") / worker_id)
+    level = os.getpriority(os.PRIO_PROCESS, 0)
+    for pid in (files.active_pid(), os.getppid()):
+        if pid is not None:
+            with contextlib.suppress(OSError):
+                level = os.getpriority(os.PRIO_PROCESS, pid)
+                break
+    if not may_renice_to(level):
+        return None
+    nice_tasks(os.getpid(), STANDBY_NICE)
+    return level
 
 
 async def hand_over(w: RankingWorker) -> None:
@@ -88,15 +116,15 @@ async def hand_over(w: RankingWorker) -> None:
 class Standby:
     """Stands by for the active process of ``worker``'s id, takes over from it, joins the group."""
 
-    def __init__(self, worker: RankingWorker, metrics_port: int = 0) -> None:
+    def __init__(self, worker: RankingWorker, metrics_port: int = 0, serve_nice: int | None = None) -> None:
         self.w = worker
         self.metrics_port = metrics_port
+        self.serve_nice = serve_nice  # the level to come back to at the hand-over (``stand_aside``)
         self.pid = os.getpid()
         self.partitions: list[int] = []
         self.group: AIOKafkaConsumer | None = None
         self.old_pid: int | None = None
         self.cleanup: asyncio.Task | None = None
-        self.nice = 0
         self.manual_stopped: asyncio.Task | None = None
         names = worker.reg.name
         self.beh, self.sig, self.rank = names("routed_behaviors"), names("prefill"), names("rank")
@@ -105,11 +133,9 @@ class Standby:
         w = self.w
         w.files.clear_handover()  # one left by an earlier hand-over is not for this process
         w.files.write_standby("warming", self.pid)
-        # Warming up beside the serving workers, on their cores: at a lower priority, where this
-        # process may come back to its own at the hand-over.
-        self.nice = os.getpriority(os.PRIO_PROCESS, 0)
-        if may_renice_to(self.nice):
-            nice_tasks(self.pid, self.nice + STANDBY_NICE)
+        # Warming up beside the serving workers, on their cores (at STANDBY_NICE since
+        # ``stand_aside``): pre-inference has no deadline here, so it leaves them the CPU.
+        w.engine.scheduler.pace(WARM_REST_RATIO)
         took = await w.engine.warm_up()
         log.info("%s (standby): warmed up the device in %.2f s", w.worker_id, took)
         partitions = await self._active_partitions()
@@ -249,8 +275,10 @@ class Standby:
         else:
             for p in handed:
                 w.consumer.seek(TopicPartition(self.rank, p), offsets[self.rank][p])
-        nice_tasks(self.pid, self.nice)
-        w.held = set()
+        if self.serve_nice is not None:
+            nice_tasks(self.pid, self.serve_nice)
+        w.engine.scheduler.pace(0)
+        w.held, w.standing_by = set(), False
         w.files.write_standby("serving", self.pid)
         w._note(event="took_over", partitions=handed, offsets={t: o for t, o in offsets.items()})
         log.info("%s (standby): serving %s from %s", w.worker_id, handed, offsets)

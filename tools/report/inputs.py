@@ -44,7 +44,8 @@ async def read_admitted(settings, topic: str, request_ids: set[str]) -> int:
 
 
 def prefill_statuses(workers_dir: Path, request_ids: set[str] | None = None) -> list[str]:
-    """Pre-inference outcomes from the ranking workers' ``events.jsonl`` under ``workers_dir``."""
+    """Pre-inference outcomes from the ranking workers' ``events.jsonl`` under ``workers_dir``
+    (a standby's, for signals the active process handles too, left out)."""
     out = []
     for f in sorted(Path(workers_dir).glob("**/events.jsonl")):
         for line in f.read_text().splitlines():
@@ -52,6 +53,10 @@ def prefill_statuses(workers_dir: Path, request_ids: set[str] | None = None) -> 
                 e = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            if e.get("event") == "prefill" and (request_ids is None or e.get("request_id") in request_ids):
+            if (
+                e.get("event") == "prefill"
+                and not e.get("standby")
+                and (request_ids is None or e.get("request_id") in request_ids)
+            ):
                 out.append(str(e.get("status")))
     return out
