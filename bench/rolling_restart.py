@@ -14,7 +14,8 @@ It prints one JSON line: requests, lost and duplicated results (every result on 
 topic counted per request id), timeouts (results whose ranking took longer than the budget: a
 caller with the ranking budget as its deadline would have given up), per --window-s window of
 send time the relay share and the ranking P99 (nearest rank), per restart how long the standby
-took to warm up, to serve after the hand-over signal and to join, the timeouts and ranking P99
+took to warm up, to serve after the hand-over signal and to join (and, from the worker's audit
+trail, the old process's drain and commit, and signal to serving, in ms), the timeouts and ranking P99
 from the standby's start to one window after its hand-over, and the time until the relay share
 was back to its steady level (that of step 1) after its hand-over, and the host's CPU (busy and
 steal: what else ran on the machine); with --plot, a PNG of the timeline.
@@ -270,6 +271,8 @@ async def _measure(settings: Settings, reg: TopicRegistry, pipe, args, ml, say) 
     sent = await asyncio.to_thread(load.stop)
     host = await cpu.stop()
     results, counts = await count_results(settings, reg, {r.request_id for r in sent})
+    for rs in restarts:
+        rs.update(_handover_ms(settings, rs["worker"]))
     if args.worker_events is not None:
         _copy_worker_events(settings, args.worker_events)
     if args.results is not None:
@@ -336,6 +339,29 @@ def _figures(answered: list[RankedResult], restarts: list[dict], t0: float, budg
         "window_s": args.window_s,
         "windows": windows,
         "plot": str(_plot(windows, restarts, budget_ms, args.warmup_s, args.plot)) if args.plot else None,
+    }
+
+
+def _handover_ms(settings: Settings, worker: str) -> dict[str, float]:
+    """From the worker's audit trail, its last hand-over: how long the old process took from the
+    signal to ``handover.json`` (drain and commit: requests that came meanwhile waited in Kafka),
+    and from the signal until the standby ranked."""
+    import json
+
+    from relaygr.streams.state_lineage import deployment_dir
+
+    events = deployment_dir(settings, "workers") / worker / "events.jsonl"
+    last: dict[str, dict] = {}
+    for line in events.read_text().splitlines():
+        e = json.loads(line)
+        if e.get("event") in ("handed_over", "took_over"):
+            last[e["event"]] = e
+    if len(last) < 2:
+        return {}
+    signalled = last["handed_over"]["t"] - last["handed_over"]["ms"] / 1000
+    return {
+        "drain_commit_ms": last["handed_over"]["ms"],
+        "signal_to_serving_ms": round((last["took_over"]["t"] - signalled) * 1000, 1),
     }
 
 

@@ -48,6 +48,7 @@ import json
 import logging
 import signal
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 
 import torch
@@ -158,8 +159,9 @@ class RankingWorker:
         # A standby: outside the group, its request partitions held until the hand-over.
         self.in_group, self.standing_by = not standby, standby
         self.held: set[TopicPartition] = set()
+        self.prefetched: dict[TopicPartition, deque] = {}  # a standby's requests, kept for its hand-over
         self.before_fetch: Callable[[], Awaitable[None]] | None = None
-        self.handing_over = False
+        self.handing_over = 0.0  # when (epoch s) it was told to hand over; 0: it was not
         self.lineage_task: asyncio.Task | None = None
 
     def _engine(self) -> RankingEngine:
@@ -222,7 +224,7 @@ class RankingWorker:
 
     def hand_over(self) -> None:
         """Stop as ``stop`` does, leaving the committed offsets in ``handover.json``."""
-        self.handing_over = True
+        self.handing_over = time.time()
         self._stop.set()
 
     def group_consumer(self) -> tuple[AIOKafkaConsumer, _Rebalance]:
@@ -329,6 +331,9 @@ class RankingWorker:
                     self.appliers[tp] = asyncio.create_task(
                         self._apply_after(self.appliers.get(tp), tp, msgs)
                     )
+                    continue
+                if tp in self.prefetched:
+                    self.prefetched[tp].extend(msgs)
                     continue
                 for m in msgs:
                     if room <= 0:  # over the bound: fetch this one again later

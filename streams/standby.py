@@ -5,15 +5,16 @@ process start on the request path (make before break, under the same static memb
    process owns (``assignment.json``) with a consumer outside the group (manual assignment): it
    rebuilds their histories from ``routed-behaviors`` into a fresh state generation and pre-infers
    their prefill signals from now on into its own prefix store, so its cache is warm when it takes
-   over. Request partitions stay unfetched; so do signals until the histories are caught up
-   (a prefix of a partial history would need extending later). Then each user whose signal came
+   over. Requests are fetched from then on and kept, never ranked; signals stay unfetched until
+   the histories are caught up (a prefix of a partial history would need extending later). Then each user whose signal came
    within ``standby_warm_s`` (the users the active process keeps warm) is pre-inferred once, and
    once every signal published by then is handled: ``ready``.
 2. Take over. The active process, told to hand over (SIGUSR1), finishes and commits what it holds
    and leaves the committed offsets in ``handover.json``. The standby ranks the requests of those
    partitions from exactly there (the old process handled everything before; so results are
-   produced once), at once, still outside the group: ``serving``. Partitions it did not warm are
-   caught up first.
+   produced once), at once, still outside the group: ``serving``. It has fetched those requests
+   already (``RankingWorker.prefetched``: kept, not ranked, while it stood by), so the first ones
+   wait for no fetch. Partitions it did not warm are caught up first.
 3. Join. It joins the group with the same ``group_instance_id``: the coordinator replaces the
    old member and hands back the same assignment, with no rebalance. Between two fetches the
    worker switches to the group's consumer at the offsets it reached and commits what it did
@@ -44,6 +45,7 @@ import contextlib
 import logging
 import os
 import time
+from collections import deque
 from typing import TYPE_CHECKING
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
@@ -62,6 +64,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 POLL_S = 0.005  # how often the hand-over file is looked for: the gap it adds to a hand-over
+PREFETCH_MAX = 10_000  # requests kept per partition while standing by (older ones fetched again)
 STANDBY_NICE = 19  # the nice level while standing by: the lowest
 WARM_REST_RATIO = 1.0  # while standing by, the device thread rests this × each pre-inference turn
 
@@ -103,6 +106,9 @@ async def hand_over(w: RankingWorker) -> None:
             at = await asyncio.wait_for(w.consumer.position(tp), 5)
         offsets.setdefault(tp.topic, {})[tp.partition] = at
     w.files.write_handover(offsets, os.getpid())
+    # How long the requests that came meanwhile waited for this (drain, commit) before the
+    # standby could take them.
+    w._note(event="handed_over", ms=round((time.time() - w.handing_over) * 1000, 1))
     log.info("%s: handed over at %s", w.worker_id, offsets)
     # Pre-inferences still running: the successor saw their signals and computes its own.
     prefills = [t for t in w.tasks if t.get_name() == w.reg.name("prefill")]
@@ -187,15 +193,21 @@ class Standby:
         ends = await w.consumer.end_offsets(behaviours)
         for tp in behaviours:
             w.applier.catch_up_to(tp.partition, ends.get(tp))
+        w.prefetched = {}
         for p in partitions:
             if offsets is None:
                 await w.consumer.seek_to_end(TopicPartition(self.sig, p))
+                # Requests from now on are fetched and kept, not ranked: at the hand-over those
+                # from its offset on are ranked at once, with no fetch in between.
+                await w.consumer.seek_to_end(TopicPartition(self.rank, p))
+                w.prefetched[TopicPartition(self.rank, p)] = deque(maxlen=PREFETCH_MAX)
             else:
                 w.consumer.seek(TopicPartition(self.sig, p), offsets[self.sig][p])
                 w.consumer.seek(TopicPartition(self.rank, p), offsets[self.rank][p])
         # Held until their histories are caught up: a prefix of a partial history would have to
         # be extended over the rest when the user's next request comes.
         w.held = {TopicPartition(t, p) for t in (self.sig, self.rank) for p in partitions}
+        w.held -= set(w.prefetched)
         w.assigned = set(tps)
         self.partitions = sorted(partitions)
 
@@ -274,7 +286,8 @@ class Standby:
             await self._caught_up()
         else:
             for p in handed:
-                w.consumer.seek(TopicPartition(self.rank, p), offsets[self.rank][p])
+                self._rank_from(TopicPartition(self.rank, p), offsets[self.rank][p])
+        w.prefetched = {}
         if self.serve_nice is not None:
             nice_tasks(self.pid, self.serve_nice)
         w.engine.scheduler.pace(0)
@@ -289,6 +302,18 @@ class Standby:
             "%s: joined the group %.2f s after the hand-over", w.worker_id, time.monotonic() - t_handover
         )
         w.before_fetch = self._switch
+
+    def _rank_from(self, tp: TopicPartition, offset: int) -> None:
+        """Rank the requests of ``tp`` from ``offset`` on: those already fetched at once, or, where
+        the kept ones do not reach back to it, fetched again from there."""
+        w = self.w
+        kept = w.prefetched.pop(tp, deque())
+        if kept and kept[0].offset <= offset <= kept[-1].offset + 1:
+            for m in kept:
+                if m.offset >= offset:
+                    w._spawn(tp, m, w._handle_rank)
+        else:
+            w.consumer.seek(tp, offset)
 
     async def _handed_over(self) -> tuple[dict[str, dict[int, int]], int | None]:
         """The hand-over's offsets and the pid that handed over. An active process that exits
