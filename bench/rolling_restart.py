@@ -15,7 +15,8 @@ topic counted per request id), timeouts (results whose ranking took longer than 
 caller with the ranking budget as its deadline would have given up), per --window-s window of
 send time the relay share and the ranking P99 (nearest rank), per restart how long the standby
 took to warm up, to serve after the hand-over signal and to join (and, from the worker's audit
-trail, the old process's drain and commit, and signal to serving, in ms), the timeouts and ranking P99
+trail, from the signal to the old process's handover.json, to its drain and commit, and to the
+standby's first ranking, in ms), the timeouts and ranking P99
 from the standby's start to one window after its hand-over, and the time until the relay share
 was back to its steady level (that of step 1) after its hand-over, and the host's CPU (busy and
 steal: what else ran on the machine); with --plot, a PNG of the timeline.
@@ -343,9 +344,9 @@ def _figures(answered: list[RankedResult], restarts: list[dict], t0: float, budg
 
 
 def _handover_ms(settings: Settings, worker: str) -> dict[str, float]:
-    """From the worker's audit trail, its last hand-over: how long the old process took from the
-    signal to ``handover.json`` (drain and commit: requests that came meanwhile waited in Kafka),
-    and from the signal until the standby ranked."""
+    """From the worker's audit trail, its last hand-over, in ms from the signal: until the old
+    process wrote ``handover.json`` (requests that came meanwhile waited in Kafka), until it had
+    answered what it held and committed, and until the standby ranked."""
     import json
 
     from relaygr.streams.state_lineage import deployment_dir
@@ -354,13 +355,14 @@ def _handover_ms(settings: Settings, worker: str) -> dict[str, float]:
     last: dict[str, dict] = {}
     for line in events.read_text().splitlines():
         e = json.loads(line)
-        if e.get("event") in ("handed_over", "took_over"):
+        if e.get("event") in ("handed_over", "answered", "took_over"):
             last[e["event"]] = e
-    if len(last) < 2:
+    if "handed_over" not in last or "took_over" not in last:
         return {}
     signalled = last["handed_over"]["t"] - last["handed_over"]["ms"] / 1000
     return {
-        "drain_commit_ms": last["handed_over"]["ms"],
+        "handover_file_ms": last["handed_over"]["ms"],
+        "drain_commit_ms": last.get("answered", {}).get("ms", math.nan),
         "signal_to_serving_ms": round((last["took_over"]["t"] - signalled) * 1000, 1),
     }
 
@@ -399,7 +401,7 @@ def _plot(windows: list[dict], restarts: list[dict], budget_ms: float, warmup_s:
     share.set_ylim(0, 1.05)
     share.set_ylabel("relay share")
     share.legend(fontsize=8, loc="lower right")
-    ax.legend(fontsize=8, loc="center left")
+    ax.legend(fontsize=8, loc="center right")
     over = {p: sum(w["over_budget"] for w in windows if w["phase"] == p) for p in ("warm-up", "measured")}
     ax.set_title(
         "Rolling restart: each ranking worker replaced by a warm standby (dotted)\n"

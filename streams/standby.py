@@ -9,17 +9,21 @@ process start on the request path (make before break, under the same static memb
    the histories are caught up (a prefix of a partial history would need extending later). Then each user whose signal came
    within ``standby_warm_s`` (the users the active process keeps warm) is pre-inferred once, and
    once every signal published by then is handled: ``ready``.
-2. Take over. The active process, told to hand over (SIGUSR1), finishes and commits what it holds
-   and leaves the committed offsets in ``handover.json``. The standby ranks the requests of those
-   partitions from exactly there (the old process handled everything before; so results are
-   produced once), at once, still outside the group: ``serving``. It has fetched those requests
-   already (``RankingWorker.prefetched``: kept, not ranked, while it stood by), so the first ones
-   wait for no fetch. Partitions it did not warm are caught up first.
+2. Take over. The active process, told to hand over (SIGUSR1), stops fetching and at once leaves
+   in ``handover.json`` the first offset of each partition it did not take (its position); then
+   it finishes the requests it holds, commits, and says they are answered. The standby ranks the
+   requests of those partitions from exactly there (the old process takes everything before; so
+   results are produced once), at once, still outside the group: ``serving``. No request waits
+   for the old process's drain, nor for a fetch: the standby has fetched them already
+   (``RankingWorker.prefetched``: kept, not ranked, while it stood by). Partitions it did not warm
+   are caught up first.
 3. Join. It joins the group with the same ``group_instance_id``: the coordinator replaces the
-   old member and hands back the same assignment, with no rebalance. Between two fetches the
-   worker switches to the group's consumer at the offsets it reached and commits what it did
-   meanwhile: ``joined``. Its state generation becomes the current one, and the old one is
-   deleted once the old process is gone.
+   old member and hands back the same assignment, with no rebalance. Once the old process has
+   answered what it held (or is gone without saying so: a crash while it drained; the requests
+   after its last commit are then ranked again, at least once), between two fetches the worker
+   switches to the group's consumer at the offsets it reached and commits what it did meanwhile:
+   ``joined``. Its state generation becomes the current one, and the old one is deleted once the
+   old process is gone.
 
 A standby warms up at the lowest CPU priority (nice 19, ``STANDBY_NICE``, where it may come back
 to the worker's level at the hand-over; ``relaygr up`` lowers it from its first instruction on),
@@ -34,8 +38,9 @@ copied from the old generation.
 Primitives: ``Standby(worker, metrics_port, serve_nice).run()``; ``stand_aside(settings,
 worker_id)``, the standby's first step: every thread at ``STANDBY_NICE``, and the level to serve at;
 ``hand_over(worker)``, the old process's side:
-the requests in flight finished and committed, ``handover.json`` written, the pre-inferences still
-running dropped (the successor computes its own), and nothing persisted.
+``handover.json`` written at its positions, the pre-inferences still running dropped (the successor
+computes its own), the requests in flight finished and committed, ``handover.json`` saying so, and
+nothing persisted.
 """
 
 from __future__ import annotations
@@ -88,26 +93,18 @@ def stand_aside(settings: Settings, worker_id: str) -> int | None:
 
 
 async def hand_over(w: RankingWorker) -> None:
-    """The shut-down's drain and commit when ``w`` hands over: requests only are waited for; per
-    request and signal partition ``handover.json`` names the committed offset (or, for one with
-    nothing fetched since, the member's position: the same)."""
-    rank = w.reg.name("rank")
-    await w._drain({tp for tp in w.assigned if tp.topic == rank}, timeout_s=30)
-    await w._finish_appliers()
-    committed: dict[TopicPartition, int] = {}
-    with contextlib.suppress(Exception):
-        committed = await w._commit()
+    """The shut-down of a process that hands over. ``handover.json`` names at once, per request
+    and signal partition, the first offset this process did not take (its position), and the
+    successor ranks from there while this process finishes the requests it holds (no request
+    waits for that drain); then it commits and says in ``handover.json`` that they are answered."""
+    beh, rank = w.reg.name("routed_behaviors"), w.reg.name("rank")
     offsets: dict[str, dict[int, int]] = {}
     for tp in w.assigned:
-        if tp.topic == w.reg.name("routed_behaviors"):
-            continue
-        at = committed.get(tp)
-        if at is None:
+        if tp.topic != beh:
             at = await asyncio.wait_for(w.consumer.position(tp), 5)
-        offsets.setdefault(tp.topic, {})[tp.partition] = at
+            offsets.setdefault(tp.topic, {})[tp.partition] = at
     w.files.write_handover(offsets, os.getpid())
-    # How long the requests that came meanwhile waited for this (drain, commit) before the
-    # standby could take them.
+    # How long the requests that came meanwhile waited for this before the standby could take them.
     w._note(event="handed_over", ms=round((time.time() - w.handing_over) * 1000, 1))
     log.info("%s: handed over at %s", w.worker_id, offsets)
     # Pre-inferences still running: the successor saw their signals and computes its own.
@@ -115,6 +112,14 @@ async def hand_over(w: RankingWorker) -> None:
     for task in prefills:
         task.cancel()
     await asyncio.gather(*prefills, return_exceptions=True)
+    requests = {tp for tp in w.assigned if tp.topic == rank}
+    await w._drain(requests, timeout_s=30)
+    await w._finish_appliers()
+    with contextlib.suppress(Exception):  # fenced once the successor joined: it commits past them
+        await w._commit()
+    if not w.tracker.pending(requests):  # every request before the offsets has its result
+        w._note(event="answered", ms=round((time.time() - w.handing_over) * 1000, 1))
+        w.files.write_handover(offsets, os.getpid(), answered=True)
     if w.engine.store is not None:  # nor is this state kept: the successor rebuilt its own
         w.engine.store.config = w.engine.store.config.model_copy(update={"persist_on_close": False})
 
@@ -130,6 +135,7 @@ class Standby:
         self.partitions: list[int] = []
         self.group: AIOKafkaConsumer | None = None
         self.old_pid: int | None = None
+        self.handed_rank: dict[int, int] = {}  # request partition -> the hand-over's offset
         self.cleanup: asyncio.Task | None = None
         self.manual_stopped: asyncio.Task | None = None
         names = worker.reg.name
@@ -280,7 +286,8 @@ class Standby:
         w._note(event="standby_ready", partitions=self.partitions, seconds=round(time.monotonic() - t0, 3))
         offsets, self.old_pid = await self._handed_over()
         t_handover = time.monotonic()
-        handed = sorted(offsets.get(self.rank, {}))
+        self.handed_rank = offsets.get(self.rank, {})
+        handed = sorted(self.handed_rank)
         if handed != self.partitions:  # the group moved partitions meanwhile: catch those up first
             await self._assign(handed, offsets)
             await self._caught_up()
@@ -331,9 +338,13 @@ class Standby:
         return handover
 
     async def _switch(self) -> None:
-        """Between two fetches: go on with the group's consumer where the manual one got to."""
+        """Between two fetches: go on with the group's consumer where the manual one got to, once
+        the old process has answered the requests before the hand-over (its commit is then
+        behind this one's)."""
         w, group = self.w, self.group
         assert group is not None
+        if not await self._old_answered():
+            return  # asked again before the next fetch
         w.before_fetch = None
         manual = w.consumer
         positions = {tp: await manual.position(tp) for tp in manual.assignment() if tp.topic != self.beh}
@@ -353,6 +364,39 @@ class Standby:
         w.files.write_standby("joined", self.pid)
         w._note(event="joined", partitions=sorted({tp.partition for tp in mine}))
         self.cleanup = asyncio.create_task(self._after_old_exit())
+
+    async def _old_answered(self) -> bool:
+        """Whether the old process has answered every request before the hand-over's offsets:
+        it said so, or it is gone without saying so (a crash while it drained), and then those
+        after its last commit are ranked again here (at least once, as after any crash)."""
+        if self.old_pid is None or self.w.files.handover_answered():
+            return True
+        if _alive(self.old_pid):
+            return False
+        log.warning("%s: pid %d exited before answering what it held", self.w.worker_id, self.old_pid)
+        assert self.group is not None
+        for p, at in self.handed_rank.items():
+            tp = TopicPartition(self.rank, p)
+            committed = await self.group.committed(tp)
+            if committed is not None and committed < at:
+                await self._rank_range(tp, committed, at)
+        return True
+
+    async def _rank_range(self, tp: TopicPartition, start: int, end: int, timeout_s: float = 30.0) -> None:
+        """Rank the requests of ``tp`` in [start, end), read with a consumer of their own."""
+        w = self.w
+        reader = consumer(w.settings, group_id=None)
+        await reader.start()
+        try:
+            reader.assign([tp])
+            reader.seek(tp, start)
+            deadline = time.monotonic() + timeout_s
+            while await reader.position(tp) < end and time.monotonic() < deadline:
+                for m in (await reader.getmany(tp, timeout_ms=200)).get(tp, []):
+                    if m.offset < end:
+                        w._spawn(tp, m, w._handle_rank)
+        finally:
+            await reader.stop()
 
     async def _after_old_exit(self, timeout_s: float = 120.0) -> None:
         """Once the old process has exited: serve the metrics on its port, delete its state."""

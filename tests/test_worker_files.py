@@ -36,8 +36,11 @@ def test_hand_over_files(tmp_path: Path) -> None:
     assert files.read_assignment() == [1, 3]
     files.write_handover({"p.rank-requests": {1: 40, 3: 7}}, pid=123)
     assert files.read_handover() == ({"p.rank-requests": {1: 40, 3: 7}}, 123)
+    assert not files.handover_answered()
+    files.write_handover({"p.rank-requests": {1: 40, 3: 7}}, pid=123, answered=True)
+    assert files.handover_answered() and files.read_handover() == ({"p.rank-requests": {1: 40, 3: 7}}, 123)
     files.clear_handover()
-    assert files.read_handover() is None
+    assert files.read_handover() is None and not files.handover_answered()
     files.write_standby("ready", 9)
     assert files.read_standby() == ("ready", 9)
     with pytest.raises(ValueError, match="unknown standby state"):
