@@ -35,9 +35,9 @@ knows no Kafka; the ``RankingEngine`` is its only way to the device); behaviours
 the history table by ``streams.history_applier.BehaviourApplier``. Model work runs on the engine's
 device thread; this loop only fetches, schedules and publishes.
 
-Rolling restarts (``streams.standby``, ``streams.worker_files``): on SIGUSR1 the worker finishes
-and commits what it holds, leaves the committed offsets in ``handover.json`` for a standby of its
-id and exits without leaving the group (nor persisting a state its successor rebuilds).
+Rolling restarts (``streams.standby``, ``streams.worker_files``): on SIGUSR1 the worker stops
+fetching, leaves its positions in ``handover.json`` for a standby of its id at once, finishes and
+commits what it holds, and exits without leaving the group or persisting its state.
 """
 
 from __future__ import annotations
@@ -69,11 +69,10 @@ from relaygr.schemas import (
     WorkerStats,
     encode,
 )
-from relaygr.schemas.routing import HEADER_PROGRESS, Positions, decode_positions
 from relaygr.streams.common import DEAD_LETTERS, commit_existing, dead_letter, decode_keyed, deliver
 from relaygr.streams.config import PipelineSettings, engine_config
 from relaygr.streams.history import HistoryAlignment, HistoryTable
-from relaygr.streams.history_applier import BehaviourApplier
+from relaygr.streams.history_applier import BehaviourApplier, ahead_record
 from relaygr.streams.offset_tracker import OffsetTracker
 from relaygr.streams.rank_handler import RankHandler
 from relaygr.streams.standby import hand_over, stand_aside
@@ -161,6 +160,7 @@ class RankingWorker:
         self.held: set[TopicPartition] = set()
         self.prefetched: dict[TopicPartition, deque] = {}  # a standby's requests, kept for its hand-over
         self.before_fetch: Callable[[], Awaitable[None]] | None = None
+        self.fetching: asyncio.Future | None = None  # the loop's fetch (``_fetch``)
         self.handing_over = 0.0  # when (epoch s) it was told to hand over; 0: it was not
         self.lineage_task: asyncio.Task | None = None
 
@@ -223,9 +223,11 @@ class RankingWorker:
         self._stop.set()
 
     def hand_over(self) -> None:
-        """Stop as ``stop`` does, leaving the committed offsets in ``handover.json``."""
+        """Stop as ``stop`` does, at once, leaving the positions in ``handover.json``."""
         self.handing_over = time.time()
         self._stop.set()
+        if self.fetching is not None:  # the fetch waiting for records: no need to wait it out
+            self.fetching.cancel()
 
     def group_consumer(self) -> tuple[AIOKafkaConsumer, _Rebalance]:
         """The group member's consumer, subscribed (not started), and its rebalance listener."""
@@ -281,7 +283,7 @@ class RankingWorker:
 
     async def _shut_down(self) -> None:
         if self.handing_over and self.in_group:
-            await hand_over(self)  # requests drained and committed, handover.json (streams.standby)
+            await hand_over(self)  # handover.json, requests drained and committed (streams.standby)
         else:
             await self._drain(set(self.assigned), timeout_s=30)
             await self._finish_appliers()
@@ -321,11 +323,13 @@ class RankingWorker:
             applying = {tp for tp in self.appliers if tp in assignment}
             self.consumer.pause(*applying)
             self.consumer.resume(*[tp for tp in assignment if tp.topic == beh and tp not in applying])
-            batch = await self.consumer.getmany(timeout_ms=20, max_records=500)
+            batch = await self._fetch()
+            if not batch and self._stop.is_set():
+                break
             for tp, msgs in batch.items():
                 if tp.topic == beh:
                     # Known before it is applied: a request need not wait for other users' records.
-                    self.alignment.fetched(tp.partition, [_ahead_record(m) for m in msgs])
+                    self.alignment.fetched(tp.partition, [ahead_record(m) for m in msgs])
                     # Applied by a task of its own, in slices with the loop free in between: a
                     # burst of one user's behaviours never keeps the requests unread (``hop_rank``).
                     self.appliers[tp] = asyncio.create_task(
@@ -347,6 +351,16 @@ class RankingWorker:
                 await self._commit()
                 last_commit = time.monotonic()
             INFLIGHT.set(len(self.tasks))
+
+    async def _fetch(self) -> dict:
+        """The next batch (at most 20 ms of waiting; a hand-over cuts it short: none was taken)."""
+        self.fetching = asyncio.ensure_future(self.consumer.getmany(timeout_ms=20, max_records=500))
+        try:
+            return await asyncio.shield(self.fetching)
+        except asyncio.CancelledError:
+            if not self.fetching.cancelled():  # this task itself was cancelled
+                raise
+            return {}
 
     async def _apply_after(self, before: asyncio.Task | None, tp: TopicPartition, msgs: list) -> None:
         if before is not None:  # a batch fetched before the pause took effect: keep the order
@@ -478,18 +492,6 @@ class RankingWorker:
         )
 
 
-def _ahead_record(m) -> tuple[int, bytes | None, Positions | None]:
-    """A fetched routed-behaviours record as ``HistoryAlignment.fetched`` keeps it: its offset,
-    its key (the user's), and a progress record's positions (an unreadable one: no positions,
-    and no user)."""
-    if HEADER_PROGRESS not in dict(m.headers or ()):
-        return m.offset, m.key, None
-    try:
-        return m.offset, None, decode_positions(m.value)
-    except ValueError:
-        return m.offset, None, None
-
-
 class _Rebalance(ConsumerRebalanceListener):
     def __init__(self, worker: RankingWorker, group_consumer: AIOKafkaConsumer) -> None:
         self.w = worker
@@ -571,8 +573,7 @@ def main(
     from relaygr.streams.common import freeze_heap, serve_metrics
 
     keep_host_pages()  # scratch tensors reuse heap pages instead of faulting in fresh ones
-    # A standby: at the lowest priority before the model loads (``streams.standby``).
-    serve_nice = stand_aside(settings, worker_id) if standby else None
+    serve_nice = stand_aside(settings, worker_id) if standby else None  # nice 19 before the model loads
     if pipeline.torch_threads:
         torch.set_num_threads(pipeline.torch_threads)
     if not standby:
