@@ -346,7 +346,8 @@ def _figures(answered: list[RankedResult], restarts: list[dict], t0: float, budg
 def _handover_ms(settings: Settings, worker: str) -> dict[str, float]:
     """From the worker's audit trail, its last hand-over, in ms from the signal: until the old
     process wrote ``handover.json`` (requests that came meanwhile waited in Kafka), until it had
-    answered what it held and committed, and until the standby ranked."""
+    answered what it held and committed, and until the standby ranked; and how long the standby's
+    switch to the group's consumer held its loop."""
     import json
 
     from relaygr.streams.state_lineage import deployment_dir
@@ -355,7 +356,7 @@ def _handover_ms(settings: Settings, worker: str) -> dict[str, float]:
     last: dict[str, dict] = {}
     for line in events.read_text().splitlines():
         e = json.loads(line)
-        if e.get("event") in ("handed_over", "answered", "took_over"):
+        if e.get("event") in ("handed_over", "answered", "took_over", "joined"):
             last[e["event"]] = e
     if "handed_over" not in last or "took_over" not in last:
         return {}
@@ -364,6 +365,8 @@ def _handover_ms(settings: Settings, worker: str) -> dict[str, float]:
         "handover_file_ms": last["handed_over"]["ms"],
         "drain_commit_ms": last.get("answered", {}).get("ms", math.nan),
         "signal_to_serving_ms": round((last["took_over"]["t"] - signalled) * 1000, 1),
+        # The new process's switch to the group's consumer: no fetch meanwhile.
+        "switch_ms": last.get("joined", {}).get("switch_ms", math.nan),
     }
 
 

@@ -345,10 +345,17 @@ class Standby:
         assert group is not None
         if not await self._old_answered():
             return  # asked again before the next fetch
+        t0 = time.monotonic()
         w.before_fetch = None
         manual = w.consumer
-        positions = {tp: await manual.position(tp) for tp in manual.assignment() if tp.topic != self.beh}
         await w._finish_appliers()
+        work = [tp for tp in manual.assignment() if tp.topic != self.beh]
+        # What the manual consumer has fetched by now is handled here, not fetched again by the
+        # group's (a request that came during the switch would wait for that fetch).
+        for tp, msgs in (await manual.getmany(*work, timeout_ms=0)).items():
+            for m in msgs:
+                w._spawn(tp, m, w._handle_prefill if tp.topic == self.sig else w._handle_rank)
+        positions = {tp: await manual.position(tp) for tp in work}
         mine = group.assignment()
         for tp in mine:
             if tp.topic == self.beh:
@@ -362,7 +369,11 @@ class Standby:
         w.files.promote(w.state_dir)
         w.files.clear_handover()  # done with
         w.files.write_standby("joined", self.pid)
-        w._note(event="joined", partitions=sorted({tp.partition for tp in mine}))
+        w._note(
+            event="joined",
+            partitions=sorted({tp.partition for tp in mine}),
+            switch_ms=round((time.monotonic() - t0) * 1000, 1),  # the loop fetched nothing meanwhile
+        )
         self.cleanup = asyncio.create_task(self._after_old_exit())
 
     async def _old_answered(self) -> bool:
