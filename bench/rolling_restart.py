@@ -14,14 +14,23 @@ It prints one JSON line: requests, lost and duplicated results (every result on 
 topic counted per request id), timeouts (results whose ranking took longer than the budget: a
 caller with the ranking budget as its deadline would have given up), per --window-s window of
 send time the relay share and the ranking P99 (nearest rank), per restart how long the standby
-took to warm up, to serve after the hand-over signal and to join, and the time until the relay
-share was back to its steady level (that of step 1) after its hand-over, and the host's CPU (busy
-and steal: what else ran on the machine); with --plot, a PNG of the timeline.
+took to warm up, to serve after the hand-over signal and to join (and, from the worker's audit
+trail, from the signal to the old process's handover.json, to its drain and commit, and to the
+standby's first ranking, in ms), the timeouts and ranking P99
+from the standby's start to one window after its hand-over, and the time until the relay share
+was back to its steady level (that of step 1) after its hand-over, and the host's CPU (busy and
+steal: what else ran on the machine); with --plot, a PNG of the timeline.
+
+The restarts are measured at a steady load: timeouts, the ranking P99 and the per-window P99
+range count from the steady level on (step 1's second part onwards). The warm-up, where the
+caches are cold by design, is reported apart (``warmup``: its requests, timeouts, P99 and window
+P99 range), and each window says its ``phase``; the plot shades it.
 
 Primitives (the broker test uses them too): ``LibrdkafkaRequests`` (requests at a rate from a
 confluent-kafka producer in a thread of its own), ``count_results`` (every result of some
 requests, counted per request id), ``lengthened_users`` (users with histories of a given length,
-one request each), ``timeline`` (per window: relay share, ranking P99).
+one request each), ``timeline`` (per window: relay share, ranking P99), ``tail_figures`` (the
+timeouts, P99 and maximum of some results).
 """
 
 from __future__ import annotations
@@ -183,6 +192,27 @@ def timeline(
     ]
 
 
+def tail_figures(results: list[RankedResult], budget_ms: float) -> dict[str, float | int]:
+    """The requests of ``results``, how many took longer than ``budget_ms`` to rank (timeouts),
+    their ranking P99 and maximum (ms), and their relay share."""
+    ms = [ranking_ms(r) for r in results]
+    return {
+        "requests": len(results),
+        "timeouts": sum(m > budget_ms for m in ms),
+        "ranking_p99_ms": round(percentile(ms, 99), 1) if ms else math.nan,
+        "ranking_max_ms": round(max(ms), 1) if ms else math.nan,
+        "relay_share": round(
+            sum(r.path.value.startswith("relay") for r in results) / max(1, len(results)), 3
+        ),
+    }
+
+
+def _p99_range(windows: list[dict]) -> list[float]:
+    """[lowest, highest] ranking P99 of ``windows``."""
+    p99 = [w["ranking_p99_ms"] for w in windows]
+    return [min(p99), max(p99)] if p99 else []
+
+
 def _recovery_s(windows: list[dict[str, float]], at_s: float, level: float, window_s: float) -> float | None:
     """Seconds from ``at_s`` until the first window at or after it whose relay share is back at
     ``level`` begins (0 if the window holding ``at_s`` is; None if none is), window granularity."""
@@ -242,6 +272,8 @@ async def _measure(settings: Settings, reg: TopicRegistry, pipe, args, ml, say) 
     sent = await asyncio.to_thread(load.stop)
     host = await cpu.stop()
     results, counts = await count_results(settings, reg, {r.request_id for r in sent})
+    for rs in restarts:
+        rs.update(_handover_ms(settings, rs["worker"]))
     if args.worker_events is not None:
         _copy_worker_events(settings, args.worker_events)
     if args.results is not None:
@@ -249,18 +281,6 @@ async def _measure(settings: Settings, reg: TopicRegistry, pipe, args, ml, say) 
         args.results.write_text("".join(r.model_dump_json() + "\n" for r in results.values()))
     answered = sorted(results.values(), key=lambda r: r.ts)
     budget_ms = PipelineSettings().budget_ms  # what the pipeline was started with (RELAYGR_BUDGET_MS)
-    windows = timeline(answered, t0, args.window_s, budget_ms)
-    steady = [r for r in answered if args.warmup_s <= r.ts - t0 < args.warmup_s + args.steady_s]
-    steady_share = sum(r.path.value.startswith("relay") for r in steady) / max(1, len(steady))
-    level = 0.95 * steady_share  # "back to its steady level": within 5 % of it
-    for rs in restarts:
-        rs["relay_back_s"] = _recovery_s(windows, rs["at_s"], level, args.window_s)
-        # Why the results sent in the window after the hand-over left the relay path.
-        after = [r for r in answered if 0 <= r.ts - t0 - rs["at_s"] < args.window_s]
-        rs["off_relay_after"] = dict(
-            Counter(r.path_reason or r.path.value for r in after if not r.path.value.startswith("relay"))
-        )
-    slowest = max((ranking_ms(r) for r in answered), default=math.nan)
     return {
         "bench": "rolling_restart",
         "ranking_workers": args.ranking_workers,
@@ -270,19 +290,83 @@ async def _measure(settings: Settings, reg: TopicRegistry, pipe, args, ml, say) 
         "requests": len(sent),
         "lost": len(sent) - len(results),
         "duplicated": sum(c - 1 for c in counts.values() if c > 1),
-        "timeouts": sum(ranking_ms(r) > budget_ms for r in answered),
         "budget_ms": budget_ms,
-        "ranking_max_ms": round(slowest, 1),
-        "ranking_p99_ms": round(percentile([ranking_ms(r) for r in answered], 99), 1),
-        "windows_over_budget": sum(w["ranking_p99_ms"] > budget_ms for w in windows),
+        **_figures(answered, restarts, t0, budget_ms, args),
+        "host_cpu": host["run"],
+    }
+
+
+def _figures(answered: list[RankedResult], restarts: list[dict], t0: float, budget_ms: float, args) -> dict:
+    """The timeline's figures: from the steady level on (the restarts at a steady load), the
+    warm-up apart, per window and per restart (whose entries this completes)."""
+    windows = timeline(answered, t0, args.window_s, budget_ms)
+    for w in windows:  # a window that began in the warm-up is the warm-up's
+        w["phase"] = "warm-up" if w["t_s"] < args.warmup_s else "measured"
+    measured_windows = [w for w in windows if w["phase"] == "measured"]
+    warmup_windows = [w for w in windows if w["phase"] == "warm-up"]
+    measured = [r for r in answered if r.ts - t0 >= args.warmup_s]
+    steady = [r for r in measured if r.ts - t0 < args.warmup_s + args.steady_s]
+    steady_share = sum(r.path.value.startswith("relay") for r in steady) / max(1, len(steady))
+    level = 0.95 * steady_share  # "back to its steady level": within 5 % of it
+    for rs in restarts:
+        rs["relay_back_s"] = _recovery_s(windows, rs["at_s"], level, args.window_s)
+        # From the standby's start (it warms up beside the serving workers) to a window after
+        # the hand-over.
+        span = [r for r in answered if -rs["warm_s"] <= r.ts - t0 - rs["at_s"] < args.window_s]
+        tail = tail_figures(span, budget_ms)
+        rs["timeouts"], rs["ranking_p99_ms"] = tail["timeouts"], tail["ranking_p99_ms"]
+        # Why the results sent in the window after the hand-over left the relay path.
+        after = [r for r in answered if 0 <= r.ts - t0 - rs["at_s"] < args.window_s]
+        rs["off_relay_after"] = dict(
+            Counter(r.path_reason or r.path.value for r in after if not r.path.value.startswith("relay"))
+        )
+    figures = tail_figures(measured, budget_ms)
+    warmup = tail_figures([r for r in answered if r.ts - t0 < args.warmup_s], budget_ms)
+    return {
+        "timeouts": figures["timeouts"],  # from the steady level on: steady load and restarts
+        "ranking_max_ms": figures["ranking_max_ms"],
+        "ranking_p99_ms": figures["ranking_p99_ms"],
+        "window_p99_ms": _p99_range(measured_windows),
+        "windows_over_budget": sum(w["ranking_p99_ms"] > budget_ms for w in measured_windows),
+        "warmup": {
+            **warmup,
+            "window_p99_ms": _p99_range(warmup_windows),
+            "windows_over_budget": sum(w["ranking_p99_ms"] > budget_ms for w in warmup_windows),
+        },
         "warmup_s": args.warmup_s,
         "steady_s": args.steady_s,
         "steady_relay_share": round(steady_share, 3),
         "restarts": restarts,
         "window_s": args.window_s,
         "windows": windows,
-        "host_cpu": host["run"],
-        "plot": str(_plot(windows, restarts, budget_ms, args.plot)) if args.plot else None,
+        "plot": str(_plot(windows, restarts, budget_ms, args.warmup_s, args.plot)) if args.plot else None,
+    }
+
+
+def _handover_ms(settings: Settings, worker: str) -> dict[str, float]:
+    """From the worker's audit trail, its last hand-over, in ms from the signal: until the old
+    process wrote ``handover.json`` (requests that came meanwhile waited in Kafka), until it had
+    answered what it held and committed, and until the standby ranked; and how long the standby's
+    switch to the group's consumer held its loop."""
+    import json
+
+    from relaygr.streams.state_lineage import deployment_dir
+
+    events = deployment_dir(settings, "workers") / worker / "events.jsonl"
+    last: dict[str, dict] = {}
+    for line in events.read_text().splitlines():
+        e = json.loads(line)
+        if e.get("event") in ("handed_over", "answered", "took_over", "joined"):
+            last[e["event"]] = e
+    if "handed_over" not in last or "took_over" not in last:
+        return {}
+    signalled = last["handed_over"]["t"] - last["handed_over"]["ms"] / 1000
+    return {
+        "handover_file_ms": last["handed_over"]["ms"],
+        "drain_commit_ms": last.get("answered", {}).get("ms", math.nan),
+        "signal_to_serving_ms": round((last["took_over"]["t"] - signalled) * 1000, 1),
+        # The new process's switch to the group's consumer: no fetch meanwhile.
+        "switch_ms": last.get("joined", {}).get("switch_ms", math.nan),
     }
 
 
@@ -296,14 +380,16 @@ def _copy_worker_events(settings: Settings, out: Path) -> None:
         shutil.copy(f, out / f"{f.parent.name}.events.jsonl")
 
 
-def _plot(windows: list[dict], restarts: list[dict], budget_ms: float, path: Path) -> Path:
-    """Relay share and ranking P99 per window, each hand-over marked."""
+def _plot(windows: list[dict], restarts: list[dict], budget_ms: float, warmup_s: float, path: Path) -> Path:
+    """Relay share and ranking P99 per window, the warm-up shaded, each hand-over marked, the
+    timeouts of the warm-up and of the rest in the title."""
     from relaygr.tools.report.plots import pyplot, save_plot
 
     plt = pyplot()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(7.5, 4.2))
     xs = [w["t_s"] for w in windows]
+    ax.axvspan(0, warmup_s, color="0.9", lw=0, label="warm-up (cold caches; counted apart)")
     ax.plot(
         xs, [w["ranking_p99_ms"] for w in windows], marker="o", color="tab:blue", label="ranking P99 (ms)"
     )
@@ -318,8 +404,13 @@ def _plot(windows: list[dict], restarts: list[dict], budget_ms: float, path: Pat
     share.set_ylim(0, 1.05)
     share.set_ylabel("relay share")
     share.legend(fontsize=8, loc="lower right")
-    ax.legend(fontsize=8, loc="center left")
-    ax.set_title("Rolling restart: each ranking worker replaced by a warm standby (dotted)")
+    ax.legend(fontsize=8, loc="center right")
+    over = {p: sum(w["over_budget"] for w in windows if w["phase"] == p) for p in ("warm-up", "measured")}
+    ax.set_title(
+        "Rolling restart: each ranking worker replaced by a warm standby (dotted)\n"
+        f"rankings over budget: {over['measured']} from the steady level on, {over['warm-up']} in the warm-up",
+        fontsize=10,
+    )
     return save_plot(plt, fig, ax, path, legend=False)
 
 

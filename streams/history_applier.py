@@ -13,6 +13,9 @@ Primitives:
   assigned partition's rebuild up to its log end at assignment (``history_caught_up`` in the
   worker's audit trail, ``relaygr_history_catchup_seconds``); ``forget(partition)`` on revocation.
 
+- ``ahead_record(record)``: a fetched record as ``HistoryAlignment.fetched`` keeps it, before it
+  is applied.
+
 Records are anything with ``offset``, ``key``, ``value`` and ``headers`` (a consumer record):
 this module reads no topic itself.
 """
@@ -211,3 +214,15 @@ class BehaviourApplier:
             events=c.events,
             seconds=round(seconds, 3),
         )
+
+
+def ahead_record(m) -> tuple[int, bytes | None, Positions | None]:
+    """A fetched routed-behaviours record as ``HistoryAlignment.fetched`` keeps it: its offset,
+    its key (the user's), and a progress record's positions (an unreadable one: no positions,
+    and no user)."""
+    if HEADER_PROGRESS not in dict(m.headers or ()):
+        return m.offset, m.key, None
+    try:
+        return m.offset, None, decode_positions(m.value)
+    except ValueError:
+        return m.offset, None, None

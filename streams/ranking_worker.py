@@ -35,9 +35,9 @@ knows no Kafka; the ``RankingEngine`` is its only way to the device); behaviours
 the history table by ``streams.history_applier.BehaviourApplier``. Model work runs on the engine's
 device thread; this loop only fetches, schedules and publishes.
 
-Rolling restarts (``streams.standby``, ``streams.worker_files``): on SIGUSR1 the worker finishes
-and commits what it holds, leaves the committed offsets in ``handover.json`` for a standby of its
-id and exits without leaving the group (nor persisting a state its successor rebuilds).
+Rolling restarts (``streams.standby``, ``streams.worker_files``): on SIGUSR1 the worker stops
+fetching, leaves its positions in ``handover.json`` for a standby of its id at once, finishes and
+commits what it holds, and exits without leaving the group or persisting its state.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ import json
 import logging
 import signal
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 
 import torch
@@ -68,14 +69,13 @@ from relaygr.schemas import (
     WorkerStats,
     encode,
 )
-from relaygr.schemas.routing import HEADER_PROGRESS, Positions, decode_positions
 from relaygr.streams.common import DEAD_LETTERS, commit_existing, dead_letter, decode_keyed, deliver
 from relaygr.streams.config import PipelineSettings, engine_config
 from relaygr.streams.history import HistoryAlignment, HistoryTable
-from relaygr.streams.history_applier import BehaviourApplier
+from relaygr.streams.history_applier import BehaviourApplier, ahead_record
 from relaygr.streams.offset_tracker import OffsetTracker
 from relaygr.streams.rank_handler import RankHandler
-from relaygr.streams.standby import hand_over
+from relaygr.streams.standby import hand_over, stand_aside
 from relaygr.streams.state_lineage import HistoryLineage, deployment_dir, rewind_old_topic_offsets
 from relaygr.streams.worker_files import WorkerFiles
 from relaygr.workers.calibration import calibrate
@@ -156,10 +156,12 @@ class RankingWorker:
         self.peak_inflight = 0
         self._stop = asyncio.Event()
         # A standby: outside the group, its request partitions held until the hand-over.
-        self.in_group = not standby
+        self.in_group, self.standing_by = not standby, standby
         self.held: set[TopicPartition] = set()
+        self.prefetched: dict[TopicPartition, deque] = {}  # a standby's requests, kept for its hand-over
         self.before_fetch: Callable[[], Awaitable[None]] | None = None
-        self.handing_over = False
+        self.fetching: asyncio.Future | None = None  # the loop's fetch (``_fetch``)
+        self.handing_over = 0.0  # when (epoch s) it was told to hand over; 0: it was not
         self.lineage_task: asyncio.Task | None = None
 
     def _engine(self) -> RankingEngine:
@@ -204,8 +206,12 @@ class RankingWorker:
         return fitted
 
     def _note(self, **fields: object) -> None:
-        """One JSON line per signal handled / result produced (the worker's own audit trail)."""
-        self.events_log.write(json.dumps({"worker_id": self.worker_id, "t": time.time(), **fields}) + "\n")
+        """One JSON line per signal handled / result produced (the worker's own audit trail); a
+        standby's say so (the active process handles those signals too)."""
+        mark = {"standby": True} if self.standing_by else {}
+        self.events_log.write(
+            json.dumps({"worker_id": self.worker_id, "t": time.time(), **fields, **mark}) + "\n"
+        )
 
     def _log_end(self, partition: int) -> int | None:
         """The routed-behaviours partition's log end as the consumer last heard it."""
@@ -217,9 +223,11 @@ class RankingWorker:
         self._stop.set()
 
     def hand_over(self) -> None:
-        """Stop as ``stop`` does, leaving the committed offsets in ``handover.json``."""
-        self.handing_over = True
+        """Stop as ``stop`` does, at once, leaving the positions in ``handover.json``."""
+        self.handing_over = time.time()
         self._stop.set()
+        if self.fetching is not None:  # the fetch waiting for records: no need to wait it out
+            self.fetching.cancel()
 
     def group_consumer(self) -> tuple[AIOKafkaConsumer, _Rebalance]:
         """The group member's consumer, subscribed (not started), and its rebalance listener."""
@@ -275,7 +283,7 @@ class RankingWorker:
 
     async def _shut_down(self) -> None:
         if self.handing_over and self.in_group:
-            await hand_over(self)  # requests drained and committed, handover.json (streams.standby)
+            await hand_over(self)  # handover.json, requests drained and committed (streams.standby)
         else:
             await self._drain(set(self.assigned), timeout_s=30)
             await self._finish_appliers()
@@ -315,16 +323,21 @@ class RankingWorker:
             applying = {tp for tp in self.appliers if tp in assignment}
             self.consumer.pause(*applying)
             self.consumer.resume(*[tp for tp in assignment if tp.topic == beh and tp not in applying])
-            batch = await self.consumer.getmany(timeout_ms=20, max_records=500)
+            batch = await self._fetch()
+            if not batch and self._stop.is_set():
+                break
             for tp, msgs in batch.items():
                 if tp.topic == beh:
                     # Known before it is applied: a request need not wait for other users' records.
-                    self.alignment.fetched(tp.partition, [_ahead_record(m) for m in msgs])
+                    self.alignment.fetched(tp.partition, [ahead_record(m) for m in msgs])
                     # Applied by a task of its own, in slices with the loop free in between: a
                     # burst of one user's behaviours never keeps the requests unread (``hop_rank``).
                     self.appliers[tp] = asyncio.create_task(
                         self._apply_after(self.appliers.get(tp), tp, msgs)
                     )
+                    continue
+                if tp in self.prefetched:
+                    self.prefetched[tp].extend(msgs)
                     continue
                 for m in msgs:
                     if room <= 0:  # over the bound: fetch this one again later
@@ -338,6 +351,16 @@ class RankingWorker:
                 await self._commit()
                 last_commit = time.monotonic()
             INFLIGHT.set(len(self.tasks))
+
+    async def _fetch(self) -> dict:
+        """The next batch (at most 20 ms of waiting; a hand-over cuts it short: none was taken)."""
+        self.fetching = asyncio.ensure_future(self.consumer.getmany(timeout_ms=20, max_records=500))
+        try:
+            return await asyncio.shield(self.fetching)
+        except asyncio.CancelledError:
+            if not self.fetching.cancelled():  # this task itself was cancelled
+                raise
+            return {}
 
     async def _apply_after(self, before: asyncio.Task | None, tp: TopicPartition, msgs: list) -> None:
         if before is not None:  # a batch fetched before the pause took effect: keep the order
@@ -469,18 +492,6 @@ class RankingWorker:
         )
 
 
-def _ahead_record(m) -> tuple[int, bytes | None, Positions | None]:
-    """A fetched routed-behaviours record as ``HistoryAlignment.fetched`` keeps it: its offset,
-    its key (the user's), and a progress record's positions (an unreadable one: no positions,
-    and no user)."""
-    if HEADER_PROGRESS not in dict(m.headers or ()):
-        return m.offset, m.key, None
-    try:
-        return m.offset, None, decode_positions(m.value)
-    except ValueError:
-        return m.offset, None, None
-
-
 class _Rebalance(ConsumerRebalanceListener):
     def __init__(self, worker: RankingWorker, group_consumer: AIOKafkaConsumer) -> None:
         self.w = worker
@@ -562,6 +573,7 @@ def main(
     from relaygr.streams.common import freeze_heap, serve_metrics
 
     keep_host_pages()  # scratch tensors reuse heap pages instead of faulting in fresh ones
+    serve_nice = stand_aside(settings, worker_id) if standby else None  # nice 19 before the model loads
     if pipeline.torch_threads:
         torch.set_num_threads(pipeline.torch_threads)
     if not standby:
@@ -579,7 +591,7 @@ def main(
         if standby:
             from relaygr.streams.standby import Standby
 
-            await Standby(worker, metrics_port).run()
+            await Standby(worker, metrics_port, serve_nice).run()
         else:
             await worker.run()
 

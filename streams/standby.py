@@ -5,30 +5,42 @@ process start on the request path (make before break, under the same static memb
    process owns (``assignment.json``) with a consumer outside the group (manual assignment): it
    rebuilds their histories from ``routed-behaviors`` into a fresh state generation and pre-infers
    their prefill signals from now on into its own prefix store, so its cache is warm when it takes
-   over. Request partitions stay unfetched; so do signals until the histories are caught up
-   (a prefix of a partial history would need extending later). Then each user whose signal came
+   over. Requests are fetched from then on and kept, never ranked; signals stay unfetched until
+   the histories are caught up (a prefix of a partial history would need extending later). Then each user whose signal came
    within ``standby_warm_s`` (the users the active process keeps warm) is pre-inferred once, and
    once every signal published by then is handled: ``ready``.
-2. Take over. The active process, told to hand over (SIGUSR1), finishes and commits what it holds
-   and leaves the committed offsets in ``handover.json``. The standby ranks the requests of those
-   partitions from exactly there (the old process handled everything before; so results are
-   produced once), at once, still outside the group: ``serving``. Partitions it did not warm are
-   caught up first.
+2. Take over. The active process, told to hand over (SIGUSR1), stops fetching and at once leaves
+   in ``handover.json`` the first offset of each partition it did not take (its position); then
+   it finishes the requests it holds, commits, and says they are answered. The standby ranks the
+   requests of those partitions from exactly there (the old process takes everything before; so
+   results are produced once), at once, still outside the group: ``serving``. No request waits
+   for the old process's drain, nor for a fetch: the standby has fetched them already
+   (``RankingWorker.prefetched``: kept, not ranked, while it stood by). Partitions it did not warm
+   are caught up first.
 3. Join. It joins the group with the same ``group_instance_id``: the coordinator replaces the
-   old member and hands back the same assignment, with no rebalance. Between two fetches the
-   worker switches to the group's consumer at the offsets it reached and commits what it did
-   meanwhile: ``joined``. Its state generation becomes the current one, and the old one is
-   deleted once the old process is gone.
+   old member and hands back the same assignment, with no rebalance. Once the old process has
+   answered what it held (or is gone without saying so: a crash while it drained; the requests
+   after its last commit are then ranked again, at least once), between two fetches the worker
+   switches to the group's consumer at the offsets it reached and commits what it did meanwhile:
+   ``joined``. Its state generation becomes the current one, and the old one is deleted once the
+   old process is gone.
 
-A standby warms up at nice +10 (``STANDBY_NICE``, where it may come back to its own level at the
-hand-over): it runs on the cores of the workers serving beside it, and must not slow them.
+A standby warms up at the lowest CPU priority (nice 19, ``STANDBY_NICE``, where it may come back
+to the worker's level at the hand-over; ``relaygr up`` lowers it from its first instruction on),
+and its device thread rests after each pre-inference turn as long as the turn took
+(``WARM_REST_RATIO``; the scheduler's ``pace``): it runs on the cores of the workers serving beside
+it, has no deadline, and must not slow them. While it stands by, its lines in ``events.jsonl``
+say ``"standby": true`` (its pre-inferences are for requests the active process ranks).
 
 Nothing stale is served: the standby's histories and prefixes are computed from the topics, never
 copied from the old generation.
 
-Primitives: ``Standby(worker, metrics_port).run()``; ``hand_over(worker)``, the old process's side:
-the requests in flight finished and committed, ``handover.json`` written, the pre-inferences still
-running dropped (the successor computes its own), and nothing persisted.
+Primitives: ``Standby(worker, metrics_port, serve_nice).run()``; ``stand_aside(settings,
+worker_id)``, the standby's first step: every thread at ``STANDBY_NICE``, and the level to serve at;
+``hand_over(worker)``, the old process's side:
+``handover.json`` written at its positions, the pre-inferences still running dropped (the successor
+computes its own), the requests in flight finished and committed, ``handover.json`` saying so, and
+nothing persisted.
 """
 
 from __future__ import annotations
@@ -38,13 +50,17 @@ import contextlib
 import logging
 import os
 import time
+from collections import deque
 from typing import TYPE_CHECKING
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from relaygr.infra.kafka import consumer, producer
+from relaygr.infra.settings import Settings
 from relaygr.schemas import PrefillSignal, SchemaError
 from relaygr.streams.common import decode_keyed
+from relaygr.streams.state_lineage import deployment_dir
+from relaygr.streams.worker_files import WorkerFiles
 from relaygr.workers.cores import may_renice_to, nice_tasks
 
 if TYPE_CHECKING:
@@ -53,34 +69,57 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 POLL_S = 0.005  # how often the hand-over file is looked for: the gap it adds to a hand-over
-STANDBY_NICE = 10  # added to the nice level while standing by
+PREFETCH_MAX = 10_000  # requests kept per partition while standing by (older ones fetched again)
+STANDBY_NICE = 19  # the nice level while standing by: the lowest
+WARM_REST_RATIO = 1.0  # while standing by, the device thread rests this × each pre-inference turn
+
+
+def stand_aside(settings: Settings, worker_id: str) -> int | None:
+    """Put every thread of this process (and those it starts later) at ``STANDBY_NICE``. Returns
+    the nice level to serve at after the hand-over: the active process's (``relaygr up`` may have
+    lowered this one already), else the parent's; None where this process could not come back to
+    it (then it stays where it is)."""
+    files = WorkerFiles(deployment_dir(settings, "workers") / worker_id)
+    level = os.getpriority(os.PRIO_PROCESS, 0)
+    for pid in (files.active_pid(), os.getppid()):
+        if pid is not None:
+            with contextlib.suppress(OSError):
+                level = os.getpriority(os.PRIO_PROCESS, pid)
+                break
+    if not may_renice_to(level):
+        return None
+    nice_tasks(os.getpid(), STANDBY_NICE)
+    return level
 
 
 async def hand_over(w: RankingWorker) -> None:
-    """The shut-down's drain and commit when ``w`` hands over: requests only are waited for; per
-    request and signal partition ``handover.json`` names the committed offset (or, for one with
-    nothing fetched since, the member's position: the same)."""
-    rank = w.reg.name("rank")
-    await w._drain({tp for tp in w.assigned if tp.topic == rank}, timeout_s=30)
-    await w._finish_appliers()
-    committed: dict[TopicPartition, int] = {}
-    with contextlib.suppress(Exception):
-        committed = await w._commit()
+    """The shut-down of a process that hands over. ``handover.json`` names at once, per request
+    and signal partition, the first offset this process did not take (its position), and the
+    successor ranks from there while this process finishes the requests it holds (no request
+    waits for that drain); then it commits and says in ``handover.json`` that they are answered."""
+    beh, rank = w.reg.name("routed_behaviors"), w.reg.name("rank")
     offsets: dict[str, dict[int, int]] = {}
     for tp in w.assigned:
-        if tp.topic == w.reg.name("routed_behaviors"):
-            continue
-        at = committed.get(tp)
-        if at is None:
+        if tp.topic != beh:
             at = await asyncio.wait_for(w.consumer.position(tp), 5)
-        offsets.setdefault(tp.topic, {})[tp.partition] = at
+            offsets.setdefault(tp.topic, {})[tp.partition] = at
     w.files.write_handover(offsets, os.getpid())
+    # How long the requests that came meanwhile waited for this before the standby could take them.
+    w._note(event="handed_over", ms=round((time.time() - w.handing_over) * 1000, 1))
     log.info("%s: handed over at %s", w.worker_id, offsets)
     # Pre-inferences still running: the successor saw their signals and computes its own.
     prefills = [t for t in w.tasks if t.get_name() == w.reg.name("prefill")]
     for task in prefills:
         task.cancel()
     await asyncio.gather(*prefills, return_exceptions=True)
+    requests = {tp for tp in w.assigned if tp.topic == rank}
+    await w._drain(requests, timeout_s=30)
+    await w._finish_appliers()
+    with contextlib.suppress(Exception):  # fenced once the successor joined: it commits past them
+        await w._commit()
+    if not w.tracker.pending(requests):  # every request before the offsets has its result
+        w._note(event="answered", ms=round((time.time() - w.handing_over) * 1000, 1))
+        w.files.write_handover(offsets, os.getpid(), answered=True)
     if w.engine.store is not None:  # nor is this state kept: the successor rebuilt its own
         w.engine.store.config = w.engine.store.config.model_copy(update={"persist_on_close": False})
 
@@ -88,15 +127,16 @@ async def hand_over(w: RankingWorker) -> None:
 class Standby:
     """Stands by for the active process of ``worker``'s id, takes over from it, joins the group."""
 
-    def __init__(self, worker: RankingWorker, metrics_port: int = 0) -> None:
+    def __init__(self, worker: RankingWorker, metrics_port: int = 0, serve_nice: int | None = None) -> None:
         self.w = worker
         self.metrics_port = metrics_port
+        self.serve_nice = serve_nice  # the level to come back to at the hand-over (``stand_aside``)
         self.pid = os.getpid()
         self.partitions: list[int] = []
         self.group: AIOKafkaConsumer | None = None
         self.old_pid: int | None = None
+        self.handed_rank: dict[int, int] = {}  # request partition -> the hand-over's offset
         self.cleanup: asyncio.Task | None = None
-        self.nice = 0
         self.manual_stopped: asyncio.Task | None = None
         names = worker.reg.name
         self.beh, self.sig, self.rank = names("routed_behaviors"), names("prefill"), names("rank")
@@ -105,11 +145,9 @@ class Standby:
         w = self.w
         w.files.clear_handover()  # one left by an earlier hand-over is not for this process
         w.files.write_standby("warming", self.pid)
-        # Warming up beside the serving workers, on their cores: at a lower priority, where this
-        # process may come back to its own at the hand-over.
-        self.nice = os.getpriority(os.PRIO_PROCESS, 0)
-        if may_renice_to(self.nice):
-            nice_tasks(self.pid, self.nice + STANDBY_NICE)
+        # Warming up beside the serving workers, on their cores (at STANDBY_NICE since
+        # ``stand_aside``): pre-inference has no deadline here, so it leaves them the CPU.
+        w.engine.scheduler.pace(WARM_REST_RATIO)
         took = await w.engine.warm_up()
         log.info("%s (standby): warmed up the device in %.2f s", w.worker_id, took)
         partitions = await self._active_partitions()
@@ -161,15 +199,21 @@ class Standby:
         ends = await w.consumer.end_offsets(behaviours)
         for tp in behaviours:
             w.applier.catch_up_to(tp.partition, ends.get(tp))
+        w.prefetched = {}
         for p in partitions:
             if offsets is None:
                 await w.consumer.seek_to_end(TopicPartition(self.sig, p))
+                # Requests from now on are fetched and kept, not ranked: at the hand-over those
+                # from its offset on are ranked at once, with no fetch in between.
+                await w.consumer.seek_to_end(TopicPartition(self.rank, p))
+                w.prefetched[TopicPartition(self.rank, p)] = deque(maxlen=PREFETCH_MAX)
             else:
                 w.consumer.seek(TopicPartition(self.sig, p), offsets[self.sig][p])
                 w.consumer.seek(TopicPartition(self.rank, p), offsets[self.rank][p])
         # Held until their histories are caught up: a prefix of a partial history would have to
         # be extended over the rest when the user's next request comes.
         w.held = {TopicPartition(t, p) for t in (self.sig, self.rank) for p in partitions}
+        w.held -= set(w.prefetched)
         w.assigned = set(tps)
         self.partitions = sorted(partitions)
 
@@ -242,15 +286,19 @@ class Standby:
         w._note(event="standby_ready", partitions=self.partitions, seconds=round(time.monotonic() - t0, 3))
         offsets, self.old_pid = await self._handed_over()
         t_handover = time.monotonic()
-        handed = sorted(offsets.get(self.rank, {}))
+        self.handed_rank = offsets.get(self.rank, {})
+        handed = sorted(self.handed_rank)
         if handed != self.partitions:  # the group moved partitions meanwhile: catch those up first
             await self._assign(handed, offsets)
             await self._caught_up()
         else:
             for p in handed:
-                w.consumer.seek(TopicPartition(self.rank, p), offsets[self.rank][p])
-        nice_tasks(self.pid, self.nice)
-        w.held = set()
+                self._rank_from(TopicPartition(self.rank, p), offsets[self.rank][p])
+        w.prefetched = {}
+        if self.serve_nice is not None:
+            nice_tasks(self.pid, self.serve_nice)
+        w.engine.scheduler.pace(0)
+        w.held, w.standing_by = set(), False
         w.files.write_standby("serving", self.pid)
         w._note(event="took_over", partitions=handed, offsets={t: o for t, o in offsets.items()})
         log.info("%s (standby): serving %s from %s", w.worker_id, handed, offsets)
@@ -261,6 +309,18 @@ class Standby:
             "%s: joined the group %.2f s after the hand-over", w.worker_id, time.monotonic() - t_handover
         )
         w.before_fetch = self._switch
+
+    def _rank_from(self, tp: TopicPartition, offset: int) -> None:
+        """Rank the requests of ``tp`` from ``offset`` on: those already fetched at once, or, where
+        the kept ones do not reach back to it, fetched again from there."""
+        w = self.w
+        kept = w.prefetched.pop(tp, deque())
+        if kept and kept[0].offset <= offset <= kept[-1].offset + 1:
+            for m in kept:
+                if m.offset >= offset:
+                    w._spawn(tp, m, w._handle_rank)
+        else:
+            w.consumer.seek(tp, offset)
 
     async def _handed_over(self) -> tuple[dict[str, dict[int, int]], int | None]:
         """The hand-over's offsets and the pid that handed over. An active process that exits
@@ -278,13 +338,24 @@ class Standby:
         return handover
 
     async def _switch(self) -> None:
-        """Between two fetches: go on with the group's consumer where the manual one got to."""
+        """Between two fetches: go on with the group's consumer where the manual one got to, once
+        the old process has answered the requests before the hand-over (its commit is then
+        behind this one's)."""
         w, group = self.w, self.group
         assert group is not None
+        if not await self._old_answered():
+            return  # asked again before the next fetch
+        t0 = time.monotonic()
         w.before_fetch = None
         manual = w.consumer
-        positions = {tp: await manual.position(tp) for tp in manual.assignment() if tp.topic != self.beh}
         await w._finish_appliers()
+        work = [tp for tp in manual.assignment() if tp.topic != self.beh]
+        # What the manual consumer has fetched by now is handled here, not fetched again by the
+        # group's (a request that came during the switch would wait for that fetch).
+        for tp, msgs in (await manual.getmany(*work, timeout_ms=0)).items():
+            for m in msgs:
+                w._spawn(tp, m, w._handle_prefill if tp.topic == self.sig else w._handle_rank)
+        positions = {tp: await manual.position(tp) for tp in work}
         mine = group.assignment()
         for tp in mine:
             if tp.topic == self.beh:
@@ -298,8 +369,45 @@ class Standby:
         w.files.promote(w.state_dir)
         w.files.clear_handover()  # done with
         w.files.write_standby("joined", self.pid)
-        w._note(event="joined", partitions=sorted({tp.partition for tp in mine}))
+        w._note(
+            event="joined",
+            partitions=sorted({tp.partition for tp in mine}),
+            switch_ms=round((time.monotonic() - t0) * 1000, 1),  # the loop fetched nothing meanwhile
+        )
         self.cleanup = asyncio.create_task(self._after_old_exit())
+
+    async def _old_answered(self) -> bool:
+        """Whether the old process has answered every request before the hand-over's offsets:
+        it said so, or it is gone without saying so (a crash while it drained), and then those
+        after its last commit are ranked again here (at least once, as after any crash)."""
+        if self.old_pid is None or self.w.files.handover_answered():
+            return True
+        if _alive(self.old_pid):
+            return False
+        log.warning("%s: pid %d exited before answering what it held", self.w.worker_id, self.old_pid)
+        assert self.group is not None
+        for p, at in self.handed_rank.items():
+            tp = TopicPartition(self.rank, p)
+            committed = await self.group.committed(tp)
+            if committed is not None and committed < at:
+                await self._rank_range(tp, committed, at)
+        return True
+
+    async def _rank_range(self, tp: TopicPartition, start: int, end: int, timeout_s: float = 30.0) -> None:
+        """Rank the requests of ``tp`` in [start, end), read with a consumer of their own."""
+        w = self.w
+        reader = consumer(w.settings, group_id=None)
+        await reader.start()
+        try:
+            reader.assign([tp])
+            reader.seek(tp, start)
+            deadline = time.monotonic() + timeout_s
+            while await reader.position(tp) < end and time.monotonic() < deadline:
+                for m in (await reader.getmany(tp, timeout_ms=200)).get(tp, []):
+                    if m.offset < end:
+                        w._spawn(tp, m, w._handle_rank)
+        finally:
+            await reader.stop()
 
     async def _after_old_exit(self, timeout_s: float = 120.0) -> None:
         """Once the old process has exited: serve the metrics on its port, delete its state."""

@@ -14,9 +14,10 @@ Primitives:
   - ``write_assignment(partitions)`` / ``read_assignment()`` / ``active_pid()``: the partitions
     the active process owns and its pid (``assignment.json``, rewritten at every assignment and
     revocation).
-  - ``write_handover(offsets, pid)`` / ``read_handover()`` / ``clear_handover()``: the committed
-    offsets (topic -> partition -> offset) a process that hands over leaves behind
-    (``handover.json``).
+  - ``write_handover(offsets, pid, answered=False)`` / ``read_handover()`` /
+    ``handover_answered()`` / ``clear_handover()``: the offsets (topic -> partition -> offset) from
+    which a process that hands over leaves the records to its successor, and whether it has
+    answered every request before them (``handover.json``).
   - ``write_standby(state, pid)`` / ``read_standby()``: how far a replacement is
     (``standby.json``: ``warming``, ``ready``, ``serving``, ``joined``).
 - ``STANDBY_STATES``: those states, in order.
@@ -89,11 +90,17 @@ class WorkerFiles:
         data = self._read("assignment.json")
         return None if data is None else int(data["pid"])
 
-    def write_handover(self, offsets: dict[str, dict[int, int]], pid: int) -> None:
-        self._write("handover.json", {"pid": pid, "offsets": offsets})
+    def write_handover(self, offsets: dict[str, dict[int, int]], pid: int, *, answered: bool = False) -> None:
+        self._write("handover.json", {"pid": pid, "offsets": offsets, "answered": answered})
+
+    def handover_answered(self) -> bool:
+        """Whether the process that handed over has answered every request before the offsets."""
+        data = self._read("handover.json")
+        return bool(data and data.get("answered"))
 
     def read_handover(self) -> tuple[dict[str, dict[int, int]], int] | None:
-        """(topic -> partition -> committed offset, the pid that handed over), or None."""
+        """(topic -> partition -> first offset left to the successor, the pid that handed over),
+        or None."""
         data = self._read("handover.json")
         if data is None:
             return None

@@ -72,7 +72,12 @@ async def test_roll_one_worker_under_load(kafka_settings, tmp_path, model_dir) -
     folder = deployment_dir(settings, "workers") / "ranker-0"
     events = _events(folder)
     kinds = [e["event"] for e in events]
-    assert {"standby_ready", "took_over", "joined"} <= set(kinds)
+    assert {"standby_ready", "handed_over", "answered", "took_over", "joined"} <= set(kinds)
+    # The new process commits (joins) only once the old one has answered what it held.
+    assert kinds.index("answered") < kinds.index("joined")
+    # The standby's lines say so until it serves (its pre-inferences are not counted twice).
+    assert all(e.get("standby") for e in events if e["event"] == "standby_ready")
+    assert not any(e.get("standby") for e in events if e["event"] in ("result", "took_over", "joined"))
     after = kinds[kinds.index("took_over") :]
     assert "result" in after, "the new process ranked nothing"
     # Its state generation is the current one; the old one is gone once the old process exited.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -286,5 +287,29 @@ async def test_a_failing_batch_fails_every_job_in_it() -> None:
             with pytest.raises(RuntimeError, match="3 items"):
                 await j
         assert await after == "still serving"
+    finally:
+        s.close()
+
+
+async def test_paced_pre_inference_rests_until_a_ranking_comes_or_the_pace_ends() -> None:
+    """With a rest of ten thousand times each pre-inference turn, the device thread waits after
+    one; a ranking job queued meanwhile runs at once, and ``pace(0)`` lets the next pre-inference
+    go (the bounds here are minutes against a rest of more than an hour)."""
+    s = DeviceScheduler("t")
+    order: list[str] = []
+    try:
+        s.pace(1e4)
+        first = s.submit(lambda: (time.sleep(0.02), order.append("prefill-1")), priority=Priority.PREFILL)
+        await asyncio.wait_for(first, 60)
+        second = s.submit(lambda: order.append("prefill-2"), priority=Priority.PREFILL)
+        rank = s.submit(lambda: order.append("rank"), priority=Priority.RANK)
+        await asyncio.wait_for(rank, 60)  # cut the rest short
+        await asyncio.sleep(0.2)
+        assert not second.done()  # the ranking does not rest: the pre-inference's rest goes on
+        s.pace(0)
+        await asyncio.wait_for(second, 60)
+        assert order == ["prefill-1", "rank", "prefill-2"]
+        with pytest.raises(ValueError):
+            s.pace(-1)
     finally:
         s.close()

@@ -42,10 +42,11 @@ from relaygr.infra.broker import BrokerError, free_port
 from relaygr.infra.settings import SECURITY_FIELDS, Settings, cluster_env, get_settings, settings_env
 from relaygr.infra.supervisor import CrashLoop, RestartPolicy, Supervisor, end_process
 from relaygr.streams.config import PipelineSettings
+from relaygr.streams.standby import STANDBY_NICE
 from relaygr.streams.state_lineage import deployment_dir
 from relaygr.streams.worker_files import STANDBY_STATES, WorkerFiles
 from relaygr.tools.args import float_above, int_at_least
-from relaygr.workers.cores import CoreLayout, format_cores, pin_tasks, plan_cores
+from relaygr.workers.cores import CoreLayout, format_cores, may_renice_to, nice_tasks, pin_tasks, plan_cores
 
 
 @dataclass(frozen=True)
@@ -173,6 +174,8 @@ class Pipeline:
         files.clear_standby()
         t0 = time.monotonic()
         standby = self.supervisor.start_standby(name, ["--standby"])
+        if may_renice_to(os.getpriority(os.PRIO_PROCESS, 0)):  # its start-up too, at the lowest
+            nice_tasks(standby.pid, STANDBY_NICE)  # priority (it comes back once it serves)
         if self.cores is not None:
             pin_tasks(standby.pid, self.cores.shared)
         try:

@@ -28,6 +28,10 @@ Primitives:
   When it runs, the queued jobs with the same ``key`` (up to ``limit`` in all) run with it as one
   call ``run_batch([items])``, which returns one result per item (dynamic batching: it happens
   only when such jobs wait, i.e. under load).
+- ``DeviceScheduler.pace(rest_ratio)``: after each turn of pre-inference the device thread rests
+  ``rest_ratio`` times as long as the turn took, cut short as soon as a ranking job is queued
+  (0, the default: no rest). Work with no deadline (a standby warming up beside serving workers
+  on shared cores) leaves them the CPU that way.
 """
 
 from __future__ import annotations
@@ -92,6 +96,8 @@ class DeviceScheduler:
         self.cpu_s = {Priority.RANK: 0.0, Priority.PREFILL: 0.0}
         self.jobs_done = {Priority.RANK: 0, Priority.PREFILL: 0}
         self.batches_run = 0  # turns that ran more than one batched job
+        self.rest_ratio = 0.0  # see pace()
+        self._rest_until = 0.0  # monotonic end of the rest owed (device thread only)
         self._thread = threading.Thread(target=self._run, name=f"relaygr-{name}", daemon=True)
         self._thread.start()
 
@@ -205,12 +211,35 @@ class DeviceScheduler:
                 if job is not None and job.steps and job.tag == tag:
                     job.priority, job.deadline = new(job)
                     hit += 1
+            self._cv.notify_all()  # a rest after the running job ends once it is urgent
             return hit
+
+    def pace(self, rest_ratio: float) -> None:
+        """Rest ``rest_ratio`` × each pre-inference turn's time after it (0: never)."""
+        if rest_ratio < 0:
+            raise ValueError(f"rest_ratio must be >= 0, got {rest_ratio}")
+        with self._cv:
+            self.rest_ratio = rest_ratio
+            self._cv.notify_all()
+
+    def _rest(self) -> None:
+        """The rest ``pace`` asked for after the last pre-inference turn, before the next job is
+        picked. A ranking job queued (or a queued step promoted to one) runs meanwhile, and the
+        rest goes on after it; ``pace(0)`` or ``close`` ends it."""
+        left = self._rest_until - time.monotonic()
+        if left > 0:
+            with self._cv:
+                self._cv.wait_for(self._rest_ends, timeout=left)
+
+    def _rest_ends(self) -> bool:
+        """Called with the lock held."""
+        return self._closed or self.rest_ratio <= 0 or any(e[0] == Priority.RANK for e in self._heap)
 
     def _run(self) -> None:
         if self._on_start is not None:
             self._on_start()
         while True:
+            self._rest()
             with self._cv:
                 while not self._heap and not self._closed:
                     self._cv.wait()
@@ -231,8 +260,11 @@ class DeviceScheduler:
                 result, exc = job.fn(), None
             except BaseException as e:  # handed to the awaiting coroutine
                 result, exc = None, e
-            self.busy_s[prio] += time.perf_counter() - t0
+            took = time.perf_counter() - t0
+            self.busy_s[prio] += took
             self.cpu_s[prio] += time.thread_time() - c0
+            if prio == Priority.PREFILL:  # rested after its result is out, before the next turn
+                self._rest_until = time.monotonic() + took * self.rest_ratio
             with self._cv:
                 self._running = None
                 if job.steps and exc is None and result is None and not self._closed:

@@ -45,6 +45,8 @@ async def read_admitted(settings, topic: str, request_ids: set[str]) -> int:
 
 
 def _prefill_events(workers_dir: Path, request_ids: set[str] | None) -> list[dict]:
+    """The ``prefill`` lines of the ranking workers' ``events.jsonl`` under ``workers_dir`` (a
+    standby's, for signals the active process handles too, left out)."""
     out = []
     for f in sorted(Path(workers_dir).glob("**/events.jsonl")):
         for line in f.read_text().splitlines():
@@ -52,7 +54,11 @@ def _prefill_events(workers_dir: Path, request_ids: set[str] | None) -> list[dic
                 e = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            if e.get("event") == "prefill" and (request_ids is None or e.get("request_id") in request_ids):
+            if (
+                e.get("event") == "prefill"
+                and not e.get("standby")
+                and (request_ids is None or e.get("request_id") in request_ids)
+            ):
                 out.append(e)
     return out
 

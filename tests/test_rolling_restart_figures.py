@@ -1,0 +1,64 @@
+"""The rolling-restart bench's figures: timeouts and window P99 count from the steady level on, the
+warm-up (cold caches by design) is reported apart and never dropped, and each restart gets the
+figures of its span (standby start to a window after its hand-over)."""
+
+from __future__ import annotations
+
+import argparse
+
+from relaygr.bench.rolling_restart import _figures, tail_figures
+from relaygr.schemas import RankedResult
+
+T0 = 1_000.0
+BUDGET_MS = 50.0
+
+
+def _result(t_s: float, ranking_ms: float, path: str = "relay") -> RankedResult:
+    return RankedResult(
+        request_id=f"r-{t_s:g}",
+        user_id="u",
+        ts=T0 + t_s,
+        items=[],
+        path=path,
+        latency_ms=ranking_ms,
+        breakdown_ms={"ranking": ranking_ms},
+    )
+
+
+def _args(**over: float) -> argparse.Namespace:
+    return argparse.Namespace(**{"window_s": 5.0, "warmup_s": 10.0, "steady_s": 10.0, "plot": None, **over})
+
+
+def test_warmup_is_reported_apart_from_the_measured_run() -> None:
+    results = [
+        _result(1.0, 80.0, "full"),  # cold caches: the warm-up's
+        _result(2.0, 20.0),
+        _result(12.0, 20.0),
+        _result(16.0, 30.0),
+        _result(31.0, 60.0),  # at a restart
+        _result(38.0, 10.0),
+    ]
+    restarts = [{"worker": "ranker-0", "at_s": 30.0, "warm_s": 3.0}]
+    f = _figures(results, restarts, T0, BUDGET_MS, _args())
+    assert f["timeouts"] == 1 and f["ranking_max_ms"] == 60.0
+    assert f["warmup"]["timeouts"] == 1 and f["warmup"]["requests"] == 2
+    assert f["warmup"]["relay_share"] == 0.5 and f["warmup"]["window_p99_ms"] == [80.0, 80.0]
+    assert f["window_p99_ms"] == [10.0, 60.0] and f["windows_over_budget"] == 1
+    assert [w["phase"] for w in f["windows"]] == ["warm-up", "measured", "measured", "measured", "measured"]
+    assert sum(w["n"] for w in f["windows"]) == len(results)  # nothing dropped
+    (rs,) = f["restarts"]
+    assert rs["timeouts"] == 1 and rs["ranking_p99_ms"] == 60.0
+    assert rs["relay_back_s"] == 0.0 and f["steady_relay_share"] == 1.0
+
+
+def test_a_restart_span_starts_with_its_standby() -> None:
+    """A ranking slowed while the standby warmed up counts for that restart."""
+    results = [_result(26.0, 70.0), _result(29.0, 10.0), _result(36.0, 10.0)]
+    restarts = [{"worker": "ranker-1", "at_s": 30.0, "warm_s": 5.0}]
+    (rs,) = _figures(results, restarts, T0, BUDGET_MS, _args())["restarts"]
+    assert rs["timeouts"] == 1
+
+
+def test_tail_figures_of_nothing() -> None:
+    f = tail_figures([], BUDGET_MS)
+    assert f["requests"] == 0 and f["timeouts"] == 0 and f["relay_share"] == 0
