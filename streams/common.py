@@ -23,7 +23,8 @@ Primitives:
 - ``commit_existing(consumer, offsets)``: a bounded commit that skips topics gone from the cluster
   and survives a rebalance that happened meanwhile.
 - ``serve_metrics(port)``: the Prometheus endpoint of this process, bound to 127.0.0.1.
-- ``freeze_heap()``: exempt what a stage set up at start from Python's full collections.
+- ``freeze_heap()``: exempt what a stage set up at start from Python's full collections, and
+  time every collection from then on (``relaygr_gc_pause_seconds``; one over 20 ms is logged).
 - ``ForwardRate``: records per second, a geometric average of measured samples that goes
   stale after ``max_age_s`` (how fast a backlog of behaviours is forwarded).
 """
@@ -40,6 +41,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from prometheus_client import Counter as PCounter
+from prometheus_client import Histogram
 
 from relaygr.infra.broker import resolve_bootstrap
 from relaygr.infra.settings import Settings, kafka_client_kwargs
@@ -408,3 +410,32 @@ def freeze_heap() -> None:
     full collection only visits what was created since. Call it once set-up is done."""
     gc.collect()
     gc.freeze()
+    if _time_collections not in gc.callbacks:
+        gc.callbacks.append(_time_collections)
+
+
+GC_PAUSE = Histogram(
+    "relaygr_gc_pause_seconds",
+    "Python garbage collections of this process, by generation: every thread waits for them",
+    ["generation"],
+    buckets=(0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5),
+)
+GC_PAUSE_LOGGED_S = 0.02
+_gc_started: list[float] = []
+
+
+def _time_collections(phase: str, info: dict[str, int]) -> None:
+    if phase == "start":
+        _gc_started[:] = [time.perf_counter()]
+        return
+    if not _gc_started:
+        return
+    took = time.perf_counter() - _gc_started.pop()
+    GC_PAUSE.labels(str(info.get("generation", -1))).observe(took)
+    if took > GC_PAUSE_LOGGED_S:
+        log.warning(
+            "garbage collection of generation %s took %.1f ms (%s objects collected)",
+            info.get("generation"),
+            took * 1e3,
+            info.get("collected"),
+        )

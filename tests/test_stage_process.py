@@ -30,3 +30,26 @@ def test_freeze_heap_moves_survivors_out_of_collections() -> None:
         assert all(gc.get_count()[g] < 1000 for g in range(3))
     finally:
         gc.unfreeze()
+
+
+def test_after_the_freeze_every_collection_is_timed(caplog) -> None:
+    from relaygr.streams import common
+
+    def count(generation: str) -> float:
+        samples = common.GC_PAUSE.collect()[0].samples
+        return next(
+            x.value for x in samples if x.name.endswith("_count") and x.labels["generation"] == generation
+        )
+
+    try:
+        freeze_heap()
+        before = count("2")
+        gc.collect()
+        assert count("2") == before + 1
+        with caplog.at_level(logging.WARNING, logger="relaygr.streams.common"):
+            common._gc_started[:] = [0.0]  # a collection that began long ago: a long pause
+            common._time_collections("stop", {"generation": 1, "collected": 0})
+        assert "garbage collection of generation 1 took" in caplog.text
+    finally:
+        gc.unfreeze()
+        gc.callbacks.remove(common._time_collections)
