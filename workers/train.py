@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from relaygr.workers.fit import EarlyStopping, Objective, train_model
+from relaygr.workers.fit import VALIDATION_USERS, EarlyStopping, Objective, recency_prior, train_model
 from relaygr.workers.interactions import Columns, InteractionLog, build_log, print_progress, read_interactions
 from relaygr.workers.model import HSTUConfig, HSTURanker
 from relaygr.workers.movielens import DATASETS, load_atomic_log, load_movielens
@@ -113,6 +113,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     auto = " (default: sized from the log, printed with the reason)"
     parser.add_argument("--epochs", type=int, default=None, help="most epochs" + auto)
     parser.add_argument(
+        "--decay-epochs", type=int, default=None, help="epochs over which the learning rate decays" + auto
+    )
+    parser.add_argument(
         "--patience",
         type=int,
         default=PATIENCE,
@@ -160,6 +163,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["on", "off"],
         default="off",
         help="on: every training row also predicts the item after its whole window",
+    )
+    parser.add_argument(
+        "--long-cuts",
+        type=float,
+        default=0.0,
+        help="draw cut point c with probability ~ c**X (more targets after long contexts; 0: uniform)",
+    )
+    parser.add_argument(
+        "--recency-prior",
+        type=float,
+        default=0.0,
+        help="start the position biases at -X*log2(1 + distance): old events start discounted (0: off)",
+    )
+    parser.add_argument(
+        "--valid-users",
+        type=int,
+        default=VALIDATION_USERS,
+        help="users ranked for validation after each epoch",
     )
     parser.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
     parser.add_argument(
@@ -246,15 +267,24 @@ class TrainSettings:
     popular_share: float
     aux_weight: float
     last_cut: bool
+    decay_epochs: int = 0
+    long_cuts: float = 0.0
+    recency_prior: float = 0.0
 
     @property
     def objective(self) -> Objective:
         return Objective(
-            self.cuts, self.negatives, self.popular_share, self.in_batch_share, self.aux_weight, self.last_cut
+            self.cuts,
+            self.negatives,
+            self.popular_share,
+            self.in_batch_share,
+            self.aux_weight,
+            self.last_cut,
+            self.long_cuts,
         )
 
 
-_SIZED = ("dim", "heads", "negatives", "cuts", "max_len", "epochs")
+_SIZED = ("dim", "heads", "negatives", "cuts", "max_len", "epochs", "decay_epochs")
 
 
 def resolve_settings(
@@ -288,6 +318,9 @@ def resolve_settings(
         popular_share=args.popular_share,
         aux_weight=args.aux_weight,
         last_cut=args.last_cut == "on",
+        decay_epochs=int(value["decay_epochs"]),
+        long_cuts=args.long_cuts,
+        recency_prior=args.recency_prior,
     )
 
 
@@ -330,8 +363,11 @@ def train_once(
     torch.manual_seed(args.seed)
     model = HSTURanker(model_config(s, log, args))
     model.set_vocab(log.vocab)
+    recency_prior(model, s.recency_prior)
     train_hist, valid = split
-    stopping = EarlyStopping(train_hist, valid, patience=s.patience, min_epochs=args.min_epochs)
+    stopping = EarlyStopping(
+        train_hist, valid, patience=s.patience, min_epochs=args.min_epochs, users=args.valid_users
+    )
     t0, cpu0 = time.perf_counter(), time.process_time()
     losses = train_model(
         model,
@@ -343,6 +379,7 @@ def train_once(
         seed=args.seed,
         max_steps=args.max_steps,
         stopping=stopping if valid else None,
+        decay_epochs=s.decay_epochs,
         log=progress,
     )
     return Trained(model, losses, stopping, time.perf_counter() - t0, time.process_time() - cpu0)
