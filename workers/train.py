@@ -39,9 +39,12 @@ from relaygr.workers.prefix_kv import Events
 from relaygr.workers.quality import (
     evaluate,
     format_row,
+    paired_differences,
     popularity_metrics,
+    rank_targets,
     split_leave_last_out,
     split_validation,
+    summarise,
 )
 from relaygr.workers.sizing import MIN_EPOCHS, PATIENCE, describe, size_training
 from relaygr.workers.vocab import ItemVocab
@@ -197,6 +200,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="N",
         help="train and evaluate on N users spread evenly over the log (a shorter run on a large log)",
+    )
+    parser.add_argument(
+        "--test-events",
+        type=int,
+        default=1,
+        metavar="K",
+        help="test targets per user: the last K events (1: leave-last-out, the reported protocol; "
+        "K > 1: leave-last-K-out, K requests per user for narrower intervals, training sees less)",
     )
     parser.add_argument(
         "--eval-lengths",
@@ -393,19 +404,38 @@ def _eval_lengths(spec: str) -> list[int | None]:
 def _quality(
     trained: Trained, history: dict, test: dict, num_items: int, args: argparse.Namespace
 ) -> dict[str, object]:
-    """The quality table of the trained model on the test targets, and the popularity baseline."""
+    """The quality table of the trained model on the test targets, the whole history against each
+    truncation (paired), and the popularity baseline."""
     t_eval = time.perf_counter()
-    by_len = evaluate(
+    ranks = rank_targets(
         trained.model, history, test, lengths=_eval_lengths(args.eval_lengths), max_users=args.eval_users
     )
+    by_len = summarise(ranks)
     users = sorted(history)[: args.eval_users]
+    overall = {k: v for k, v in by_len["all"].items() if k not in ("users", "targets")}
     return {
         "model_version": trained.model.model_version,
-        **by_len["all"],
+        **overall,
+        "users_evaluated": by_len["all"]["users"],
+        "targets_evaluated": by_len["all"]["targets"],
         "by_history_length": [{"history": k, **v} for k, v in by_len.items()],
+        "all_minus_truncation": paired_differences(ranks),
         "popularity_baseline": popularity_metrics({u: history[u] for u in users}, test, num_items),
         "eval_seconds": round(time.perf_counter() - t_eval, 1),
     }
+
+
+def _protocol(test_events: int) -> str:
+    split = (
+        "leave-last-out; validation: the event before the test event"
+        if test_events == 1
+        else f"leave-last-{test_events}-out: each user's last {test_events} events are test targets, "
+        "each ranked after every event before it; validation: the event before the first of them"
+    )
+    return (
+        f"{split}; candidates: every item the user has not seen; ranked via rank_full; 95 % confidence "
+        "intervals: percentile bootstrap over users (per user, the mean over its targets)"
+    )
 
 
 def run(args: argparse.Namespace, log: InteractionLog | None = None, source: str | None = None) -> int:
@@ -416,7 +446,9 @@ def run(args: argparse.Namespace, log: InteractionLog | None = None, source: str
         log, source = load_log(args)
     report_bad_rows(log)
     log = sample_users(log, args.users)
-    history, test = split_leave_last_out(log)
+    if args.test_events < 1:
+        raise SystemExit(f"--test-events {args.test_events}: must be at least 1")
+    history, test = split_leave_last_out(log, args.test_events)
     if not history:
         raise SystemExit(f"{source}: no user has two interactions; nothing to train on")
     split = split_validation(history)
@@ -436,9 +468,8 @@ def run(args: argparse.Namespace, log: InteractionLog | None = None, source: str
         "events": log.num_events,
         "bad_rows": log.bad_count,
         "bad_row_examples": [str(b) for b in log.bad],
-        "protocol": "leave-last-out; validation: the event before the test event; candidates: every "
-        "item the user has not seen; ranked via rank_full; 95 % confidence intervals: percentile "
-        "bootstrap over users",
+        "protocol": _protocol(args.test_events),
+        "test_events": args.test_events,
         **_quality(trained, history, test, log.num_items, args),
         "train": {
             **dataclasses.asdict(settings),
@@ -457,6 +488,8 @@ def run(args: argparse.Namespace, log: InteractionLog | None = None, source: str
     for row in metrics["by_history_length"]:
         _log(f"history {row['history']:>4}: " + format_row(row))
     _log("popularity  : " + format_row(metrics["popularity_baseline"]))
+    for length, diff in metrics["all_minus_truncation"].items():
+        _log(f"all - {length:>4}  : " + format_row(diff))
     print(
         json.dumps({k: metrics[k] for k in ("HR@10", "NDCG@10", "MRR", "model_version")} | {"out": str(out)})
     )
