@@ -16,7 +16,7 @@ Primitives:
     is of order one;
   - ``epochs`` is a cap; training stops earlier on the validation NDCG@10 (``patience``);
     ``decay_epochs``: the learning rate decays to its floor over the expected length of
-    training, not over the cap.
+    training, not over the cap; ``min_epochs`` (the first epoch early stopping may keep) equals it.
 - ``describe(choices)``: the lines ``relaygr train`` prints.
 """
 
@@ -34,7 +34,6 @@ MAX_WINDOW = 1024
 """Longest training window: dense training attention is quadratic in it."""
 MAX_EPOCHS = 30
 PATIENCE = 3
-MIN_EPOCHS = 5
 DECAY_EPOCHS = 16
 """Epochs over which the learning rate decays to its floor: about where early stopping ended
 training on ML-100K (best epoch 21 of 24 with the decay spread over the 30-epoch cap, when the
@@ -78,13 +77,18 @@ def size_training(num_items: int, history_lengths: Sequence[int]) -> dict[str, C
         ),
         "epochs": Choice(
             MAX_EPOCHS,
-            f"a cap: after {MIN_EPOCHS} epochs, training stops when validation NDCG@10 has not "
-            f"improved for {PATIENCE} epochs",
+            f"a cap: once the learning rate has decayed, training stops when validation NDCG@10 "
+            f"has not improved for {PATIENCE} epochs",
         ),
         "decay_epochs": Choice(
             DECAY_EPOCHS,
             "the expected length of training: the learning rate reaches its floor where early "
-            "stopping usually ends",
+            "stopping usually ended",
+        ),
+        "min_epochs": Choice(
+            DECAY_EPOCHS,
+            "the decay: validation picks among epochs trained at the floor rate, not among the "
+            "swings of a high one",
         ),
     }
 

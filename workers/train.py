@@ -46,7 +46,7 @@ from relaygr.workers.quality import (
     split_validation,
     summarise,
 )
-from relaygr.workers.sizing import MIN_EPOCHS, PATIENCE, describe, size_training
+from relaygr.workers.sizing import PATIENCE, describe, size_training
 from relaygr.workers.vocab import ItemVocab
 
 __all__ = [
@@ -125,7 +125,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="epochs without a better validation NDCG@10 before stopping",
     )
     parser.add_argument(
-        "--min-epochs", type=int, default=MIN_EPOCHS, help="epochs before early stopping may stop training"
+        "--min-epochs",
+        type=int,
+        default=None,
+        help="first epoch whose weights early stopping may keep (and stop after)" + auto,
     )
     parser.add_argument("--max-len", type=int, default=None, help="training window in events" + auto)
     parser.add_argument(
@@ -279,6 +282,7 @@ class TrainSettings:
     aux_weight: float
     last_cut: bool
     decay_epochs: int = 0
+    min_epochs: int = 1
     long_cuts: float = 0.0
     recency_prior: float = 0.0
 
@@ -295,7 +299,7 @@ class TrainSettings:
         )
 
 
-_SIZED = ("dim", "heads", "negatives", "cuts", "max_len", "epochs", "decay_epochs")
+_SIZED = ("dim", "heads", "negatives", "cuts", "max_len", "epochs", "decay_epochs", "min_epochs")
 
 
 def resolve_settings(
@@ -306,6 +310,8 @@ def resolve_settings(
     given = {name: getattr(args, name) for name in _SIZED if getattr(args, name) is not None}
     if "max_len" in given:  # the normaliser follows the window
         given["attn_normaliser"] = float(given["max_len"])
+    if "decay_epochs" in given and "min_epochs" not in given:  # keep only epochs past the decay
+        given["min_epochs"] = given["decay_epochs"]
     if "dim" in given and "heads" not in given:  # 32 dimensions a head where the width allows
         given["heads"] = max(1, given["dim"] // 32) if given["dim"] % 32 == 0 else 1
     value = {name: given.get(name, c.value) for name, c in choices.items()}
@@ -330,6 +336,7 @@ def resolve_settings(
         aux_weight=args.aux_weight,
         last_cut=args.last_cut == "on",
         decay_epochs=int(value["decay_epochs"]),
+        min_epochs=min(int(value["min_epochs"]), int(value["epochs"])),
         long_cuts=args.long_cuts,
         recency_prior=args.recency_prior,
     )
@@ -377,7 +384,7 @@ def train_once(
     recency_prior(model, s.recency_prior)
     train_hist, valid = split
     stopping = EarlyStopping(
-        train_hist, valid, patience=s.patience, min_epochs=args.min_epochs, users=args.valid_users
+        train_hist, valid, patience=s.patience, min_epochs=s.min_epochs, users=args.valid_users
     )
     t0, cpu0 = time.perf_counter(), time.process_time()
     losses = train_model(
