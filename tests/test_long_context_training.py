@@ -160,3 +160,26 @@ def test_metrics_keep_the_log_users_apart_from_the_users_evaluated(tmp_path) -> 
     assert metrics["test_events"] == 2 and metrics["protocol"].startswith("leave-last-2-out")
     assert set(metrics["all_minus_truncation"]) == {"16", "64", "256"}
     assert (metrics["train"]["long_cuts"], metrics["train"]["recency_prior"]) == (1.0, 0.5)
+
+
+def test_the_attention_biases_can_learn_faster_than_the_other_weights() -> None:
+    hist = {
+        str(u): Events.from_lists(
+            [(u * 7 + i) % 29 + 1 for i in range(30)], [60.0 * i for i in range(30)], [1] * 30
+        )
+        for u in range(8)
+    }
+
+    def moved(scale: float) -> tuple[float, float]:
+        model = _model(max_len=32).train()
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        train.train_model(
+            model, hist, epochs=1, batch_size=4, max_steps=2, bias_lr_scale=scale, log=lambda _: None
+        )
+        after = {n: p.detach() for n, p in model.named_parameters()}
+        bias = max(float((after[n] - before[n]).abs().max()) for n in before if n.endswith("pos_bias"))
+        other = float((after["item_emb.weight"] - before["item_emb.weight"]).abs().max())
+        return bias, other
+
+    slow, fast = moved(1.0), moved(20.0)
+    assert fast[0] > 5 * slow[0] and fast[1] == pytest.approx(slow[1], rel=0.5)

@@ -151,9 +151,20 @@ def lr_factor(step: int, warmup: int, decay_steps: int) -> float:
     return min(1.0, (step + 1) / warmup) * cosine
 
 
-def _optimiser(model: HSTURanker, lr: float, decay_steps: int, steps_per_epoch: int):
-    """AdamW with a short warm-up, then the decay of ``lr_factor`` over ``decay_steps``."""
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
+def _optimiser(
+    model: HSTURanker, lr: float, decay_steps: int, steps_per_epoch: int, bias_lr_scale: float = 1.0
+):
+    """AdamW with a short warm-up, then the decay of ``lr_factor`` over ``decay_steps``. The
+    relative position and time biases learn ``bias_lr_scale`` times faster: Adam moves a weight
+    by about the learning rate a step, so at the base rate a few hundred steps cannot take a bias
+    far enough to discount old events."""
+    biases = [p for n, p in model.named_parameters() if n.endswith(("pos_bias", "time_bias"))]
+    ids = {id(p) for p in biases}
+    groups = [
+        {"params": [p for p in model.parameters() if id(p) not in ids]},
+        {"params": biases, "lr": lr * bias_lr_scale},
+    ]
+    opt = torch.optim.AdamW(groups, lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
     warmup = max(1, min(decay_steps // 20, 2 * steps_per_epoch))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, warmup, decay_steps))
     return opt, sched
@@ -171,13 +182,15 @@ def train_model(
     max_steps: int | None = None,
     stopping: EarlyStopping | None = None,
     decay_epochs: int | None = None,
+    bias_lr_scale: float = 1.0,
     log: Callable[[str], None] = _log,
     **objective_fields,
 ) -> list[float]:
     """Train in place; returns the mean loss of each epoch. ``objective_fields`` (``cuts``,
     ``negatives``, ...) set an ``Objective`` when none is given. With ``stopping``, training ends
     when validation stops improving and the best epoch's weights are restored. The learning rate
-    decays over ``decay_epochs`` (default: all ``epochs``)."""
+    decays over ``decay_epochs`` (default: all ``epochs``), the attention biases' at
+    ``bias_lr_scale`` times the rate."""
     obj = objective or Objective(**objective_fields)
     rng = np.random.default_rng(seed)
     torch.manual_seed(seed)
@@ -187,7 +200,7 @@ def train_model(
     steps_per_epoch = math.ceil(len(seqs) / batch_size)
     total = steps_per_epoch * epochs if max_steps is None else min(max_steps, steps_per_epoch * epochs)
     decay = total if decay_epochs is None else min(total, steps_per_epoch * decay_epochs)
-    opt, sched = _optimiser(model, lr, decay, steps_per_epoch)
+    opt, sched = _optimiser(model, lr, decay, steps_per_epoch, bias_lr_scale)
     losses: list[float] = []
     step, t0, cpu0 = 0, time.perf_counter(), time.process_time()
     for epoch in range(epochs):

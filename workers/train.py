@@ -183,6 +183,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="start the position biases at -X*log2(1 + distance): old events start discounted (0: off)",
     )
     parser.add_argument(
+        "--bias-lr",
+        type=float,
+        default=1.0,
+        metavar="X",
+        help="the relative position and time biases learn X times faster than the other weights",
+    )
+    parser.add_argument(
         "--valid-users",
         type=int,
         default=VALIDATION_USERS,
@@ -285,6 +292,7 @@ class TrainSettings:
     min_epochs: int = 1
     long_cuts: float = 0.0
     recency_prior: float = 0.0
+    bias_lr: float = 1.0
 
     @property
     def objective(self) -> Objective:
@@ -339,6 +347,7 @@ def resolve_settings(
         min_epochs=min(int(value["min_epochs"]), int(value["epochs"])),
         long_cuts=args.long_cuts,
         recency_prior=args.recency_prior,
+        bias_lr=args.bias_lr,
     )
 
 
@@ -398,6 +407,7 @@ def train_once(
         max_steps=args.max_steps,
         stopping=stopping if valid else None,
         decay_epochs=s.decay_epochs,
+        bias_lr_scale=s.bias_lr,
         log=progress,
     )
     return Trained(model, losses, stopping, time.perf_counter() - t0, time.process_time() - cpu0)
