@@ -138,6 +138,10 @@ def _epoch_batches(
     return batches
 
 
+BIAS_LR_SCALE = 10.0
+"""How much faster than the other weights the attention's position and time biases learn, by
+default (``relaygr train --bias-lr``): on ML-100K it closed the gap between the whole history and
+its last 16 events (HR@10, whole minus last 16, paired: -0.015 at 1x, +0.000 at 10x)."""
 LR_FLOOR = 0.05
 """The learning rate after its decay, as a share of the peak."""
 

@@ -30,7 +30,14 @@ from pathlib import Path
 
 import torch
 
-from relaygr.workers.fit import VALIDATION_USERS, EarlyStopping, Objective, recency_prior, train_model
+from relaygr.workers.fit import (
+    BIAS_LR_SCALE,
+    VALIDATION_USERS,
+    EarlyStopping,
+    Objective,
+    recency_prior,
+    train_model,
+)
 from relaygr.workers.interactions import Columns, InteractionLog, build_log, print_progress, read_interactions
 from relaygr.workers.model import HSTUConfig, HSTURanker
 from relaygr.workers.movielens import DATASETS, load_atomic_log, load_movielens
@@ -185,7 +192,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--bias-lr",
         type=float,
-        default=1.0,
+        default=BIAS_LR_SCALE,
         metavar="X",
         help="the relative position and time biases learn X times faster than the other weights",
     )
@@ -292,7 +299,7 @@ class TrainSettings:
     min_epochs: int = 1
     long_cuts: float = 0.0
     recency_prior: float = 0.0
-    bias_lr: float = 1.0
+    bias_lr: float = BIAS_LR_SCALE
 
     @property
     def objective(self) -> Objective:
