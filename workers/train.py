@@ -156,6 +156,46 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dropout", type=float, default=0.2, help="dropout while training")
     parser.add_argument("--cuts", type=int, default=None, help="cut points (ranking requests) per row" + auto)
     parser.add_argument("--negatives", type=int, default=None, help="sampled negatives per cut point" + auto)
+    add_objective_arguments(parser)
+    parser.add_argument(
+        "--valid-users",
+        type=int,
+        default=VALIDATION_USERS,
+        help="users ranked for validation after each epoch",
+    )
+    parser.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
+    parser.add_argument(
+        "--tune",
+        type=int,
+        default=0,
+        metavar="N",
+        help="try N configurations on the validation split, keep the best, write tune.csv / tune.md",
+    )
+    parser.add_argument("--eval-users", type=int, default=None, help="evaluate on the first N users only")
+    parser.add_argument(
+        "--users",
+        type=int,
+        default=None,
+        metavar="N",
+        help="train and evaluate on N users spread evenly over the log (a shorter run on a large log)",
+    )
+    parser.add_argument(
+        "--test-events",
+        type=int,
+        default=1,
+        metavar="K",
+        help="test targets per user: the last K events (1: leave-last-out, the reported protocol; "
+        "K > 1: leave-last-K-out, K requests per user for narrower intervals, training sees less)",
+    )
+    parser.add_argument(
+        "--eval-lengths",
+        default="16,64,256,all",
+        help="history lengths used at inference for the quality table (comma separated, 'all')",
+    )
+
+
+def add_objective_arguments(parser: argparse.ArgumentParser) -> None:
+    """What a training step optimises: negatives, cut points, the auxiliary loss, the biases."""
     parser.add_argument(
         "--in-batch-share",
         type=float,
@@ -195,41 +235,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=BIAS_LR_SCALE,
         metavar="X",
         help="the relative position and time biases learn X times faster than the other weights",
-    )
-    parser.add_argument(
-        "--valid-users",
-        type=int,
-        default=VALIDATION_USERS,
-        help="users ranked for validation after each epoch",
-    )
-    parser.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
-    parser.add_argument(
-        "--tune",
-        type=int,
-        default=0,
-        metavar="N",
-        help="try N configurations on the validation split, keep the best, write tune.csv / tune.md",
-    )
-    parser.add_argument("--eval-users", type=int, default=None, help="evaluate on the first N users only")
-    parser.add_argument(
-        "--users",
-        type=int,
-        default=None,
-        metavar="N",
-        help="train and evaluate on N users spread evenly over the log (a shorter run on a large log)",
-    )
-    parser.add_argument(
-        "--test-events",
-        type=int,
-        default=1,
-        metavar="K",
-        help="test targets per user: the last K events (1: leave-last-out, the reported protocol; "
-        "K > 1: leave-last-K-out, K requests per user for narrower intervals, training sees less)",
-    )
-    parser.add_argument(
-        "--eval-lengths",
-        default="16,64,256,all",
-        help="history lengths used at inference for the quality table (comma separated, 'all')",
     )
 
 
