@@ -24,7 +24,7 @@ from relaygr.workers.model import HSTUConfig, HSTURanker
 from relaygr.workers.objectives import make_batch
 from relaygr.workers.prefix_kv import Events
 from relaygr.workers.quality import paired_differences, rank_targets, split_leave_last_out, summarise
-from relaygr.workers.sizing import DECAY_EPOCHS
+from relaygr.workers.sizing import MAX_EPOCHS, MIN_EPOCHS
 from relaygr.workers.vocab import ItemVocab
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -44,11 +44,16 @@ def test_the_learning_rate_reaches_its_floor_at_the_decay_span_and_stays_there()
     assert rates[decay] == pytest.approx(LR_FLOOR) and rates[-1] == pytest.approx(LR_FLOOR)
     assert rates[decay // 2] == pytest.approx((1 + LR_FLOOR) / 2)  # half way down the cosine
     hist = {"u": Events.from_lists([1, 2, 3], [0, 1, 2], [1, 1, 1])}
-    assert train.resolve_settings(_args([]), 100, hist, log=lambda _: None).decay_epochs == DECAY_EPOCHS
-    assert (
-        train.resolve_settings(_args(["--decay-epochs", "7"]), 100, hist, log=lambda _: None).decay_epochs
-        == 7
+    sized = train.resolve_settings(_args([]), 100, hist, log=lambda _: None)
+    assert (sized.decay_epochs, sized.min_epochs) == (MAX_EPOCHS, MIN_EPOCHS)
+    given = train.resolve_settings(_args(["--decay-epochs", "7"]), 100, hist, log=lambda _: None)
+    assert (given.decay_epochs, given.min_epochs) == (7, 7)  # kept epochs start by the decay's end
+    short = train.resolve_settings(_args(["--epochs", "4"]), 100, hist, log=lambda _: None)
+    assert (short.decay_epochs, short.min_epochs) == (4, 4)
+    asked = train.resolve_settings(
+        _args(["--min-epochs", "20", "--epochs", "25"]), 100, hist, log=lambda _: None
     )
+    assert (asked.decay_epochs, asked.min_epochs) == (25, 20)
 
 
 def test_long_cuts_draw_more_targets_after_long_contexts() -> None:

@@ -330,8 +330,8 @@ def resolve_settings(
     given = {name: getattr(args, name) for name in _SIZED if getattr(args, name) is not None}
     if "max_len" in given:  # the normaliser follows the window
         given["attn_normaliser"] = float(given["max_len"])
-    if "decay_epochs" in given and "min_epochs" not in given:  # keep only epochs past the decay
-        given["min_epochs"] = given["decay_epochs"]
+    if "epochs" in given and "decay_epochs" not in given:  # the rate falls over the whole run
+        given["decay_epochs"] = given["epochs"]
     if "dim" in given and "heads" not in given:  # 32 dimensions a head where the width allows
         given["heads"] = max(1, given["dim"] // 32) if given["dim"] % 32 == 0 else 1
     value = {name: given.get(name, c.value) for name, c in choices.items()}
@@ -356,7 +356,10 @@ def resolve_settings(
         aux_weight=args.aux_weight,
         last_cut=args.last_cut == "on",
         decay_epochs=int(value["decay_epochs"]),
-        min_epochs=min(int(value["min_epochs"]), int(value["epochs"])),
+        # Never later than the decay's end or the last epoch, unless asked for.
+        min_epochs=int(value["min_epochs"])
+        if "min_epochs" in given
+        else min(int(value["min_epochs"]), int(value["decay_epochs"]), int(value["epochs"])),
         long_cuts=args.long_cuts,
         recency_prior=args.recency_prior,
         bias_lr=args.bias_lr,
