@@ -109,8 +109,9 @@ def test_early_stopping_stops_after_patience_and_restores_the_best_epoch() -> No
     assert decisions == [False, False, False, True] and stop.best_epoch == 1 and stop.best == 0.3
     stop.restore_best(model)
     assert torch.all(model.item_emb.weight == 1.0)
-    late = ScriptedStopping([0.3, 0.1, 0.1, 0.1, 0.1, 0.1], patience=2, min_epochs=5)
-    assert [late.should_stop(model) for _ in range(5)] == [False, False, False, False, True]
+    # Epochs before ``min_epochs`` are scored, never kept: the early peak does not count.
+    late = ScriptedStopping([0.3, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1], patience=2, min_epochs=5)
+    assert [late.should_stop(model) for _ in range(7)] == [False] * 6 + [True] and late.best_epoch == 4
 
 
 def test_the_search_is_bounded_distinct_and_starts_from_the_sized_defaults() -> None:

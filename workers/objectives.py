@@ -46,13 +46,16 @@ def make_batch(
     popular_share: float = 0.0,
     in_batch_share: float = 0.0,
     last_cut: bool = False,
+    long_cuts: float = 0.0,
 ) -> Batch:
     """Pad ``windows`` (each >= 2 events) into a batch; pick up to ``cuts`` cut points per row
     (all of them for short rows) and ``negatives`` random negatives per cut: an ``in_batch_share``
     of them are targets of the batch's cut points (any row's), a ``popular_share`` drawn by
     ``popularity`` (item probabilities, index = item id), the rest uniformly. With ``last_cut``
     every row's last event is always one of its cuts: the request that sees the whole window, as
-    ranking a user's next item after the whole history does."""
+    ranking a user's next item after the whole history does. ``long_cuts`` > 0 draws cut ``c``
+    with probability proportional to ``c ** long_cuts`` (more targets after long contexts, as
+    serving ranks after a whole history); 0 draws them uniformly."""
     B = len(windows)
     T = max(len(w) for w in windows)
     S = min(cuts, T - 1)
@@ -68,9 +71,9 @@ def make_batch(
         if n - 1 <= S:
             chosen = np.arange(1, n)
         elif last_cut:
-            chosen = np.append(np.sort(rng.choice(np.arange(1, n - 1), size=S - 1, replace=False)), n - 1)
+            chosen = np.append(np.sort(_draw_cuts(rng, n - 1, S - 1, long_cuts)), n - 1)
         else:
-            chosen = np.sort(rng.choice(np.arange(1, n), size=S, replace=False))
+            chosen = np.sort(_draw_cuts(rng, n, S, long_cuts))
         cut[b, : len(chosen)] = chosen
         weight[b, : len(chosen)] = 1.0
     cut_t = torch.from_numpy(cut)
@@ -95,6 +98,16 @@ def make_batch(
         candidates=torch.cat([targets[..., None], neg], dim=-1),
         weight=torch.from_numpy(weight),
     )
+
+
+def _draw_cuts(rng: np.random.Generator, stop: int, size: int, long_cuts: float) -> np.ndarray:
+    """``size`` distinct cut points in ``1 .. stop - 1``, weighted by ``c ** long_cuts``."""
+    points = np.arange(1, stop)
+    weights = None
+    if long_cuts > 0:
+        weights = points.astype(np.float64) ** long_cuts
+        weights /= weights.sum()
+    return rng.choice(points, size=size, replace=False, p=weights)
 
 
 def batch_loss(model: HSTURanker, batch: Batch, aux_weight: float = 0.0) -> torch.Tensor:

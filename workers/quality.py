@@ -1,13 +1,17 @@
 """Quality of a trained ranker: leave-last-out ranking metrics with bootstrap intervals.
 
 Primitives:
-- ``split_leave_last_out``: per user, the history without its last event and the last event.
+- ``split_leave_last_out``: per user, the history without its last event and the last event
+  (leave-last-out); with ``test_events`` K, the last K events are the test targets
+  (leave-last-K-out: K ranking requests per user, each after all the events before it).
 - ``split_validation``: the same one step earlier: training histories without the last two
   events, the one before the test item as the validation target.
-- ``evaluate``: leave-last-out. Each user's last event is the target; the candidates are every
-  item the user has not seen; the history (all earlier events, or only the last N) is ranked
-  through the serving API (``rank_full``). HR@10, NDCG@10, MRR, each with a 95 % bootstrap
-  confidence interval over users.
+- ``rank_targets`` / ``summarise`` / ``evaluate``: each test target is ranked among every item
+  the user has not seen, after the history (all earlier events, or only the last N), through the
+  serving API (``rank_full``). HR@10, NDCG@10, MRR: per user the mean over its targets, then the
+  mean over users with a 95 % bootstrap confidence interval over users.
+- ``paired_differences``: the whole history's metrics minus each truncation's, per user, with a
+  paired bootstrap interval (the same resampled users for both).
 - ``popularity_metrics``: the same protocol for a most-popular baseline.
 - ``format_row``: one line of the quality table.
 """
@@ -39,10 +43,15 @@ def fmt_secs(s: float) -> str:
     return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
 
 
-def split_leave_last_out(log: InteractionLog | MovieLens) -> tuple[dict, dict]:
-    """Per user: history without the last event (training and ranking input), and the last event."""
-    train = {u: h.slice(0, len(h) - 1) for u, h in log.histories.items() if len(h) >= 2}
-    test = {u: log.histories[u].slice(len(log.histories[u]) - 1) for u in train}
+def split_leave_last_out(log: InteractionLog | MovieLens, test_events: int = 1) -> tuple[dict, dict]:
+    """Per user: the history without its last ``test_events`` events (training and ranking input;
+    at least one event stays), and those events (the test targets, oldest first)."""
+    train, test = {}, {}
+    for u, h in log.histories.items():
+        if len(h) < 2:
+            continue
+        cut = len(h) - min(test_events, len(h) - 1)
+        train[u], test[u] = h.slice(0, cut), h.slice(cut)
     return train, test
 
 
@@ -55,27 +64,48 @@ def split_validation(histories: dict[str, Events]) -> tuple[dict[str, Events], d
     return train, valid
 
 
-def _per_user(ranks: np.ndarray) -> dict[str, np.ndarray]:
-    hit = ranks <= 10
-    return {
-        "HR@10": hit.astype(np.float64),
-        "NDCG@10": np.where(hit, 1.0 / np.log2(ranks + 1.0), 0.0),
-        "MRR": 1.0 / ranks,
-    }
+def _per_user(ranks: Sequence[np.ndarray]) -> dict[str, np.ndarray]:
+    """Each metric per user: the mean over that user's test targets (one under leave-last-out)."""
+    out: dict[str, list[float]] = {"HR@10": [], "NDCG@10": [], "MRR": []}
+    for r in ranks:
+        hit = r <= 10
+        out["HR@10"].append(float(hit.mean()))
+        out["NDCG@10"].append(float(np.where(hit, 1.0 / np.log2(r + 1.0), 0.0).mean()))
+        out["MRR"].append(float((1.0 / r).mean()))
+    return {k: np.asarray(v) for k, v in out.items()}
 
 
-def _metrics(ranks: np.ndarray, seed: int = 0) -> dict[str, float | list[float]]:
-    """Means over users, each with a 95 % confidence interval (percentile bootstrap over users;
-    one resampling shared by the three metrics)."""
-    per_user = _per_user(ranks)
-    rng = np.random.default_rng(seed)
-    resample = rng.integers(0, len(ranks), size=(BOOTSTRAP_SAMPLES, len(ranks)))
+def _resample(users: int, seed: int = 0) -> np.ndarray:
+    """The bootstrap's user indices: one resampling shared by every metric and history length, so
+    differences between lengths are paired."""
+    return np.random.default_rng(seed).integers(0, users, size=(BOOTSTRAP_SAMPLES, users))
+
+
+def _with_ci(values: dict[str, np.ndarray], resample: np.ndarray) -> dict[str, float | list[float]]:
     out: dict[str, float | list[float]] = {}
-    for name, values in per_user.items():
-        means = values[resample].mean(axis=1)
-        out[name] = float(values.mean())
+    for name, v in values.items():
+        means = v[resample].mean(axis=1)
+        out[name] = float(v.mean())
         out[f"{name}_ci95"] = [float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))]
     return out
+
+
+def _metrics(ranks: Sequence[np.ndarray]) -> dict[str, float | list[float]]:
+    """Means over users, each with a 95 % confidence interval (percentile bootstrap over users)."""
+    return _with_ci(_per_user(ranks), _resample(len(ranks)))
+
+
+def paired_differences(ranks: dict[str, list[np.ndarray]], reference: str = "all") -> dict[str, dict]:
+    """For every other history length: the ``reference`` length's metrics minus that length's, per
+    user, with a paired bootstrap 95 % interval (the same users resampled for both). An interval
+    above zero says the reference is better beyond the users' sampling noise."""
+    base = _per_user(ranks[reference])
+    resample = _resample(len(ranks[reference]))
+    return {
+        key: _with_ci({m: base[m] - v for m, v in _per_user(r).items()}, resample)
+        for key, r in ranks.items()
+        if key != reference
+    }
 
 
 def _rank_of_target(scores: np.ndarray, target_pos: int) -> float:
@@ -95,7 +125,14 @@ def _candidates(num_items: int, history: Events, target: int) -> tuple[torch.Ten
     return torch.from_numpy(cands), int(np.searchsorted(cands, target))
 
 
-def evaluate(
+def _requests(history: Events, test: Events):
+    """Each test target with what precedes it: the history, then the earlier test targets (as
+    serving would see them: a history keeps growing), and the request time."""
+    for j in range(len(test)):
+        yield history.concat(test.slice(0, j)), int(test.item_ids[j]), float(test.timestamps[j])
+
+
+def rank_targets(
     model: HSTURanker,
     history: dict[str, Events],
     test: dict[str, Events],
@@ -104,26 +141,46 @@ def evaluate(
     max_users: int | None = None,
     micro_batch: int = 1024,
     log: Callable[[str], None] = _log,
-) -> dict[str, dict[str, float]]:
-    """Leave-last-out metrics per history length (``None``: all events), via ``rank_full``."""
+) -> dict[str, list[np.ndarray]]:
+    """Per history length (``None``: all events), per user, the rank of each test target among
+    every item the user has not seen, via ``rank_full``."""
     users = sorted(history)[:max_users]
-    ranks: dict[str, list[float]] = {_length_key(n): [] for n in lengths}
+    ranks: dict[str, list[np.ndarray]] = {_length_key(n): [] for n in lengths}
     t0 = time.perf_counter()
     num_items = model.config.num_items
     for i, u in enumerate(users):
-        target = int(test[u].item_ids[0])
-        request_ts = float(test[u].timestamps[0])
-        cands, tpos = _candidates(num_items, history[u], target)
-        for n in lengths:
-            h = history[u] if n is None else history[u].slice(max(0, len(history[u]) - n))
-            scores = model.rank_full(h, cands, request_ts, micro_batch=micro_batch).numpy()
-            ranks[_length_key(n)].append(_rank_of_target(scores, tpos))
+        got: dict[str, list[float]] = {k: [] for k in ranks}
+        for seen, target, request_ts in _requests(history[u], test[u]):
+            cands, tpos = _candidates(num_items, seen, target)
+            for n in lengths:
+                h = seen if n is None else seen.slice(max(0, len(seen) - n))
+                scores = model.rank_full(h, cands, request_ts, micro_batch=micro_batch).numpy()
+                got[_length_key(n)].append(_rank_of_target(scores, tpos))
+        for k, v in got.items():
+            ranks[k].append(np.asarray(v))
         if (i + 1) % 200 == 0 or i + 1 == len(users):
             el = time.perf_counter() - t0
             log(
                 f"eval {i + 1}/{len(users)} users  elapsed {fmt_secs(el)}  eta {fmt_secs(el / (i + 1) * (len(users) - i - 1))}"
             )
-    return {k: {**_metrics(np.asarray(v)), "users": len(v)} for k, v in ranks.items()}
+    return ranks
+
+
+def summarise(ranks: dict[str, list[np.ndarray]]) -> dict[str, dict[str, float]]:
+    """The quality table of ``rank_targets``' ranks: metrics with intervals per history length."""
+    return {
+        k: {**_metrics(v), "users": len(v), "targets": int(sum(len(r) for r in v))} for k, v in ranks.items()
+    }
+
+
+def evaluate(
+    model: HSTURanker,
+    history: dict[str, Events],
+    test: dict[str, Events],
+    **kwargs,
+) -> dict[str, dict[str, float]]:
+    """Metrics per history length (``None``: all events): ``summarise(rank_targets(...))``."""
+    return summarise(rank_targets(model, history, test, **kwargs))
 
 
 def _length_key(n: int | None) -> str:
@@ -139,10 +196,12 @@ def popularity_metrics(
         np.add.at(counts, h.item_ids.numpy(), 1)
     ranks = []
     for u in sorted(history):
-        target = int(test[u].item_ids[0])
-        cands, tpos = _candidates(num_items, history[u], target)
-        ranks.append(_rank_of_target(counts[cands.numpy()], tpos))
-    return {**_metrics(np.asarray(ranks)), "users": len(ranks)}
+        got = []
+        for seen, target, _ in _requests(history[u], test[u]):
+            cands, tpos = _candidates(num_items, seen, target)
+            got.append(_rank_of_target(counts[cands.numpy()], tpos))
+        ranks.append(np.asarray(got))
+    return {**_metrics(ranks), "users": len(ranks), "targets": int(sum(len(r) for r in ranks))}
 
 
 def format_row(row: dict) -> str:

@@ -30,7 +30,14 @@ from pathlib import Path
 
 import torch
 
-from relaygr.workers.fit import EarlyStopping, Objective, train_model
+from relaygr.workers.fit import (
+    BIAS_LR_SCALE,
+    VALIDATION_USERS,
+    EarlyStopping,
+    Objective,
+    recency_prior,
+    train_model,
+)
 from relaygr.workers.interactions import Columns, InteractionLog, build_log, print_progress, read_interactions
 from relaygr.workers.model import HSTUConfig, HSTURanker
 from relaygr.workers.movielens import DATASETS, load_atomic_log, load_movielens
@@ -39,11 +46,14 @@ from relaygr.workers.prefix_kv import Events
 from relaygr.workers.quality import (
     evaluate,
     format_row,
+    paired_differences,
     popularity_metrics,
+    rank_targets,
     split_leave_last_out,
     split_validation,
+    summarise,
 )
-from relaygr.workers.sizing import MIN_EPOCHS, PATIENCE, describe, size_training
+from relaygr.workers.sizing import PATIENCE, describe, size_training
 from relaygr.workers.vocab import ItemVocab
 
 __all__ = [
@@ -113,13 +123,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     auto = " (default: sized from the log, printed with the reason)"
     parser.add_argument("--epochs", type=int, default=None, help="most epochs" + auto)
     parser.add_argument(
+        "--decay-epochs", type=int, default=None, help="epochs over which the learning rate decays" + auto
+    )
+    parser.add_argument(
         "--patience",
         type=int,
         default=PATIENCE,
         help="epochs without a better validation NDCG@10 before stopping",
     )
     parser.add_argument(
-        "--min-epochs", type=int, default=MIN_EPOCHS, help="epochs before early stopping may stop training"
+        "--min-epochs",
+        type=int,
+        default=None,
+        help="first epoch whose weights early stopping may keep (and stop after)" + auto,
     )
     parser.add_argument("--max-len", type=int, default=None, help="training window in events" + auto)
     parser.add_argument(
@@ -140,6 +156,46 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dropout", type=float, default=0.2, help="dropout while training")
     parser.add_argument("--cuts", type=int, default=None, help="cut points (ranking requests) per row" + auto)
     parser.add_argument("--negatives", type=int, default=None, help="sampled negatives per cut point" + auto)
+    add_objective_arguments(parser)
+    parser.add_argument(
+        "--valid-users",
+        type=int,
+        default=VALIDATION_USERS,
+        help="users ranked for validation after each epoch",
+    )
+    parser.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
+    parser.add_argument(
+        "--tune",
+        type=int,
+        default=0,
+        metavar="N",
+        help="try N configurations on the validation split, keep the best, write tune.csv / tune.md",
+    )
+    parser.add_argument("--eval-users", type=int, default=None, help="evaluate on the first N users only")
+    parser.add_argument(
+        "--users",
+        type=int,
+        default=None,
+        metavar="N",
+        help="train and evaluate on N users spread evenly over the log (a shorter run on a large log)",
+    )
+    parser.add_argument(
+        "--test-events",
+        type=int,
+        default=1,
+        metavar="K",
+        help="test targets per user: the last K events (1: leave-last-out, the reported protocol; "
+        "K > 1: leave-last-K-out, K requests per user for narrower intervals, training sees less)",
+    )
+    parser.add_argument(
+        "--eval-lengths",
+        default="16,64,256,all",
+        help="history lengths used at inference for the quality table (comma separated, 'all')",
+    )
+
+
+def add_objective_arguments(parser: argparse.ArgumentParser) -> None:
+    """What a training step optimises: negatives, cut points, the auxiliary loss, the biases."""
     parser.add_argument(
         "--in-batch-share",
         type=float,
@@ -161,26 +217,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="off",
         help="on: every training row also predicts the item after its whole window",
     )
-    parser.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
     parser.add_argument(
-        "--tune",
-        type=int,
-        default=0,
-        metavar="N",
-        help="try N configurations on the validation split, keep the best, write tune.csv / tune.md",
-    )
-    parser.add_argument("--eval-users", type=int, default=None, help="evaluate on the first N users only")
-    parser.add_argument(
-        "--users",
-        type=int,
-        default=None,
-        metavar="N",
-        help="train and evaluate on N users spread evenly over the log (a shorter run on a large log)",
+        "--long-cuts",
+        type=float,
+        default=0.0,
+        help="draw cut point c with probability ~ c**X (more targets after long contexts; 0: uniform)",
     )
     parser.add_argument(
-        "--eval-lengths",
-        default="16,64,256,all",
-        help="history lengths used at inference for the quality table (comma separated, 'all')",
+        "--recency-prior",
+        type=float,
+        default=0.0,
+        help="start the position biases at -X*log2(1 + distance): old events start discounted (0: off)",
+    )
+    parser.add_argument(
+        "--bias-lr",
+        type=float,
+        default=BIAS_LR_SCALE,
+        metavar="X",
+        help="the relative position and time biases learn X times faster than the other weights",
     )
 
 
@@ -246,15 +300,26 @@ class TrainSettings:
     popular_share: float
     aux_weight: float
     last_cut: bool
+    decay_epochs: int = 0
+    min_epochs: int = 1
+    long_cuts: float = 0.0
+    recency_prior: float = 0.0
+    bias_lr: float = BIAS_LR_SCALE
 
     @property
     def objective(self) -> Objective:
         return Objective(
-            self.cuts, self.negatives, self.popular_share, self.in_batch_share, self.aux_weight, self.last_cut
+            self.cuts,
+            self.negatives,
+            self.popular_share,
+            self.in_batch_share,
+            self.aux_weight,
+            self.last_cut,
+            self.long_cuts,
         )
 
 
-_SIZED = ("dim", "heads", "negatives", "cuts", "max_len", "epochs")
+_SIZED = ("dim", "heads", "negatives", "cuts", "max_len", "epochs", "decay_epochs", "min_epochs")
 
 
 def resolve_settings(
@@ -265,6 +330,8 @@ def resolve_settings(
     given = {name: getattr(args, name) for name in _SIZED if getattr(args, name) is not None}
     if "max_len" in given:  # the normaliser follows the window
         given["attn_normaliser"] = float(given["max_len"])
+    if "epochs" in given and "decay_epochs" not in given:  # the rate falls over the whole run
+        given["decay_epochs"] = given["epochs"]
     if "dim" in given and "heads" not in given:  # 32 dimensions a head where the width allows
         given["heads"] = max(1, given["dim"] // 32) if given["dim"] % 32 == 0 else 1
     value = {name: given.get(name, c.value) for name, c in choices.items()}
@@ -288,6 +355,14 @@ def resolve_settings(
         popular_share=args.popular_share,
         aux_weight=args.aux_weight,
         last_cut=args.last_cut == "on",
+        decay_epochs=int(value["decay_epochs"]),
+        # Never later than the decay's end or the last epoch, unless asked for.
+        min_epochs=int(value["min_epochs"])
+        if "min_epochs" in given
+        else min(int(value["min_epochs"]), int(value["decay_epochs"]), int(value["epochs"])),
+        long_cuts=args.long_cuts,
+        recency_prior=args.recency_prior,
+        bias_lr=args.bias_lr,
     )
 
 
@@ -330,8 +405,11 @@ def train_once(
     torch.manual_seed(args.seed)
     model = HSTURanker(model_config(s, log, args))
     model.set_vocab(log.vocab)
+    recency_prior(model, s.recency_prior)
     train_hist, valid = split
-    stopping = EarlyStopping(train_hist, valid, patience=s.patience, min_epochs=args.min_epochs)
+    stopping = EarlyStopping(
+        train_hist, valid, patience=s.patience, min_epochs=s.min_epochs, users=args.valid_users
+    )
     t0, cpu0 = time.perf_counter(), time.process_time()
     losses = train_model(
         model,
@@ -343,6 +421,8 @@ def train_once(
         seed=args.seed,
         max_steps=args.max_steps,
         stopping=stopping if valid else None,
+        decay_epochs=s.decay_epochs,
+        bias_lr_scale=s.bias_lr,
         log=progress,
     )
     return Trained(model, losses, stopping, time.perf_counter() - t0, time.process_time() - cpu0)
@@ -356,19 +436,38 @@ def _eval_lengths(spec: str) -> list[int | None]:
 def _quality(
     trained: Trained, history: dict, test: dict, num_items: int, args: argparse.Namespace
 ) -> dict[str, object]:
-    """The quality table of the trained model on the test targets, and the popularity baseline."""
+    """The quality table of the trained model on the test targets, the whole history against each
+    truncation (paired), and the popularity baseline."""
     t_eval = time.perf_counter()
-    by_len = evaluate(
+    ranks = rank_targets(
         trained.model, history, test, lengths=_eval_lengths(args.eval_lengths), max_users=args.eval_users
     )
+    by_len = summarise(ranks)
     users = sorted(history)[: args.eval_users]
+    overall = {k: v for k, v in by_len["all"].items() if k not in ("users", "targets")}
     return {
         "model_version": trained.model.model_version,
-        **by_len["all"],
+        **overall,
+        "users_evaluated": by_len["all"]["users"],
+        "targets_evaluated": by_len["all"]["targets"],
         "by_history_length": [{"history": k, **v} for k, v in by_len.items()],
+        "all_minus_truncation": paired_differences(ranks),
         "popularity_baseline": popularity_metrics({u: history[u] for u in users}, test, num_items),
         "eval_seconds": round(time.perf_counter() - t_eval, 1),
     }
+
+
+def _protocol(test_events: int) -> str:
+    split = (
+        "leave-last-out; validation: the event before the test event"
+        if test_events == 1
+        else f"leave-last-{test_events}-out: each user's last {test_events} events are test targets, "
+        "each ranked after every event before it; validation: the event before the first of them"
+    )
+    return (
+        f"{split}; candidates: every item the user has not seen; ranked via rank_full; 95 % confidence "
+        "intervals: percentile bootstrap over users (per user, the mean over its targets)"
+    )
 
 
 def run(args: argparse.Namespace, log: InteractionLog | None = None, source: str | None = None) -> int:
@@ -379,7 +478,9 @@ def run(args: argparse.Namespace, log: InteractionLog | None = None, source: str
         log, source = load_log(args)
     report_bad_rows(log)
     log = sample_users(log, args.users)
-    history, test = split_leave_last_out(log)
+    if args.test_events < 1:
+        raise SystemExit(f"--test-events {args.test_events}: must be at least 1")
+    history, test = split_leave_last_out(log, args.test_events)
     if not history:
         raise SystemExit(f"{source}: no user has two interactions; nothing to train on")
     split = split_validation(history)
@@ -399,9 +500,8 @@ def run(args: argparse.Namespace, log: InteractionLog | None = None, source: str
         "events": log.num_events,
         "bad_rows": log.bad_count,
         "bad_row_examples": [str(b) for b in log.bad],
-        "protocol": "leave-last-out; validation: the event before the test event; candidates: every "
-        "item the user has not seen; ranked via rank_full; 95 % confidence intervals: percentile "
-        "bootstrap over users",
+        "protocol": _protocol(args.test_events),
+        "test_events": args.test_events,
         **_quality(trained, history, test, log.num_items, args),
         "train": {
             **dataclasses.asdict(settings),
@@ -420,6 +520,8 @@ def run(args: argparse.Namespace, log: InteractionLog | None = None, source: str
     for row in metrics["by_history_length"]:
         _log(f"history {row['history']:>4}: " + format_row(row))
     _log("popularity  : " + format_row(metrics["popularity_baseline"]))
+    for length, diff in metrics["all_minus_truncation"].items():
+        _log(f"all - {length:>4}  : " + format_row(diff))
     print(
         json.dumps({k: metrics[k] for k in ("HR@10", "NDCG@10", "MRR", "model_version")} | {"out": str(out)})
     )

@@ -1,0 +1,190 @@
+"""Training for long contexts and the evaluation that tells whether it helped, on tiny data: the
+learning-rate schedule over the expected length of training, cut points weighted toward long
+contexts, the recency prior of the position biases (and relay exactness with it), leave-last-K-out
+targets ranked after a growing history, and paired differences between history lengths."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+from synthetic import write_csv
+from test_interactions import COLS, tiny_log_rows
+
+from relaygr.workers import train
+from relaygr.workers.fit import LR_FLOOR, lr_factor, recency_prior
+from relaygr.workers.hstu_attention import position_bucket
+from relaygr.workers.interactions import InteractionLog
+from relaygr.workers.model import HSTUConfig, HSTURanker
+from relaygr.workers.objectives import make_batch
+from relaygr.workers.prefix_kv import Events
+from relaygr.workers.quality import paired_differences, rank_targets, split_leave_last_out, summarise
+from relaygr.workers.sizing import MAX_EPOCHS, MIN_EPOCHS
+from relaygr.workers.vocab import ItemVocab
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def _args(extra: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    train.add_arguments(parser)
+    return parser.parse_args(["--out", "unused", *extra])
+
+
+def test_the_learning_rate_reaches_its_floor_at_the_decay_span_and_stays_there() -> None:
+    warm, decay = 10, 100
+    rates = [lr_factor(step, warm, decay) for step in range(300)]
+    assert rates[0] < rates[5] < rates[9] and max(rates) <= 1.0
+    assert all(a >= b for a, b in itertools.pairwise(rates[9 : decay + 1]))
+    assert rates[decay] == pytest.approx(LR_FLOOR) and rates[-1] == pytest.approx(LR_FLOOR)
+    assert rates[decay // 2] == pytest.approx((1 + LR_FLOOR) / 2)  # half way down the cosine
+    hist = {"u": Events.from_lists([1, 2, 3], [0, 1, 2], [1, 1, 1])}
+    sized = train.resolve_settings(_args([]), 100, hist, log=lambda _: None)
+    assert (sized.decay_epochs, sized.min_epochs) == (MAX_EPOCHS, MIN_EPOCHS)
+    given = train.resolve_settings(_args(["--decay-epochs", "7"]), 100, hist, log=lambda _: None)
+    assert (given.decay_epochs, given.min_epochs) == (7, 7)  # kept epochs start by the decay's end
+    short = train.resolve_settings(_args(["--epochs", "4"]), 100, hist, log=lambda _: None)
+    assert (short.decay_epochs, short.min_epochs) == (4, 4)
+    asked = train.resolve_settings(
+        _args(["--min-epochs", "20", "--epochs", "25"]), 100, hist, log=lambda _: None
+    )
+    assert (asked.decay_epochs, asked.min_epochs) == (25, 20)
+
+
+def test_long_cuts_draw_more_targets_after_long_contexts() -> None:
+    windows = [Events.from_lists(list(range(1, 101)), list(range(100)), [1] * 100) for _ in range(8)]
+
+    def mean_cut(long_cuts: float) -> float:
+        rng = np.random.default_rng(3)
+        cuts = [
+            make_batch(windows, cuts=5, negatives=2, num_items=200, rng=rng, long_cuts=long_cuts).cuts
+            for _ in range(20)
+        ]
+        return float(torch.cat(cuts).float().mean())
+
+    uniform, linear, square = mean_cut(0.0), mean_cut(1.0), mean_cut(2.0)
+    # Expected means: 50 (uniform), 67 (c), 75 (c^2) over cuts 1..99.
+    assert uniform < 58 < linear < 71 < square
+
+
+def _model(seed: int = 0, **overrides) -> HSTURanker:
+    torch.manual_seed(seed)
+    cfg = dict(num_items=30, dim=16, heads=2, attn_dim=8, linear_dim=8, attn_block=8, max_len=64)
+    return HSTURanker(HSTUConfig(**{**cfg, **overrides})).eval()
+
+
+def test_the_recency_prior_discounts_distant_events_and_keeps_the_relay_exact() -> None:
+    model = _model()
+    recency_prior(model, 0.5)
+    for layer in model.layers:
+        bias = layer.pos_bias.detach()
+        assert bias[0] == 0 and bias[1] == pytest.approx(-0.5)
+        assert torch.all(bias[1:] <= bias[:-1])
+    # The bucket of distance 100 starts at -0.5 * log2(1 + its nearest distance, 96).
+    b100 = int(position_bucket(torch.tensor([100]), model.config.position_buckets))
+    assert float(model.layers[0].pos_bias.detach()[b100]) == pytest.approx(-0.5 * np.log2(97))
+    n = 40
+    hist = Events.from_lists(
+        torch.randint(1, 31, (n,)).tolist(), np.cumsum(np.arange(n) * 7.0).tolist(), [1] * n
+    )
+    cands, ts = torch.arange(1, 31), float(hist.timestamps[-1]) + 5
+    relay = model.rank(model.prefill(hist.slice(0, 25)), hist.slice(25), cands, ts)
+    torch.testing.assert_close(relay, model.rank_full(hist, cands, ts), rtol=1e-5, atol=1e-5)
+    untouched = _model()
+    recency_prior(untouched, 0.0)
+    assert all(torch.all(layer.pos_bias == 0) for layer in untouched.layers)
+
+
+def _log_of(lengths: dict[str, int]) -> InteractionLog:
+    histories = {
+        u: Events.from_lists(list(range(1, n + 1)), [10.0 * i for i in range(n)], [1] * n)
+        for u, n in lengths.items()
+    }
+    return InteractionLog(histories=histories, vocab=ItemVocab.identity_of(20), num_actions=1)
+
+
+def test_leave_last_k_out_keeps_k_targets_and_one_is_leave_last_out() -> None:
+    log = _log_of({"a": 10, "b": 3, "c": 1})
+    hist, test = split_leave_last_out(log, 3)
+    assert sorted(hist) == ["a", "b"] and "c" not in test
+    assert (len(hist["a"]), test["a"].item_ids.tolist()) == (7, [8, 9, 10])
+    assert (len(hist["b"]), test["b"].item_ids.tolist()) == (1, [2, 3])  # one event always stays
+    hist1, test1 = split_leave_last_out(log)
+    assert test1["a"].item_ids.tolist() == [10] and len(hist1["a"]) == 9
+
+
+@dataclass
+class _LowIdsFirst:
+    """A stand-in ranker: lower item ids score higher; remembers the histories it was given."""
+
+    config: HSTUConfig
+    seen: list[tuple[int, float]]
+
+    def rank_full(self, history: Events, candidates, request_ts: float, micro_batch: int = 0):
+        self.seen.append((len(history), request_ts))
+        return -candidates.double()
+
+
+def test_each_target_is_ranked_after_every_event_before_it() -> None:
+    hist, test = split_leave_last_out(_log_of({"a": 10}), 3)
+    stub = _LowIdsFirst(HSTUConfig(num_items=20), [])
+    ranks = rank_targets(stub, hist, test, lengths=[2, None], log=lambda _: None)
+    # Histories of 7, 8 and 9 events (and the last 2 of each), at each target's own time.
+    assert sorted(stub.seen) == sorted([(2, 70.0), (7, 70.0), (2, 80.0), (8, 80.0), (2, 90.0), (9, 90.0)])
+    # Items 1..k are seen, so target k + 1 is always the best unseen item.
+    assert ranks["all"][0].tolist() == [1.0, 1.0, 1.0]
+    table = summarise(ranks)
+    assert table["all"]["users"] == 1 and table["all"]["targets"] == 3 and table["all"]["HR@10"] == 1.0
+
+
+def test_paired_differences_are_zero_for_equal_ranks_and_signed_for_better_ones() -> None:
+    rng = np.random.default_rng(0)
+    ranks = [np.asarray([float(r)]) for r in rng.integers(1, 30, size=200)]
+    worse = [r + 20 for r in ranks]
+    diff = paired_differences({"all": ranks, "16": ranks, "64": worse})
+    assert diff["16"]["HR@10"] == 0 and diff["16"]["HR@10_ci95"] == [0.0, 0.0]
+    assert diff["64"]["MRR"] > 0 and diff["64"]["MRR_ci95"][0] > 0 and diff["64"]["HR@10_ci95"][0] > 0
+
+
+def test_metrics_keep_the_log_users_apart_from_the_users_evaluated(tmp_path) -> None:
+    path = write_csv(tmp_path / "log.csv", tiny_log_rows(users=12, events=12))
+    out = tmp_path / "ck"
+    tiny = ["--layers", "1", "--dim", "16", "--epochs", "1", "--max-steps", "2", "--threads", "1"]
+    extra = ["--eval-users", "5", "--test-events", "2", "--long-cuts", "1", "--recency-prior", "0.5"]
+    parser = argparse.ArgumentParser()
+    train.add_arguments(parser)
+    args = parser.parse_args(["--out", str(out), "--interactions", str(path), *COLS, *tiny, *extra])
+    assert train.run(args) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert (metrics["users"], metrics["users_evaluated"], metrics["targets_evaluated"]) == (12, 5, 10)
+    assert metrics["test_events"] == 2 and metrics["protocol"].startswith("leave-last-2-out")
+    assert set(metrics["all_minus_truncation"]) == {"16", "64", "256"}
+    assert (metrics["train"]["long_cuts"], metrics["train"]["recency_prior"]) == (1.0, 0.5)
+
+
+def test_the_attention_biases_can_learn_faster_than_the_other_weights() -> None:
+    hist = {
+        str(u): Events.from_lists(
+            [(u * 7 + i) % 29 + 1 for i in range(30)], [60.0 * i for i in range(30)], [1] * 30
+        )
+        for u in range(8)
+    }
+
+    def moved(scale: float) -> tuple[float, float]:
+        model = _model(max_len=32).train()
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        train.train_model(
+            model, hist, epochs=1, batch_size=4, max_steps=2, bias_lr_scale=scale, log=lambda _: None
+        )
+        after = {n: p.detach() for n, p in model.named_parameters()}
+        bias = max(float((after[n] - before[n]).abs().max()) for n in before if n.endswith("pos_bias"))
+        other = float((after["item_emb.weight"] - before["item_emb.weight"]).abs().max())
+        return bias, other
+
+    slow, fast = moved(1.0), moved(20.0)
+    assert fast[0] > 5 * slow[0] and fast[1] == pytest.approx(slow[1], rel=0.5)
