@@ -103,6 +103,8 @@ async def hand_over(w: RankingWorker) -> None:
         if tp.topic != beh:
             at = await asyncio.wait_for(w.consumer.position(tp), 5)
             offsets.setdefault(tp.topic, {})[tp.partition] = at
+    # First, so that the successor finds them with the offsets: the full rankings timed here.
+    w.files.write_latency_samples(w.engine.latency_samples())
     w.files.write_handover(offsets, os.getpid())
     # How long the requests that came meanwhile waited for this before the standby could take them.
     w._note(event="handed_over", ms=round((time.time() - w.handing_over) * 1000, 1))
@@ -298,6 +300,10 @@ class Standby:
         if self.serve_nice is not None:
             nice_tasks(self.pid, self.serve_nice)
         w.engine.scheduler.pace(0)
+        # Its predecessor's timings of full rankings, not the ones made beside it at nice 19: the
+        # worker's next report gives the trigger the latency model the partitions were served with.
+        if inherited := w.files.read_latency_samples():
+            w.engine.inherit_latency_samples(inherited)
         w.held, w.standing_by = set(), False
         w.files.write_standby("serving", self.pid)
         w._note(event="took_over", partitions=handed, offsets={t: o for t, o in offsets.items()})

@@ -20,6 +20,10 @@ Primitives:
     answered every request before them (``handover.json``).
   - ``write_standby(state, pid)`` / ``read_standby()``: how far a replacement is
     (``standby.json``: ``warming``, ``ready``, ``serving``, ``joined``).
+  - ``write_latency_samples(samples)`` / ``read_latency_samples()``: the full-ranking timings
+    (history length, ms) a process that hands over measured while serving, so that its successor
+    plans, and tells the trigger, with them rather than with the calibration alone
+    (``latency_samples.json``).
 - ``STANDBY_STATES``: those states, in order.
 
 Every file is written to a temporary name and renamed: a reader sees the old content or the new.
@@ -106,6 +110,13 @@ class WorkerFiles:
             return None
         offsets = {t: {int(p): int(o) for p, o in parts.items()} for t, parts in data["offsets"].items()}
         return offsets, int(data["pid"])
+
+    def write_latency_samples(self, samples: list[tuple[int, float]]) -> None:
+        self._write("latency_samples.json", {"samples": [[int(n), float(ms)] for n, ms in samples]})
+
+    def read_latency_samples(self) -> list[tuple[int, float]]:
+        data = self._read("latency_samples.json")
+        return [] if data is None else [(int(n), float(ms)) for n, ms in data["samples"]]
 
     def clear_handover(self) -> None:
         (self.folder / "handover.json").unlink(missing_ok=True)

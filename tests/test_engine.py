@@ -398,3 +398,19 @@ async def test_warm_up_runs_on_the_device_thread_and_leaves_no_trace(model) -> N
     assert not e.pacing.samples  # not a ranking: the latency model does not learn from it
     assert e.store is not None and e.store.metrics().get("bytes_device", 0) == 0
     e.scheduler.close()
+
+
+def test_a_successor_plans_with_its_predecessors_timings(model) -> None:
+    """At a hand-over the new process takes the old one's full-ranking timings: its latency model
+    (and so the trigger's, through its next report) is the one refitted from them."""
+    old, new = engine(model), engine(model)
+    timings = [(n, 0.002 * n * n / 1000 + 0.01 * n + 1.0) for n in range(256, 4096, 128)]
+    old.pacing.samples.extend(timings)
+    fitted = old.refit_latency()
+    assert new.refit_latency().predict_ms(4096) != pytest.approx(fitted.predict_ms(4096))
+    new.pacing.samples.extend([(300, 99.0)] * 8)  # its own, made beside the old one: dropped
+    got = new.inherit_latency_samples(old.latency_samples())
+    assert new.latency_samples() == timings
+    assert got.predict_ms(4096) == pytest.approx(fitted.predict_ms(4096))
+    old.close()
+    new.close()

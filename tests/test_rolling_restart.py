@@ -82,3 +82,5 @@ async def test_roll_one_worker_under_load(kafka_settings, tmp_path, model_dir) -
     assert "result" in after, "the new process ranked nothing"
     # Its state generation is the current one; the old one is gone once the old process exited.
     assert WorkerFiles(folder).state_dir().name.startswith("gen-")
+    # The old process left its full-ranking timings for the new one's latency model.
+    assert (folder / "latency_samples.json").exists()

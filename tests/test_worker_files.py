@@ -45,6 +45,9 @@ def test_hand_over_files(tmp_path: Path) -> None:
     assert files.read_standby() == ("ready", 9)
     with pytest.raises(ValueError, match="unknown standby state"):
         files.write_standby("asleep", 9)
+    assert files.read_latency_samples() == []
+    files.write_latency_samples([(512, 7.5), (2048, 35.25)])
+    assert files.read_latency_samples() == [(512, 7.5), (2048, 35.25)]
     assert not list(tmp_path.glob(".*.tmp"))  # written through a temporary name, renamed
 
 

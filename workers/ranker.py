@@ -24,7 +24,8 @@ Primitives:
   | ``full`` / ``full_truncated`` | a miss | the most recent events that fit the deadline (``DevicePacing.keep_within``), sliced and re-planned once when behind (``full_steps``) |
   | ``baseline`` | baseline mode | full inference in one job, truncated to fit |
 - ``RankingEngine.warm_up()``, ``drain()`` (the stores of grown prefixes), ``predict_full_ms(n)``,
-  ``refit_latency()``, and what a caller needs of the model and store: ``to_model_ids``,
+  ``refit_latency()``, ``latency_samples()`` / ``inherit_latency_samples()`` (a predecessor's
+  timings, at a hand-over), and what a caller needs of the model and store: ``to_model_ids``,
   ``cached_length``, ``note_applied`` / ``ranking_now`` (the behaviour applier's side), ``close``.
 - ``kv_bytes_per_token(model)``: device bytes one cached token takes.
 
@@ -546,6 +547,17 @@ class RankingEngine:
 
     def refit_latency(self) -> LatencyModel:
         """Refit the latency model from recent full-path measurements when they span enough lengths."""
+        return self.pacing.refit()
+
+    def latency_samples(self) -> list[tuple[int, float]]:
+        """The recent full-path measurements (history length, ms) the latency model is refitted from."""
+        return list(self.pacing.samples)
+
+    def inherit_latency_samples(self, samples: list[tuple[int, float]]) -> LatencyModel:
+        """Plan with a predecessor's measurements (it served this worker's traffic on this device)
+        in place of this process's own so far, and refit."""
+        self.pacing.samples.clear()
+        self.pacing.samples.extend(samples)
         return self.pacing.refit()
 
     def close(self) -> None:
