@@ -235,7 +235,7 @@ async def follow_worker_stats(
                 continue
             if st.mode == "relay" and len(st.latency_coeffs) == 3:
                 try:
-                    trigger.latency = LatencyModel.from_coeffs(st.latency_coeffs)
+                    trigger.report_latency(LatencyModel.from_coeffs(st.latency_coeffs), st.partitions)
                 except ValueError as e:
                     log.warning("worker %s sent an unusable latency model: %s", st.worker_id, e)
             if st.partitions:

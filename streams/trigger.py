@@ -5,10 +5,11 @@ Primitives:
 - ``TokenBucket``: the pre-inference rate bound.
 - ``SequenceAwareTrigger.decide(user_id, partition, history_len, now)``: a ``Decision`` with its
   ``TriggerReason``. Admit iff full ranking of this history is predicted (by the calibrated
-  ``LatencyModel``; of at most the ``max_seq_len`` served events) to exceed ``budget × θ`` AND
-  its pre-inference is predicted to end within the lease and a multiple of the upstream window
-  (else ``too_long``) AND the bytes of live prefixes on that partition stay
-  under the footprint bound AND the token bucket has a token. Every decision is counted.
+  ``LatencyModel`` of the worker that owns the partition, ``report_latency``; of at most the
+  ``max_seq_len`` served events) to exceed ``budget × θ`` AND its pre-inference is predicted to
+  end within the lease and a multiple of the upstream window (else ``too_long``) AND the bytes of
+  live prefixes on that partition stay under the footprint bound AND the token bucket has a
+  token. Every decision is counted.
 
 The footprint bound counts device bytes only. It is estimated here from admitted signals (bytes
 per token × prefix length, alive for the lease TTL); a ranking worker's report (``WorkerStats``:
@@ -110,7 +111,8 @@ class Decision:
 class SequenceAwareTrigger:
     def __init__(self, config: TriggerConfig, latency: LatencyModel) -> None:
         self.config = config
-        self.latency = latency
+        self.latency = latency  # for a partition whose owner has not reported (the latest report)
+        self._latency_of: dict[int, LatencyModel] = {}  # partition -> its owner's latest model
         self.bucket = TokenBucket(config.prefill_rate_per_s, config.prefill_burst)
         self.counts: Counter[str] = Counter()
         # Estimated prefixes per partition not yet covered by a report: heap of
@@ -118,6 +120,16 @@ class SequenceAwareTrigger:
         self._live: dict[int, list[tuple[float, float, int]]] = {}
         self._live_bytes: dict[int, int] = {}
         self._reported: dict[int, int] = {}
+
+    def report_latency(self, latency: LatencyModel, partitions: list[int]) -> None:
+        """A worker's latency model of full ranking, for the partitions it owns: their requests
+        are ranked there (workers differ: a device, a fresh process, a loaded host)."""
+        for p in partitions:
+            self._latency_of[p] = latency
+        self.latency = latency
+
+    def latency_for(self, partition: int) -> LatencyModel:
+        return self._latency_of.get(partition, self.latency)
 
     def live_bytes(self, partition: int, now: float) -> int:
         """Device bytes of live prefixes on ``partition``: the last report plus the estimates of
@@ -157,11 +169,12 @@ class SequenceAwareTrigger:
         prefix_len = history_len - c.short_term
         if history_len == 0 or prefix_len < c.min_prefix:
             return Decision(TriggerReason.NO_HISTORY if history_len == 0 else TriggerReason.NOT_AT_RISK)
-        predicted = self.latency.predict_ms(history_len)
+        latency = self.latency_for(partition)
+        predicted = latency.predict_ms(history_len)
         if predicted <= c.budget_ms * c.theta:
             return Decision(TriggerReason.NOT_AT_RISK, prefix_len, predicted)
         # A pre-inference that outlives its lease, or the request by far, cannot pay off.
-        prefill_ms = self.latency.predict_ms(prefix_len)
+        prefill_ms = latency.predict_ms(prefix_len)
         if prefill_ms > c.too_long_ttl_factor * c.lease_ttl_s * 1000 or (
             c.too_long_window_factor and prefill_ms > c.too_long_window_factor * c.window_ms
         ):

@@ -25,6 +25,20 @@ def test_admits_only_at_risk_histories() -> None:
     assert t.counts == {"not_at_risk": 1, "admitted": 1, "no_history": 1}
 
 
+def test_each_partition_is_judged_by_its_owners_latency_model() -> None:
+    t = trig()
+    slow = LatencyModel(a=2.0, b=0.04, c=0.0)  # 1000 tokens -> 42 ms
+    t.report_latency(slow, [1])
+    assert t.decide(1, 1000, 0.0).admitted  # at risk on the slow worker
+    assert t.decide(0, 1000, 0.0).admitted  # unreported partitions: the latest report's model
+    t.report_latency(LAT, [0])  # the fast worker reports: the slow one keeps its partition
+    assert t.decide(0, 1000, 0.0).reason is TriggerReason.NOT_AT_RISK
+    assert t.decide(1, 1000, 0.0).admitted
+    assert t.decide(2, 1000, 0.0).reason is TriggerReason.NOT_AT_RISK  # unreported: the latest model
+    t.report_latency(LAT, [1])  # partition 1 moved to the fast worker
+    assert t.decide(1, 1000, 0.0).reason is TriggerReason.NOT_AT_RISK
+
+
 def test_footprint_bound_per_partition_and_expiry() -> None:
     t = trig(footprint_bound_bytes=10_000_000, lease_ttl_s=5.0)
     assert t.decide(0, 4064, 0.0).admitted  # 4 MB live
