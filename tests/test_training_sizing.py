@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import re
 
 import numpy as np
 import pytest
@@ -196,3 +197,24 @@ def test_last_cut_always_asks_for_the_item_after_the_whole_window() -> None:
         batch = make_batch(windows, cuts=3, negatives=4, num_items=50, rng=rng, last_cut=True)
         assert batch.cuts.max(dim=1).values.tolist() == [8, 11, 19]
         assert all(len(set(row)) == 3 for row in batch.cuts.tolist())
+
+
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [
+        ("bias_lr", -1.0, "--bias-lr -1.0: must be above 0"),
+        ("long_cuts", -2.0, "--long-cuts -2.0: must be 0 (off) or above"),
+        ("recency_prior", -0.5, "--recency-prior -0.5: must be 0 (off) or above"),
+        ("test_events", 0, "--test-events 0: must be at least 1"),
+        ("valid_users", -5, "--valid-users -5: must be at least 1"),
+        ("decay_epochs", 0, "--decay-epochs 0: must be at least 1"),
+    ],
+)
+def test_values_that_would_train_silently_wrong_are_refused(flag: str, value: float, message: str) -> None:
+    parser = argparse.ArgumentParser()
+    train.add_arguments(parser)
+    args = parser.parse_args(["--out", "unused"])
+    train.check_arguments(args)  # the defaults pass
+    setattr(args, flag, value)
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        train.check_arguments(args)

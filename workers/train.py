@@ -470,16 +470,30 @@ def _protocol(test_events: int) -> str:
     )
 
 
+def check_arguments(args: argparse.Namespace) -> None:
+    """A clear error for a value that would train silently wrong (a negative rate, no targets)."""
+    at_least_one = ("test_events", "epochs", "decay_epochs", "min_epochs", "valid_users", "eval_users")
+    for name in at_least_one:
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} {value}: must be at least 1")
+    if getattr(args, "bias_lr", 1.0) <= 0:
+        raise SystemExit(f"--bias-lr {args.bias_lr}: must be above 0 (a multiple of the learning rate)")
+    for name in ("long_cuts", "recency_prior"):
+        value = getattr(args, name, 0.0)
+        if value < 0:
+            raise SystemExit(f"--{name.replace('_', '-')} {value}: must be 0 (off) or above")
+
+
 def run(args: argparse.Namespace, log: InteractionLog | None = None, source: str | None = None) -> int:
     t0 = time.perf_counter()
+    check_arguments(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     if log is None:
         log, source = load_log(args)
     report_bad_rows(log)
     log = sample_users(log, args.users)
-    if args.test_events < 1:
-        raise SystemExit(f"--test-events {args.test_events}: must be at least 1")
     history, test = split_leave_last_out(log, args.test_events)
     if not history:
         raise SystemExit(f"{source}: no user has two interactions; nothing to train on")
