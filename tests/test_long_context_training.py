@@ -18,7 +18,7 @@ from test_interactions import COLS, tiny_log_rows
 
 from relaygr.workers import train
 from relaygr.workers.fit import LR_FLOOR, lr_factor, recency_prior
-from relaygr.workers.hstu_attention import position_bucket
+from relaygr.workers.hstu_attention import position_bucket, time_bucket
 from relaygr.workers.interactions import InteractionLog
 from relaygr.workers.model import HSTUConfig, HSTURanker
 from relaygr.workers.objectives import make_batch
@@ -188,3 +188,34 @@ def test_the_attention_biases_can_learn_faster_than_the_other_weights() -> None:
 
     slow, fast = moved(1.0), moved(20.0)
     assert fast[0] > 5 * slow[0] and fast[1] == pytest.approx(slow[1], rel=0.5)
+
+
+def test_biases_past_the_longest_training_window_take_the_farthest_trained_bias() -> None:
+    # Windows of 30 events, a minute apart: distances up to 29, gaps up to 29 minutes.
+    hist = {
+        str(u): Events.from_lists(
+            [(u * 7 + i) % 29 + 1 for i in range(30)], [60.0 * i for i in range(30)], [1] * 30
+        )
+        for u in range(8)
+    }
+    model = _model(max_len=32).train()
+    lines: list[str] = []
+    train.train_model(model, hist, epochs=1, batch_size=4, max_steps=3, bias_lr_scale=20.0, log=lines.append)
+    cfg = model.config
+    far_pos = int(position_bucket(torch.tensor([29]), cfg.position_buckets))
+    far_time = int(time_bucket(torch.tensor([29 * 60.0], dtype=torch.float64), cfg.time_buckets))
+    assert any(f"position buckets past {far_pos} and time buckets past {far_time}" in line for line in lines)
+    for layer in model.layers:
+        pos, tim = layer.pos_bias.detach(), layer.time_bias.detach()
+        assert float(pos[far_pos]) != 0.0 and float(tim[far_time]) != 0.0  # trained
+        assert torch.all(pos[far_pos + 1 :] == pos[far_pos]) and torch.all(
+            tim[far_time + 1 :] == tim[far_time]
+        )
+        assert not torch.all(pos[: far_pos + 1] == pos[far_pos])  # the trained ones are not flattened
+    # A history far longer than any window still ranks exactly through a cached prefix.
+    model.eval()
+    n = 120
+    long = Events.from_lists([i % 29 + 1 for i in range(n)], [600.0 * i for i in range(n)], [1] * n)
+    cands, ts = torch.arange(1, 31), float(long.timestamps[-1]) + 5
+    relay = model.rank(model.prefill(long.slice(0, 100)), long.slice(100), cands, ts)
+    torch.testing.assert_close(relay, model.rank_full(long, cands, ts), rtol=1e-5, atol=1e-5)

@@ -9,6 +9,9 @@ Primitives:
   learning rate is high validation swings from epoch to epoch (on ML-100K a peak at epoch 8 of 11
   was kept and scored HR@10 0.064 on the test targets, against 0.106 after 24 epochs).
 - ``recency_prior``: a starting point for the position biases that discounts old events.
+- ``FarBiases``: the farthest position and time buckets training has reached; the buckets beyond
+  them take the farthest one's bias, so serving a history longer than any training window never
+  meets a bias training left at its starting value.
 - ``lr_factor``: the learning-rate schedule (warm-up, cosine decay to a floor over the expected
   length of training, then the floor).
 - ``train_model``: AdamW over shuffled, length-bucketed batches of random windows of at most
@@ -27,7 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from relaygr.workers.hstu_attention import position_bucket
+from relaygr.workers.hstu_attention import position_bucket, time_bucket
 from relaygr.workers.model import HSTURanker
 from relaygr.workers.objectives import batch_loss, make_batch
 from relaygr.workers.prefix_kv import Events
@@ -114,6 +117,34 @@ def recency_prior(model: HSTURanker, slope: float) -> None:
     with torch.no_grad():
         for layer in model.layers:
             layer.pos_bias.copy_(-slope * torch.log2(1 + nearest))
+
+
+@dataclass
+class FarBiases:
+    """The farthest position and time buckets any training window has reached so far.
+
+    Training windows hold at most ``max_len`` events, but serving reads whole histories: a pair
+    of events farther apart than any window was never trained on, and its bucket's bias would keep
+    its starting value (0: no discount at all, while the trained far buckets learned one). After
+    every step the buckets beyond the farthest reached ones take its bias, so the biases stay
+    flat past what the data showed. The tie is on parameters only: ``position_bucket`` and
+    ``time_bucket`` are unchanged, and so is relay-exactness."""
+
+    position: int = 0
+    time: int = 0
+
+    def reach(self, rows: list[Events], num_pos: int, num_time: int) -> None:
+        """Extend the reach to the widest pair of events in ``rows`` (windows, oldest first)."""
+        distance = max(len(w) for w in rows) - 1
+        gap = max(float(w.timestamps[-1] - w.timestamps[0]) for w in rows)
+        self.position = max(self.position, int(position_bucket(torch.tensor([distance]), num_pos)))
+        self.time = max(self.time, int(time_bucket(torch.tensor([gap], dtype=torch.float64), num_time)))
+
+    def tie(self, model: HSTURanker) -> None:
+        with torch.no_grad():
+            for layer in model.layers:
+                layer.pos_bias[self.position + 1 :] = layer.pos_bias[self.position]
+                layer.time_bias[self.time + 1 :] = layer.time_bias[self.time]
 
 
 def _popularity(model: HSTURanker, seqs: list[Events]) -> np.ndarray:
@@ -208,6 +239,7 @@ def train_model(
     opt, sched = _optimiser(model, lr, decay, steps_per_epoch, bias_lr_scale)
     losses: list[float] = []
     step, t0, cpu0 = 0, time.perf_counter(), time.process_time()
+    far = FarBiases()
     for epoch in range(epochs):
         model.train()
         ep_loss, ep_n = 0.0, 0
@@ -226,12 +258,14 @@ def train_model(
                 last_cut=obj.last_cut,
                 long_cuts=obj.long_cuts,
             )
+            far.reach(rows, model.config.position_buckets, model.config.time_buckets)
             loss = batch_loss(model, batch, obj.aux_weight)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             sched.step()
+            far.tie(model)
             ep_loss += float(loss.detach())
             ep_n += 1
             step += 1
@@ -251,6 +285,10 @@ def train_model(
             break
     if stopping is not None:
         stopping.restore_best(model)
+    log(
+        f"attention biases: position buckets past {far.position} and time buckets past {far.time} "
+        "(no training window reached them) take the farthest reached one's bias"
+    )
     model.eval()
     model.refresh_version()
     return losses
