@@ -169,6 +169,21 @@ def _epoch_batches(
     return batches
 
 
+def _batch(rows: list[Events], obj: Objective, model: HSTURanker, rng: np.random.Generator, popularity):
+    return make_batch(
+        rows,
+        obj.cuts,
+        obj.negatives,
+        model.config.num_items,
+        rng,
+        popularity=popularity,
+        popular_share=obj.popular_share,
+        in_batch_share=obj.in_batch_share,
+        last_cut=obj.last_cut,
+        long_cuts=obj.long_cuts,
+    )
+
+
 BIAS_LR_SCALE = 10.0
 """How much faster than the other weights the attention's position and time biases learn, by
 default (``relaygr train --bias-lr``): on ML-100K, with the other settings alike, it narrowed the
@@ -246,20 +261,8 @@ def train_model(
         for rows in _epoch_batches(seqs, model.config.max_len, batch_size, rng):
             if max_steps is not None and step >= max_steps:
                 break
-            batch = make_batch(
-                rows,
-                obj.cuts,
-                obj.negatives,
-                model.config.num_items,
-                rng,
-                popularity=popularity,
-                popular_share=obj.popular_share,
-                in_batch_share=obj.in_batch_share,
-                last_cut=obj.last_cut,
-                long_cuts=obj.long_cuts,
-            )
             far.reach(rows, model.config.position_buckets, model.config.time_buckets)
-            loss = batch_loss(model, batch, obj.aux_weight)
+            loss = batch_loss(model, _batch(rows, obj, model, rng, popularity), obj.aux_weight)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
