@@ -25,8 +25,15 @@ BLOB = 64 << 10  # above the folder's min blob size: the value lives in a blob f
 
 def _model() -> HSTURanker:
     config = HSTUConfig(
-        num_items=NUM_ITEMS, layers=2, heads=2, dim=16, attn_dim=8, linear_dim=8, attn_block=8,
-        candidate_batch=4, dropout=0.0,
+        num_items=NUM_ITEMS,
+        layers=2,
+        heads=2,
+        dim=16,
+        attn_dim=8,
+        linear_dim=8,
+        attn_block=8,
+        candidate_batch=4,
+        dropout=0.0,
     )
     model = HSTURanker(config)
     gen = torch.Generator().manual_seed(3)
@@ -132,9 +139,12 @@ def test_a_changed_history_or_another_model_version_is_refused(tmp_path) -> None
         assert other.where("u2") is None
         # A budget that takes one entry: the most recently written one.
         with DiskSnapshot(tmp_path / "old", tmp_path / "new" / "reader") as view:
-            one = adopt_prefixes(view, _store(model, None), histories.get, max_bytes=max(
-                m.nbytes for m in view.index().values()
-            ))
+            one = adopt_prefixes(
+                view,
+                _store(model, None),
+                histories.get,
+                max_bytes=max(m.nbytes for m in view.index().values()),
+            )
         assert (one.adopted, one.skipped_budget) == (1, 2)
     finally:
         new.close()
