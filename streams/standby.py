@@ -283,31 +283,36 @@ class Standby:
         for them at most ``standby_adopt_wait_s``: those still valid for the histories caught up
         here. Anything wrong there: none adopted (the recent users' pre-inference computes them)."""
         w = self.w
-        deadline = time.monotonic() + w.pipeline.standby_adopt_wait_s
-        while (spilled := w.files.read_spilled(self.pid)) is None and time.monotonic() < deadline:
-            await asyncio.sleep(POLL_S * 10)
-        why = None
+        spilled = await self._spilled()
         if w.engine.store is None or w.pipeline.standby_adopt_wait_s == 0:
             why = "off"
         elif spilled is None:
             why = "not_spilled_in_time"
         elif spilled.get("folder") is None:
             why = "no_disk_tier"
-        elif spilled.get("model_version") != w.engine.store.model_version:
-            why = "model_version"
-        if why is not None:
-            w._note(event="standby_adopted", adopted=0, why=why)
-            log.info("%s (standby): adopted no prefixes (%s)", w.worker_id, why)
-            return
-        assert spilled is not None
-        try:
-            got = await asyncio.to_thread(self._adopt_from, Path(str(spilled["folder"])))
-        except Exception as e:  # never fails the standby: it recomputes instead
-            log.warning("%s (standby): adopting prefixes failed", w.worker_id, exc_info=True)
-            w._note(event="standby_adopted", adopted=0, why=f"error: {e}")
-            return
-        w._note(event="standby_adopted", **got.fields(), spilled=spilled.get("prefixes"))
-        log.info("%s (standby): adopted prefixes of the active process: %s", w.worker_id, got.fields())
+        else:
+            try:
+                got = await asyncio.to_thread(self._adopt_from, Path(str(spilled["folder"])))
+            except Exception as e:  # never fails the standby: it recomputes instead
+                log.warning("%s (standby): adopting prefixes failed", w.worker_id, exc_info=True)
+                why = f"error: {e}"
+            else:
+                w._note(event="standby_adopted", **got.fields(), spilled=spilled.get("prefixes"))
+                log.info("%s (standby): adopted prefixes: %s", w.worker_id, got.fields())
+                return
+        w._note(event="standby_adopted", adopted=0, why=why)
+        log.info("%s (standby): adopted no prefixes (%s)", w.worker_id, why)
+
+    async def _spilled(self) -> dict | None:
+        """``spilled.json`` once the active process wrote it for this standby; None after
+        ``standby_adopt_wait_s`` (or at once where this standby adopts nothing)."""
+        w = self.w
+        if w.engine.store is None or w.pipeline.standby_adopt_wait_s == 0:
+            return None
+        deadline = time.monotonic() + w.pipeline.standby_adopt_wait_s
+        while (spilled := w.files.read_spilled(self.pid)) is None and time.monotonic() < deadline:
+            await asyncio.sleep(POLL_S * 10)
+        return spilled
 
     def _adopt_from(self, folder: Path) -> Adoption:
         """``adopt_prefixes`` from the old generation's disk tier (read-only; blocking)."""
