@@ -127,15 +127,20 @@ def test_a_changed_history_or_another_model_version_is_refused(tmp_path) -> None
     items[3] = items[3] % (NUM_ITEMS - 1) + 1  # one event differs
     successor = {"u1": Events(items, changed.action_ids, changed.timestamps), "u2": histories["u2"]}
     assert history_fingerprint(successor["u1"], 36) != history_fingerprint(changed, 36)
+    # u4's entry matches its history by its index record, but its blob is not a prefix.
+    successor["u4"] = _history(12, 4)
+    fp4 = history_fingerprint(successor["u4"], 8)
+    assert old.placement.disk is not None
+    old.placement.disk.write(("u4", model.model_version), b"not a prefix", 8, fp4)
     new, other = _store(model, None), _store(model, None, version="another-model")
     try:
         with DiskSnapshot(tmp_path / "old", tmp_path / "new" / "reader") as view:
             got = adopt_prefixes(view, new, successor.get)
             got_other = adopt_prefixes(view, other, successor.get)
-        # u1's history differs: refused; u2 adopted; u3 is not this successor's user.
-        assert (got.adopted, got.refused_history, got.skipped_users) == (1, 1, 1)
-        assert new.where("u1") is None and new.where("u2") == "device"
-        assert (got_other.adopted, got_other.refused_version) == (0, 2)
+        # u1's history differs: refused; u2 adopted; u3 is not this successor's user; u4 corrupt.
+        assert (got.adopted, got.refused_history, got.skipped_users, got.refused_corrupt) == (1, 1, 1, 1)
+        assert new.where("u1") is None and new.where("u2") == "device" and new.where("u4") is None
+        assert (got_other.adopted, got_other.refused_version) == (0, 3)
         assert other.where("u2") is None
         # A budget that takes one entry: the most recently written one.
         with DiskSnapshot(tmp_path / "old", tmp_path / "new" / "reader") as view:

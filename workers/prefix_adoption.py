@@ -34,7 +34,7 @@ class Adoption:
     adopted: int = 0
     refused_version: int = 0  # computed by another model version
     refused_history: int = 0  # the successor's history differs over the entry's length
-    refused_corrupt: int = 0  # did not decode, or its header does not match its index record
+    refused_corrupt: int = 0  # did not read or decode, or its header does not match its index
     skipped_users: int = 0  # users the successor has no history of (not its partitions)
     skipped_budget: int = 0  # valid, but beyond ``max_bytes``
     bytes: int = 0
@@ -75,14 +75,14 @@ def adopt_prefixes(
             chosen.append((key, meta, history))
             out.bytes += meta.nbytes
     for key, meta, _ in reversed(chosen):  # oldest first: the newest end up most recently used
-        blob = snapshot.read(key, meta)
         try:
+            blob = snapshot.read(key, meta)
             if blob is None:
                 raise CodecError("missing", "rewritten or deleted since the index was read")
             prefix = decode(blob, expected_model_version=store.model_version)
             if prefix.length != meta.length or prefix.fingerprint != meta.fingerprint:
                 raise CodecError("bad_header", "blob does not match its index record")
-        except CodecError:
+        except Exception:  # a codec error, or a file its owner deleted before this read opened it
             out.refused_corrupt += 1
             out.bytes -= meta.nbytes
             continue
