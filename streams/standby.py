@@ -7,12 +7,13 @@ process start on the request path (make before break, under the same static memb
    their prefill signals from now on into its own prefix store, so its cache is warm when it takes
    over. Requests are fetched from then on and kept, never ranked; signals stay unfetched until
    the histories are caught up (a prefix of a partial history would need extending later). Then it
-   adopts the prefixes the active process holds: seeing ``warming``, the active process writes
-   those its disk tier lacks to it (in the background, through its disk writer; nothing leaves its
-   memory) and says so in ``spilled.json``; the standby, waiting for that at most
-   ``standby_adopt_wait_s``, reads the folder read-only while the active process keeps it open
-   (``workers.tiers.DiskSnapshot``) and puts each prefix still valid for its own histories into its
-   store (``workers.prefix_adoption``; ``standby_adopted`` in ``events.jsonl``). Without a disk
+   adopts the prefixes the active process holds: seeing ``warming`` and no ``spilled.json``, the
+   active process writes those its disk tier lacks to it (in the background, through its disk
+   writer; nothing leaves its memory) and says so in ``spilled.json``, at once (the bulk) and again
+   when the standby, caught up, removes that file (what came since); the standby, waiting for that
+   at most ``standby_adopt_wait_s``, reads the folder read-only while the active process keeps it
+   open (``workers.tiers.DiskSnapshot``) and puts each prefix still valid for its own histories into
+   its store (``workers.prefix_adoption``; ``standby_adopted`` in ``events.jsonl``). Without a disk
    tier, or if anything goes wrong there, it adopts none. Then each user whose signal came within
    ``standby_warm_s`` (the users the active process keeps warm) is pre-inferred once: a cache hit
    for an adopted prefix (an extension where the history grew since), a computation for the rest;
@@ -90,7 +91,7 @@ POLL_S = 0.005  # how often the hand-over file is looked for: the gap it adds to
 PREFETCH_MAX = 10_000  # requests kept per partition while standing by (older ones fetched again)
 STANDBY_NICE = 19  # the nice level while standing by: the lowest
 WARM_REST_RATIO = 1.0  # while standing by, the device thread rests this × each pre-inference turn
-SPILL_POLL_S = 0.5  # how often an active process looks for a standby that warms up
+SPILL_POLL_S = 0.2  # how often an active process looks for a standby asking for its prefixes
 SPILL_TIMEOUT_S = 120.0  # the most an active process waits for its disk writer to land a spill
 
 
@@ -113,24 +114,26 @@ def stand_aside(settings: Settings, worker_id: str) -> int | None:
 
 
 async def spill_for_standby(w: RankingWorker) -> None:
-    """The active process's timer: once a standby of its id says ``warming``, write the prefixes its
-    memory tiers hold and its disk tier lacks to the disk tier (queued for the disk writer's thread:
-    nothing leaves memory, the loop waits for nothing), wait until they landed, and say so in
-    ``spilled.json`` for that standby, once per standby."""
-    spilled_for: int | None = None
+    """The active process's timer: while a standby of its id says ``warming`` and finds no
+    ``spilled.json`` for it, write the prefixes its memory tiers hold and its disk tier lacks to the
+    disk tier (queued for the disk writer's thread: nothing leaves memory, the loop waits for
+    nothing), wait until they landed, and say so in ``spilled.json``. So it does at once (the bulk,
+    while the standby starts) and again when the standby, caught up, removes the file (what came
+    since)."""
+    failed_for: int | None = None  # a standby it could not write them for: not tried again
     while True:
         await asyncio.sleep(SPILL_POLL_S)
         standby = w.files.read_standby()
         if not w.in_group or w.handing_over or standby is None:
             continue
         state, pid = standby
-        if state != "warming" or pid in (os.getpid(), spilled_for):
+        if state != "warming" or pid in (os.getpid(), failed_for) or w.files.read_spilled(pid) is not None:
             continue
-        spilled_for = pid
         try:
             await _spill(w, pid)
         except Exception:  # the standby then recomputes, as without a disk tier
             log.exception("%s: writing the prefixes for standby pid %d failed", w.worker_id, pid)
+            failed_for = pid
 
 
 async def _spill(w: RankingWorker, standby_pid: int) -> None:
@@ -304,11 +307,13 @@ class Standby:
         log.info("%s (standby): adopted no prefixes (%s)", w.worker_id, why)
 
     async def _spilled(self) -> dict | None:
-        """``spilled.json`` once the active process wrote it for this standby; None after
-        ``standby_adopt_wait_s`` (or at once where this standby adopts nothing)."""
+        """A fresh ``spilled.json`` of the active process for this standby (it writes one as the
+        standby starts, and another once this one is removed); None after ``standby_adopt_wait_s``
+        (or at once where this standby adopts nothing)."""
         w = self.w
         if w.engine.store is None or w.pipeline.standby_adopt_wait_s == 0:
             return None
+        w.files.clear_spilled()  # asks for what the active process computed since its first one
         deadline = time.monotonic() + w.pipeline.standby_adopt_wait_s
         while (spilled := w.files.read_spilled(self.pid)) is None and time.monotonic() < deadline:
             await asyncio.sleep(POLL_S * 10)
