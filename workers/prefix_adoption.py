@@ -59,7 +59,7 @@ def adopt_prefixes(
     t0 = time.monotonic()
     out = Adoption()
     budget = max_bytes if max_bytes is not None else _memory_budget(store)
-    chosen: list[tuple[StoreKey, DiskMeta, Events]] = []
+    chosen: list[tuple[StoreKey, DiskMeta]] = []
     newest_first = sorted(snapshot.index().items(), key=lambda kv: kv[1].seq, reverse=True)
     for key, meta in newest_first:
         history = history_of(key[0])
@@ -72,9 +72,9 @@ def adopt_prefixes(
         elif out.bytes + meta.nbytes > budget:
             out.skipped_budget += 1
         else:
-            chosen.append((key, meta, history))
+            chosen.append((key, meta))
             out.bytes += meta.nbytes
-    for key, meta, _ in reversed(chosen):  # oldest first: the newest end up most recently used
+    for key, meta in reversed(chosen):  # oldest first: the newest end up most recently used
         try:
             blob = snapshot.read(key, meta)
             if blob is None:
