@@ -16,7 +16,8 @@ caller with the ranking budget as its deadline would have given up), per --windo
 send time the relay share and the ranking P99 (nearest rank), per restart how long the standby
 took to warm up, to serve after the hand-over signal and to join (and, from the worker's audit
 trail, from the signal to the old process's handover.json, to its drain and commit, and to the
-standby's first ranking, in ms), the timeouts and ranking P99
+standby's first ranking, in ms; the prefixes the old process wrote to its disk tier for the
+standby, those the standby adopted and refused, and its time to ready), the timeouts and ranking P99
 from the standby's start to one window after its hand-over, and the time until the relay share
 was back to its steady level (that of step 1) after its hand-over, and the host's CPU (busy and
 steal: what else ran on the machine); with --plot, a PNG of the timeline.
@@ -273,7 +274,9 @@ async def _measure(settings: Settings, reg: TopicRegistry, pipe, args, ml, say) 
     host = await cpu.stop()
     results, counts = await count_results(settings, reg, {r.request_id for r in sent})
     for rs in restarts:
-        rs.update(_handover_ms(settings, rs["worker"]))
+        last = _last_events(settings, rs["worker"])
+        rs.update(_handover_ms(last) | _standby_warm_up(last))
+        say(_restart_row(rs))
     if args.worker_events is not None:
         _copy_worker_events(settings, args.worker_events)
     if args.results is not None:
@@ -343,11 +346,8 @@ def _figures(answered: list[RankedResult], restarts: list[dict], t0: float, budg
     }
 
 
-def _handover_ms(settings: Settings, worker: str) -> dict[str, float]:
-    """From the worker's audit trail, its last hand-over, in ms from the signal: until the old
-    process wrote ``handover.json`` (requests that came meanwhile waited in Kafka), until it had
-    answered what it held and committed, and until the standby ranked; and how long the standby's
-    switch to the group's consumer held its loop."""
+def _last_events(settings: Settings, worker: str) -> dict[str, dict]:
+    """The last line of each kind in the worker's audit trail (``events.jsonl``)."""
     import json
 
     from relaygr.streams.state_lineage import deployment_dir
@@ -356,8 +356,15 @@ def _handover_ms(settings: Settings, worker: str) -> dict[str, float]:
     last: dict[str, dict] = {}
     for line in events.read_text().splitlines():
         e = json.loads(line)
-        if e.get("event") in ("handed_over", "answered", "took_over", "joined"):
-            last[e["event"]] = e
+        last[e.get("event", "")] = e
+    return last
+
+
+def _handover_ms(last: dict[str, dict]) -> dict[str, float]:
+    """From the worker's audit trail (``_last_events``), its last hand-over, in ms from the
+    signal: until the old process wrote ``handover.json`` (requests that came meanwhile waited in
+    Kafka), until it had answered what it held and committed, and until the standby ranked; and
+    how long the standby's switch to the group's consumer held its loop."""
     if "handed_over" not in last or "took_over" not in last:
         return {}
     signalled = last["handed_over"]["t"] - last["handed_over"]["ms"] / 1000
@@ -368,6 +375,34 @@ def _handover_ms(settings: Settings, worker: str) -> dict[str, float]:
         # The new process's switch to the group's consumer: no fetch meanwhile.
         "switch_ms": last.get("joined", {}).get("switch_ms", math.nan),
     }
+
+
+def _standby_warm_up(last: dict[str, dict]) -> dict[str, float | int | str | None]:
+    """From the worker's audit trail, how its last standby warmed up: the prefixes the old process
+    wrote to its disk tier for it (and in how many seconds), those it adopted and refused (and in
+    how many seconds; ``adopt_why``: why none were tried), and its time from standing by (the
+    model warmed up) to ready (``standby_ready_s``)."""
+    spilled, adopted = last.get("spilled_for_standby", {}), last.get("standby_adopted", {})
+    return {
+        "spilled": spilled.get("prefixes"),
+        "spill_s": spilled.get("seconds"),
+        "adopted": adopted.get("adopted"),
+        "refused": adopted.get("refused"),
+        "adopted_bytes": adopted.get("bytes"),
+        "adopt_s": adopted.get("seconds"),
+        "adopt_why": adopted.get("why"),
+        "standby_ready_s": last.get("standby_ready", {}).get("seconds"),
+    }
+
+
+def _restart_row(rs: dict) -> str:
+    """One restart's line for the terminal: the standby's warm-up and the hand-over."""
+    return (
+        f"{rs['worker']}: standby ready {rs['warm_s']:.1f} s after its start "
+        f"({rs.get('standby_ready_s')} s of it standing by), adopted {rs.get('adopted')} "
+        f"prefixes of {rs.get('spilled')} (refused {rs.get('refused')}, {rs.get('adopt_s')} s), "
+        f"serving {rs.get('signal_to_serving_ms')} ms after the signal"
+    )
 
 
 def _copy_worker_events(settings: Settings, out: Path) -> None:

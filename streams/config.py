@@ -202,6 +202,13 @@ class PipelineSettings(BaseSettings):
         "each user seen within this many seconds before it is ready (the users active lately), so "
         "that the hand-over finds their prefixes cached.",
     )
+    standby_adopt_wait_s: float = Field(
+        default=30.0,
+        ge=0,
+        description="Ranking worker standby (rolling restart): once its histories are caught up, wait "
+        "at most this long for the active process to write its cached prefixes to its disk tier, "
+        "and adopt those still valid for the standby's histories (0 = adopt none: recompute all).",
+    )
     torch_threads: int = Field(
         default=1,
         ge=0,

@@ -35,9 +35,9 @@ knows no Kafka; the ``RankingEngine`` is its only way to the device); behaviours
 the history table by ``streams.history_applier.BehaviourApplier``. Model work runs on the engine's
 device thread; this loop only fetches, schedules and publishes.
 
-Rolling restarts (``streams.standby``, ``streams.worker_files``): on SIGUSR1 the worker stops
-fetching, leaves its positions in ``handover.json`` for a standby of its id at once, finishes and
-commits what it holds, and exits without leaving the group or persisting its state.
+Rolling restarts (``streams.standby``, ``streams.worker_files``): a standby of its id that warms up
+finds the worker's cached prefixes on its disk tier; on SIGUSR1 the worker stops fetching, leaves its
+positions in ``handover.json``, finishes and commits what it holds, and exits, persisting nothing.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ from relaygr.streams.history import HistoryAlignment, HistoryTable
 from relaygr.streams.history_applier import BehaviourApplier, ahead_record
 from relaygr.streams.offset_tracker import OffsetTracker
 from relaygr.streams.rank_handler import RankHandler
-from relaygr.streams.standby import hand_over, stand_aside
+from relaygr.streams.standby import hand_over, spill_for_standby, stand_aside
 from relaygr.streams.state_lineage import HistoryLineage, deployment_dir, rewind_old_topic_offsets
 from relaygr.streams.worker_files import WorkerFiles
 from relaygr.workers.calibration import calibrate
@@ -272,11 +272,11 @@ class RankingWorker:
 
     async def serve(self) -> None:
         """The consumer loop until ``stop``, then the shut-down (the consumer and producer started)."""
-        stats = asyncio.create_task(self._publish_stats())
+        timers = asyncio.gather(self._publish_stats(), spill_for_standby(self))
         try:
             await self._loop()
         finally:
-            stats.cancel()
+            timers.cancel()
             if self.lineage_task is not None:
                 self.lineage_task.cancel()
             await self._shut_down()

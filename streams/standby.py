@@ -6,9 +6,18 @@ process start on the request path (make before break, under the same static memb
    rebuilds their histories from ``routed-behaviors`` into a fresh state generation and pre-infers
    their prefill signals from now on into its own prefix store, so its cache is warm when it takes
    over. Requests are fetched from then on and kept, never ranked; signals stay unfetched until
-   the histories are caught up (a prefix of a partial history would need extending later). Then each user whose signal came
-   within ``standby_warm_s`` (the users the active process keeps warm) is pre-inferred once, and
-   once every signal published by then is handled: ``ready``.
+   the histories are caught up (a prefix of a partial history would need extending later). Then it
+   adopts the prefixes the active process holds: seeing ``warming`` and no ``spilled.json``, the
+   active process writes those its disk tier lacks to it (in the background, through its disk
+   writer; nothing leaves its memory) and says so in ``spilled.json``, at once (the bulk) and again
+   when the standby, caught up, removes that file (what came since); the standby, waiting for that
+   at most ``standby_adopt_wait_s``, reads the folder read-only while the active process keeps it
+   open (``workers.tiers.DiskSnapshot``) and puts each prefix still valid for its own histories into
+   its store (``workers.prefix_adoption``; ``standby_adopted`` in ``events.jsonl``). Without a disk
+   tier, or if anything goes wrong there, it adopts none. Then each user whose signal came within
+   ``standby_warm_s`` (the users the active process keeps warm) is pre-inferred once: a cache hit
+   for an adopted prefix (an extension where the history grew since), a computation for the rest;
+   and once every signal published by then is handled: ``ready``.
 2. Take over. The active process, told to hand over (SIGUSR1), stops fetching and at once leaves
    in ``handover.json`` the first offset of each partition it did not take (its position); then
    it finishes the requests it holds, commits, and says they are answered. The standby ranks the
@@ -32,11 +41,15 @@ and its device thread rests after each pre-inference turn as long as the turn to
 it, has no deadline, and must not slow them. While it stands by, its lines in ``events.jsonl``
 say ``"standby": true`` (its pre-inferences are for requests the active process ranks).
 
-Nothing stale is served: the standby's histories and prefixes are computed from the topics, never
-copied from the old generation.
+Nothing stale is served: the standby's histories are rebuilt from the topics, never copied from the
+old generation; prefixes may be copied from it, but only those computed by the same model version
+whose fingerprint equals that of the standby's own history over their length (any other is
+refused and counted), and the rest are computed from the rebuilt histories.
 
 Primitives: ``Standby(worker, metrics_port, serve_nice).run()``; ``stand_aside(settings,
 worker_id)``, the standby's first step: every thread at ``STANDBY_NICE``, and the level to serve at;
+``spill_for_standby(worker)``, the active process's timer: its prefixes on its disk tier, and
+``spilled.json``, for a standby that warms up;
 ``hand_over(worker)``, the old process's side:
 ``handover.json`` written at its positions, the pre-inferences still running dropped (the successor
 computes its own), the requests in flight finished and committed, ``handover.json`` saying so, and
@@ -48,9 +61,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
+import shutil
 import time
 from collections import deque
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
@@ -62,6 +78,9 @@ from relaygr.streams.common import decode_keyed
 from relaygr.streams.state_lineage import deployment_dir
 from relaygr.streams.worker_files import WorkerFiles
 from relaygr.workers.cores import may_renice_to, nice_tasks
+from relaygr.workers.prefix_adoption import Adoption, adopt_prefixes
+from relaygr.workers.prefix_kv import Events
+from relaygr.workers.tiers import DiskSnapshot
 
 if TYPE_CHECKING:
     from relaygr.streams.ranking_worker import RankingWorker
@@ -72,6 +91,8 @@ POLL_S = 0.005  # how often the hand-over file is looked for: the gap it adds to
 PREFETCH_MAX = 10_000  # requests kept per partition while standing by (older ones fetched again)
 STANDBY_NICE = 19  # the nice level while standing by: the lowest
 WARM_REST_RATIO = 1.0  # while standing by, the device thread rests this × each pre-inference turn
+SPILL_POLL_S = 0.2  # how often an active process looks for a standby asking for its prefixes
+SPILL_TIMEOUT_S = 120.0  # the most an active process waits for its disk writer to land a spill
 
 
 def stand_aside(settings: Settings, worker_id: str) -> int | None:
@@ -90,6 +111,42 @@ def stand_aside(settings: Settings, worker_id: str) -> int | None:
         return None
     nice_tasks(os.getpid(), STANDBY_NICE)
     return level
+
+
+async def spill_for_standby(w: RankingWorker) -> None:
+    """The active process's timer: while a standby of its id says ``warming`` and finds no
+    ``spilled.json`` for it, write the prefixes its memory tiers hold and its disk tier lacks to the
+    disk tier (queued for the disk writer's thread: nothing leaves memory, the loop waits for
+    nothing), wait until they landed, and say so in ``spilled.json``. So it does at once (the bulk,
+    while the standby starts) and again when the standby, caught up, removes the file (what came
+    since)."""
+    failed_for: int | None = None  # a standby it could not write them for: not tried again
+    while True:
+        await asyncio.sleep(SPILL_POLL_S)
+        standby = w.files.read_standby()
+        if not w.in_group or w.handing_over or standby is None:
+            continue
+        state, pid = standby
+        if state != "warming" or pid in (os.getpid(), failed_for) or w.files.read_spilled(pid) is not None:
+            continue
+        try:
+            await _spill(w, pid)
+        except Exception:  # the standby then recomputes, as without a disk tier
+            log.exception("%s: writing the prefixes for standby pid %d failed", w.worker_id, pid)
+            failed_for = pid
+
+
+async def _spill(w: RankingWorker, standby_pid: int) -> None:
+    t0 = time.monotonic()
+    store = w.engine.store
+    if store is None:  # a baseline worker caches nothing
+        report: dict[str, object] = {"folder": None, "model_version": w.engine.model.model_version}
+    else:
+        report = await asyncio.to_thread(store.persist, SPILL_TIMEOUT_S)
+    report["seconds"] = round(time.monotonic() - t0, 3)
+    w.files.write_spilled(standby_pid, report)
+    w._note(event="spilled_for_standby", standby_pid=standby_pid, **report)
+    log.info("%s: prefixes on the disk tier for standby pid %d: %s", w.worker_id, standby_pid, report)
 
 
 async def hand_over(w: RankingWorker) -> None:
@@ -146,6 +203,7 @@ class Standby:
     async def run(self) -> None:
         w = self.w
         w.files.clear_handover()  # one left by an earlier hand-over is not for this process
+        w.files.clear_spilled()  # nor one left for an earlier standby
         w.files.write_standby("warming", self.pid)
         # Warming up beside the serving workers, on their cores (at STANDBY_NICE since
         # ``stand_aside``): pre-inference has no deadline here, so it leaves them the CPU.
@@ -223,6 +281,59 @@ class Standby:
         while any(p in self.w.applier.catching_up for p in self.partitions):
             await asyncio.sleep(0.05)
 
+    async def _adopt(self) -> None:
+        """Adopt the prefixes the active process wrote to its disk tier for this standby, waiting
+        for them at most ``standby_adopt_wait_s``: those still valid for the histories caught up
+        here. Anything wrong there: none adopted (the recent users' pre-inference computes them)."""
+        w = self.w
+        spilled = await self._spilled()
+        if w.engine.store is None or w.pipeline.standby_adopt_wait_s == 0:
+            why = "off"
+        elif spilled is None:
+            why = "not_spilled_in_time"
+        elif spilled.get("folder") is None:
+            why = "no_disk_tier"
+        else:
+            try:
+                got = await asyncio.to_thread(self._adopt_from, Path(str(spilled["folder"])))
+            except Exception as e:  # never fails the standby: it recomputes instead
+                log.warning("%s (standby): adopting prefixes failed", w.worker_id, exc_info=True)
+                why = f"error: {e}"
+            else:
+                w._note(event="standby_adopted", **got.fields(), spilled=spilled.get("prefixes"))
+                log.info("%s (standby): adopted prefixes: %s", w.worker_id, got.fields())
+                return
+        w._note(event="standby_adopted", adopted=0, why=why)
+        log.info("%s (standby): adopted no prefixes (%s)", w.worker_id, why)
+
+    async def _spilled(self) -> dict | None:
+        """A fresh ``spilled.json`` of the active process for this standby (it writes one as the
+        standby starts, and another once this one is removed); None after ``standby_adopt_wait_s``
+        (or at once where this standby adopts nothing)."""
+        w = self.w
+        if w.engine.store is None or w.pipeline.standby_adopt_wait_s == 0:
+            return None
+        w.files.clear_spilled()  # asks for what the active process computed since its first one
+        deadline = time.monotonic() + w.pipeline.standby_adopt_wait_s
+        while (spilled := w.files.read_spilled(self.pid)) is None and time.monotonic() < deadline:
+            await asyncio.sleep(POLL_S * 10)
+        return spilled
+
+    def _adopt_from(self, folder: Path) -> Adoption:
+        """``adopt_prefixes`` from the old generation's disk tier (read-only; blocking)."""
+        w = self.w
+        assert w.engine.store is not None
+        own = w.state_dir / "adopting"  # the read-only view's own files: this generation's
+
+        def history_of(user_id: int | str) -> Events:
+            return w.handler.served_history(str(user_id), math.inf).events
+
+        try:
+            with DiskSnapshot(folder, own) as view:
+                return adopt_prefixes(view, w.engine.store, history_of)
+        finally:
+            shutil.rmtree(own, ignore_errors=True)
+
     async def _warm_recent_users(self) -> int:
         """Pre-infer, for each user whose prefill signal came within ``standby_warm_s`` (the users
         the active process keeps warm), its latest one, on the caught-up history. Returns how
@@ -280,6 +391,7 @@ class Standby:
         w = self.w
         t0 = time.monotonic()
         await self._caught_up()
+        await self._adopt()
         warmed = await self._warm_recent_users()
         log.info("%s (standby): pre-inferred the prefixes of %d users active lately", w.worker_id, warmed)
         w.held = {tp for tp in w.held if tp.topic != self.sig}

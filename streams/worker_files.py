@@ -20,6 +20,10 @@ Primitives:
     answered every request before them (``handover.json``).
   - ``write_standby(state, pid)`` / ``read_standby()``: how far a replacement is
     (``standby.json``: ``warming``, ``ready``, ``serving``, ``joined``).
+  - ``write_spilled(standby_pid, report)`` / ``read_spilled(standby_pid)`` / ``clear_spilled()``:
+    what the active process wrote to its disk tier for the standby ``standby_pid`` to adopt (the
+    folder, None without a disk tier; the model version; prefixes and bytes; when:
+    ``spilled.json``).
   - ``write_latency_samples(samples)`` / ``read_latency_samples()``: the full-ranking timings
     (history length, ms) a process that hands over measured while serving, so that its successor
     plans, and tells the trigger, with them rather than with the calibration alone
@@ -34,6 +38,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +115,19 @@ class WorkerFiles:
             return None
         offsets = {t: {int(p): int(o) for p, o in parts.items()} for t, parts in data["offsets"].items()}
         return offsets, int(data["pid"])
+
+    def write_spilled(self, standby_pid: int, report: dict[str, Any]) -> None:
+        self._write(
+            "spilled.json", {**report, "standby_pid": standby_pid, "pid": os.getpid(), "t": time.time()}
+        )
+
+    def read_spilled(self, standby_pid: int) -> dict[str, Any] | None:
+        """What the active process spilled for the standby ``standby_pid`` (not for an earlier one)."""
+        data = self._read("spilled.json")
+        return data if data is not None and data.get("standby_pid") == standby_pid else None
+
+    def clear_spilled(self) -> None:
+        (self.folder / "spilled.json").unlink(missing_ok=True)
 
     def write_latency_samples(self, samples: list[tuple[int, float]]) -> None:
         self._write("latency_samples.json", {"samples": [[int(n), float(ms)] for n, ms in samples]})

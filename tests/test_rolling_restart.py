@@ -2,7 +2,8 @@
 replaced by a warm standby (``Pipeline.roll_worker``) while confluent-kafka sends requests.
 Every request is answered exactly once (every result on the topic is counted), and the new
 process serves: its results follow its take-over in the worker's audit trail, and the supervisor
-watches it as the worker."""
+watches it as the worker. Before it is ready, the standby adopts the prefixes the old process
+wrote to its disk tier for it."""
 
 from __future__ import annotations
 
@@ -84,3 +85,14 @@ async def test_roll_one_worker_under_load(kafka_settings, tmp_path, model_dir) -
     assert WorkerFiles(folder).state_dir().name.startswith("gen-")
     # The old process left its full-ranking timings for the new one's latency model.
     assert (folder / "latency_samples.json").exists()
+    # The old process wrote its prefixes to its disk tier for the standby, which adopted those of
+    # its users (long histories, served before the roll: their prefixes were cached) before it
+    # was ready, refusing none (no history changed), and was ready after that.
+    spilled = [e for e in events if e["event"] == "spilled_for_standby"]
+    assert spilled and spilled[-1]["folder"] and spilled[-1]["prefixes"] > 0
+    assert not any(e.get("standby") for e in spilled)
+    adopted = [e for e in events if e["event"] == "standby_adopted"]
+    assert len(adopted) == 1 and adopted[0]["standby"], adopted
+    assert adopted[0]["adopted"] > 0 and adopted[0]["refused"] == 0, adopted
+    assert adopted[0]["bytes"] > 0
+    assert kinds.index("spilled_for_standby") < kinds.index("standby_adopted") < kinds.index("standby_ready")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from relaygr.bench.rolling_restart import _figures, tail_figures
+from relaygr.bench.rolling_restart import _figures, _handover_ms, _restart_row, _standby_warm_up, tail_figures
 from relaygr.schemas import RankedResult
 
 T0 = 1_000.0
@@ -62,3 +62,24 @@ def test_a_restart_span_starts_with_its_standby() -> None:
 def test_tail_figures_of_nothing() -> None:
     f = tail_figures([], BUDGET_MS)
     assert f["requests"] == 0 and f["timeouts"] == 0 and f["relay_share"] == 0
+
+
+def test_a_restart_reports_its_standby_warm_up_from_the_audit_trail() -> None:
+    last = {
+        "spilled_for_standby": {"prefixes": 12, "seconds": 0.03},
+        "standby_adopted": {"adopted": 9, "refused": 2, "bytes": 4096, "seconds": 0.01, "standby": True},
+        "standby_ready": {"seconds": 1.5},
+        "handed_over": {"t": 100.0, "ms": 1.0},
+        "took_over": {"t": 100.002},
+    }
+    got = _standby_warm_up(last)
+    assert (got["spilled"], got["adopted"], got["refused"], got["adopted_bytes"]) == (12, 9, 2, 4096)
+    assert got["standby_ready_s"] == 1.5 and got["adopt_why"] is None
+    assert _handover_ms(last)["signal_to_serving_ms"] == 3.0
+    # A standby that adopted none says why; a trail without a standby reports nothing.
+    assert _standby_warm_up({"standby_adopted": {"adopted": 0, "why": "no_disk_tier"}})["adopt_why"] == (
+        "no_disk_tier"
+    )
+    assert _standby_warm_up({})["adopted"] is None and _handover_ms({}) == {}
+    row = _restart_row({"worker": "ranker-0", "warm_s": 3.0, **got})
+    assert "adopted 9 prefixes of 12 (refused 2" in row

@@ -110,3 +110,15 @@ def test_a_standbys_pre_inferences_are_not_counted_twice(tmp_path: Path) -> None
     ]
     (folder / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in lines))
     assert prefill_statuses(tmp_path) == ["device", "computed"]
+
+
+def test_spilled_file_is_for_one_standby(tmp_path: Path) -> None:
+    files = WorkerFiles(tmp_path)
+    assert files.read_spilled(42) is None
+    files.write_spilled(42, {"folder": "/x/prefix-store", "model_version": "m1", "prefixes": 3, "bytes": 900})
+    got = files.read_spilled(42)
+    assert got is not None and got["folder"] == "/x/prefix-store" and got["prefixes"] == 3
+    assert got["pid"] > 0 and got["t"] > 0
+    assert files.read_spilled(43) is None  # written for another standby: not this one's
+    files.clear_spilled()
+    assert files.read_spilled(42) is None

@@ -18,6 +18,7 @@ Primitives:
     callers ask at once (``compute`` gets the best valid shorter prefix to extend, or ``None``).
   - ``forget(user_ids)``: drop these users' prefixes from every tier, leases included (the
     histories they were computed from are gone).
+  - ``persist(timeout_s)``: write what the disk lacks and wait for it (for a successor to adopt).
   - ``put``, ``cached_length``, ``in_flight``, ``wait_in_flight``, ``where``, ``expire_leases``, ``metrics``,
     ``flush``, ``close``.
 - ``Lookup``: a lookup's result; ``LeaseResult`` (from ``placement``): a lease's.
@@ -415,6 +416,27 @@ class PrefixStore:
         """Block until every disk write queued so far has landed."""
         if self.placement.writer is not None and not self._closed:
             self.placement.writer.flush(timeout_s)
+
+    def persist(self, timeout_s: float | None = None) -> dict[str, object]:
+        """Write every memory entry the disk lacks to the disk tier, through the disk writer
+        (nothing leaves memory), and wait until they landed: another process opening the folder
+        finds them. Returns the folder (None: no disk tier), the model version, the prefixes and
+        bytes written meanwhile, and the disk tier's entries and bytes. Blocking."""
+        self._check_open()
+        placement, before = self.placement, self.placement.metrics()
+        placement.persist_unwritten()
+        self.flush(timeout_s)
+        if placement.disk is not None:
+            placement.disk.flush()  # into table and blob files: a reader need not replay the log
+        after = placement.metrics()
+        return {
+            "folder": self.config.disk_path if placement.disk is not None else None,
+            "model_version": self.model_version,
+            "written": after.get("disk_writes", 0) - before.get("disk_writes", 0),
+            "written_bytes": after.get("disk_bytes_written", 0) - before.get("disk_bytes_written", 0),
+            "prefixes": after["entries_disk"],
+            "bytes": after["bytes_disk"],
+        }
 
     def close(self) -> None:
         """Persist memory entries the disk lacks (``persist_on_close``), flush and close. Idempotent."""

@@ -7,6 +7,8 @@ Primitives:
 - ``DiskTier``: a RocksDB folder (through rocksdict) of encoded blobs with a persistent index
   (size, prefix length, fingerprint, write sequence) so that validity can be checked and the
   budget kept without reading any blob. Its LRU order is restored from write sequences on open.
+- ``DiskSnapshot``: a read-only view of a ``DiskTier`` folder another process holds open (a
+  RocksDB read-only instance): its index and blobs, for a successor that adopts its prefixes.
 - ``encode_key`` / ``decode_key``: the byte form of a store key ``(user_id, model_version)``.
 
 Threading contract of ``DiskTier``: ``meta``, ``read``, ``hide`` and ``used_bytes`` may be called
@@ -25,7 +27,7 @@ from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from rocksdict import DBCompressionType, Options, Rdict, WriteBatch
+from rocksdict import AccessType, DBCompressionType, Options, Rdict, WriteBatch
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
@@ -127,6 +129,40 @@ _SEQ = struct.Struct("<Q")
 _META = struct.Struct("<QQQ")
 
 
+def _disk_options() -> Options:
+    """The folder's RocksDB options (a read-only view must open it with the same)."""
+    opts = Options(raw_mode=True)
+    # Tensor bytes barely compress; large values go to blob files (less rewriting on compaction).
+    opts.set_compression_type(DBCompressionType.none())
+    opts.set_enable_blob_files(True)
+    opts.set_min_blob_size(32 << 10)
+    opts.set_blob_compression_type(DBCompressionType.none())
+    return opts
+
+
+def _scan_index(db: Rdict) -> tuple[list[tuple[StoreKey, DiskMeta]], list[bytes]]:
+    """The index records of ``db`` (key, meta), and the raw keys of those that do not parse."""
+    found: list[tuple[StoreKey, DiskMeta]] = []
+    stale: list[bytes] = []
+    it = db.iter()
+    it.seek(INDEX_PREFIX)
+    while it.valid():
+        raw_key = it.key()
+        if not raw_key.startswith(INDEX_PREFIX):
+            break
+        raw_val = it.value()
+        try:
+            nbytes, length, seq = _META.unpack_from(raw_val, 0)
+            fingerprint = bytes(raw_val[_META.size :])
+            key = decode_key(raw_key[len(INDEX_PREFIX) :])
+            found.append((key, DiskMeta(nbytes, length, fingerprint, seq)))
+        except (struct.error, ValueError, TypeError):
+            stale.append(raw_key)
+        it.next()
+    del it
+    return found, stale
+
+
 class DiskTier:
     """Encoded prefixes in a local RocksDB folder, LRU-evicted to stay within ``budget_bytes``.
 
@@ -140,13 +176,8 @@ class DiskTier:
         self.path = os.fspath(path)
         self.budget_bytes = int(budget_bytes)
         os.makedirs(self.path, exist_ok=True)
-        opts = Options(raw_mode=True)
+        opts = _disk_options()
         opts.create_if_missing(True)
-        # Tensor bytes barely compress; large values go to blob files (less rewriting on compaction).
-        opts.set_compression_type(DBCompressionType.none())
-        opts.set_enable_blob_files(True)
-        opts.set_min_blob_size(32 << 10)
-        opts.set_blob_compression_type(DBCompressionType.none())
         self._db = Rdict(self.path, opts)
         self._lock = threading.Lock()
         self._index: dict[StoreKey, DiskMeta] = {}
@@ -159,24 +190,7 @@ class DiskTier:
     # -- opening -------------------------------------------------------------------------------
 
     def _load_index(self) -> None:
-        found: list[tuple[StoreKey, DiskMeta]] = []
-        stale: list[bytes] = []
-        it = self._db.iter()
-        it.seek(INDEX_PREFIX)
-        while it.valid():
-            raw_key = it.key()
-            if not raw_key.startswith(INDEX_PREFIX):
-                break
-            raw_val = it.value()
-            try:
-                nbytes, length, seq = _META.unpack_from(raw_val, 0)
-                fingerprint = bytes(raw_val[_META.size :])
-                key = decode_key(raw_key[len(INDEX_PREFIX) :])
-                found.append((key, DiskMeta(nbytes, length, fingerprint, seq)))
-            except (struct.error, ValueError, TypeError):
-                stale.append(raw_key)
-            it.next()
-        del it
+        found, stale = _scan_index(self._db)
         if stale:
             wb = WriteBatch(raw_mode=True)
             for raw_key in stale:
@@ -305,3 +319,60 @@ class DiskTier:
         self._closed = True
         self._db.flush()
         self._db.close()
+
+
+class DiskSnapshot:
+    """Another process's ``DiskTier`` folder, read-only, while that process keeps it open and
+    writes. The view is the folder as it was at the open (its log replayed); ``catch_up`` opens
+    it again. It writes nothing into the folder (its own log goes to ``own_dir``, the reader's).
+
+    A RocksDB read-only instance (which takes no lock) rather than a secondary one: RocksDB does
+    not support secondaries over blob files (rocksdb#13296), and with rocksdict 0.3 a secondary
+    crashes the process on its first read of a value stored in a blob file. Table and blob files
+    the owner deletes meanwhile stay readable here (every file is kept open).
+
+    ``index()``: the index records, ``{key: DiskMeta}``; ``read(key, meta)``: the blob stored with
+    ``meta``'s sequence number, or None (rewritten or deleted since); ``close()``. One thread at a
+    time."""
+
+    def __init__(self, path: str | os.PathLike[str], own_dir: str | os.PathLike[str]) -> None:
+        self.path, self.own_dir = os.fspath(path), os.fspath(own_dir)
+        if not os.path.isdir(self.path):
+            raise FileNotFoundError(f"no disk tier at {self.path}")
+        os.makedirs(self.own_dir, exist_ok=True)
+        self._db: Rdict | None = None
+        self.catch_up()
+
+    def catch_up(self) -> None:
+        """See what the folder holds now (a fresh view: see the class docstring)."""
+        self.close()
+        opts = _disk_options()
+        opts.set_max_open_files(-1)  # files the owner deletes stay readable here
+        opts.set_db_log_dir(self.own_dir)
+        self._db = Rdict(self.path, opts, access_type=AccessType.read_only())
+
+    def _open_db(self) -> Rdict:
+        if self._db is None:
+            raise RuntimeError(f"disk snapshot of {self.path} is closed")
+        return self._db
+
+    def index(self) -> dict[StoreKey, DiskMeta]:
+        found, _ = _scan_index(self._open_db())
+        return dict(found)
+
+    def read(self, key: StoreKey, meta: DiskMeta) -> memoryview | None:
+        raw = self._open_db().get(VALUE_PREFIX + encode_key(key))
+        if raw is None or len(raw) < _SEQ.size or _SEQ.unpack_from(raw, 0)[0] != meta.seq:
+            return None
+        return memoryview(raw)[_SEQ.size :]
+
+    def close(self) -> None:
+        if self._db is not None:
+            db, self._db = self._db, None
+            db.close()
+
+    def __enter__(self) -> DiskSnapshot:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
