@@ -2,7 +2,8 @@
 
 Primitives:
 - ``PipelineSettings``: the model, the ranking budget, the trigger's knobs, the upstream stages'
-  emulated feature-fetch time and the worker's memory budgets.
+  emulated feature-fetch time, the worker's memory budgets, and one fault-injection knob
+  (``handover_stall_s``).
 - ``PipelineSettings.to_env(**settings)``: the ``RELAYGR_*`` variables that give a stage process
   these settings (validated here): the one way a launcher configures a stage.
 - ``trigger_config(pipeline, bytes_per_token)`` / ``engine_config(pipeline)``: the typed configs they feed.
@@ -201,6 +202,14 @@ class PipelineSettings(BaseSettings):
         description="Ranking worker standby (rolling restart): pre-infer the latest prefill signal of "
         "each user seen within this many seconds before it is ready (the users active lately), so "
         "that the hand-over finds their prefixes cached.",
+    )
+    handover_stall_s: float = Field(
+        default=0.0,
+        ge=0,
+        description="Fault injection for tests and drills (0 = off, the default): a ranking worker "
+        "told to hand over (rolling restart) blocks this many seconds right after it wrote its "
+        "positions to handover.json, before it finishes, commits and answers what it holds; a kill "
+        "in that time is a crash in the middle of a hand-over.",
     )
     torch_threads: int = Field(
         default=1,
