@@ -195,6 +195,12 @@ class PipelineSettings(BaseSettings):
         "applied (as Kafka Streams' max.task.idle.ms); a rank request also stops waiting once full "
         "ranking would miss its deadline. Past it, the result says history_complete: false.",
     )
+    commit_interval_s: float = Field(
+        default=0.2,
+        gt=0,
+        description="Ranking worker: seconds between two commits of the offsets it finished (as Kafka "
+        "Streams' commit.interval.ms); a crash ranks again the requests after the last commit.",
+    )
     stats_interval_s: float = Field(default=2.0, gt=0, description="Ranking worker: WorkerStats period.")
     standby_warm_s: float = Field(
         default=120.0,
