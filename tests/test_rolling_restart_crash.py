@@ -18,22 +18,19 @@ which had adopted the new process before the hand-over signal, counts no restart
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import subprocess
 import time
-import uuid
-from pathlib import Path
 
 import pytest
 from aiokafka import TopicPartition
+from rolling_setup import rolling_deployment, worker_events
 
 from relaygr.bench.rolling_restart import LibrdkafkaRequests, count_results, lengthened_users
-from relaygr.infra.kafka import consumer, delete_topics_with_prefix, ensure_topics
+from relaygr.infra.kafka import consumer, delete_topics_with_prefix
 from relaygr.infra.settings import Settings
-from relaygr.schemas import RankRequest, TopicRegistry, decode
-from relaygr.streams.config import PipelineSettings
+from relaygr.schemas import RankRequest, decode
 from relaygr.streams.state_lineage import deployment_dir
 from relaygr.streams.worker_files import WorkerFiles
 from relaygr.tools.traffic import publish
@@ -45,10 +42,6 @@ pytest.importorskip("confluent_kafka")
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
 
 STALL_S = 600.0  # the old process stays blocked this long after handover.json: killed long before
-
-
-def _events(folder: Path) -> list[dict]:
-    return [json.loads(line) for line in (folder / "events.jsonl").read_text().splitlines()]
 
 
 async def _kill_mid_hand_over(
@@ -98,17 +91,11 @@ async def _requests_at(settings: Settings, topic: str, ranges: dict[int, tuple[i
 
 
 async def test_old_process_killed_mid_hand_over_under_load(kafka_settings, tmp_path, model_dir) -> None:
-    prefix = f"rollkill-{uuid.uuid4().hex[:8]}"
-    settings = kafka_settings.model_copy(update={"topic_prefix": prefix, "home": tmp_path, "partitions": 4})
-    reg = TopicRegistry(prefix, 4)
-    await ensure_topics(reg, settings)
-    # Every user with history is at risk (theta), and a short short-term window: signals flow.
-    env = PipelineSettings.to_env(
-        model_dir=model_dir,
-        calibration_file=model_dir / "calibration.json",
-        mode="relay",
-        theta=1e-6,
-        short_term=8,
+    settings, reg, env = await rolling_deployment(
+        kafka_settings,
+        tmp_path,
+        model_dir,
+        "rollkill",
         handover_stall_s=STALL_S,
         # No commit while the test runs (none but at the start's rebalance): every request the old
         # process took under load is after its last commit, so the range it leaves unanswered is
@@ -138,13 +125,13 @@ async def test_old_process_killed_mid_hand_over_under_load(kafka_settings, tmp_p
         # longer ranker-0's, so its death is not a crash of the stage and nothing is restarted.
         assert pipe.restarts["ranker-0"] == 0, "the old process's death was counted as a crash of ranker-0"
         pipe.check()
-        events = _events(folder)
+        events = worker_events(folder)
         gone = next((e for e in events if e["event"] == "unanswered"), None)
         ranges = {int(p): (a, b) for p, (a, b) in gone["ranked_again"].items()} if gone else {}
         again = await _requests_at(settings, reg.name("rank"), ranges)
     finally:
         pipe.stop()
-        await delete_topics_with_prefix(settings, prefix)
+        await delete_topics_with_prefix(settings, settings.topic_prefix)
     kinds = [e["event"] for e in events]
     # The kill landed in the window: positions written, nothing answered (else this test proves nothing).
     assert not answered_at_kill and "handed_over" in kinds and "answered" not in kinds, kinds
