@@ -140,7 +140,6 @@ async def test_old_process_killed_mid_hand_over_under_load(kafka_settings, tmp_p
     assert gone is not None, "the new process never noticed that the old one died unanswered"
     rolled = set(handed[reg.name("rank")])
     assert set(ranges) <= rolled and all(a < b <= handed[reg.name("rank")][p] for p, (a, b) in ranges.items())
-    assert len(again) == sum(b - a for a, b in ranges.values()), "a rank request of the range was not read"
     # No request lost.
     assert set(results) == {r.request_id for r in sent}, "lost results"
     # Duplicates only where at least once allows them: requests the new process ranked again.
@@ -149,14 +148,14 @@ async def test_old_process_killed_mid_hand_over_under_load(kafka_settings, tmp_p
     assert all(c <= 2 for c in counts.values()), {k: c for k, c in counts.items() if c > 2}
     partitions = {e["request_id"]: e["partition"] for e in events if e["event"] == "result"}
     assert all(partitions.get(k) in rolled for k in duplicated), "a duplicate from another worker's partition"
-    # Every request of the range the new process did rank again (its results after its note);
-    # among them every one the old process had ranked (its results before its hand-over).
+    # Every request of the range the new process did rank again (its results after its note); so
+    # each one the old process had ranked (its results before its hand-over) has two results.
     after_gone = {e["request_id"] for e in events[events.index(gone) :] if e["event"] == "result"}
     assert set(again) <= after_gone, set(again) - after_gone
     handed_at = kinds.index("handed_over")
-    old_ranked = {e["request_id"] for e in events[:handed_at] if e["event"] == "result"} & set(counts)
-    assert old_ranked, "the old process ranked no request under load: the range tests nothing"
-    assert old_ranked <= duplicated, old_ranked - duplicated
+    old_ranked = {e["request_id"] for e in events[:handed_at] if e["event"] == "result"} & set(again)
+    assert old_ranked & set(counts), "the old process ranked no request under load after its last commit"
+    assert old_ranked & set(counts) <= duplicated, (old_ranked & set(counts)) - duplicated
     # The new process serves and joins.
     assert new_pid != old.pid and set(took) == {"warm", "serving", "joined", "old_exit"}
     assert {"standby_ready", "handed_over", "took_over", "unanswered", "joined"} <= set(kinds)
