@@ -10,9 +10,9 @@ says ``handed_over`` and never ``answered``).
 No request is lost; a request has more than one result only where at least once allows it: it is
 of the rolled worker's partitions, between the old process's last commit and its hand-over (the
 range the new process says it ranked again: ``unanswered`` in ``events.jsonl``), and the new
-process ranked every request of that range again. The workers commit nothing while the test runs
-(``RELAYGR_COMMIT_INTERVAL_S``), so that range holds every request the old process took under load:
-each one it had ranked has two results. The new process serves and joins, and the supervisor,
+process ranked every request of that range again. The workers commit only at the deployment's
+start-up rebalance (``RELAYGR_COMMIT_INTERVAL_S``), so that range holds the requests the old process
+took under load since: each one it had ranked has two results. The new process serves and joins, and the supervisor,
 which had adopted the new process before the hand-over signal, counts no restart."""
 
 from __future__ import annotations
