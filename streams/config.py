@@ -2,7 +2,8 @@
 
 Primitives:
 - ``PipelineSettings``: the model, the ranking budget, the trigger's knobs, the upstream stages'
-  emulated feature-fetch time and the worker's memory budgets.
+  emulated feature-fetch time, the worker's memory budgets, and one fault-injection knob
+  (``handover_stall_s``).
 - ``PipelineSettings.to_env(**settings)``: the ``RELAYGR_*`` variables that give a stage process
   these settings (validated here): the one way a launcher configures a stage.
 - ``trigger_config(pipeline, bytes_per_token)`` / ``engine_config(pipeline)``: the typed configs they feed.
@@ -194,6 +195,12 @@ class PipelineSettings(BaseSettings):
         "applied (as Kafka Streams' max.task.idle.ms); a rank request also stops waiting once full "
         "ranking would miss its deadline. Past it, the result says history_complete: false.",
     )
+    commit_interval_s: float = Field(
+        default=0.2,
+        gt=0,
+        description="Ranking worker: seconds between two commits of the offsets it finished (as Kafka "
+        "Streams' commit.interval.ms); a crash ranks again the requests after the last commit.",
+    )
     stats_interval_s: float = Field(default=2.0, gt=0, description="Ranking worker: WorkerStats period.")
     standby_warm_s: float = Field(
         default=120.0,
@@ -208,6 +215,14 @@ class PipelineSettings(BaseSettings):
         description="Ranking worker standby (rolling restart): once its histories are caught up, wait "
         "at most this long for the active process to write its cached prefixes to its disk tier, "
         "and adopt those still valid for the standby's histories (0 = adopt none: recompute all).",
+    )
+    handover_stall_s: float = Field(
+        default=0.0,
+        ge=0,
+        description="Fault injection for tests and drills (0 = off, the default): a ranking worker "
+        "told to hand over (rolling restart) blocks this many seconds right after it wrote its "
+        "positions to handover.json, before it finishes, commits and answers what it holds; a kill "
+        "in that time is a crash in the middle of a hand-over.",
     )
     torch_threads: int = Field(
         default=1,

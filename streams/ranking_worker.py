@@ -9,10 +9,10 @@ pre-infers a user's prefix ranks its request):
   rank-requests   ──> RankingEngine.rank ──> results (key request_id)
   bad input       ──> dead-letters;   every few seconds ──> worker-stats
 
-Delivery: offsets of signals and requests are committed only up to the first one whose work is
-not finished — for a request, whose result the broker has acknowledged (acks=all, idempotent
-producer). A crash therefore re-ranks at most the unfinished requests; results are keyed by
-request_id, so a consumer that keeps the last result per key sees each request once.
+Delivery: offsets of signals and requests are committed (every ``commit_interval_s``) up to the first
+one whose work is not finished — for a request, whose result the broker has acknowledged (acks=all,
+idempotent producer). A crash re-ranks at most the requests after the last commit; results are keyed
+by request_id, so a consumer that keeps the last result per key sees each request once.
 
 Event-time alignment: a signal or request waits (boundedly: ``max_task_idle_ms``, and never past
 the point where full ranking would miss the deadline) until its partition's history covers every
@@ -347,7 +347,7 @@ class RankingWorker:
                     self._spawn(tp, m, self._handle_prefill if tp.topic == sig else self._handle_rank)
             self.peak_inflight = max(self.peak_inflight, len(self.tasks))
             INFLIGHT_PEAK.set(self.peak_inflight)
-            if time.monotonic() - last_commit > 0.2:
+            if time.monotonic() - last_commit > self.pipeline.commit_interval_s:
                 await self._commit()
                 last_commit = time.monotonic()
             INFLIGHT.set(len(self.tasks))

@@ -29,7 +29,8 @@ process start on the request path (make before break, under the same static memb
 3. Join. It joins the group with the same ``group_instance_id``: the coordinator replaces the
    old member and hands back the same assignment, with no rebalance. Once the old process has
    answered what it held (or is gone without saying so: a crash while it drained; the requests
-   after its last commit are then ranked again, at least once), between two fetches the worker
+   after its last commit, or all of a partition it never committed, are then ranked again, at
+   least once, and ``events.jsonl`` says which: ``unanswered``), between two fetches the worker
    switches to the group's consumer at the offsets it reached and commits what it did meanwhile:
    ``joined``. Its state generation becomes the current one, and the old one is deleted once the
    old process is gone.
@@ -53,7 +54,8 @@ worker_id)``, the standby's first step: every thread at ``STANDBY_NICE``, and th
 ``hand_over(worker)``, the old process's side:
 ``handover.json`` written at its positions, the pre-inferences still running dropped (the successor
 computes its own), the requests in flight finished and committed, ``handover.json`` saying so, and
-nothing persisted.
+nothing persisted. ``PipelineSettings.handover_stall_s`` (fault injection, off by default) blocks
+the old process right after it wrote ``handover.json``: a kill then is a crash mid hand-over.
 """
 
 from __future__ import annotations
@@ -166,6 +168,8 @@ async def hand_over(w: RankingWorker) -> None:
     # How long the requests that came meanwhile waited for this before the standby could take them.
     w._note(event="handed_over", ms=round((time.time() - w.handing_over) * 1000, 1))
     log.info("%s: handed over at %s", w.worker_id, offsets)
+    if w.pipeline.handover_stall_s:  # fault injection: a kill meanwhile is a crash mid hand-over
+        _stall(w.pipeline.handover_stall_s)
     # Pre-inferences still running: the successor saw their signals and computes its own.
     prefills = [t for t in w.tasks if t.get_name() == w.reg.name("prefill")]
     for task in prefills:
@@ -504,11 +508,18 @@ class Standby:
             return False
         log.warning("%s: pid %d exited before answering what it held", self.w.worker_id, self.old_pid)
         assert self.group is not None
+        again: dict[int, tuple[int, int]] = {}
         for p, at in self.handed_rank.items():
             tp = TopicPartition(self.rank, p)
             committed = await self.group.committed(tp)
-            if committed is not None and committed < at:
-                await self._rank_range(tp, committed, at)
+            if committed is None:  # never committed: from the first offset, as a restart reads it
+                committed = (await self.group.beginning_offsets([tp]))[tp]
+            if committed < at:
+                again[p] = (committed, at)
+        # Before they are ranked again: the results after this line are the new process's.
+        self.w._note(event="unanswered", pid=self.old_pid, ranked_again=again)
+        for p, (start, end) in again.items():
+            await self._rank_range(TopicPartition(self.rank, p), start, end)
         return True
 
     async def _rank_range(self, tp: TopicPartition, start: int, end: int, timeout_s: float = 30.0) -> None:
@@ -549,6 +560,11 @@ class Standby:
                     return
                 await asyncio.sleep(0.2)
             log.warning("%s: metrics port %d stays busy", self.w.worker_id, self.metrics_port)
+
+
+def _stall(seconds: float) -> None:
+    """Block this thread, the event loop with it: nothing held is finished, committed or answered."""
+    time.sleep(seconds)
 
 
 def _alive(pid: int) -> bool:

@@ -8,16 +8,13 @@ wrote to its disk tier for it."""
 from __future__ import annotations
 
 import asyncio
-import json
-import uuid
-from pathlib import Path
 
 import pytest
+from rolling_setup import rolling_deployment, worker_events
 
 from relaygr.bench.rolling_restart import LibrdkafkaRequests, count_results, lengthened_users
-from relaygr.infra.kafka import delete_topics_with_prefix, ensure_topics
-from relaygr.schemas import RecommendationRequest, TopicRegistry
-from relaygr.streams.config import PipelineSettings
+from relaygr.infra.kafka import delete_topics_with_prefix
+from relaygr.schemas import RecommendationRequest
 from relaygr.streams.state_lineage import deployment_dir
 from relaygr.streams.worker_files import WorkerFiles
 from relaygr.tools.traffic import publish
@@ -29,23 +26,8 @@ pytest.importorskip("confluent_kafka")
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
 
 
-def _events(folder: Path) -> list[dict]:
-    return [json.loads(line) for line in (folder / "events.jsonl").read_text().splitlines()]
-
-
 async def test_roll_one_worker_under_load(kafka_settings, tmp_path, model_dir) -> None:
-    prefix = f"roll-{uuid.uuid4().hex[:8]}"
-    settings = kafka_settings.model_copy(update={"topic_prefix": prefix, "home": tmp_path, "partitions": 4})
-    reg = TopicRegistry(prefix, 4)
-    await ensure_topics(reg, settings)
-    # Every user with history is at risk (theta), and a short short-term window: signals flow.
-    env = PipelineSettings.to_env(
-        model_dir=model_dir,
-        calibration_file=model_dir / "calibration.json",
-        mode="relay",
-        theta=1e-6,
-        short_term=8,
-    )
+    settings, reg, env = await rolling_deployment(kafka_settings, tmp_path, model_dir, "roll")
     ml = load_movielens("ml-100k")
     behaviours, requests = lengthened_users(ml, 8, 60)
     pipe = Pipeline(settings, ranking_workers=2, env=env)
@@ -65,13 +47,13 @@ async def test_roll_one_worker_under_load(kafka_settings, tmp_path, model_dir) -
         pipe.check()
     finally:
         pipe.stop()
-        await delete_topics_with_prefix(settings, prefix)
+        await delete_topics_with_prefix(settings, settings.topic_prefix)
     assert isinstance(sent[0], RecommendationRequest)
     assert set(results) == {r.request_id for r in sent}, "lost results"
     assert all(c == 1 for c in counts.values()), {k: c for k, c in counts.items() if c > 1}
     assert new_pid != old_pid and set(took) == {"warm", "serving", "joined", "old_exit"}
     folder = deployment_dir(settings, "workers") / "ranker-0"
-    events = _events(folder)
+    events = worker_events(folder)
     kinds = [e["event"] for e in events]
     assert {"standby_ready", "handed_over", "answered", "took_over", "joined"} <= set(kinds)
     # The new process commits (joins) only once the old one has answered what it held.

@@ -2,7 +2,8 @@
 offset on are ranked at once; where the kept ones do not reach back to that offset (or none came),
 the partition is fetched again from there, so no request is skipped and none ranked twice. Its
 switch to the group (and commit) waits until the old process has answered what it held; if that
-process is gone without saying so, the requests after its last commit are ranked again."""
+process is gone without saying so, the requests after its last commit (all of a partition it never
+committed) are ranked again, and the audit trail says which."""
 
 from __future__ import annotations
 
@@ -65,10 +66,15 @@ class _Group:
     async def committed(self, tp: TopicPartition) -> int | None:
         return self.by_partition[tp.partition]
 
+    async def beginning_offsets(self, tps: list[TopicPartition]) -> dict[TopicPartition, int]:
+        return {tp: 3 for tp in tps}  # the log starts at 3 (older requests deleted)
+
 
 def _standby(answered: bool, old_pid: int, committed: dict[int, int | None]) -> tuple[Standby, list]:
     w = _Worker([])
     w.files = SimpleNamespace(handover_answered=lambda: answered)
+    w.notes = []
+    w._note = lambda **fields: w.notes.append(fields)
     sb = Standby(w)  # type: ignore[arg-type]
     sb.old_pid, sb.group, sb.handed_rank = old_pid, _Group(committed), {0: 50, 1: 70, 2: 9}  # type: ignore[assignment]
     ranged: list = []
@@ -97,4 +103,7 @@ async def test_an_old_process_gone_before_answering_has_its_requests_ranked_agai
     gone.wait()
     sb, ranged = _standby(False, gone.pid, {0: 40, 1: 70, 2: None})
     assert await sb._old_answered()
-    assert ranged == [(0, 40, 50)]  # partition 1 was committed up to the hand-over; 2 never
+    # Partition 1 was committed up to the hand-over; 2 never: all of it, from the log's start.
+    assert ranged == [(0, 40, 50), (2, 3, 9)]
+    # The audit trail says which, before they are ranked again.
+    assert sb.w.notes == [{"event": "unanswered", "pid": gone.pid, "ranked_again": {0: (40, 50), 2: (3, 9)}}]

@@ -1,0 +1,165 @@
+"""A rolling restart whose old process dies in the middle of its hand-over, on the real broker.
+
+One ranking worker of a two-worker deployment is replaced by a warm standby (``Pipeline.roll_worker``)
+while confluent-kafka sends requests, and its old process is killed (SIGKILL) after it wrote its
+positions to ``handover.json`` and before it said it answered what it held. The kill lands in that
+window by construction, not by a race: ``RELAYGR_HANDOVER_STALL_S`` blocks the old process right
+after it wrote ``handover.json``, and the test kills it while it is blocked (its audit trail then
+says ``handed_over`` and never ``answered``).
+
+No request is lost; a request has more than one result only where at least once allows it: it is
+of the rolled worker's partitions, between the old process's last commit and its hand-over (the
+range the new process says it ranked again: ``unanswered`` in ``events.jsonl``), and the new
+process ranked every request of that range again. The workers commit only at the deployment's
+start-up rebalance (``RELAYGR_COMMIT_INTERVAL_S``), so that range holds the requests the old process
+took under load since: each one it had ranked has two results. The new process serves and joins, and the supervisor,
+which had adopted the new process before the hand-over signal, counts no restart."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+from aiokafka import TopicPartition
+from rolling_setup import rolling_deployment, worker_events
+
+from relaygr.bench.rolling_restart import LibrdkafkaRequests, count_results, lengthened_users
+from relaygr.infra.kafka import consumer, delete_topics_with_prefix
+from relaygr.infra.settings import Settings
+from relaygr.schemas import RankRequest, decode
+from relaygr.streams.state_lineage import deployment_dir
+from relaygr.streams.worker_files import WorkerFiles
+from relaygr.tools.traffic import publish
+from relaygr.tools.up import Pipeline
+from relaygr.workers.movielens import load_movielens
+
+pytest.importorskip("confluent_kafka")
+
+pytestmark = [pytest.mark.broker, pytest.mark.slow]
+
+STALL_S = 600.0  # the old process stays blocked this long after handover.json: killed long before
+
+
+async def _kill_mid_hand_over(
+    files: WorkerFiles, old: subprocess.Popen, roll: asyncio.Future, timeout_s: float = 240.0
+) -> tuple[dict[str, dict[int, int]], bool]:
+    """Once ``old`` has written ``handover.json``, SIGKILL it (it is blocked there, by
+    ``handover_stall_s``). Returns the offsets it handed over and whether it had said they were
+    answered when it was killed."""
+    deadline = time.monotonic() + timeout_s
+    while (seen := files.read_handover()) is None or seen[1] != old.pid:
+        if roll.done():
+            roll.result()  # its error, if it failed
+            raise AssertionError("the worker was rolled without a hand-over from its old process")
+        assert time.monotonic() < deadline, f"no handover.json from pid {old.pid} within {timeout_s:.0f} s"
+        await asyncio.sleep(0.01)
+    answered = files.handover_answered()
+    os.kill(old.pid, signal.SIGKILL)
+    return seen[0], answered
+
+
+async def _requests_at(settings: Settings, topic: str, ranges: dict[int, tuple[int, int]]) -> dict[str, int]:
+    """request_id -> partition of the rank requests at the offsets ``ranges`` (partition ->
+    [start, end)) of ``topic``."""
+    found: dict[str, int] = {}
+    if not ranges:
+        return found
+    reader = consumer(settings, group_id=None)
+    await reader.start()
+    try:
+        todo = {TopicPartition(topic, p): (start, end) for p, (start, end) in ranges.items()}
+        reader.assign(list(todo))
+        for tp, (start, _) in todo.items():
+            reader.seek(tp, start)
+        deadline = time.monotonic() + 60
+        while todo and time.monotonic() < deadline:
+            for tp, msgs in (await reader.getmany(*todo, timeout_ms=200)).items():
+                for m in msgs:
+                    if m.offset < todo[tp][1]:
+                        found[decode(RankRequest, m.value).request_id] = tp.partition
+            for tp in list(todo):
+                if await reader.position(tp) >= todo[tp][1]:
+                    del todo[tp]
+        assert not todo, f"could not read back the rank requests of {todo}"
+    finally:
+        await reader.stop()
+    return found
+
+
+async def test_old_process_killed_mid_hand_over_under_load(kafka_settings, tmp_path, model_dir) -> None:
+    settings, reg, env = await rolling_deployment(
+        kafka_settings,
+        tmp_path,
+        model_dir,
+        "rollkill",
+        handover_stall_s=STALL_S,
+        # No commit while the test runs (none but at the start's rebalance): every request the old
+        # process took under load is after its last commit, so the range it leaves unanswered is
+        # known (and not empty: the requests it ranked, each of which then has two results).
+        commit_interval_s=3600.0,
+    )
+    behaviours, requests = lengthened_users(load_movielens("ml-100k"), 8, 60)
+    folder = deployment_dir(settings, "workers") / "ranker-0"
+    pipe = Pipeline(settings, ranking_workers=2, env=env)
+    pipe.start()
+    try:
+        await pipe.wait_ready(timeout_s=240)
+        # Not waited for: the ranking group commits nothing to say it applied them (a request
+        # waits for its user's behaviours itself, boundedly).
+        await publish(settings, reg, behaviours, [], settle_s=0)
+        load = LibrdkafkaRequests(settings, reg.name("requests"), requests, qps=20).start()
+        await asyncio.sleep(1.0)
+        old = pipe.procs["ranker-0"]
+        roll = asyncio.ensure_future(asyncio.to_thread(pipe.roll_worker, 0))
+        handed, answered_at_kill = await _kill_mid_hand_over(WorkerFiles(folder), old, roll)
+        took = await roll
+        await asyncio.sleep(2.0)
+        sent = await asyncio.to_thread(load.stop)
+        new_pid = pipe.procs["ranker-0"].pid
+        results, counts = await count_results(settings, reg, {r.request_id for r in sent}, timeout_s=120)
+        # The supervisor adopted the standby before the hand-over signal: the killed process was no
+        # longer ranker-0's, so its death is not a crash of the stage and nothing is restarted.
+        assert pipe.restarts["ranker-0"] == 0, "the old process's death was counted as a crash of ranker-0"
+        pipe.check()
+        events = worker_events(folder)
+        gone = next((e for e in events if e["event"] == "unanswered"), None)
+        ranges = {int(p): (a, b) for p, (a, b) in gone["ranked_again"].items()} if gone else {}
+        again = await _requests_at(settings, reg.name("rank"), ranges)
+    finally:
+        pipe.stop()
+        await delete_topics_with_prefix(settings, settings.topic_prefix)
+    kinds = [e["event"] for e in events]
+    # The kill landed in the window: positions written, nothing answered (else this test proves nothing).
+    assert not answered_at_kill and "handed_over" in kinds and "answered" not in kinds, kinds
+    assert old.returncode == -signal.SIGKILL, old.returncode
+    # The new process saw the old one gone unanswered, and said what it ranks again.
+    assert gone is not None, "the new process never noticed that the old one died unanswered"
+    rolled = set(handed[reg.name("rank")])
+    assert set(ranges) <= rolled and all(a < b <= handed[reg.name("rank")][p] for p, (a, b) in ranges.items())
+    # No request lost.
+    assert set(results) == {r.request_id for r in sent}, "lost results"
+    # Duplicates only where at least once allows them: requests the new process ranked again.
+    duplicated = {k for k, c in counts.items() if c > 1}
+    assert duplicated <= set(again), {k: counts[k] for k in duplicated - set(again)}
+    assert all(c <= 2 for c in counts.values()), {k: c for k, c in counts.items() if c > 2}
+    partitions = {e["request_id"]: e["partition"] for e in events if e["event"] == "result"}
+    assert all(partitions.get(k) in rolled for k in duplicated), "a duplicate from another worker's partition"
+    # Every request of the range the new process did rank again (its results after its note); so
+    # each one the old process had ranked (its results before its hand-over) has two results.
+    after_gone = {e["request_id"] for e in events[events.index(gone) :] if e["event"] == "result"}
+    assert set(again) <= after_gone, set(again) - after_gone
+    handed_at = kinds.index("handed_over")
+    old_ranked = {e["request_id"] for e in events[:handed_at] if e["event"] == "result"} & set(again)
+    assert old_ranked & set(counts), "the old process ranked no request under load after its last commit"
+    assert old_ranked & set(counts) <= duplicated, (old_ranked & set(counts)) - duplicated
+    # The new process serves and joins.
+    assert new_pid != old.pid and set(took) == {"warm", "serving", "joined", "old_exit"}
+    assert {"standby_ready", "handed_over", "took_over", "unanswered", "joined"} <= set(kinds)
+    assert kinds.index("handed_over") < kinds.index("unanswered") < kinds.index("joined")
+    assert "result" in kinds[kinds.index("took_over") :], "the new process ranked nothing"
+    # Its state generation is the current one.
+    assert WorkerFiles(folder).state_dir().name.startswith("gen-")
