@@ -219,3 +219,27 @@ def test_biases_past_the_longest_training_window_take_the_farthest_trained_bias(
     cands, ts = torch.arange(1, 31), float(long.timestamps[-1]) + 5
     relay = model.rank(model.prefill(long.slice(0, 100)), long.slice(100), cands, ts)
     torch.testing.assert_close(relay, model.rank_full(long, cands, ts), rtol=1e-5, atol=1e-5)
+
+
+def test_validation_ranks_only_the_epochs_that_may_be_kept() -> None:
+    from relaygr.workers.fit import EarlyStopping
+
+    class Counting(EarlyStopping):
+        ranked = 0
+
+        def score(self, model) -> float:
+            self.ranked += 1
+            return [0.1, 0.3, 0.2, 0.25, 0.2, 0.1][len(self.scores)]
+
+    stop = Counting(histories={}, targets={}, min_epochs=3, patience=2)
+    model = _model()
+    flags = [stop.should_stop(model) for _ in range(5)]
+    # Epochs 1 and 2 are never kept, so never ranked; the best from epoch 3 on is epoch 4.
+    assert stop.scores[:2] == [None, None] and stop.ranked == 3
+    assert (stop.best_epoch, stop.best, flags) == (3, 0.25, [False, False, False, False, False])
+    assert stop.should_stop(model) is True  # two epochs past the best
+    early = Counting(histories={}, targets={}, min_epochs=10)
+    for _ in range(2):
+        early.should_stop(model)
+    early.restore_best(model)  # ended before min_epochs: keeps its last weights, scored then
+    assert (early.best_epoch, early.best, early.ranked) == (1, 0.2, 1)

@@ -2,12 +2,13 @@
 
 Primitives:
 - ``Objective``: what a step optimises (cut points, negatives and their mix, auxiliary weight).
-- ``EarlyStopping``: after each epoch, NDCG@10 of the validation target (the event before each
-  user's test event) ranked against the whole catalogue through ``rank_full``; keeps the best
-  weights among the epochs from ``min_epochs`` on, says when ``patience`` epochs have not improved
-  on them, and restores them at the end. Earlier epochs are scored but never kept: while the
-  learning rate is high validation swings from epoch to epoch (on ML-100K a peak at epoch 8 of 11
-  was kept and scored HR@10 0.064 on the test targets, against 0.106 after 24 epochs).
+- ``EarlyStopping``: after each epoch from ``min_epochs`` on, NDCG@10 of the validation target (the
+  event before each user's test event) ranked against the whole catalogue through ``rank_full``;
+  keeps the best weights, says when ``patience`` epochs have not improved on them, and restores
+  them at the end. Earlier epochs are never kept, so they are not ranked (on a 14,190-item
+  catalogue ranking is most of an epoch's time): while the learning rate is high validation swings
+  from epoch to epoch (on ML-100K a peak at epoch 8 of 11 was kept and scored HR@10 0.064 on the
+  test targets, against 0.106 after 24 epochs).
 - ``recency_prior``: a starting point for the position biases that discounts old events.
 - ``FarBiases``: the farthest position and time buckets training has reached; the buckets beyond
   them take the farthest one's bias, so serving a history longer than any training window never
@@ -62,7 +63,7 @@ class EarlyStopping:
     patience: int = 3
     min_epochs: int = 5
     users: int = VALIDATION_USERS
-    scores: list[float] = field(default_factory=list)
+    scores: list[float | None] = field(default_factory=list)  # None: an epoch before min_epochs
     best_epoch: int = -1
     _best_state: dict | None = None
 
@@ -80,23 +81,29 @@ class EarlyStopping:
         return float(got["all"]["NDCG@10"])
 
     def should_stop(self, model: HSTURanker) -> bool:
-        """Score this epoch; keep its weights if best (from ``min_epochs`` on); ``True`` once
-        patience has run out."""
-        self.scores.append(self.score(model))
-        epoch = len(self.scores) - 1
+        """Score this epoch (from ``min_epochs`` on: an earlier one is never kept, so it is not
+        ranked, which on a large catalogue is most of an epoch's time); keep its weights if best;
+        ``True`` once patience has run out."""
+        epoch = len(self.scores)
         if epoch + 1 < self.min_epochs:
+            self.scores.append(None)
             return False
+        self.scores.append(self.score(model))
         if self.best_epoch < 0 or self.scores[-1] > self.scores[self.best_epoch]:
             self.best_epoch = epoch
             self._best_state = copy.deepcopy(model.state_dict())
         return epoch - self.best_epoch >= self.patience
 
     def restore_best(self, model: HSTURanker) -> None:
-        """Load the kept weights; training that ended before ``min_epochs`` keeps its last ones."""
+        """Load the kept weights; training that ended before ``min_epochs`` keeps its last ones
+        (scored now)."""
         if self._best_state is not None:
             model.load_state_dict(self._best_state)
         elif self.scores:
             self.best_epoch = len(self.scores) - 1
+            if self.scores[-1] is None:
+                self.scores[-1] = self.score(model)
+                model.eval()
 
     @property
     def best(self) -> float:
@@ -221,6 +228,32 @@ def _optimiser(
     return opt, sched
 
 
+def _epoch_line(
+    epoch: int,
+    epochs: int,
+    loss: float,
+    stopping: EarlyStopping | None,
+    step: int,
+    total: int,
+    t0: float,
+    cpu0: float,
+) -> str:
+    val = ""
+    if stopping is not None:
+        last = stopping.scores[-1]
+        val = (
+            f"  valid NDCG@10 {last:.4f}"
+            if last is not None
+            else f"  (validation from epoch {stopping.min_epochs})"
+        )
+    elapsed = time.perf_counter() - t0
+    return (
+        f"epoch {epoch}/{epochs}  loss {loss:.4f}{val}  steps {step}/{total}  "
+        f"elapsed {fmt_secs(elapsed)} (cpu {fmt_secs(time.process_time() - cpu0)})  "
+        f"eta at most {fmt_secs(elapsed / step * (total - step))}"
+    )
+
+
 def train_model(
     model: HSTURanker,
     sequences: dict[str, Events],
@@ -276,13 +309,7 @@ def train_model(
             break
         losses.append(ep_loss / ep_n)
         stop = stopping is not None and stopping.should_stop(model)
-        elapsed = time.perf_counter() - t0
-        val = f"  valid NDCG@10 {stopping.scores[-1]:.4f}" if stopping is not None else ""
-        log(
-            f"epoch {epoch + 1}/{epochs}  loss {losses[-1]:.4f}{val}  steps {step}/{total}  "
-            f"elapsed {fmt_secs(elapsed)} (cpu {fmt_secs(time.process_time() - cpu0)})  "
-            f"eta at most {fmt_secs(elapsed / step * (total - step))}"
-        )
+        log(_epoch_line(epoch + 1, epochs, losses[-1], stopping, step, total, t0, cpu0))
         if stop:
             log(f"early stop: best validation NDCG@10 {stopping.best:.4f} at epoch {stopping.best_epoch + 1}")
             break
