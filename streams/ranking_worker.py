@@ -12,28 +12,27 @@ pre-infers a user's prefix ranks its request):
 Delivery: offsets of signals and requests are committed (every ``commit_interval_s``) up to the first
 one whose work is not finished — for a request, whose result the broker has acknowledged (acks=all,
 idempotent producer). A crash re-ranks at most the requests after the last commit; results are keyed
-by request_id, so a consumer that keeps the last result per key sees each request once.
+by request_id, so a consumer that keeps the last result per key sees each request once. A signal
+or request whose handling fails goes to the dead letters with the reason (bad input, or ``internal
+error``, as in the other stages), so that commits go on past it; while stopping it is left to the
+next owner.
 
-Event-time alignment: a signal or request waits (boundedly: ``max_task_idle_ms``, and never past
-the point where full ranking would miss the deadline) until its partition's history covers every
-behaviour produced before the request (``relaygr.schemas.routing``). If the wait runs out the
-result says ``history_complete: false`` and ``relaygr_rank_history_incomplete_total`` counts it.
+Event-time alignment: a signal or request waits (at most ``max_task_idle_ms``, never past where full
+ranking would miss the deadline) until its partition's history covers every behaviour produced
+before the request (``relaygr.schemas.routing``); else the result says ``history_complete: false``.
 
-Scale-out: the group uses the range assignor, which hands partition p of every subscribed topic
-(same partition count) to one member, whatever the number of members; a joining worker rebuilds the
-histories of the partitions it gets from ``routed-behaviors`` and notes how long that took
-(``history_caught_up`` in its events.jsonl, ``relaygr_history_catchup_seconds``).
+Scale-out: the range assignor hands partition p of every topic to one member; a joining worker
+rebuilds the histories of its partitions from ``routed-behaviors`` (``history_caught_up``).
 
 Off the relay path, a result says why (``path_reason``): the trigger's refusal (``RankRequest.trigger``),
 or what broke an admitted relay (``signal_not_seen``, ``prefill_not_ready``, ``prefill_<status>``,
 ``prefix_evicted``, ``deadline_passed``). A pre-inference that its ranking stopped waiting for is
 abandoned between two chunks.
 
-This module is the Kafka shell (the loop, pause/resume, offsets, commits, rebalances, dead
-letters, stats). What a signal or a request means is ``streams.rank_handler.RankHandler``'s (it
-knows no Kafka; the ``RankingEngine`` is its only way to the device); behaviours are written into
-the history table by ``streams.history_applier.BehaviourApplier``. Model work runs on the engine's
-device thread; this loop only fetches, schedules and publishes.
+This module is the Kafka shell (loop, offsets, commits, rebalances, dead letters, stats). What a
+signal or a request means is ``streams.rank_handler.RankHandler``'s (no Kafka; the ``RankingEngine``
+is its only way to the device); ``streams.history_applier.BehaviourApplier`` writes behaviours.
+Model work runs on the engine's device thread; this loop only fetches, schedules and publishes.
 
 Rolling restarts (``streams.standby``, ``streams.worker_files``): a standby of its id that warms up
 finds the worker's cached prefixes on its disk tier; on SIGUSR1 the worker stops fetching, leaves its
@@ -390,12 +389,14 @@ class RankingWorker:
     async def _guard(self, tp: TopicPartition, m, handler) -> None:
         try:
             await handler(tp, m)
-            self.tracker.done(tp, m.offset)
         except SchemaError as e:
             await self._dead_letter(tp, m, str(e))
-            self.tracker.done(tp, m.offset)
-        except Exception:  # not marked done: the offset stays uncommitted and is redelivered
+        except Exception as e:  # left undone it would hold the partition's commits until a restart
             log.exception("handling %s@%d failed", tp, m.offset)
+            if self._stop.is_set():  # stopping: left uncommitted, for the next owner
+                return
+            await self._dead_letter(tp, m, f"internal error in {STAGE}: {type(e).__name__}: {e}")
+        self.tracker.done(tp, m.offset)
 
     async def _commit(self) -> dict[TopicPartition, int]:
         """Commit what is finished (nothing outside the group); returns the offsets committed."""
