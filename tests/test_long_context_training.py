@@ -155,7 +155,7 @@ def test_metrics_keep_the_log_users_apart_from_the_users_evaluated(tmp_path) -> 
     path = write_csv(tmp_path / "log.csv", tiny_log_rows(users=12, events=12))
     out = tmp_path / "ck"
     tiny = ["--layers", "1", "--dim", "16", "--epochs", "1", "--max-steps", "2", "--threads", "1"]
-    extra = ["--eval-users", "5", "--test-events", "2", "--long-cuts", "1", "--recency-prior", "0.5"]
+    extra = ["--eval-users", "5", "--test-events", "2", "--long-cuts", "2", "--recency-prior", "0.5"]
     parser = argparse.ArgumentParser()
     train.add_arguments(parser)
     args = parser.parse_args(["--out", str(out), "--interactions", str(path), *COLS, *tiny, *extra])
@@ -164,7 +164,7 @@ def test_metrics_keep_the_log_users_apart_from_the_users_evaluated(tmp_path) -> 
     assert (metrics["users"], metrics["users_evaluated"], metrics["targets_evaluated"]) == (12, 5, 10)
     assert metrics["test_events"] == 2 and metrics["protocol"].startswith("leave-last-2-out")
     assert set(metrics["all_minus_truncation"]) == {"16", "64", "256"}
-    assert (metrics["train"]["long_cuts"], metrics["train"]["recency_prior"]) == (1.0, 0.5)
+    assert (metrics["train"]["long_cuts"], metrics["train"]["recency_prior"]) == (2.0, 0.5)
 
 
 def test_the_attention_biases_can_learn_faster_than_the_other_weights() -> None:

@@ -196,6 +196,12 @@ BIAS_LR_SCALE = 10.0
 default (``relaygr train --bias-lr``): on ML-100K, with the other settings alike, it narrowed the
 gap between the whole history and its last 16 events (HR@10, whole minus last 16, paired: -0.015
 at 1x, +0.000 at 10x)."""
+LONG_CUTS = 1.0
+"""How strongly a row's cut points lean toward long contexts by default (``relaygr train
+--long-cuts``: cut ``c`` drawn with probability ~ ``c ** LONG_CUTS``). Serving ranks after a whole
+history, and a pointwise attention sum over a long one mixes in every old event unless the biases
+learned to discount them: on ML-100K (seeds 0 and 1) the whole history's HR@10 went from 0.126 and
+0.113 at 0 to 0.135 and 0.160 at 1, and from behind the last 16 events to ahead of them."""
 LR_FLOOR = 0.05
 """The learning rate after its decay, as a share of the peak."""
 

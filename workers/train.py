@@ -33,6 +33,7 @@ import torch
 
 from relaygr.workers.fit import (
     BIAS_LR_SCALE,
+    LONG_CUTS,
     VALIDATION_USERS,
     EarlyStopping,
     Objective,
@@ -222,8 +223,9 @@ def add_objective_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--long-cuts",
         type=float,
-        default=0.0,
-        help="draw cut point c with probability ~ c**X (more targets after long contexts; 0: uniform)",
+        default=LONG_CUTS,
+        help="draw cut point c with probability ~ c**X (more targets after long contexts; 0: uniform; "
+        f"default {LONG_CUTS:g})",
     )
     parser.add_argument(
         "--recency-prior",
@@ -306,7 +308,7 @@ class TrainSettings:
     last_cut: bool
     decay_epochs: int = 0
     min_epochs: int = 1
-    long_cuts: float = 0.0
+    long_cuts: float = LONG_CUTS
     recency_prior: float = 0.0
     bias_lr: float = BIAS_LR_SCALE
 
