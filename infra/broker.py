@@ -35,6 +35,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import os
+import random
 import secrets
 import shutil
 import signal
@@ -99,7 +100,35 @@ __all__ = [
 ]
 
 
+_HANDED_OUT: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
+    """A port free now, for a listener started later, from below the kernel's ephemeral range:
+    a port the kernel hands out itself may be taken meanwhile as the local end of an outgoing
+    connection (a Kafka client's), and the listener then fails with "address already in use"
+    at every restart. Never the same port twice in one process."""
+    low = _ephemeral_low()
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(10_000, max(10_001, low))
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
