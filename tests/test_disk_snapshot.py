@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_model_relay import NUM_ITEMS, _config
 
-from relaygr.workers.model import HSTUConfig, HSTURanker
+from relaygr.workers.model import HSTURanker
 from relaygr.workers.prefix_adoption import adopt_prefixes
 from relaygr.workers.prefix_kv import Events, history_fingerprint
 from relaygr.workers.prefix_store import PrefixStore, PrefixStoreConfig
@@ -19,23 +20,11 @@ from relaygr.workers.tiers import DiskSnapshot, DiskTier
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-NUM_ITEMS = 40
 BLOB = 64 << 10  # above the folder's min blob size: the value lives in a blob file
 
 
 def _model() -> HSTURanker:
-    config = HSTUConfig(
-        num_items=NUM_ITEMS,
-        layers=2,
-        heads=2,
-        dim=16,
-        attn_dim=8,
-        linear_dim=8,
-        attn_block=8,
-        candidate_batch=4,
-        dropout=0.0,
-    )
-    model = HSTURanker(config)
+    model = HSTURanker(_config())
     gen = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for p in model.parameters():

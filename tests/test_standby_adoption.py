@@ -12,12 +12,12 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import torch
+from test_prefix_store import prefix_for
 
 from relaygr.streams import standby as standby_module
 from relaygr.streams.standby import Standby, spill_for_standby
 from relaygr.streams.worker_files import WorkerFiles
-from relaygr.workers.prefix_kv import Events, PrefixKV, history_fingerprint
+from relaygr.workers.prefix_kv import Events
 from relaygr.workers.prefix_store import PrefixStore, PrefixStoreConfig
 
 VERSION = "m1"
@@ -25,19 +25,6 @@ VERSION = "m1"
 
 def _history(n: int, shift: int = 0) -> Events:
     return Events.from_lists([1 + (i + shift) % 30 for i in range(n)], [1000.0 + 7 * i for i in range(n)])
-
-
-def _prefix(history: Events, n: int) -> PrefixKV:
-    g = torch.Generator().manual_seed(n)
-    return PrefixKV(
-        keys=[torch.randn(2, n, 8, generator=g) for _ in range(2)],
-        values=[torch.randn(2, n, 8, generator=g) for _ in range(2)],
-        positions=torch.arange(n, dtype=torch.int64),
-        timestamps=history.timestamps[:n].clone(),
-        length=n,
-        fingerprint=history_fingerprint(history, n),
-        model_version=VERSION,
-    )
 
 
 def _store(disk: Path | None) -> PrefixStore:
@@ -104,7 +91,7 @@ async def test_the_active_process_spills_for_a_warming_standby_and_the_standby_a
     new = _store(None)
     try:
         for user, h in histories.items():
-            old.put(user, _prefix(h, len(h) - 4))  # in memory only: the disk tier lacks them
+            old.put(user, prefix_for(h, len(h) - 4, mv=VERSION))  # in memory only: the disk tier lacks them
         assert old.where("u1") == "device"
         active = _worker(tmp_path, old, histories, 1.0)
         async with _active_timer(active, standby_pid=4242):
@@ -114,7 +101,9 @@ async def test_the_active_process_spills_for_a_warming_standby_and_the_standby_a
             assert old.where("u1") == "device"  # nothing left memory
             await asyncio.sleep(0.3)  # several turns of the timer: the file is there, no new one
             assert [e["event"] for e in active.noted] == ["spilled_for_standby"]
-            old.put("u3", _prefix(_history(12, shift=1), 8))  # computed while the standby catches up
+            old.put(
+                "u3", prefix_for(_history(12, shift=1), 8, mv=VERSION)
+            )  # computed while the standby catches up
 
             # The standby, caught up, asks for what came since. Its history of u2 changed: u1
             # adopted, u2 refused, u3 (computed after the first spill) adopted too.
