@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -32,6 +33,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
 from relaygr.infra import broker
 from relaygr.infra.cluster import ensure_broker
@@ -98,7 +100,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--warmup", type=int_at_least(0), default=20, help="unmeasured requests through each fresh pipeline"
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrivals")
-    parser.add_argument("--json", action="store_true", help="also print the comparison as one JSON line")
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print the comparison as one JSON line on standard output (the progress goes to standard error)",
+    )
     parser.add_argument("--stop-broker", action="store_true", help="stop the local broker at the end")
 
 
@@ -115,9 +121,13 @@ class ModeRun:
 def run(args: argparse.Namespace) -> int:
     base = get_settings()
     started = False
+    json_out = sys.stdout
+    # With --json, standard output carries the JSON line alone, for a program to read.
+    progress = contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext()
     try:
-        settings, started = ensure_broker(base)
-        return _run(args, settings, base)
+        with progress:
+            settings, started = ensure_broker(base)
+            return _run(args, settings, base, json_out)
     except (broker.BrokerError, TopicError, RuntimeError, TimeoutError, subprocess.CalledProcessError) as e:
         print(f"relaygr demo: {e}", file=sys.stderr)
         return 1
@@ -150,7 +160,7 @@ def size_to_machine(
     return work
 
 
-def _run(args: argparse.Namespace, settings: Settings, base: Settings) -> int:
+def _run(args: argparse.Namespace, settings: Settings, base: Settings, json_out: TextIO = sys.stdout) -> int:
     from relaygr.streams.config import PipelineSettings
     from relaygr.tools.experiment.deployment import build_and_publish
     from relaygr.workers.movielens import load_movielens
@@ -190,7 +200,7 @@ def _run(args: argparse.Namespace, settings: Settings, base: Settings) -> int:
     report_dir = _write_comparison(run_dir / "report", runs, work, args)
     _print_comparison(summaries, work)
     if args.json:
-        print(json.dumps(json_safe(_json_doc(summaries, work))))
+        print(json.dumps(json_safe(_json_doc(summaries, work))), file=json_out, flush=True)
     _drop_stores(run_dir)
     print(
         f"== report in {report_dir} (compare.md, compare.json, ranking_cdf.png; each mode's report in its folder)"

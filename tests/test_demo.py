@@ -46,7 +46,8 @@ def test_tiny_demo_runs_both_modes_on_one_trace(kafka_settings, model_dir, tmp_p
     cmd += ["--max-history", "128", "--qps", "5", "--theta", "0.001", "--ranking-workers", "1", "--json"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    doc = json.loads(proc.stdout.strip().splitlines()[-2])
+    doc = json.loads(proc.stdout)  # standard output is the JSON line alone
+    assert proc.stdout.count("\n") == 1
     assert doc["workload"]["history"] == 128 and doc["workload"]["overridden"] == ["history", "qps"]
     for mode in ("relay", "baseline"):
         assert doc[mode]["results"] == doc[mode]["requests"] == 8, doc[mode]
@@ -54,7 +55,7 @@ def test_tiny_demo_runs_both_modes_on_one_trace(kafka_settings, model_dir, tmp_p
     assert doc["baseline"]["admitted"] == 0 and doc["baseline"]["path_reasons"] == {"baseline": 8}
     assert doc["relay"]["admitted"] == 8
     assert doc["verdict"].startswith("baseline held")
-    report = Path(proc.stdout.strip().splitlines()[-1].split(" in ", 1)[1].split(" (")[0])
+    report = Path(proc.stderr.split("== report in ", 1)[1].split(" (")[0])
     for name in ("compare.md", "compare.json", "ranking_cdf.png", "relay/report.md", "baseline/report.md"):
         assert (report / name).is_file(), name
     assert "| ranking P99 (ms), budget 50 |" in (report / "compare.md").read_text()
