@@ -68,6 +68,8 @@ def test_command_line_values_win_and_say_so() -> None:
     lines: list[str] = []
     s = train.resolve_settings(_args(["--dim", "96", "--max-len", "24"]), 500, hist, log=lines.append)
     assert (s.dim, s.heads, s.max_len, s.attn_normaliser) == (96, 3, 24, 24.0)
+    both = train.resolve_settings(_args(["--max-len", "48", "--attn-normaliser", "32"]), 500, hist, log=print)
+    assert (both.max_len, both.attn_normaliser) == (48, 32.0)
     assert s.negatives == _values(500, [40])["negatives"]
     text = "\n".join(lines)
     assert (

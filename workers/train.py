@@ -142,6 +142,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-len", type=int, default=None, help="training window in events" + auto)
     parser.add_argument(
+        "--attn-normaliser",
+        type=float,
+        default=None,
+        help="constant the attention sum is divided by (default: sized from the log; "
+        "with --max-len alone, the window)",
+    )
+    parser.add_argument(
         "--max-seq-len",
         type=int,
         default=8192,
@@ -325,7 +332,17 @@ class TrainSettings:
         )
 
 
-_SIZED = ("dim", "heads", "negatives", "cuts", "max_len", "epochs", "decay_epochs", "min_epochs")
+_SIZED = (
+    "dim",
+    "heads",
+    "negatives",
+    "cuts",
+    "max_len",
+    "attn_normaliser",
+    "epochs",
+    "decay_epochs",
+    "min_epochs",
+)
 
 
 def resolve_settings(
@@ -334,7 +351,7 @@ def resolve_settings(
     """The command line's settings; what it leaves open is sized from the log and printed."""
     choices = size_training(num_items, [len(h) for h in histories.values()])
     given = {name: getattr(args, name) for name in _SIZED if getattr(args, name) is not None}
-    if "max_len" in given:  # the normaliser follows the window
+    if "max_len" in given and "attn_normaliser" not in given:  # the normaliser follows the window
         given["attn_normaliser"] = float(given["max_len"])
     if "epochs" in given and "decay_epochs" not in given:  # the rate falls over the whole run
         given["decay_epochs"] = given["epochs"]
