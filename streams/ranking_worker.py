@@ -29,9 +29,10 @@ or what broke an admitted relay (``signal_not_seen``, ``prefill_not_ready``, ``p
 ``prefix_evicted``, ``deadline_passed``). A pre-inference that its ranking stopped waiting for is
 abandoned between two chunks.
 
-This module is the Kafka shell (loop, offsets, commits, rebalances, dead letters, stats). What a
-signal or a request means is ``streams.rank_handler.RankHandler``'s (no Kafka; the ``RankingEngine``
-is its only way to the device); ``streams.history_applier.BehaviourApplier`` writes behaviours.
+This module is the Kafka shell (loop, offsets, commits, dead letters, stats; rebalances in
+``streams.rank_rebalance``). What a signal or a request means is
+``streams.rank_handler.RankHandler``'s (no Kafka; the ``RankingEngine`` is its only way to the
+device); ``streams.history_applier.BehaviourApplier`` writes behaviours.
 Model work runs on the engine's device thread; this loop only fetches, schedules and publishes.
 
 Rolling restarts (``streams.standby``, ``streams.worker_files``): a standby of its id that warms up
@@ -51,7 +52,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 
 import torch
-from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
+from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.coordinator.assignors.range import RangePartitionAssignor
 from prometheus_client import Counter as PCounter
 from prometheus_client import Gauge, Histogram
@@ -74,8 +75,9 @@ from relaygr.streams.history import HistoryAlignment, HistoryTable
 from relaygr.streams.history_applier import BehaviourApplier, ahead_record
 from relaygr.streams.offset_tracker import OffsetTracker
 from relaygr.streams.rank_handler import RankHandler
+from relaygr.streams.rank_rebalance import STAGE, RankRebalance
 from relaygr.streams.standby import hand_over, spill_for_standby, stand_aside
-from relaygr.streams.state_lineage import HistoryLineage, deployment_dir, rewind_old_topic_offsets
+from relaygr.streams.state_lineage import HistoryLineage, deployment_dir
 from relaygr.streams.worker_files import WorkerFiles
 from relaygr.workers.calibration import calibrate
 from relaygr.workers.cores import pin_this_thread
@@ -88,7 +90,6 @@ from relaygr.workers.ranker import RankingEngine
 from relaygr.workers.scheduler import DeviceScheduler, Priority
 
 log = logging.getLogger(__name__)
-STAGE = "ranking"
 
 PATHS = PCounter("relaygr_rank_results_total", "Ranked results by path", ["path"])
 E2E = Histogram(
@@ -228,7 +229,7 @@ class RankingWorker:
         if self.fetching is not None:  # the fetch waiting for records: no need to wait it out
             self.fetching.cancel()
 
-    def group_consumer(self) -> tuple[AIOKafkaConsumer, _Rebalance]:
+    def group_consumer(self) -> tuple[AIOKafkaConsumer, RankRebalance]:
         """The group member's consumer, subscribed (not started), and its rebalance listener."""
         topics = [self.reg.name("routed_behaviors"), self.reg.name("prefill"), self.reg.name("rank")]
         kw = {}
@@ -249,7 +250,7 @@ class RankingWorker:
             partition_assignment_strategy=(RangePartitionAssignor,),
             **kw,
         )
-        listener = _Rebalance(self, group_consumer)
+        listener = RankRebalance(self, group_consumer)
         group_consumer.subscribe(topics, listener=listener)
         return group_consumer, listener
 
@@ -491,72 +492,6 @@ class RankingWorker:
             latency_coeffs=latency.coeffs(),
             mode=self.pipeline.mode,
         )
-
-
-class _Rebalance(ConsumerRebalanceListener):
-    def __init__(self, worker: RankingWorker, group_consumer: AIOKafkaConsumer) -> None:
-        self.w = worker
-        self.consumer = group_consumer  # the worker's own, once a standby switched to it
-        self.assigned_once = asyncio.Event()
-
-    async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
-        revoked = set(revoked)
-        # Finish (or give up on) what is in flight for these partitions, then commit it.
-        await self.w._drain(revoked, timeout_s=10)
-        await self.w._finish_appliers(revoked)
-        with contextlib.suppress(Exception):
-            offsets = self.w.tracker.committable(revoked)
-            if offsets:
-                await commit_existing(self.consumer, offsets, incarnations=self.w.incarnations)
-        self.w.tracker.forget(revoked)
-        self.w.assigned -= revoked
-        self.w.files.write_assignment([tp.partition for tp in self.w.assigned])
-        for tp in revoked:
-            if tp.topic == self.w.reg.name("routed_behaviors"):
-                self.w.applier.forget(tp.partition)
-                self.w.alignment.forget(tp.partition)
-
-    async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
-        self.w.assigned |= set(assigned)
-        beh = self.w.reg.name("routed_behaviors")
-        # Histories built from another cluster or an earlier incarnation of the topic are dropped.
-        await self.w.lineage.verify(beh, [tp.partition for tp in assigned if tp.topic == beh])
-        behaviours = [tp for tp in assigned if tp.topic == beh]
-        # A committed request or signal offset read from an earlier topic of the same name (a
-        # commit retried across its deletion and creation) would skip the new topic's first ones.
-        group = f"{self.w.settings.topic_prefix}-ranking"
-        await rewind_old_topic_offsets(
-            STAGE,
-            self.w.worker_id,
-            group,
-            self.consumer,
-            self.w.incarnations,
-            [tp for tp in assigned if tp.topic != beh],
-        )
-        for tp in behaviours:
-            # The history table knows how far it got: resume there, not at the group offset.
-            start = self.w.history.next_offset(tp.partition)
-            self.consumer.seek(tp, start)
-            self.w.alignment.forget(tp.partition)
-            # Timed from here: the loop may apply fetched behaviours while this callback awaits.
-            self.w.applier.catch_up(tp.partition, start)
-        await self._track_catch_up(behaviours)
-        self.w.files.write_assignment([tp.partition for tp in self.w.assigned if tp.topic == beh])
-        self.w._note(event="assigned", partitions=sorted(tp.partition for tp in behaviours))
-        self.assigned_once.set()
-        log.info("%s assigned %s", self.w.worker_id, sorted((t.topic, t.partition) for t in assigned))
-
-    async def _track_catch_up(self, behaviours: list[TopicPartition]) -> None:
-        """Time the reading of each newly assigned behaviours partition up to its end now."""
-        fresh = [tp for tp in behaviours if self.w.applier.needs_end(tp.partition)]
-        if not fresh:
-            return
-        try:
-            ends = await asyncio.wait_for(self.consumer.end_offsets(fresh), 5)
-        except Exception:  # only a measurement: never hold up the assignment for it
-            ends = {}
-        for tp in fresh:
-            self.w.applier.catch_up_to(tp.partition, ends.get(tp))
 
 
 def main(

@@ -140,14 +140,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="first epoch whose weights early stopping may keep (and stop after)" + auto,
     )
-    parser.add_argument("--max-len", type=int, default=None, help="training window in events" + auto)
-    parser.add_argument(
-        "--attn-normaliser",
-        type=float,
-        default=None,
-        help="constant the attention sum is divided by (default: sized from the log; "
-        "with --max-len alone, the window)",
-    )
     parser.add_argument(
         "--max-seq-len",
         type=int,
@@ -160,10 +152,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--heads", type=int, default=None, help="attention heads" + auto)
-    parser.add_argument("--dim", type=int, default=None, help="embedding and model width" + auto)
-    parser.add_argument("--dropout", type=float, default=0.2, help="dropout while training")
+    add_shape_arguments(parser, auto)
     parser.add_argument("--cuts", type=int, default=None, help="cut points (ranking requests) per row" + auto)
     parser.add_argument("--negatives", type=int, default=None, help="sampled negatives per cut point" + auto)
     add_objective_arguments(parser)
@@ -201,6 +190,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--eval-lengths",
         default="16,64,256,all",
         help="history lengths used at inference for the quality table (comma separated, 'all')",
+    )
+
+
+def add_shape_arguments(parser: argparse.ArgumentParser, auto: str) -> None:
+    """The model's shape and its training window."""
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=None, help="attention heads" + auto)
+    parser.add_argument("--dim", type=int, default=None, help="embedding and model width" + auto)
+    parser.add_argument("--dropout", type=float, default=0.2, help="dropout while training")
+    parser.add_argument("--max-len", type=int, default=None, help="training window in events" + auto)
+    parser.add_argument(
+        "--attn-normaliser",
+        type=float,
+        default=None,
+        help="constant the attention sum is divided by" + auto + "; with --max-len alone, the window",
     )
 
 
