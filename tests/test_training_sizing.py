@@ -207,6 +207,7 @@ def test_last_cut_always_asks_for_the_item_after_the_whole_window() -> None:
         ("bias_lr", -1.0, "--bias-lr -1.0: must be above 0"),
         ("long_cuts", -2.0, "--long-cuts -2.0: must be 0 (off) or above"),
         ("recency_prior", -0.5, "--recency-prior -0.5: must be 0 (off) or above"),
+        ("aux_negatives", -1, "--aux-negatives -1: must be 0 (off) or above"),
         ("test_events", 0, "--test-events 0: must be at least 1"),
         ("valid_users", -5, "--valid-users -5: must be at least 1"),
         ("decay_epochs", 0, "--decay-epochs 0: must be at least 1"),

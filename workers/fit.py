@@ -52,6 +52,7 @@ class Objective:
     aux_weight: float = 1.0
     last_cut: bool = False
     long_cuts: float = 0.0
+    aux_negatives: int = 0
 
 
 @dataclass
@@ -188,6 +189,7 @@ def _batch(rows: list[Events], obj: Objective, model: HSTURanker, rng: np.random
         in_batch_share=obj.in_batch_share,
         last_cut=obj.last_cut,
         long_cuts=obj.long_cuts,
+        aux_negatives=obj.aux_negatives,
     )
 
 

@@ -7,11 +7,14 @@ Primitives:
   (the targets of the batch's other cut points: popular items as often as they are consumed, the
   way eSASRec and HSTU train) and, optionally, draws by popularity.
 - ``batch_loss``: sampled softmax over (target, negatives) at every cut, plus an optional
-  full-softmax next-item loss on every history position (every position predicts the next item).
+  next-item loss on every history position (every position predicts the next item): a softmax over
+  the whole catalogue, or, on a large one, over a pool of uniform negatives the batch shares
+  (``Batch.aux_pool``), corrected so that it estimates the whole catalogue's softmax.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -34,6 +37,7 @@ class Batch:
     cut_ts: torch.Tensor  # [B, S]
     candidates: torch.Tensor  # [B, S, K]; column 0 is the true next item
     weight: torch.Tensor  # [B, S] 1 for real cut points, 0 for padding
+    aux_pool: torch.Tensor | None = None  # [M] uniform negatives of the next-item loss (None: all items)
 
 
 def make_batch(
@@ -47,6 +51,7 @@ def make_batch(
     in_batch_share: float = 0.0,
     last_cut: bool = False,
     long_cuts: float = 0.0,
+    aux_negatives: int = 0,
 ) -> Batch:
     """Pad ``windows`` (each >= 2 events) into a batch; pick up to ``cuts`` cut points per row
     (all of them for short rows) and ``negatives`` random negatives per cut: an ``in_batch_share``
@@ -55,7 +60,9 @@ def make_batch(
     every row's last event is always one of its cuts: the request that sees the whole window, as
     ranking a user's next item after the whole history does. ``long_cuts`` > 0 draws cut ``c``
     with probability proportional to ``c ** long_cuts`` (more targets after long contexts, as
-    serving ranks after a whole history); 0 draws them uniformly."""
+    serving ranks after a whole history); 0 draws them uniformly. ``aux_negatives`` > 0 draws that
+    many distinct items, uniformly, as the next-item loss's shared negatives (0: the whole
+    catalogue)."""
     B = len(windows)
     T = max(len(w) for w in windows)
     S = min(cuts, T - 1)
@@ -97,7 +104,14 @@ def make_batch(
         cut_ts=cut_ts,
         candidates=torch.cat([targets[..., None], neg], dim=-1),
         weight=torch.from_numpy(weight),
+        aux_pool=_aux_pool(rng, num_items, aux_negatives),
     )
+
+
+def _aux_pool(rng: np.random.Generator, num_items: int, size: int) -> torch.Tensor | None:
+    if size <= 0 or size >= num_items:
+        return None
+    return torch.from_numpy(rng.choice(num_items, size=size, replace=False) + 1)
 
 
 def _draw_cuts(rng: np.random.Generator, stop: int, size: int, long_cuts: float) -> np.ndarray:
@@ -113,7 +127,7 @@ def _draw_cuts(rng: np.random.Generator, stop: int, size: int, long_cuts: float)
 def batch_loss(model: HSTURanker, batch: Batch, aux_weight: float = 0.0) -> torch.Tensor:
     """Sampled softmax over (true next item, negatives) at every cut point: the served scores.
 
-    With ``aux_weight`` > 0, adds that times a full-softmax next-item loss on the history tokens'
+    With ``aux_weight`` > 0, adds that times a next-item loss on the history tokens'
     final states (``state_t . item_embedding``, predicting event ``t + 1``): a dense, cheap
     signal for the shared embeddings and layers. The ranking score itself is only ever the
     candidate-token path above."""
@@ -139,12 +153,31 @@ def batch_loss(model: HSTURanker, batch: Batch, aux_weight: float = 0.0) -> torc
     w = batch.weight.to(scores.device).flatten()
     loss = (ce * w).sum() / w.sum().clamp_min(1.0)
     if states is not None:
-        items = model.vocab_items(batch.items)
-        nxt = items[:, 1:]
-        valid = (
-            torch.arange(1, items.shape[1], device=items.device) < batch.lengths.to(items.device)[:, None]
-        ) & (nxt > 0)
-        logits = states[:, :-1][valid].float() @ model.item_emb.weight.float().t()
-        logits[:, 0] = float("-inf")  # never predict the unknown id
-        loss = loss + aux_weight * F.cross_entropy(logits, nxt[valid])
+        loss = loss + aux_weight * _next_item_loss(model, batch, states)
     return loss
+
+
+def _next_item_loss(model: HSTURanker, batch: Batch, states: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of each history position's next item, over the whole catalogue or over
+    ``batch.aux_pool``: each position's true next item against the pool's M uniform draws out of
+    N items, whose logits get + log(N / M) (the sampled-softmax correction: each stands for N / M
+    items), the draws equal to the true item masked."""
+    items = model.vocab_items(batch.items)
+    nxt = items[:, 1:]
+    valid = (
+        torch.arange(1, items.shape[1], device=items.device) < batch.lengths.to(items.device)[:, None]
+    ) & (nxt > 0)
+    h = states[:, :-1][valid].float()
+    target = nxt[valid]
+    table = model.item_emb.weight.float()
+    if batch.aux_pool is None:
+        logits = h @ table.t()
+        logits[:, 0] = float("-inf")  # never predict the unknown id
+        return F.cross_entropy(logits, target)
+    pool = batch.aux_pool.to(items.device)
+    positive = (h * table[target]).sum(-1, keepdim=True)
+    negative = (h @ table[pool].t() + math.log(model.config.num_items / len(pool))).masked_fill(
+        pool[None, :] == target[:, None], float("-inf")
+    )
+    logits = torch.cat([positive, negative], dim=-1)
+    return F.cross_entropy(logits, torch.zeros(len(target), dtype=torch.int64, device=logits.device))

@@ -226,6 +226,13 @@ def add_objective_arguments(parser: argparse.ArgumentParser) -> None:
         "--aux-weight", type=float, default=1.0, help="weight of the auxiliary next-item loss (0: off)"
     )
     parser.add_argument(
+        "--aux-negatives",
+        type=int,
+        default=None,
+        help="uniform negatives the next-item loss draws per step (0: a softmax over the whole "
+        "catalogue; default: sized from the log, printed with the reason)",
+    )
+    parser.add_argument(
         "--last-cut",
         choices=["on", "off"],
         default="off",
@@ -322,6 +329,7 @@ class TrainSettings:
     long_cuts: float = LONG_CUTS
     recency_prior: float = 0.0
     bias_lr: float = BIAS_LR_SCALE
+    aux_negatives: int = 0
 
     @property
     def objective(self) -> Objective:
@@ -333,6 +341,7 @@ class TrainSettings:
             self.aux_weight,
             self.last_cut,
             self.long_cuts,
+            self.aux_negatives,
         )
 
 
@@ -346,6 +355,7 @@ _SIZED = (
     "epochs",
     "decay_epochs",
     "min_epochs",
+    "aux_negatives",
 )
 
 
@@ -390,6 +400,7 @@ def resolve_settings(
         long_cuts=args.long_cuts,
         recency_prior=args.recency_prior,
         bias_lr=args.bias_lr,
+        aux_negatives=int(value["aux_negatives"]),
     )
 
 
@@ -506,8 +517,8 @@ def check_arguments(args: argparse.Namespace) -> None:
             raise SystemExit(f"--{name.replace('_', '-')} {value}: must be at least 1")
     if getattr(args, "bias_lr", 1.0) <= 0:
         raise SystemExit(f"--bias-lr {args.bias_lr}: must be above 0 (a multiple of the learning rate)")
-    for name in ("long_cuts", "recency_prior"):
-        value = getattr(args, name, 0.0)
+    for name in ("long_cuts", "recency_prior", "aux_negatives"):
+        value = getattr(args, name, 0.0) or 0
         if value < 0:
             raise SystemExit(f"--{name.replace('_', '-')} {value}: must be 0 (off) or above")
 
