@@ -1,5 +1,6 @@
-"""The next-item loss on a large catalogue: a pool of uniform negatives the batch shares instead of
-the whole catalogue, corrected so that it estimates the whole catalogue's softmax."""
+"""The next-item loss on a large catalogue: a pool of negatives the batch shares (half uniform, half
+by popularity) instead of the whole catalogue, corrected so that it estimates the whole
+catalogue's softmax."""
 
 from __future__ import annotations
 
@@ -11,19 +12,27 @@ import torch
 from synthetic import history, tiny_model
 
 from relaygr.workers.fit import train_model
-from relaygr.workers.objectives import batch_loss, make_batch
+from relaygr.workers.objectives import _aux_pool, batch_loss, make_batch
 from relaygr.workers.sizing import AUX_FULL_ITEMS, AUX_NEGATIVES, size_training
 
+POPULARITY = np.r_[0.0, np.linspace(1, 50, 500)] / np.linspace(1, 50, 500).sum()
 
-def _batch(aux_negatives: int, seed: int = 0):
+
+def _batch(aux_negatives: int, seed: int = 0, popularity=None):
     windows = [history(n, seed=n) for n in (12, 30, 47)]
-    return make_batch(windows, 4, 8, 500, np.random.default_rng(seed), aux_negatives=aux_negatives)
+    rng = np.random.default_rng(seed)
+    return make_batch(windows, 4, 8, 500, rng, popularity=popularity, aux_negatives=aux_negatives)
 
 
-def test_the_pool_is_distinct_uniform_items_and_draws_nothing_when_off() -> None:
+def test_the_pool_mixes_uniform_and_popular_items_and_draws_nothing_when_off() -> None:
     batch = _batch(64)
     pool = batch.aux_pool.tolist()
-    assert len(pool) == len(set(pool)) == 64 and min(pool) >= 1 and max(pool) <= 500
+    assert len(pool) == 64 and min(pool) >= 1 and max(pool) <= 500
+    assert torch.allclose(batch.aux_log_q, torch.full((64,), float(np.log(64 / 500))))
+    mixed = _batch(4000 // 10, popularity=POPULARITY)
+    q = 0.5 / 500 + 0.5 * POPULARITY[mixed.aux_pool.numpy()]
+    assert torch.allclose(mixed.aux_log_q, torch.from_numpy(np.log(400 * q)).float())
+    assert mixed.aux_pool.float().mean() > 250 + 20  # popular (high) ids drawn more often
     off = _batch(0)
     assert off.aux_pool is None
     # Off, the batch is what it was before the pool existed: the random stream is untouched.
@@ -34,7 +43,7 @@ def test_the_pool_is_distinct_uniform_items_and_draws_nothing_when_off() -> None
 def test_a_pool_of_every_item_gives_the_whole_catalogue_softmax() -> None:
     model = tiny_model(0).train(False)
     full = _batch(0)
-    every = dataclasses.replace(full, aux_pool=torch.arange(1, 501))
+    every = dataclasses.replace(full, aux_pool=torch.arange(1, 501), aux_log_q=torch.zeros(500))
     cut_loss = batch_loss(model, full, 0.0)
     with torch.no_grad():
         whole = batch_loss(model, full, 1.0) - cut_loss
@@ -42,20 +51,26 @@ def test_a_pool_of_every_item_gives_the_whole_catalogue_softmax() -> None:
     assert whole.item() > 0 and pooled.item() == pytest.approx(whole.item(), rel=1e-5)
 
 
-def test_the_corrected_pool_estimates_the_whole_softmax() -> None:
+@pytest.mark.parametrize("popularity", [None, POPULARITY])
+def test_the_corrected_pool_estimates_the_whole_softmax(popularity) -> None:
     model = tiny_model(1).train(False)
     full = _batch(0)
+    rng = np.random.default_rng(3)
     with torch.no_grad():
         cut_loss = batch_loss(model, full, 0.0)
         whole = (batch_loss(model, full, 1.0) - cut_loss).item()
-        rng = np.random.default_rng(3)
         sampled = [
-            (batch_loss(model, dataclasses.replace(full, aux_pool=pool), 1.0) - cut_loss).item()
-            for pool in (torch.from_numpy(rng.choice(500, 250, replace=False) + 1) for _ in range(20))
+            (
+                batch_loss(model, dataclasses.replace(full, **_aux_pool(rng, 500, 250, popularity)), 1.0)
+                - cut_loss
+            )
+            for _ in range(20)
         ]
-        uncorrected_gap = np.log(500 / 250)
-    # Without the log(N / M) correction every sampled loss would sit about log 2 below.
-    assert abs(np.mean(sampled) - whole) < 0.1 * uncorrected_gap
+        uncorrected = dataclasses.replace(full, **_aux_pool(rng, 500, 250, popularity))
+        uncorrected = dataclasses.replace(uncorrected, aux_log_q=torch.zeros(250))
+        off = (batch_loss(model, uncorrected, 1.0) - cut_loss).item()
+    # The correction brings the pool's loss to the whole softmax's; without it, about log 2 apart.
+    assert abs(float(np.mean(sampled)) - whole) < 0.1 * abs(off - whole)
 
 
 def test_training_with_a_pool_learns() -> None:
@@ -71,4 +86,4 @@ def test_the_sizing_scores_small_catalogues_whole_and_samples_large_ones() -> No
     small = size_training(AUX_FULL_ITEMS, [50, 60])["aux_negatives"]
     large = size_training(AUX_FULL_ITEMS + 1, [50, 60])["aux_negatives"]
     assert small.value == 0 and "scores all of them" in small.reason
-    assert large.value == AUX_NEGATIVES and f"{AUX_NEGATIVES} uniform draws" in large.reason
+    assert large.value == AUX_NEGATIVES and f"{AUX_NEGATIVES} draws a step" in large.reason

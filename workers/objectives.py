@@ -8,13 +8,13 @@ Primitives:
   way eSASRec and HSTU train) and, optionally, draws by popularity.
 - ``batch_loss``: sampled softmax over (target, negatives) at every cut, plus an optional
   next-item loss on every history position (every position predicts the next item): a softmax over
-  the whole catalogue, or, on a large one, over a pool of uniform negatives the batch shares
-  (``Batch.aux_pool``), corrected so that it estimates the whole catalogue's softmax.
+  the whole catalogue, or, on a large one, over a pool of negatives the batch shares
+  (``Batch.aux_pool``: half uniform, half by popularity), each logit corrected by its draw's
+  probability so that the loss estimates the whole catalogue's softmax.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -37,7 +37,8 @@ class Batch:
     cut_ts: torch.Tensor  # [B, S]
     candidates: torch.Tensor  # [B, S, K]; column 0 is the true next item
     weight: torch.Tensor  # [B, S] 1 for real cut points, 0 for padding
-    aux_pool: torch.Tensor | None = None  # [M] uniform negatives of the next-item loss (None: all items)
+    aux_pool: torch.Tensor | None = None  # [M] negatives of the next-item loss (None: all items)
+    aux_log_q: torch.Tensor | None = None  # [M] log(M x the probability of drawing each)
 
 
 def make_batch(
@@ -61,8 +62,8 @@ def make_batch(
     ranking a user's next item after the whole history does. ``long_cuts`` > 0 draws cut ``c``
     with probability proportional to ``c ** long_cuts`` (more targets after long contexts, as
     serving ranks after a whole history); 0 draws them uniformly. ``aux_negatives`` > 0 draws that
-    many distinct items, uniformly, as the next-item loss's shared negatives (0: the whole
-    catalogue)."""
+    many items as the next-item loss's shared negatives (0: the whole catalogue), from an even mix
+    of the uniform distribution and ``popularity``."""
     B = len(windows)
     T = max(len(w) for w in windows)
     S = min(cuts, T - 1)
@@ -104,14 +105,32 @@ def make_batch(
         cut_ts=cut_ts,
         candidates=torch.cat([targets[..., None], neg], dim=-1),
         weight=torch.from_numpy(weight),
-        aux_pool=_aux_pool(rng, num_items, aux_negatives),
+        **_aux_pool(rng, num_items, aux_negatives, popularity),
     )
 
 
-def _aux_pool(rng: np.random.Generator, num_items: int, size: int) -> torch.Tensor | None:
+AUX_POPULAR_SHARE = 0.5
+"""Share of the next-item loss's pool drawn by popularity: uniform draws over a large catalogue are
+mostly items nobody confuses with the target, while the whole softmax's gradient is mostly the
+popular ones."""
+
+
+def _aux_pool(
+    rng: np.random.Generator, num_items: int, size: int, popularity: np.ndarray | None
+) -> dict[str, torch.Tensor]:
+    """``size`` draws (with replacement) from q = mix of uniform and popularity over items
+    1..num_items, and log(size x q) of each (the sampled-softmax correction)."""
     if size <= 0 or size >= num_items:
-        return None
-    return torch.from_numpy(rng.choice(num_items, size=size, replace=False) + 1)
+        return {}
+    q = np.full(num_items, 1.0 / num_items)
+    if popularity is not None and popularity[1:].sum() > 0:
+        pop = popularity[1 : num_items + 1] / popularity[1 : num_items + 1].sum()
+        q = (1 - AUX_POPULAR_SHARE) * q + AUX_POPULAR_SHARE * pop
+    pool = rng.choice(num_items, size=size, p=q)
+    return {
+        "aux_pool": torch.from_numpy(pool + 1),
+        "aux_log_q": torch.from_numpy(np.log(size * q[pool])).float(),
+    }
 
 
 def _draw_cuts(rng: np.random.Generator, stop: int, size: int, long_cuts: float) -> np.ndarray:
@@ -159,9 +178,9 @@ def batch_loss(model: HSTURanker, batch: Batch, aux_weight: float = 0.0) -> torc
 
 def _next_item_loss(model: HSTURanker, batch: Batch, states: torch.Tensor) -> torch.Tensor:
     """Cross-entropy of each history position's next item, over the whole catalogue or over
-    ``batch.aux_pool``: each position's true next item against the pool's M uniform draws out of
-    N items, whose logits get + log(N / M) (the sampled-softmax correction: each stands for N / M
-    items), the draws equal to the true item masked."""
+    ``batch.aux_pool``: each position's true next item against the pool's M draws, each draw's
+    logit lowered by log(M q) (the sampled-softmax correction: a draw of probability q stands for
+    1 / (M q) items), the draws equal to the true item masked."""
     items = model.vocab_items(batch.items)
     nxt = items[:, 1:]
     valid = (
@@ -176,7 +195,7 @@ def _next_item_loss(model: HSTURanker, batch: Batch, states: torch.Tensor) -> to
         return F.cross_entropy(logits, target)
     pool = batch.aux_pool.to(items.device)
     positive = (h * table[target]).sum(-1, keepdim=True)
-    negative = (h @ table[pool].t() + math.log(model.config.num_items / len(pool))).masked_fill(
+    negative = (h @ table[pool].t() - batch.aux_log_q.to(h.device)).masked_fill(
         pool[None, :] == target[:, None], float("-inf")
     )
     logits = torch.cat([positive, negative], dim=-1)

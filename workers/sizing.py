@@ -18,7 +18,7 @@ Primitives:
     ``decay_epochs``: the learning rate decays to its floor over the cap (or the ``--epochs``
     given); ``min_epochs``: the first epoch early stopping may keep.
   - ``aux_negatives``: the next-item loss is a softmax over the whole catalogue up to
-    ``AUX_FULL_ITEMS`` items, beyond that over ``AUX_NEGATIVES`` uniform draws a step.
+    ``AUX_FULL_ITEMS`` items, beyond that over ``AUX_NEGATIVES`` draws a step.
 - ``describe(choices)``: the lines ``relaygr train`` prints.
 """
 
@@ -38,7 +38,7 @@ AUX_FULL_ITEMS = 4096
 """Largest catalogue the next-item loss scores whole: beyond it that softmax is most of a step (on
 Instacart's 14,190 items a step with it cost 2.5-2.9 times one without)."""
 AUX_NEGATIVES = 2048
-"""Uniform negatives the next-item loss draws a step on a larger catalogue."""
+"""Negatives the next-item loss draws a step on a larger catalogue (half uniform, half by popularity)."""
 MAX_EPOCHS = 30
 PATIENCE = 3
 MIN_EPOCHS = 16
@@ -87,7 +87,7 @@ def size_training(num_items: int, history_lengths: Sequence[int]) -> dict[str, C
             + (
                 f"at most {AUX_FULL_ITEMS}, the next-item loss scores all of them (0)"
                 if num_items <= AUX_FULL_ITEMS
-                else f"over {AUX_FULL_ITEMS}, the next-item loss scores {AUX_NEGATIVES} uniform draws a step"
+                else f"over {AUX_FULL_ITEMS}, the next-item loss scores {AUX_NEGATIVES} draws a step, half of them by popularity"
             ),
         ),
         "epochs": Choice(
