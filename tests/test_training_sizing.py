@@ -208,6 +208,8 @@ def test_last_cut_always_asks_for_the_item_after_the_whole_window() -> None:
         ("long_cuts", -2.0, "--long-cuts -2.0: must be 0 (off) or above"),
         ("recency_prior", -0.5, "--recency-prior -0.5: must be 0 (off) or above"),
         ("aux_negatives", -1, "--aux-negatives -1: must be 0 (off) or above"),
+        ("attn_normaliser", -3.0, "--attn-normaliser -3.0: must be above 0"),
+        ("attn_normaliser", 0.0, "--attn-normaliser 0.0: must be above 0"),
         ("test_events", 0, "--test-events 0: must be at least 1"),
         ("valid_users", -5, "--valid-users -5: must be at least 1"),
         ("decay_epochs", 0, "--decay-epochs 0: must be at least 1"),

@@ -517,6 +517,11 @@ def check_arguments(args: argparse.Namespace) -> None:
             raise SystemExit(f"--{name.replace('_', '-')} {value}: must be at least 1")
     if getattr(args, "bias_lr", 1.0) <= 0:
         raise SystemExit(f"--bias-lr {args.bias_lr}: must be above 0 (a multiple of the learning rate)")
+    normaliser = getattr(args, "attn_normaliser", None)
+    if normaliser is not None and normaliser <= 0:
+        raise SystemExit(
+            f"--attn-normaliser {args.attn_normaliser}: must be above 0 (it divides the attention)"
+        )
     for name in ("long_cuts", "recency_prior", "aux_negatives"):
         value = getattr(args, name, 0.0) or 0
         if value < 0:
