@@ -221,6 +221,44 @@ def test_biases_past_the_longest_training_window_take_the_farthest_trained_bias(
     torch.testing.assert_close(relay, model.rank_full(long, cands, ts), rtol=1e-5, atol=1e-5)
 
 
+def test_whole_histories_put_long_sequences_into_training_whole_and_leave_the_rest_alone() -> None:
+    from relaygr.workers.fit import _epoch_batches
+
+    seqs = [
+        Events.from_lists(list(range(1, n + 1)), [10.0 * i for i in range(n)], [1] * n) for n in (50, 8, 200)
+    ]
+
+    def lengths(share: float, cap: int = 8192) -> list[list[int]]:
+        rng = np.random.default_rng(5)
+        return [
+            sorted(len(w) for b in _epoch_batches(seqs, 16, 2, rng, share, cap) for w in b) for _ in range(4)
+        ]
+
+    assert lengths(0.0) == [[8, 16, 16]] * 4  # windows only
+    assert lengths(1.0) == [[8, 50, 200]] * 4  # every long history whole
+    assert lengths(1.0, cap=100) == [[8, 50, 100]] * 4  # the most recent ``cap`` events
+    mixed = lengths(0.5)
+    assert all(epoch[0] == 8 for epoch in mixed) and len({tuple(e) for e in mixed}) > 1
+    # Off, the draws are those of the windows alone: training without it is unchanged.
+    a, b = np.random.default_rng(9), np.random.default_rng(9)
+    assert [[w.item_ids.tolist() for w in x] for x in _epoch_batches(seqs, 16, 2, a)] == [
+        [w.item_ids.tolist() for w in x] for x in _epoch_batches(seqs, 16, 2, b, 0.0, 8192)
+    ]
+    whole = next(
+        w for x in _epoch_batches(seqs, 16, 2, np.random.default_rng(1), 1.0, 100) for w in x if len(w) == 100
+    )
+    assert whole.item_ids.tolist() == list(range(101, 201))
+
+
+def test_evaluated_users_are_spread_over_the_log_not_its_first_ids() -> None:
+    from relaygr.workers.quality import spread_users
+
+    ids = [f"u{i:03d}" for i in range(100)]
+    assert spread_users(ids, 4) == ["u000", "u025", "u050", "u075"]
+    assert spread_users(ids[::-1], None) == ids and spread_users(ids, 500) == ids
+    assert len(spread_users(ids, 30)) == 30 and spread_users(ids, 30)[-1] == "u087"
+
+
 def test_validation_ranks_only_the_epochs_that_may_be_kept() -> None:
     from relaygr.workers.fit import EarlyStopping
 

@@ -35,7 +35,7 @@ from relaygr.workers.hstu_attention import position_bucket, time_bucket
 from relaygr.workers.model import HSTURanker
 from relaygr.workers.objectives import batch_loss, make_batch
 from relaygr.workers.prefix_kv import Events
-from relaygr.workers.quality import _log, evaluate, fmt_secs
+from relaygr.workers.quality import _log, evaluate, fmt_secs, spread_users
 
 VALIDATION_USERS = 1024
 """Users ranked after each epoch (evenly spread): enough to tell a better epoch (with 256, one
@@ -70,9 +70,7 @@ class EarlyStopping:
 
     def __post_init__(self) -> None:
         # An evenly spread, fixed subset: the same users every epoch.
-        users = sorted(self.targets)
-        step = max(1, len(users) // max(1, self.users))
-        self._users = users[::step][: self.users]
+        self._users = spread_users(list(self.targets), self.users)
 
     def score(self, model: HSTURanker) -> float:
         model.eval()
@@ -164,11 +162,21 @@ def _popularity(model: HSTURanker, seqs: list[Events]) -> np.ndarray:
 
 
 def _epoch_batches(
-    seqs: list[Events], max_len: int, batch_size: int, rng: np.random.Generator
+    seqs: list[Events],
+    max_len: int,
+    batch_size: int,
+    rng: np.random.Generator,
+    whole_share: float = 0.0,
+    whole_cap: int = 8192,
 ) -> list[list[Events]]:
-    """One random window of at most ``max_len`` events per sequence, grouped by length."""
+    """One random window of at most ``max_len`` events per sequence, grouped by length. With
+    ``whole_share``, a sequence longer than that is read whole (its last ``whole_cap`` events) with
+    that probability, so training meets the lengths serving reads."""
     windows = []
     for s in seqs:
+        if whole_share > 0 and len(s) > max_len and rng.random() < whole_share:
+            windows.append(s.slice(max(0, len(s) - whole_cap), len(s)))
+            continue
         start = int(rng.integers(0, len(s) - max_len + 1)) if len(s) > max_len else 0
         windows.append(s.slice(start, start + max_len))
     order = np.argsort([len(w) + rng.random() for w in windows])  # length buckets, random ties
@@ -275,6 +283,7 @@ def train_model(
     stopping: EarlyStopping | None = None,
     decay_epochs: int | None = None,
     bias_lr_scale: float = 1.0,
+    whole_share: float = 0.0,
     log: Callable[[str], None] = _log,
     **objective_fields,
 ) -> list[float]:
@@ -299,7 +308,8 @@ def train_model(
     for epoch in range(epochs):
         model.train()
         ep_loss, ep_n = 0.0, 0
-        for rows in _epoch_batches(seqs, model.config.max_len, batch_size, rng):
+        cfg = model.config
+        for rows in _epoch_batches(seqs, cfg.max_len, batch_size, rng, whole_share, cfg.max_seq_len):
             if max_steps is not None and step >= max_steps:
                 break
             far.reach(rows, model.config.position_buckets, model.config.time_buckets)

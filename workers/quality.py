@@ -6,6 +6,8 @@ Primitives:
   (leave-last-K-out: K ranking requests per user, each after all the events before it).
 - ``split_validation``: the same one step earlier: training histories without the last two
   events, the one before the test item as the validation target.
+- ``spread_users``: a sample of users evenly spread over their sorted ids (what ``--eval-users``
+  and validation rank).
 - ``rank_targets`` / ``summarise`` / ``evaluate``: each test target is ranked among every item
   the user has not seen, after the history (all earlier events, or only the last N), through the
   serving API (``rank_full``). HR@10, NDCG@10, MRR: per user the mean over its targets, then the
@@ -41,6 +43,15 @@ def _log(msg: str) -> None:
 def fmt_secs(s: float) -> str:
     s = max(0, round(s))
     return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
+def spread_users(users: Sequence[str], most: int | None) -> list[str]:
+    """At most ``most`` of ``users`` (all when ``None``), evenly spread over their sorted order:
+    a sample of the log rather than the first ids (ids often follow sign-up order)."""
+    ordered = sorted(users)
+    if most is None or most >= len(ordered):
+        return ordered
+    return ordered[:: max(1, len(ordered) // max(1, most))][:most]
 
 
 def split_leave_last_out(log: InteractionLog | MovieLens, test_events: int = 1) -> tuple[dict, dict]:
@@ -144,7 +155,7 @@ def rank_targets(
 ) -> dict[str, list[np.ndarray]]:
     """Per history length (``None``: all events), per user, the rank of each test target among
     every item the user has not seen, via ``rank_full``."""
-    users = sorted(history)[:max_users]
+    users = spread_users(list(history), max_users)
     ranks: dict[str, list[np.ndarray]] = {_length_key(n): [] for n in lengths}
     t0 = time.perf_counter()
     num_items = model.config.num_items

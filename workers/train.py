@@ -54,6 +54,7 @@ from relaygr.workers.quality import (
     rank_targets,
     split_leave_last_out,
     split_validation,
+    spread_users,
     summarise,
 )
 from relaygr.workers.sizing import PATIENCE, describe, size_training
@@ -170,7 +171,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="try N configurations on the validation split, keep the best, write tune.csv / tune.md",
     )
-    parser.add_argument("--eval-users", type=int, default=None, help="evaluate on the first N users only")
+    parser.add_argument(
+        "--eval-users",
+        type=int,
+        default=None,
+        help="evaluate on N users only, evenly spread over the sorted user ids",
+    )
     parser.add_argument(
         "--users",
         type=int,
@@ -244,6 +250,14 @@ def add_objective_arguments(parser: argparse.ArgumentParser) -> None:
         default=LONG_CUTS,
         help="draw cut point c with probability ~ c**X (more targets after long contexts; 0: uniform; "
         f"default {LONG_CUTS:g})",
+    )
+    parser.add_argument(
+        "--whole-histories",
+        type=float,
+        default=0.0,
+        metavar="P",
+        help="each epoch, a history longer than the window is read whole (up to --max-seq-len "
+        "events) with probability P, so training meets the lengths serving reads (0: off)",
     )
     parser.add_argument(
         "--recency-prior",
@@ -330,6 +344,7 @@ class TrainSettings:
     recency_prior: float = 0.0
     bias_lr: float = BIAS_LR_SCALE
     aux_negatives: int = 0
+    whole_share: float = 0.0
 
     @property
     def objective(self) -> Objective:
@@ -401,6 +416,7 @@ def resolve_settings(
         recency_prior=args.recency_prior,
         bias_lr=args.bias_lr,
         aux_negatives=int(value["aux_negatives"]),
+        whole_share=getattr(args, "whole_histories", 0.0) or 0.0,
     )
 
 
@@ -461,6 +477,7 @@ def train_once(
         stopping=stopping if valid else None,
         decay_epochs=s.decay_epochs,
         bias_lr_scale=s.bias_lr,
+        whole_share=s.whole_share,
         log=progress,
     )
     return Trained(model, losses, stopping, time.perf_counter() - t0, time.process_time() - cpu0)
@@ -481,7 +498,7 @@ def _quality(
         trained.model, history, test, lengths=_eval_lengths(args.eval_lengths), max_users=args.eval_users
     )
     by_len = summarise(ranks)
-    users = sorted(history)[: args.eval_users]
+    users = spread_users(list(history), args.eval_users)
     overall = {k: v for k, v in by_len["all"].items() if k not in ("users", "targets")}
     return {
         "model_version": trained.model.model_version,
