@@ -172,10 +172,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="try N configurations on the validation split, keep the best, write tune.csv / tune.md",
     )
     parser.add_argument(
-        "--eval-users",
-        type=int,
-        default=None,
-        help="evaluate on N users only, evenly spread over the sorted user ids",
+        "--eval-users", type=int, default=None, help="evaluate on N users spread over the log"
     )
     parser.add_argument(
         "--users",
