@@ -248,14 +248,8 @@ def add_objective_arguments(parser: argparse.ArgumentParser) -> None:
         help="draw cut point c with probability ~ c**X (more targets after long contexts; 0: uniform; "
         f"default {LONG_CUTS:g})",
     )
-    parser.add_argument(
-        "--whole-histories",
-        type=float,
-        default=0.0,
-        metavar="P",
-        help="each epoch, a history longer than the window is read whole (up to --max-seq-len "
-        "events) with probability P, so training meets the lengths serving reads (0: off)",
-    )
+    whole = "each epoch, read a history longer than the window whole (up to --max-seq-len) with probability P"
+    parser.add_argument("--whole-histories", type=float, default=0.0, metavar="P", help=whole)
     parser.add_argument(
         "--recency-prior",
         type=float,
@@ -536,6 +530,8 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise SystemExit(
             f"--attn-normaliser {args.attn_normaliser}: must be above 0 (it divides the attention)"
         )
+    if not 0 <= (whole := getattr(args, "whole_histories", 0.0) or 0) <= 1:
+        raise SystemExit(f"--whole-histories {whole}: must be a probability, from 0 (off) to 1")
     for name in ("long_cuts", "recency_prior", "aux_negatives"):
         value = getattr(args, name, 0.0) or 0
         if value < 0:
