@@ -304,15 +304,14 @@ def train_model(
     opt, sched = _optimiser(model, lr, decay, steps_per_epoch, bias_lr_scale)
     losses: list[float] = []
     step, t0, cpu0 = 0, time.perf_counter(), time.process_time()
-    far = FarBiases()
+    far, cfg = FarBiases(), model.config
     for epoch in range(epochs):
         model.train()
         ep_loss, ep_n = 0.0, 0
-        cfg = model.config
         for rows in _epoch_batches(seqs, cfg.max_len, batch_size, rng, whole_share, cfg.max_seq_len):
             if max_steps is not None and step >= max_steps:
                 break
-            far.reach(rows, model.config.position_buckets, model.config.time_buckets)
+            far.reach(rows, cfg.position_buckets, cfg.time_buckets)
             loss = batch_loss(model, _batch(rows, obj, model, rng, popularity), obj.aux_weight)
             opt.zero_grad(set_to_none=True)
             loss.backward()
