@@ -42,7 +42,8 @@ from relaygr.schemas.topics import TopicSpec
 from relaygr.workers.interactions import InteractionLog
 from relaygr.workers.movielens import MovieLens
 from relaygr.workers.prefix_kv import Events
-from relaygr.workers.train import add_source_arguments, report_bad_rows
+from relaygr.workers.train import report_bad_rows
+from relaygr.workers.train_args import add_source_arguments
 
 
 @dataclass

