@@ -13,11 +13,14 @@ Primitives:
 - ``group_lag(client, cons, group, topic)``: records of ``topic`` a consumer group has not committed.
 - ``partition_for(key, partitions)``: the cascade's one partitioner (murmur2, as Java's and
   aiokafka's default for a keyed record) for everything it writes to co-partitioned topics.
+- ``RetriedOffsetErrors``: the log filter (installed on import) that demotes to DEBUG the offset
+  lookups aiokafka logs as errors and then retries while a new partition's leader gets ready.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
@@ -29,6 +32,29 @@ from relaygr.infra.settings import Settings, kafka_client_kwargs
 from relaygr.schemas.topics import TopicRegistry
 
 TOPIC_ALREADY_EXISTS = 36
+
+
+class RetriedOffsetErrors(logging.Filter):
+    """aiokafka's fetcher logs a failed offset lookup as an error and then retries it. A partition
+    created a moment ago answers "not the leader" (or "no leader yet") until its leader has loaded
+    it, even once the metadata names that leader, so every fresh topic printed a few such errors
+    that were no failure. Those two answers are demoted to DEBUG; any other failure keeps its
+    level, and a lookup that never succeeds still surfaces as the caller's timeout."""
+
+    RETRIED = frozenset({"NotLeaderForPartitionError", "LeaderNotAvailableError"})
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        if (
+            isinstance(record.msg, str)
+            and record.msg.startswith("Failed fetch offsets")
+            and any(type(a).__name__ in self.RETRIED for a in args)
+        ):
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return True
+
+
+logging.getLogger("aiokafka.consumer.fetcher").addFilter(RetriedOffsetErrors())
 
 
 class TopicError(RuntimeError):

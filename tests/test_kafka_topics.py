@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import pytest
+from aiokafka import errors
 
 from relaygr.infra.kafka import TopicError, consumer, describe_partitions, ensure_topics, producer
 from relaygr.infra.roundtrip import roundtrip
@@ -84,3 +86,20 @@ async def test_partition_mismatch_is_refused(kafka_settings, registry) -> None:
 async def test_roundtrip_command_core(kafka_settings) -> None:
     rows = await roundtrip(kafka_settings)
     assert len(rows) == len(examples())
+
+
+def test_offset_lookups_retried_on_a_new_partition_are_not_logged_as_errors(caplog) -> None:
+    """aiokafka logs "Failed fetch offsets" at ERROR and retries; on a partition whose leader is not
+    ready yet that is no failure, so it is demoted to DEBUG. Other failures stay errors."""
+    fetcher = logging.getLogger("aiokafka.consumer.fetcher")
+    caplog.set_level(logging.WARNING)
+    fetcher.error("Failed fetch offsets from %s: %s", 1, errors.NotLeaderForPartitionError())
+    fetcher.error("Failed fetch offsets from %s: %s", 1, errors.LeaderNotAvailableError())
+    assert not caplog.records
+    fetcher.error("Failed fetch offsets from %s: %s", 1, errors.KafkaTimeoutError())
+    fetcher.error("Fetch to node %s failed: %s", 1, errors.NotLeaderForPartitionError())
+    assert [r.levelno for r in caplog.records] == [logging.ERROR, logging.ERROR]
+    caplog.clear()
+    caplog.set_level(logging.DEBUG)
+    fetcher.error("Failed fetch offsets from %s: %s", 1, errors.NotLeaderForPartitionError())
+    assert [r.levelname for r in caplog.records] == ["DEBUG"]
