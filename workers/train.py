@@ -8,11 +8,11 @@ Primitives:
   the command line leaves open is sized from the log (``sizing``), printed with the reason.
 - ``train_once``: one model trained with early stopping on the validation split.
 - ``run(args, log=None)``: ``relaygr train --dataset ml-100k --out DIR`` or ``--interactions
-  PATH`` (the arguments and their checks: ``train_args``) writes ``model.safetensors``, ``config.json``, ``vocab.json`` (raw item
-  ids -> model ids) and ``metrics.json`` (quality against the history length used at inference,
-  and the popularity baseline); ``--tune N`` first searches N configurations (``tuning``).
-  ``log``: events already read (from the ``behaviors`` topic, by ``relaygr.tools.train_source``),
-  so this module never touches Kafka.
+  PATH`` (the arguments and their checks: ``train_args``) writes ``model.safetensors``,
+  ``config.json``, ``vocab.json`` (raw item ids -> model ids) and ``metrics.json`` (quality
+  against the history length used at inference, and the popularity baseline); ``--tune N``
+  first searches N configurations (``tuning``). ``log``: events already read (from the
+  ``behaviors`` topic, by ``relaygr.tools.train_source``), so this module never touches Kafka.
 
 Protocol: each user's last event is the test target, the one before it the validation target;
 training sees the events before both. The objectives live in ``objectives``, the loop in ``fit``,
