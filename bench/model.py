@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from relaygr.workers.devices import device_name, keep_host_pages, resolve_device, resolve_dtype, synchronize
-from relaygr.workers.model import HSTUConfig, HSTURanker
+from relaygr.workers.model import FAR_KEYS, NEAR_KEYS, HSTUConfig, HSTURanker
 from relaygr.workers.prefix_kv import Events, PrefixKV
 from relaygr.workers.presets import PRESETS, resolve_shape
 
@@ -153,6 +153,8 @@ def _model(args: argparse.Namespace, dtype: str) -> HSTURanker:
         attn_block=args.block,
         candidate_batch=args.candidates,
         dropout=0.0,
+        near_keys=NEAR_KEYS,  # the arithmetic `relaygr train` trains
+        far_keys=FAR_KEYS,
         dtype=dtype,
         device=args.device,
     )

@@ -14,6 +14,10 @@ from relaygr.workers.hstu_attention import (
     WIDE_TIME_COLUMNS,
     Segment,
     dense_attention,
+    far_index,
+    far_scale,
+    far_weights,
+    is_bucket_boundary,
     key_block_size,
     pair_index,
     plan_attention,
@@ -21,6 +25,7 @@ from relaygr.workers.hstu_attention import (
     run_attention,
     time_bucket,
     wide_bias_table,
+    wide_far_index,
 )
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -84,12 +89,16 @@ def _random_ts(n: int, gen: torch.Generator, sorted_: bool) -> torch.Tensor:
     nq=st.integers(1, 40),
     block=st.sampled_from([8, 16, 32]),
     sorted_ts=st.booleans(),
+    near=st.sampled_from([0, 1, 4, 16, 20]),
     seed=st.integers(0, 2**16),
 )
 @settings(max_examples=120, deadline=None)
-def test_blockwise_causal_matches_dense(heads, dqk, dv, prefix, split, nq, block, sorted_ts, seed) -> None:
+def test_blockwise_causal_matches_dense(
+    heads, dqk, dv, prefix, split, nq, block, sorted_ts, near, seed
+) -> None:
     """Queries at positions prefix..prefix+nq-1 over keys 0..prefix+nq-1 held in two segments
-    (a cached part, then the chunk itself), against the dense reference with an explicit mask."""
+    (a cached part, then the chunk itself), against the dense reference with an explicit mask;
+    with ``near`` > 0 the far keys (``near`` or more back) weigh at most 2.5 keys' worth."""
     gen = torch.Generator().manual_seed(seed)
     npos, ntime = 24, 40
     total = prefix + nq
@@ -103,14 +112,21 @@ def test_blockwise_causal_matches_dense(heads, dqk, dv, prefix, split, nq, block
     q_pos = pos[prefix:]
     index = pair_index(q_pos[:, None] - pos[None, :], ts[prefix:, None] - ts[None, :], npos, ntime)
     visible = q_pos[:, None] >= pos[None, :]
+    far = None
+    if near:
+        scale = far_scale(q_pos, near, 2.5)
+        visible = visible * far_weights(index, scale, far_index(near, npos, ntime))
+        far = (scale, wide_far_index(near, npos))
     table = (pos_b[:, None] + time_b[None, :]).reshape(-1)
     want = dense_attention(q, k, v, index, visible, table, 7.0)
 
     cut = int(split * prefix)
     segments = [Segment(0, ts[:cut]), Segment(cut, ts[cut:])]
     kv = [(k[:, :cut], v[:, :cut]), (k[:, cut:], v[:, cut:])]
-    tasks = plan_attention(prefix, ts[prefix:], segments, rows=nq, causal=True, block=block, num_pos=npos)
-    got = run_attention(q, tasks, kv, wide_bias_table(pos_b, time_b), dv) / 7.0
+    tasks = plan_attention(
+        prefix, ts[prefix:], segments, rows=nq, causal=True, block=block, num_pos=npos, near_keys=near
+    )
+    got = run_attention(q, tasks, kv, wide_bias_table(pos_b, time_b), dv, far) / 7.0
     torch.testing.assert_close(got, want, rtol=F64_TOL, atol=F64_TOL)
     # No score block is larger than one block of block*block values (wider keys for skinny chunks).
     assert all(t.index.numel() <= max(block, nq) * key_block_size(block, nq) for t in tasks)
@@ -128,11 +144,13 @@ def test_blockwise_causal_matches_dense(heads, dqk, dv, prefix, split, nq, block
     rows=st.integers(1, 20),
     block=st.sampled_from([8, 16]),
     gap=st.floats(-1e4, 1e7),
+    near=st.sampled_from([0, 8, 16, 40]),
     seed=st.integers(0, 2**16),
 )
 @settings(max_examples=80, deadline=None)
-def test_blockwise_candidates_match_dense(heads, d, history, rows, block, gap, seed) -> None:
-    """Candidate queries share one position (after the history) and timestamp; they see all keys."""
+def test_blockwise_candidates_match_dense(heads, d, history, rows, block, gap, near, seed) -> None:
+    """Candidate queries share one position (after the history) and timestamp; they see all keys
+    (with ``near`` > 0, the far ones weigh at most 4 keys' worth)."""
     gen = torch.Generator().manual_seed(seed)
     npos, ntime = 64, 64
     q = torch.randn(heads, rows, d, generator=gen, dtype=torch.float64)
@@ -145,12 +163,17 @@ def test_blockwise_candidates_match_dense(heads, d, history, rows, block, gap, s
     pos = torch.arange(history)
     index = pair_index((history - pos)[None, :], (when - ts)[None, :], npos, ntime).expand(rows, history)
     visible = torch.ones(rows, history, dtype=torch.bool)
+    far = None
+    if near:
+        scale = far_scale(torch.tensor([history]), near, 4.0)
+        visible = visible * far_weights(index, scale, far_index(near, npos, ntime))
+        far = (scale, wide_far_index(near, npos))
     table = (pos_b[:, None] + time_b[None, :]).reshape(-1)
     want = dense_attention(q, k, v, index, visible, table, 3.0)
     tasks = plan_attention(
         history, when.reshape(1), [Segment(0, ts)], rows=rows, causal=False, block=block, num_pos=npos
     )
-    got = run_attention(q, tasks, [(k, v)], wide_bias_table(pos_b, time_b), d) / 3.0
+    got = run_attention(q, tasks, [(k, v)], wide_bias_table(pos_b, time_b), d, far) / 3.0
     torch.testing.assert_close(got, want, rtol=F64_TOL, atol=F64_TOL)
 
 
@@ -202,6 +225,60 @@ def test_fused_bias_index_equals_the_bit_pattern_index(pairs, num_pos) -> None:
     gap32 = (q_ts - k_ts).to(torch.float32).clamp(min=1.0)
     code = (gap32.view(torch.int32) >> 22).long() - 254
     assert torch.equal(got.long(), pos * WIDE_TIME_COLUMNS + code)
+
+
+def test_near_keys_must_be_a_bucket_boundary() -> None:
+    boundaries = [n for n in range(1, 300) if is_bucket_boundary(n, 64)]
+    assert boundaries[:20] == [*range(1, 17), 20, 24, 28, 32]
+    assert boundaries[-4:] == [160, 192, 224, 256]
+    assert not is_bucket_boundary(0, 64) and not is_bucket_boundary(64, 24)  # bucket 24: the last
+
+
+@pytest.mark.parametrize("near", [1, 5, 16, 20, 24, 40, 64, 80, 96, 128, 1024])
+def test_far_pairs_are_those_near_keys_or_more_apart_in_every_index_layout(near: int) -> None:
+    """ "Far" is read off a pair's bias index: in the dense table, the blockwise plan and the fused
+    index alike, a pair is far exactly when its positions are ``near`` or more apart."""
+    d = torch.arange(0, 5000)
+    gaps = torch.tensor([0.0, 1.0, 1.5, 7.0, 86400.0, 3e9, 1e30], dtype=torch.float64)
+    want = (d >= near)[:, None].expand(-1, gaps.shape[0])
+    dense = pair_index(d[:, None], gaps[None, :], 64, 64)
+    assert torch.equal(dense >= far_index(near, 64, 64), want)
+    q_pos = torch.tensor([10_000], dtype=torch.int64)
+    fused = torch.stack(
+        [
+            bias_index(
+                q_pos, gaps[j : j + 1] + 5e9, q_pos - d, torch.full_like(d, 5e9, dtype=torch.float64), 64
+            )[0]
+            for j in range(gaps.shape[0])
+        ],
+        1,
+    )
+    assert torch.equal(fused >= wide_far_index(near, 64), want)
+    ts = torch.full((5000,), 5e9, dtype=torch.float64)
+    tasks = plan_attention(5000, ts[:1] + 7.0, [Segment(0, ts)], rows=1, causal=False, block=512, num_pos=64)
+    planned = torch.cat([t.index.reshape(-1) for t in tasks]).flip(0)  # key 4999 is 1 back
+    assert torch.equal(planned >= wide_far_index(near, 64), (torch.arange(1, 5001) >= near))
+    scale = far_scale(torch.tensor([near - 1, near, near + 9]), near, 4.0)
+    assert scale.reshape(-1).tolist() == pytest.approx([1.0, 1.0, 0.4])  # 0, 1 and 10 far keys
+
+
+@pytest.mark.parametrize("history", [0, 10, 64, 100, 192, 193, 1000, 5000])
+def test_far_keys_weigh_at_most_far_keys_keys_together(history: int) -> None:
+    """Every key worth the same (q.k = 0, bias 1, value 1): a candidate's sum is silu(1) times the
+    near keys plus at most ``far_keys`` (128) of the 64-or-more-back ones, however long the history."""
+    q, k, v = torch.zeros(1, 1, 4), torch.zeros(1, history, 4), torch.ones(1, history, 1)
+    ts = torch.arange(history, dtype=torch.float64)
+    when = ts[-1:] + 1 if history else torch.ones(1, dtype=torch.float64)
+    far = (far_scale(torch.tensor([history]), 64, 128.0), wide_far_index(64, 64))
+    table = wide_bias_table(torch.ones(64), torch.zeros(64))
+    near = min(history, 63)  # keys 1..63 back
+    want = torch.nn.functional.silu(torch.tensor(1.0)).item() * (near + min(history - near, 128))
+    for near_keys in (64, 0):  # blocks classified by their far pairs, and not (each pair weighed)
+        tasks = plan_attention(
+            history, when, [Segment(0, ts)], rows=1, causal=False, block=48, num_pos=64, near_keys=near_keys
+        )
+        got = float(run_attention(q, tasks, [(k, v)], table, 1, far)) if history else 0.0
+        assert got == pytest.approx(want, rel=1e-5)
 
 
 def test_candidate_index_rejects_keys_after_queries() -> None:

@@ -216,6 +216,10 @@ def test_last_cut_always_asks_for_the_item_after_the_whole_window() -> None:
         ("test_events", 0, "--test-events 0: must be at least 1"),
         ("valid_users", -5, "--valid-users -5: must be at least 1"),
         ("decay_epochs", 0, "--decay-epochs 0: must be at least 1"),
+        ("near_keys", 65, "--near-keys 65: must be 0 or a position-bucket boundary"),
+        ("near_keys", -4, "--near-keys -4: must be 0 or a position-bucket boundary"),
+        ("far_keys", 0.0, "--far-keys 0.0: must be above 0"),
+        ("far_keys", float("nan"), "--far-keys nan: must be above 0"),
     ],
 )
 def test_values_that_would_train_silently_wrong_are_refused(flag: str, value: float, message: str) -> None:

@@ -14,7 +14,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from relaygr.workers.hstu_attention import SELF_BIAS_INDEX, dense_attention, pair_index
+from relaygr.workers.hstu_attention import (
+    SELF_BIAS_INDEX,
+    dense_attention,
+    far_index,
+    far_scale,
+    far_weights,
+    pair_index,
+)
 from relaygr.workers.model import HSTURanker
 from relaygr.workers.prefix_kv import Events
 
@@ -56,6 +63,12 @@ def train_scores(
     hist_vis = (pos[:, None] >= pos[None, :])[None] & valid[:, None, :]  # [B, T, T]
     cand_index = pair_index(cuts[..., None] - pos, cut_ts[..., None] - ts[:, None, :], np_, nt)
     cand_vis = (pos < cuts[..., None]) & valid[:, None, :]  # [B, S, T]
+    if cfg.near_keys:  # far keys: each pair's factor joins its visibility
+        first = far_index(cfg.near_keys, np_, nt)
+        hist_scale = far_scale(pos, cfg.near_keys, cfg.far_keys)  # [T, 1]
+        hist_vis = hist_vis * far_weights(hist_index, hist_scale, first)
+        cand_scale = far_scale(cuts.reshape(-1), cfg.near_keys, cfg.far_keys).view(B, S, 1)
+        cand_vis = cand_vis * far_weights(cand_index, cand_scale, first)
     cand_index, cand_vis = cand_index.unsqueeze(-2), cand_vis.unsqueeze(-2)  # [B, S, 1, T]
     cand_ids = model.vocab_items(candidates.reshape(B, S * K))
     x = model.emb_drop(

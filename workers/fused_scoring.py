@@ -39,7 +39,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from relaygr.workers.hstu_attention import EXACT_POSITIONS, WIDE_TIME_COLUMNS, Segment, key_block_size
+from relaygr.workers.hstu_attention import (
+    EXACT_POSITIONS,
+    WIDE_TIME_COLUMNS,
+    Segment,
+    block_far,
+    candidate_far,
+    far_queries,
+    far_weights,
+    key_block_size,
+)
 
 if TYPE_CHECKING:
     from relaygr.workers.model import HSTULayer
@@ -51,6 +60,8 @@ def _score_candidates(
     seg_keys: list[Tensor],
     seg_values: list[Tensor],
     seg_index: list[Tensor],
+    seg_far: list[int],
+    far_factor: float,
     tables: list[Tensor],
     weights: list[Tensor],
     final_w: Tensor,
@@ -63,7 +74,9 @@ def _score_candidates(
     item embeddings. Segment ``s`` of layer ``l`` is ``seg_keys[l * S + s] [H, n_s, dqk]`` and
     ``seg_values[l * S + s] [H, n_s, dv]``; ``seg_index[s] [n_s]`` (int64) indexes each key's bias in
     the layer's wide bias table ``tables[l]`` (all candidates share a position and a timestamp,
-    so one row serves them all). ``weights[8 l : 8 l + 8]``: layer ``l``'s norm, U/Q/K/V
+    so one row serves them all); the first ``seg_far[s]`` keys of segment ``s`` are far and count
+    ``far_factor`` each (``candidate_far``; an empty list when every key counts whole).
+    ``weights[8 l : 8 l + 8]``: layer ``l``'s norm, U/Q/K/V
     projection, attention norm and output projection (weight, bias each); ``dims``: heads, query/
     key dim, value dim; ``consts``: query scale, attention normaliser, layer-norm epsilon. Keys
     are visited in blocks of ``block``. Returns float32 scores ``[C]``."""
@@ -73,10 +86,14 @@ def _score_candidates(
         w = weights[8 * li : 8 * li + 8]
         u, q, k, v = _score_layer_begin(x, w, dims, consts)
         acc = torch.zeros(dims[0], x.shape[0], dims[2], dtype=x.dtype, device=x.device)
+        far_acc = torch.zeros_like(acc) if len(seg_far) > 0 else acc
         for si in range(n_seg):
             keys, values = seg_keys[li * n_seg + si], seg_values[li * n_seg + si]
             bias = tables[li].index_select(0, seg_index[si])
-            _score_key_range(acc, q, keys, values, bias, 0, keys.shape[1], block)
+            far_until = seg_far[si] if len(seg_far) > 0 else 0
+            _score_key_range(acc, far_acc, q, keys, values, bias, far_until, 0, keys.shape[1], block)
+        if len(seg_far) > 0:
+            acc.add_(far_acc, alpha=far_factor)
         x = _score_layer_end(x, acc, u, q, k, v, tables[li], w, consts)
     return _score_final(x, x0, e, final_w, final_b, consts)
 
@@ -99,16 +116,35 @@ def _score_layer_begin(
 
 
 def _score_key_range(
-    acc: Tensor, q: Tensor, keys: Tensor, values: Tensor, bias: Tensor, k0: int, k1: int, block: int
+    acc: Tensor,
+    far_acc: Tensor,
+    q: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    bias: Tensor,
+    far_until: int,
+    k0: int,
+    k1: int,
+    block: int,
 ) -> None:
     """Adds to ``acc [H, C, dv]`` the candidates' attention (``q [H, C, dqk]``) to keys ``k0 ..
-    k1`` of one segment (``keys [H, n, dqk]``, ``values [H, n, dv]``, ``bias [n]`` per key), in
-    blocks of ``block`` keys from ``k0``: the blocks of a whole pass when ``k0`` is a multiple of
-    ``block``, so that a pass in ranges sums exactly as one pass does."""
+    k1`` of one segment (``keys [H, n, dqk]``, ``values [H, n, dv]``, ``bias [n]`` per key); that
+    to its first ``far_until`` keys (the far ones) goes to ``far_acc`` instead. In blocks of
+    ``block`` keys from ``k0`` (a block that holds both is cut where they meet): the blocks of a
+    whole pass when ``k0`` is a multiple of ``block``, so that a pass in ranges sums exactly as
+    one pass does."""
     for b0 in range(k0, k1, block):
         b1 = min(k1, b0 + block)
-        s = torch.baddbmm(bias[b0:b1].view(1, 1, b1 - b0), q, keys[:, b0:b1].transpose(1, 2))
-        acc.baddbmm_(F.silu(s), values[:, b0:b1])
+        cut = min(max(far_until, b0), b1)
+        if cut > b0:
+            _add_keys(far_acc, q, keys, values, bias, b0, cut)
+        if b1 > cut:
+            _add_keys(acc, q, keys, values, bias, cut, b1)
+
+
+def _add_keys(acc: Tensor, q: Tensor, keys: Tensor, values: Tensor, bias: Tensor, b0: int, b1: int) -> None:
+    s = torch.baddbmm(bias[b0:b1].view(1, 1, b1 - b0), q, keys[:, b0:b1].transpose(1, 2))
+    acc.baddbmm_(F.silu(s), values[:, b0:b1])
 
 
 def _score_layer_end(
@@ -148,11 +184,14 @@ def _advance_tokens(
     task_k1: list[int],
     task_index: list[Tensor],
     task_hidden: list[Tensor],
+    task_far: list[int],
     tables: list[Tensor],
     weights: list[Tensor],
     kbufs: list[Tensor],
     vbufs: list[Tensor],
     q0: int,
+    far_first: int,
+    far_scale: Tensor,
     dims: tuple[int, int, int],
     consts: tuple[float, float, float],
 ) -> None:
@@ -161,7 +200,10 @@ def _advance_tokens(
     last of the ``seg_keys`` / ``seg_values`` segments of each layer). The attention follows a
     causal plan (``hstu_attention.plan_attention``): task ``t`` covers keys ``task_k0[t] ..
     task_k1[t]`` of segment ``task_seg[t]`` with bias indices ``task_index[t]`` and, if not empty,
-    the mask ``task_hidden[t]``. The last layer computes only keys and values."""
+    the mask ``task_hidden[t]``; a pair whose index is at least ``far_first`` is far and counts
+    ``far_scale [nq, 1]`` of its query (empty: every pair counts whole), ``task_far[t]`` says
+    whether a block has none, only or some far pairs (``hstu_attention.BlockTask.far``). The last
+    layer computes only keys and values."""
     heads, dqk, dv = dims
     scale, normaliser, eps = consts
     nq, dim = x.shape
@@ -183,6 +225,8 @@ def _advance_tokens(
         kbufs[li][:, q0:q1] = p[:, hv + hk : hv + 2 * hk].reshape(nq, heads, dqk).transpose(0, 1)
         vbufs[li][:, q0:q1] = p[:, hv + 2 * hk :].reshape(nq, heads, dv).transpose(0, 1)
         acc = torch.zeros(heads, nq, dv, dtype=x.dtype, device=x.device)
+        scaled = far_scale.numel() > 0
+        far_acc = torch.zeros_like(acc) if scaled else acc
         for t in range(len(task_seg)):
             keys, values = seg_keys[li * n_seg + task_seg[t]], seg_values[li * n_seg + task_seg[t]]
             k0, k1 = task_k0[t], task_k1[t]
@@ -192,7 +236,14 @@ def _advance_tokens(
             hidden = task_hidden[t]
             if hidden.numel() > 0:
                 s = s.masked_fill(hidden, 0.0)
-            acc.baddbmm_(s, values[:, k0:k1])
+            if scaled and task_far[t] == 2:  # SOME_FAR: weigh each pair
+                s = s * far_weights(idx, far_scale, far_first).to(s.dtype)
+            if scaled and task_far[t] == 1:  # ALL_FAR: into the sum scaled once
+                far_acc.baddbmm_(s, values[:, k0:k1])
+            else:
+                acc.baddbmm_(s, values[:, k0:k1])
+        if scaled:
+            acc = acc + far_acc * far_scale.to(acc.dtype)
         attn = (acc / normaliser).transpose(0, 1).reshape(nq, hv)
         x = x + F.linear(F.layer_norm(attn, [hv], w[4], w[5], eps) * u, w[6], w[7])
 
@@ -243,11 +294,11 @@ def _with_pending(
 
 
 def _causal_plan(
-    start: int, n: int, starts: list[int], times: list[Tensor], block: int, num_pos: int
-) -> tuple[list[int], list[int], list[int], list[Tensor], list[Tensor]]:
+    start: int, n: int, starts: list[int], times: list[Tensor], block: int, num_pos: int, near_keys: int
+) -> tuple[list[int], list[int], list[int], list[Tensor], list[Tensor], list[int]]:
     """One causal chunk of the ``n`` events from position ``start`` (the last of ``times``): every
     key block it sees as (segment, first key, end key, bias indices, mask of the keys after each
-    query where the block reaches past the first query, else empty)."""
+    query where the block reaches past the first query, else empty, ``BlockTask.far``)."""
     device = times[0].device
     q_pos = torch.arange(start, start + n, device=device)
     q_ts = times[len(times) - 1]
@@ -257,6 +308,7 @@ def _causal_plan(
     t_k1: list[int] = []
     t_index: list[Tensor] = []
     t_hidden: list[Tensor] = []
+    t_far: list[int] = []
     no_mask = torch.empty(0, dtype=torch.bool, device=device)
     for si in range(len(times)):
         visible = min(times[si].shape[0], start + n - starts[si])
@@ -271,7 +323,9 @@ def _causal_plan(
                 t_hidden.append(k_pos[None, :] > q_pos[:, None])
             else:
                 t_hidden.append(no_mask)
-    return t_seg, t_k0, t_k1, t_index, t_hidden
+            d_min = max(0, start - (starts[si] + k1 - 1))
+            t_far.append(block_far(d_min, start + n - 1 - (starts[si] + k0), near_keys))
+    return t_seg, t_k0, t_k1, t_index, t_hidden, t_far
 
 
 def _request_index(
@@ -305,13 +359,35 @@ def _advance_new_events(
     dims: tuple[int, int, int],
     consts: tuple[float, float, float],
     sizes: tuple[int, int, int],
+    far: tuple[int, int, float],
 ) -> None:
     """The new events' tokens ``x`` (from position ``start``) through every layer as one causal
     chunk, their keys and values written into ``kbufs`` / ``vbufs``."""
     num_pos, block = sizes[0], sizes[1]
-    t_seg, t_k0, t_k1, t_index, t_hidden = _causal_plan(start, x.shape[0], starts, times, block, num_pos)
+    t_seg, t_k0, t_k1, t_index, t_hidden, t_far = _causal_plan(
+        start, x.shape[0], starts, times, block, num_pos, far[1]
+    )
+    q_pos = torch.arange(start, start + x.shape[0], device=x.device)
+    scale = far_queries(q_pos, far)
     _advance_tokens(
-        x, keys, values, t_seg, t_k0, t_k1, t_index, t_hidden, tables, weights, kbufs, vbufs, 0, dims, consts
+        x,
+        keys,
+        values,
+        t_seg,
+        t_k0,
+        t_k1,
+        t_index,
+        t_hidden,
+        t_far,
+        tables,
+        weights,
+        kbufs,
+        vbufs,
+        0,
+        far[0],
+        scale,
+        dims,
+        consts,
     )
 
 
@@ -335,6 +411,7 @@ def _score_requests(
     consts: tuple[float, float, float],
     vocab: tuple[int, int, int],
     sizes: tuple[int, int, int],
+    far: tuple[int, int, float],
 ) -> list[Tensor]:
     """Scores of each request's candidates, ``mb`` at a time (``_rank_relay``'s arguments): request
     ``r`` sees the cached segments and the first ``ends[r]`` new events (``keys`` / ``values``
@@ -355,6 +432,8 @@ def _score_requests(
                 seg_keys, seg_values, [k[:, :m] for k in kbufs], [v[:, :m] for v in vbufs], n_seg
             )
         seg_index = _request_index(starts[n_seg] + m, request_ts[r], starts, times, m, num_pos)
+        lengths = [t.shape[0] for t in times[:n_seg]] + [m]
+        seg_far, far_factor = candidate_far(starts, lengths, starts[n_seg] + m, far)
         cands = _known_ids(raw_cands[r].to(device, torch.int64), num_items)
         c = cands.shape[0]
         out = torch.empty(c, dtype=torch.float32, device=device)
@@ -367,6 +446,8 @@ def _score_requests(
                 keys_r,
                 values_r,
                 seg_index,
+                seg_far,
+                far_factor,
                 tables,
                 weights,
                 final_w,
@@ -397,6 +478,7 @@ def _rank_relay(
     consts: tuple[float, float, float],
     vocab: tuple[int, int, int],
     sizes: tuple[int, int, int],
+    far: tuple[int, int, float],
 ) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
     """Rankings of one or more requests of a user against the cached segments (``seg_keys[l * S +
     s]``, ``seg_values``, positions from ``seg_start[s]``, float64 times ``seg_ts[s]``; contiguous
@@ -405,7 +487,8 @@ def _rank_relay(
     ``raw_cands[r]`` at time ``request_ts[r]``. ``embeddings``: item and action tables, final norm
     weight and bias; ``vocab``: number of items, number of actions, the candidate action (ids out
     of range map to row 0, as ``HSTURanker.vocab_items`` does); ``sizes``: position buckets,
-    attention block, candidate micro-batch. Returns the scores (float32, one tensor per request)
+    attention block, candidate micro-batch; ``far``: the first far index of the tables, the near
+    keys (0: none is far) and the far keys' weight (``hstu_attention``). Returns the scores (float32, one tensor per request)
     and the events' keys and values per layer (``[H, n, d]``), which extend the cache."""
     heads, dqk, dv = dims
     num_items, num_actions, cand_act = vocab
@@ -427,7 +510,7 @@ def _rank_relay(
     if n > 0:
         x = F.embedding(items, item_table) + F.embedding(actions, action_table)
         _advance_new_events(
-            x, start, starts, times, keys, values, kbufs, vbufs, tables, weights, dims, consts, sizes
+            x, start, starts, times, keys, values, kbufs, vbufs, tables, weights, dims, consts, sizes, far
         )
     outs = _score_requests(
         raw_cands,
@@ -449,6 +532,7 @@ def _rank_relay(
         consts,
         vocab,
         sizes,
+        far,
     )
     return outs, kbufs, vbufs
 

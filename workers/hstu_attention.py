@@ -9,6 +9,14 @@ with ``N`` a fixed normaliser (never the sequence length) and ``bias`` one learn
 positions and timestamps of the two tokens, so a token's attention never depends on how long the
 sequence is or on where it was cut: that is what makes a cached prefix exact.
 
+Far keys (optional, ``near_keys > 0``): a key at least ``near_keys`` positions before its query is
+far, and the far keys' terms are multiplied by ``min(1, far_keys / n_far(i))``, with ``n_far(i) =
+i - near_keys + 1`` the far keys query ``i`` sees (positions count from 0). The recent keys are read
+one by one; the older ones weigh at most ``far_keys`` keys' worth together, however many there
+are, so a long history adds a summary of old taste instead of swamping the recent events. The
+factor depends only on the query's position, so a cached prefix stays exact. ``near_keys`` is a
+position-bucket boundary, so "far" is a threshold on a pair's bias index.
+
 Primitives:
 - ``position_bucket(dpos)``: bucket of a position difference ``i - j`` (exact below 16, then four
   buckets per doubling).
@@ -16,6 +24,14 @@ Primitives:
   gaps under 1.5 s share bucket 0, negative gaps count as 0).
 - ``pair_index(dpos, dt, ...)``: combined bucket index into a layer's bias table;
   ``SELF_BIAS_INDEX``: the index of a token with itself.
+- ``far_index(near_keys, num_pos, columns)``: the first bias index of a far pair, in a table of
+  ``columns`` per position bucket; ``far_scale(q_pos,
+  near_keys, far_keys)``: each query's factor ``[nq, 1]``; ``far_weights(index, scale, first)``:
+  the factor of each pair (1 for a near one); ``wide_far_index``: ``far_index`` in the blockwise
+  path's table. ``far_queries(q_pos, far)``: ``far_scale`` of history queries, empty when every
+  key counts whole; ``candidate_far(starts, lengths, position, far)``: for candidates, how many
+  leading keys of each segment are far, and their one factor (``far``: first far index, near
+  keys, far keys' weight). The serving paths add far keys into a second sum, scaled once.
 - ``dense_attention``: the plain reference; materialises the full score matrix, the bias of every
   pair and an explicit visibility mask.
 - ``Segment``, ``plan_attention``, ``run_attention``: the optimised path. Keys live in segments of
@@ -68,6 +84,56 @@ def pair_index(dpos: torch.Tensor, dt: torch.Tensor, num_pos: int, num_time: int
     return position_bucket(dpos, num_pos) * num_time + time_bucket(dt, num_time)
 
 
+def far_index(near_keys: int, num_pos: int, columns: int) -> int:
+    """First bias index of a far pair (``near_keys`` > 0, a position-bucket boundary) in a table of
+    ``columns`` entries per position bucket: that of the first far bucket with time column 0."""
+    return int(position_bucket(torch.tensor([near_keys]), num_pos)[0]) * columns
+
+
+def wide_far_index(near_keys: int, num_pos: int) -> int:
+    """``far_index`` in ``wide_bias_table``'s layout."""
+    return far_index(near_keys, num_pos, WIDE_TIME_COLUMNS)
+
+
+def is_bucket_boundary(n: int, num_pos: int) -> bool:
+    """Whether position differences ``>= n`` are exactly the buckets from ``bucket(n)`` on."""
+    below, at = position_bucket(torch.tensor([n - 1, n]), 1 << 30).tolist()
+    return n >= 1 and at > below and at < num_pos
+
+
+def far_scale(q_pos: torch.Tensor, near_keys: int, far_keys: float) -> torch.Tensor:
+    """Factor ``[nq, 1]`` (float32) of the far keys of queries at positions ``q_pos [nq]``:
+    ``min(1, far_keys / (q_pos - near_keys + 1))`` (1 while a query sees no more than ``far_keys``)."""
+    count = (q_pos - near_keys + 1).clamp(min=1).to(torch.float32)
+    return (far_keys / count).clamp(max=1.0).reshape(-1, 1)
+
+
+def far_weights(index: torch.Tensor, scale: torch.Tensor, first: int) -> torch.Tensor:
+    """Factor of each pair: ``scale`` (broadcast over the keys) where ``index >= first``, else 1."""
+    return torch.where(index >= first, scale, torch.ones_like(scale))
+
+
+def far_queries(q_pos: torch.Tensor, far: tuple[int, int, float]) -> torch.Tensor:
+    """Far-key factors ``[nq, 1]`` of queries at ``q_pos``; empty when no key is far (``far[1]``
+    = 0) or none of these queries sees more than ``far[2]`` far keys (every factor is 1)."""
+    if far[1] == 0 or q_pos.numel() == 0 or int(q_pos.max()) - far[1] + 1 <= far[2]:
+        return torch.empty(0, device=q_pos.device)
+    return far_scale(q_pos, far[1], far[2])
+
+
+def candidate_far(
+    starts: list[int], lengths: list[int], position: int, far: tuple[int, int, float]
+) -> tuple[list[int], float]:
+    """For candidates at ``position``: how many leading keys of each segment (from ``starts[s]``,
+    ``lengths[s]`` keys) are far, and the factor of each; an empty list when every key counts
+    whole (no far keys, or no more than ``far[2]`` of them)."""
+    near, weight = far[1], far[2]
+    count = position - near + 1  # keys at positions 0 .. position - near
+    if near == 0 or count <= weight:
+        return [], 1.0
+    return [min(max(count - starts[s], 0), lengths[s]) for s in range(len(starts))], weight / count
+
+
 def dense_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -79,7 +145,8 @@ def dense_attention(
 ) -> torch.Tensor:
     """Reference attention: ``q [..., H, Tq, dqk]``, ``k [..., H, Tk, dqk]``, ``v [..., H, Tk, dv]``;
     ``index [..., Tq, Tk]`` the pairs' bias indices (``pair_index`` of their position differences
-    and time gaps), ``visible [..., Tq, Tk]`` (bool), both shared by the heads and broadcastable;
+    and time gaps), ``visible [..., Tq, Tk]`` (bool, or each pair's factor: 0 for a hidden one),
+    both shared by the heads and broadcastable;
     ``table`` the flattened bias table. Differentiable: the training path and the test oracle."""
     bias = table[index.long()].unsqueeze(-3)
     scores = F.silu(torch.matmul(q, k.transpose(-1, -2)) + bias)
@@ -103,13 +170,29 @@ class Segment:
 class BlockTask:
     """One key block of a plan: keys ``[k0, k1)`` of segment ``segment``; ``index`` the bias index
     per (query, key), ``[1, Bk]`` when all queries share position and timestamp; ``hidden`` marks
-    the pairs a causal query must not see (``None`` when the whole block is visible)."""
+    the pairs a causal query must not see (``None`` when the whole block is visible); ``far``:
+    ``NO_FAR`` (no pair of the block is far), ``ALL_FAR`` (every visible one is), ``SOME_FAR``,
+    or ``UNPLANNED`` (planned without ``near_keys``: each pair is weighed if far keys apply)."""
 
     segment: int
     k0: int
     k1: int
     index: torch.Tensor
     hidden: torch.Tensor | None
+    far: int = -1
+
+
+NO_FAR, ALL_FAR, SOME_FAR, UNPLANNED = 0, 1, 2, -1
+"""``BlockTask.far``: a block with no far pair, one whose visible pairs are all far, a mix, and a
+block planned without ``near_keys`` (treated as a mix)."""
+
+
+def block_far(d_min: int, d_max: int, near_keys: int) -> int:
+    """``BlockTask.far`` of a block whose visible pairs are ``d_min .. d_max`` positions apart
+    (literals, not the names: TorchScript, which runs it too, reads no module globals)."""
+    if near_keys <= 0 or d_max < near_keys:
+        return 0  # NO_FAR
+    return 1 if d_min >= near_keys else 2  # ALL_FAR, SOME_FAR
 
 
 def key_block_size(block: int, rows: int) -> int:
@@ -142,6 +225,7 @@ def plan_attention(
     causal: bool,
     block: int,
     num_pos: int,
+    near_keys: int = 0,
     cache: dict | None = None,
 ) -> list[BlockTask]:
     """Blocks a query chunk attends to, with their indices into ``wide_bias_table`` (layer
@@ -151,6 +235,10 @@ def plan_attention(
     indices (it depends only on a block's offset, and consecutive chunks meet the same offsets)
     and holds scratch buffers: the tasks of one call are invalid once the same cache is passed to
     the next call.
+
+    ``near_keys`` (the model's; 0: none) classifies each block by its far pairs
+    (``BlockTask.far``), so that ``run_attention`` weighs pairs one by one only where a block holds
+    both kinds.
 
     Causal chunk: queries are at positions ``q_start .. q_start + len(q_ts) - 1`` and see keys at
     positions up to their own; blocks entirely after the chunk are skipped. Non-causal (candidate
@@ -198,7 +286,9 @@ def plan_attention(
             hidden = None
             if causal and seg.start + k1 - 1 > q_start:  # straddles the diagonal
                 hidden = grid[:, : k1 - k0] < -d0
-            tasks.append(BlockTask(si, k0, k1, index, hidden))
+            d_min = max(0, q_start - (seg.start + k1 - 1))  # hidden pairs are never far
+            far = block_far(d_min, q_stop - 1 - (seg.start + k0), near_keys) if near_keys else UNPLANNED
+            tasks.append(BlockTask(si, k0, k1, index, hidden, far))
     return tasks
 
 
@@ -261,9 +351,14 @@ def run_attention(
     kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
     table: torch.Tensor,
     value_dim: int,
+    far: tuple[torch.Tensor, int] | None = None,
 ) -> torch.Tensor:
     """Unnormalised attention sum ``[H, Tq, value_dim]`` of ``q [H, Tq, dqk]`` over the planned
     blocks; ``kv[s]`` holds segment ``s``'s keys ``[H, n, dqk]`` and values ``[H, n, value_dim]``.
+    ``far``: the queries' far-key factors ``[Tq, 1]`` (``far_scale``) and the first far index in
+    ``table`` (``far_index``), or ``None`` when every pair counts whole. Blocks whose pairs are all
+    far add into a second sum, scaled once at the end; only blocks with some far pairs (where
+    ``near_keys`` cuts through them) weigh each pair.
     Inference only (in-place ops); the caller adds any extra terms and divides by the normaliser."""
     heads, nq, _ = q.shape
     acc = q.new_zeros(heads, nq, value_dim)
@@ -273,6 +368,7 @@ def run_attention(
     widest = max(t.index.numel() for t in tasks) // max(1, min(t.index.shape[0] for t in tasks))
     score_buf = q.new_empty(heads * nq * widest)
     bias_buf = table.new_empty(max(t.index.numel() for t in tasks))
+    far_acc = q.new_zeros(heads, nq, value_dim) if far is not None else acc
     for t in tasks:
         k, v = kv[t.segment]
         w = t.k1 - t.k0
@@ -284,5 +380,9 @@ def run_attention(
         F.silu(scores, inplace=True)
         if t.hidden is not None:
             scores.masked_fill_(t.hidden, 0.0)
-        acc.baddbmm_(scores, v[:, t.k0 : t.k1])
+        if far is not None and t.far in (SOME_FAR, UNPLANNED):
+            scores.mul_(far_weights(t.index, far[0], far[1]).to(scores.dtype))
+        (far_acc if far is not None and t.far == ALL_FAR else acc).baddbmm_(scores, v[:, t.k0 : t.k1])
+    if far is not None:
+        acc.add_(far_acc.mul_(far[0].to(acc.dtype)))
     return acc

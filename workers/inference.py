@@ -12,20 +12,19 @@ Primitives (methods of ``HSTURanker``, through ``RelayInference``; all under
 - ``reference_path(model)``: a debug surface: inside it the model runs op by op in Python, the
   reference that the fused TorchScript paths (``fused_scoring``) are tested against.
 
-How a call runs: keys and values the new tokens attend to are a ``_Context`` of segments (the
+How a call runs: keys and values the new tokens attend to are a ``Context`` of segments (the
 cached prefix, then the tokens being computed); history tokens go through the layers in query
 chunks planned by ``hstu_attention.plan_attention``; candidates attend to the whole context and to
 themselves. Candidate scoring and history chunks of at most ``FUSED_MAX_ROWS`` tokens (a ranking's
 new events) run as single TorchScript calls; longer chunks (pre-inference) run layer by layer.
 What the calls derive from the weights (bias tables, the fused functions' weights) is built once
-per set of weights (``_Serving``).
+per set of weights (``Serving``).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +32,6 @@ import torch.nn.functional as F
 from relaygr.workers.fused_scoring import (
     advance_tokens,
     candidate_index,
-    layer_weights,
     rank_relay,
     score_candidates,
     score_final,
@@ -45,53 +43,19 @@ from relaygr.workers.fused_scoring import (
 from relaygr.workers.hstu_attention import (
     SELF_BIAS_INDEX,
     Segment,
+    candidate_far,
+    far_queries,
     key_block_size,
     plan_attention,
     run_attention,
 )
+from relaygr.workers.inference_state import Context, Pending, Serving, serving_state
 from relaygr.workers.prefix_kv import Events, PrefixKV, history_fingerprint
 
 FUSED_MAX_ROWS = 256
 """History chunks up to this many tokens run fused: a ranking's short-term suffix and the events
 new since its prefix. Pre-inference chunks are longer, run off the ranking path and are
 matmul-bound anyway."""
-
-
-@dataclass
-class _Context:
-    """Keys/values the next tokens attend to: segments of consecutive positions from 0."""
-
-    segments: list[Segment] = field(default_factory=list)
-    kv: list[list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=list)  # [layer][segment]
-
-    @property
-    def length(self) -> int:
-        return self.segments[-1].stop if self.segments else 0
-
-
-@dataclass(frozen=True)
-class _Serving:
-    """What the serving paths derive from the weights, built once per set of weights."""
-
-    key: tuple
-    tables: list[torch.Tensor]  # per layer: wide_bias_table
-    weights: list[torch.Tensor]  # the fused functions' layer weights
-    dims: tuple[int, int, int]
-    consts: tuple[float, float, float]
-    cand_action: torch.Tensor  # the candidate action's embedding
-    embeddings: list[torch.Tensor]  # item and action tables, final norm weight and bias
-
-
-@dataclass
-class _Pending:
-    """A segment being computed: its events (vocabulary ids), K/V buffers and index cache."""
-
-    start: int
-    items: torch.Tensor
-    actions: torch.Tensor
-    timestamps: torch.Tensor
-    kv: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # per layer
-    plan_cache: dict = field(default_factory=dict)
 
 
 class RelayInference:
@@ -104,17 +68,17 @@ class RelayInference:
 
     def _init_inference(self) -> None:
         self._params = list(self.parameters())
-        self._serving_cache: _Serving | None = None
+        self._serving_cache: Serving | None = None
 
     def _fused(self, history_rows: int = 0) -> bool:
         """Whether candidate scoring (``history_rows`` = 0), or a history chunk of that many
         tokens, runs as one TorchScript call."""
         return not self._op_by_op and history_rows <= FUSED_MAX_ROWS
 
-    def _open(self, ctx: _Context, events: Events) -> _Pending:
+    def _open(self, ctx: Context, events: Events) -> Pending:
         """Append a segment for ``events`` (positions ``ctx.length`` on) with empty K/V buffers."""
         cfg, n, dev = self.config, len(events), self.device
-        pending = _Pending(
+        pending = Pending(
             start=ctx.length,
             items=self.vocab_items(events.item_ids),
             actions=self.vocab_actions(events.action_ids),
@@ -128,7 +92,7 @@ class RelayInference:
             pending.kv.append((kbuf, vbuf))
         return pending
 
-    def _advance(self, ctx: _Context, pending: _Pending, c0: int, c1: int, step: int, sv: _Serving) -> None:
+    def _advance(self, ctx: Context, pending: Pending, c0: int, c1: int, step: int, sv: Serving) -> None:
         """Run the pending segment's events ``[c0, c1)`` through every layer in query chunks of at
         most ``step`` tokens, filling their keys and values (earlier ones must be filled)."""
         cfg = self.config
@@ -145,8 +109,11 @@ class RelayInference:
                 causal=True,
                 block=cfg.attn_block,
                 num_pos=cfg.position_buckets,
+                near_keys=cfg.near_keys,
                 cache=pending.plan_cache,
             )
+            q_pos = torch.arange(pending.start + q0, pending.start + q1, device=self.device)
+            far_scale = far_queries(q_pos, sv.far)
             if self._fused(q1 - q0):
                 with unspecialised():
                     advance_tokens(
@@ -158,11 +125,14 @@ class RelayInference:
                         [t.k1 for t in tasks],
                         [t.index for t in tasks],
                         [no_mask if t.hidden is None else t.hidden for t in tasks],
+                        [t.far for t in tasks],
                         sv.tables,
                         sv.weights,
                         [kv[0] for kv in pending.kv],
                         [kv[1] for kv in pending.kv],
                         q0,
+                        sv.far[0],
+                        far_scale,
                         sv.dims,
                         sv.consts,
                     )
@@ -175,16 +145,17 @@ class RelayInference:
                     break
                 u, q, k, v = layer.project(x)
                 kbuf[:, q0:q1], vbuf[:, q0:q1] = k, v
-                attn = run_attention(q, tasks, ctx.kv[li], sv.tables[li], cfg.linear_dim)
+                far = (far_scale, sv.far[0]) if far_scale.numel() else None
+                attn = run_attention(q, tasks, ctx.kv[li], sv.tables[li], cfg.linear_dim, far)
                 x = layer.finish(x, u, attn.div_(cfg.attn_normaliser))
 
     def _score(
         self,
-        ctx: _Context,
+        ctx: Context,
         candidates: torch.Tensor,
         request_ts: float,
         micro_batch: int | None,
-        sv: _Serving,
+        sv: Serving,
     ) -> torch.Tensor:
         """Scores of candidate tokens at position ``ctx.length`` and time ``request_ts``."""
         cfg = self.config
@@ -195,6 +166,7 @@ class RelayInference:
         cand_action = sv.cand_action
         if self._fused():
             seg_index = candidate_index(ctx.length, when, ctx.segments, num_pos=cfg.position_buckets)
+            seg_far, far_factor = self._candidate_far(ctx, sv)
             for c0 in range(0, ids.shape[0], mb):
                 e = self.item_emb(ids[c0 : c0 + mb])
                 with unspecialised():
@@ -204,6 +176,8 @@ class RelayInference:
                         [kv[0] for layer_kv in ctx.kv for kv in layer_kv],
                         [kv[1] for layer_kv in ctx.kv for kv in layer_kv],
                         seg_index,
+                        seg_far,
+                        far_factor,
                         sv.tables,
                         sv.weights,
                         self.final_norm.weight,
@@ -221,13 +195,16 @@ class RelayInference:
             causal=False,
             block=cfg.attn_block,
             num_pos=cfg.position_buckets,
+            near_keys=cfg.near_keys,
         )
+        far_scale = far_queries(torch.tensor([ctx.length], device=self.device), sv.far)
+        far = (far_scale, sv.far[0]) if far_scale.numel() else None
         for c0 in range(0, ids.shape[0], mb):
             e = self.item_emb(ids[c0 : c0 + mb])
             x = x0 = e + cand_action
             for li, layer in enumerate(self.layers):
                 u, q, k, v = layer.project(x)
-                attn = run_attention(q, tasks, ctx.kv[li], sv.tables[li], cfg.linear_dim)
+                attn = run_attention(q, tasks, ctx.kv[li], sv.tables[li], cfg.linear_dim, far)
                 own = F.silu((q * k).sum(-1, keepdim=True) + sv.tables[li][SELF_BIAS_INDEX])
                 x = layer.finish(x, u, attn.add_(own * v).div_(cfg.attn_normaliser))
             out[c0 : c0 + mb] = (self.final_norm(x - x0) * e).sum(-1).float()
@@ -235,11 +212,11 @@ class RelayInference:
 
     def _rank_fused(
         self,
-        ctx: _Context,
+        ctx: Context,
         events: Events,
         requests: Sequence[tuple[torch.Tensor, float, int]],
         micro_batch: int | None,
-        sv: _Serving,
+        sv: Serving,
     ) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
         """``events`` after the context's segments, then each request's candidates, in one
         scripted call (``fused_scoring.rank_relay``); a request ``(candidates, request_ts, m)``
@@ -265,43 +242,28 @@ class RelayInference:
                 sv.consts,
                 (cfg.num_items, cfg.num_actions, self.candidate_action),
                 (cfg.position_buckets, cfg.attn_block, micro_batch or cfg.candidate_batch),
+                sv.far,
             )
         return [x.cpu() for x in scores], list(zip(keys, values, strict=True))
 
-    def _serving(self) -> _Serving:
-        """Bias tables, fused weights and shapes for the current weights. Rebuilt only when a
-        parameter changes (its storage or version), so a ranking does not rebuild them."""
-        params = self._params
-        key = tuple((p.data_ptr(), p._version) for p in params)
-        cached = self._serving_cache
-        if cached is not None and cached.key == key:
-            return cached
-        cfg, first = self.config, self.layers[0]
-        with torch.inference_mode():
-            built = _Serving(
-                key=key,
-                tables=[layer.wide_bias_table() for layer in self.layers],
-                weights=[w.detach() for layer in self.layers for w in layer_weights(layer)],
-                dims=(cfg.heads, cfg.attn_dim, cfg.linear_dim),
-                consts=(first.scale, cfg.attn_normaliser, first.norm.eps),
-                cand_action=self.action_emb.weight[self.candidate_action].detach(),
-                embeddings=[
-                    self.item_emb.weight.detach(),
-                    self.action_emb.weight.detach(),
-                    self.final_norm.weight.detach(),
-                    self.final_norm.bias.detach(),
-                ],
-            )
+    def _serving(self) -> Serving:
+        """Bias tables, fused weights and shapes for the current weights (``serving_state``)."""
+        built = serving_state(self, self._serving_cache)
         self._serving_cache = built
         return built
+
+    def _candidate_far(self, ctx: Context, sv: Serving) -> tuple[list[int], float]:
+        """``fused_scoring.candidate_far`` of candidates after the context's keys."""
+        starts = [seg.start for seg in ctx.segments]
+        return candidate_far(starts, [seg.stop - seg.start for seg in ctx.segments], ctx.length, sv.far)
 
     def _for_serving(self) -> None:
         """Serving runs in eval mode; switching walks every module, so only when needed."""
         if self.training:
             self.eval()
 
-    def _context(self, prefix: PrefixKV | None) -> _Context:
-        ctx = _Context(kv=[[] for _ in self.layers])
+    def _context(self, prefix: PrefixKV | None) -> Context:
+        ctx = Context(kv=[[] for _ in self.layers])
         if prefix is None:
             return ctx
         if prefix.model_version != self.model_version:
@@ -360,7 +322,7 @@ class RelayInference:
 
     def _prefix_kv(
         self,
-        ctx: _Context,
+        ctx: Context,
         new_kv: list[tuple[torch.Tensor, torch.Tensor]],
         prefix: PrefixKV | None,
         history: Events,
@@ -457,6 +419,7 @@ class RelayInference:
         block = key_block_size(cfg.attn_block, min(mb, max(1, c)))
         when = torch.tensor([float(request_ts)], dtype=torch.float64, device=self.device)
         seg_index = candidate_index(ctx.length, when, ctx.segments, num_pos=cfg.position_buckets)
+        seg_far, far_factor = self._candidate_far(ctx, sv)
         ranges = [
             (si, k0) for si, seg in enumerate(ctx.segments) for k0 in range(0, seg.stop - seg.start, block)
         ]
@@ -470,15 +433,19 @@ class RelayInference:
                     w = sv.weights[8 * li : 8 * li + 8]
                     u, q, k, v = score_layer_begin(x, w, sv.dims, sv.consts)
                     acc = torch.zeros(sv.dims[0], x.shape[0], sv.dims[2], dtype=x.dtype, device=x.device)
+                    far_acc = torch.zeros_like(acc) if seg_far else acc
                     bias = [sv.tables[li].index_select(0, idx) for idx in seg_index]
                     for si, k0 in ranges:
                         keys, values = ctx.kv[li][si]
                         k1 = min(keys.shape[1], k0 + block)
-                        score_key_range(acc, q, keys, values, bias[si], k0, k1, block)
+                        far_until = seg_far[si] if seg_far else 0
+                        score_key_range(acc, far_acc, q, keys, values, bias[si], far_until, k0, k1, block)
                         visited += k1 - k0
                         if visited >= max(block, keys_per_step()):
                             yield visited
                             visited = 0
+                    if seg_far:
+                        acc.add_(far_acc, alpha=far_factor)
                     x = score_layer_end(x, acc, u, q, k, v, sv.tables[li], w, sv.consts)
                 out[c0 : c0 + mb] = score_final(
                     x, x0, e, self.final_norm.weight, self.final_norm.bias, sv.consts

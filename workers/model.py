@@ -37,14 +37,20 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from safetensors.torch import load_file, save_file
 from torch import nn
 
 from relaygr.workers.devices import resolve_device, resolve_dtype
-from relaygr.workers.hstu_attention import wide_bias_table
+from relaygr.workers.hstu_attention import is_bucket_boundary, wide_bias_table
 from relaygr.workers.inference import RelayInference
 from relaygr.workers.vocab import ItemVocab
+
+NEAR_KEYS = 64
+"""``near_keys`` of a model ``relaygr train`` trains and of the presets (``HSTUConfig``'s own
+default, 0, keeps the checkpoints from before the option as they were)."""
+FAR_KEYS = 128.0
+"""``far_keys`` of a model ``relaygr train`` trains and of the presets."""
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
@@ -97,6 +103,22 @@ class HSTUConfig(BaseModel):
     this many tokens, against key blocks of this size (wider for skinny query chunks)."""
     candidate_batch: int = Field(128, ge=1)
     """Candidates scored together in one micro-batch."""
+    near_keys: int = Field(0, ge=0)
+    """Keys at least this many positions before a query are far (``hstu_attention``): their terms
+    are scaled so that together they weigh at most ``far_keys`` keys. 0: no key is far (every
+    checkpoint from before the option). A position-bucket boundary: 1..16, then 20, 24, 28, 32,
+    40, 48, 56, 64, 80, ... (four per doubling)."""
+    far_keys: float = Field(128.0, gt=0.0)
+    """How many keys' worth the far keys of a query weigh together at most."""
+
+    @model_validator(mode="after")
+    def _near_keys_on_a_bucket_boundary(self) -> HSTUConfig:
+        if self.near_keys and not is_bucket_boundary(self.near_keys, self.position_buckets):
+            raise ValueError(
+                f"near_keys {self.near_keys}: must be 0 or a position-bucket boundary below the "
+                f"last of the {self.position_buckets} buckets (1..16, 20, 24, 28, 32, 40, 48, 56, 64, 80, ...)"
+            )
+        return self
 
 
 class HSTULayer(nn.Module):

@@ -3,7 +3,8 @@ accelerator: a 150k-parameter ranker cannot load a GPU).
 
 Primitives:
 - ``ModelPreset``: layers, heads, model dimension and serving cap (``max_seq_len``) of a shape;
-  ``config(**overrides)`` is its ``HSTUConfig`` (head dimension = dim / heads).
+  ``config(**overrides)`` is its ``HSTUConfig`` (head dimension = dim / heads; far keys as
+  ``relaygr train`` trains them).
 - ``PRESETS``: name -> preset; ``preset(name)`` looks one up with a clear error.
 - ``resolve_shape(preset_name, layers=, heads=, dim=, fallback=)``: the shape a command runs:
   a flag given explicitly wins over the preset, the preset over the command's own ``fallback``.
@@ -14,7 +15,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from relaygr.workers.model import HSTUConfig
+from relaygr.workers.model import FAR_KEYS, NEAR_KEYS, HSTUConfig
 
 SHAPE_FIELDS = ("layers", "heads", "dim", "max_seq_len")
 
@@ -33,7 +34,13 @@ class ModelPreset:
 
     def config(self, **overrides: Any) -> HSTUConfig:
         head = self.dim // self.heads
-        base = {**self.shape(), "attn_dim": head, "linear_dim": head}
+        base = {
+            **self.shape(),
+            "attn_dim": head,
+            "linear_dim": head,
+            "near_keys": NEAR_KEYS,
+            "far_keys": FAR_KEYS,
+        }
         return HSTUConfig(**(base | overrides))
 
 

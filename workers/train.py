@@ -40,7 +40,7 @@ from relaygr.workers.fit import (
 )
 from relaygr.workers.instacart import INSTACART, load_instacart_log
 from relaygr.workers.interactions import Columns, InteractionLog, build_log, print_progress, read_interactions
-from relaygr.workers.model import HSTUConfig, HSTURanker
+from relaygr.workers.model import FAR_KEYS, HSTUConfig, HSTURanker
 from relaygr.workers.movielens import load_atomic_log, load_movielens
 from relaygr.workers.objectives import Batch, batch_loss, make_batch
 from relaygr.workers.prefix_kv import Events
@@ -160,6 +160,8 @@ class TrainSettings:
     bias_lr: float = BIAS_LR_SCALE
     aux_negatives: int = 0
     whole_share: float = 0.0
+    near_keys: int = 0
+    far_keys: float = FAR_KEYS
 
     @property
     def objective(self) -> Objective:
@@ -205,6 +207,13 @@ def resolve_settings(
     log("settings sized from the log:")
     for line in describe(choices, given):
         log(line)
+    near, far = getattr(args, "near_keys", 0) or 0, float(getattr(args, "far_keys", FAR_KEYS))
+    log(
+        f"  far keys: events {near} or more back weigh at most {far:g} events' worth together "
+        "(--near-keys, --far-keys)"
+        if near
+        else "  far keys: off, every event weighs one (--near-keys 0)"
+    )
     return TrainSettings(
         dim=int(value["dim"]),
         heads=int(value["heads"]),
@@ -232,6 +241,8 @@ def resolve_settings(
         bias_lr=args.bias_lr,
         aux_negatives=int(value["aux_negatives"]),
         whole_share=getattr(args, "whole_histories", 0.0) or 0.0,
+        near_keys=near,
+        far_keys=far,
     )
 
 
@@ -249,6 +260,8 @@ def model_config(s: TrainSettings, log: InteractionLog, args: argparse.Namespace
         max_seq_len=args.max_seq_len,
         dropout=s.dropout,
         attn_normaliser=s.attn_normaliser,
+        near_keys=s.near_keys,
+        far_keys=s.far_keys,
         dtype=args.dtype,
         device=args.device,
     )

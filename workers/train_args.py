@@ -14,7 +14,9 @@ import argparse
 from pathlib import Path
 
 from relaygr.workers.fit import BIAS_LR_SCALE, LONG_CUTS, VALIDATION_USERS
+from relaygr.workers.hstu_attention import is_bucket_boundary
 from relaygr.workers.instacart import INSTACART
+from relaygr.workers.model import FAR_KEYS, NEAR_KEYS, HSTUConfig
 from relaygr.workers.movielens import DATASETS
 from relaygr.workers.sizing import PATIENCE
 
@@ -139,6 +141,20 @@ def add_shape_arguments(parser: argparse.ArgumentParser, auto: str) -> None:
         default=None,
         help="constant the attention sum is divided by" + auto + "; with --max-len alone, the window",
     )
+    parser.add_argument(
+        "--near-keys",
+        type=int,
+        default=NEAR_KEYS,
+        help="events at least this far back are old: together they weigh at most --far-keys events "
+        f"(0: every event weighs one; a position-bucket boundary: 1..16, 20, 24, 28, 32, 40, 48, 56, "
+        f"64, 80, ...; default {NEAR_KEYS})",
+    )
+    parser.add_argument(
+        "--far-keys",
+        type=float,
+        default=FAR_KEYS,
+        help=f"the most events' worth the old events of a history weigh together (default {FAR_KEYS:g})",
+    )
 
 
 def add_objective_arguments(parser: argparse.ArgumentParser) -> None:
@@ -209,6 +225,14 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise SystemExit(
             f"--attn-normaliser {args.attn_normaliser}: must be above 0 (it divides the attention)"
         )
+    near = getattr(args, "near_keys", 0) or 0
+    if near and not is_bucket_boundary(near, HSTUConfig.model_fields["position_buckets"].default):
+        raise SystemExit(
+            f"--near-keys {near}: must be 0 or a position-bucket boundary (1..16, then four per "
+            "doubling: 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, ...)"
+        )
+    if not getattr(args, "far_keys", 1.0) > 0:  # NaN too
+        raise SystemExit(f"--far-keys {args.far_keys}: must be above 0 (how many events' worth)")
     if not 0 <= (whole := getattr(args, "whole_histories", 0.0) or 0) <= 1:
         raise SystemExit(f"--whole-histories {whole}: must be a probability, from 0 (off) to 1")
     for name in ("long_cuts", "recency_prior", "aux_negatives"):
