@@ -19,8 +19,9 @@ Primitives:
   ``item_embeddings``, ``flops`` (what one call computes) and the checkpoint, ``save`` / ``load``.
 
 Relay exactness: every history token's keys and values depend only on the tokens before it
-(causal), the bias depends only on absolute positions and timestamps of the pair, and ``N`` is a
-constant. So the cache of the first ``n`` events is the same whichever longer history they start,
+(causal), the bias depends only on absolute positions and timestamps of the pair, ``N`` is a
+constant and the far-key factor (``near_keys``, ``far_keys``) depends only on the position of the
+token that reads. So the cache of the first ``n`` events is the same whichever longer history they start,
 and ``rank(prefill(h[:n]), h[n:], c) == rank_full(h, c)`` up to float rounding.
 
 The last layer's history tokens only provide keys and values (no later layer reads their
