@@ -18,7 +18,7 @@ from relaygr.schemas import BehaviorEvent, TriggerReason
 from relaygr.streams.history import HistoryTable
 from relaygr.streams.preprocess import SEEN_CHUNK, seen_add, seen_before
 from relaygr.streams.trigger import SequenceAwareTrigger, TriggerConfig
-from relaygr.workers.latency_model import DevicePace, IngestMeter, LatencyModel
+from relaygr.workers.latency_model import DevicePace, EngineClock, IngestMeter, LatencyModel
 from relaygr.workers.model import HSTURanker
 from relaygr.workers.pacing import Slicer
 from relaygr.workers.prefix_kv import served, window_start, window_step
@@ -197,9 +197,10 @@ def test_time_sliced_prefill_equals_one_shot(model) -> None:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def _engine(model, latency, **kw) -> RankingEngine:
+def _engine(model, latency, clock: EngineClock | None = None, **kw) -> RankingEngine:
     store = PrefixStore(PrefixStoreConfig(device_budget_bytes=1 << 26), model.model_version)
-    return RankingEngine(model, store, DeviceScheduler("test"), EngineConfig(mode="relay", **kw), latency)
+    config = EngineConfig(mode="relay", **kw)
+    return RankingEngine(model, store, DeviceScheduler("test"), config, latency, clock)
 
 
 async def test_a_sliced_full_ranking_equals_full_inference_and_lets_earlier_deadlines_in(model) -> None:
@@ -345,13 +346,28 @@ async def test_a_sliced_full_ranking_is_planned_when_the_device_starts_it(model)
     e.scheduler.close()
 
 
-class _SlowChunks:
-    """The model, with every chunk of a chunked history taking ``per_token_s`` a token more: a
-    device slowed by something the plan could not see (and the first one ``first_chunk_s`` more:
-    a slice held up once)."""
+class _SimulatedDevice:
+    """Device time as these tests simulate it: the engine plans and times by this clock, the
+    chunks of ``_SlowChunks`` advance it, and the real time the tiny model takes counts for
+    nothing, so that whether a ranking re-plans does not depend on the load of the machine."""
 
-    def __init__(self, model: HSTURanker, per_token_s: float, first_chunk_s: float = 0.0) -> None:
-        self._model, self.per_token_s, self.first_chunk_s = model, per_token_s, first_chunk_s
+    def __init__(self) -> None:
+        self.elapsed, self.epoch = 0.0, time.time()
+        self.clock = EngineClock(wall=lambda: self.epoch + self.elapsed, timer=lambda: self.elapsed)
+
+    def deadline(self, in_s: float) -> float:
+        return self.clock.wall() + in_s
+
+
+class _SlowChunks:
+    """The model on a ``_SimulatedDevice``: every chunk of a chunked history takes ``per_token_s``
+    a token (and the first one ``first_chunk_s`` more: a slice held up once)."""
+
+    def __init__(
+        self, model: HSTURanker, device: _SimulatedDevice, per_token_s: float, first_chunk_s: float = 0.0
+    ) -> None:
+        self._model, self.device = model, device
+        self.per_token_s, self.first_chunk_s = per_token_s, first_chunk_s
 
     def __getattr__(self, name: str):
         return getattr(self._model, name)
@@ -364,22 +380,24 @@ class _SlowChunks:
             return sizes[-1]
 
         for i, out in enumerate(self._model.prefill_steps(history, sized, prefix)):
-            time.sleep(self.per_token_s * sizes[-1] + (self.first_chunk_s if i == 0 else 0.0))
+            self.device.elapsed += self.per_token_s * sizes[-1] + (self.first_chunk_s if i == 0 else 0.0)
             yield out
 
 
 async def test_a_sliced_full_ranking_that_runs_slower_than_planned_starts_over_shorter(model) -> None:
     # 0.01 ms a token, 1 s left: the plan keeps all 3000 events (30 ms predicted, in ~5 ms
-    # slices of 500). Each event takes 0.4 ms more: at that pace the rest would take ~1 s, so after
-    # its first slice the ranking re-plans at the pace it measured and keeps what fits that.
+    # slices of 500). Each event takes 0.41 ms: at that pace the rest would take ~0.8 s, so after
+    # its first slices the ranking re-plans at the pace it measured and keeps what fits that.
     h = history(3000, seed=14)
     cands = torch.arange(1, 9)
-    e = _engine(model, LatencyModel(0.0, 0.01, 0.0), slice_ms=5.0, prefill_chunk=512, truncate_headroom=0.5)
-    e.model = _SlowChunks(model, 0.4e-3)
-    res = await e.rank("u", h, cands, 2e9, time.time() + 1.0)
+    device = _SimulatedDevice()
+    kw = {"slice_ms": 5.0, "prefill_chunk": 512, "truncate_headroom": 0.5}
+    e = _engine(model, LatencyModel(0.0, 0.01, 0.0), device.clock, **kw)
+    e.model = _SlowChunks(model, device, 0.41e-3)
+    res = await e.rank("u", h, cands, 2e9, device.deadline(1.0))
     assert res.replanned and res.path == "full_truncated" and 16 <= res.used_len < 1500
     lost = res.breakdown_ms["replan_lost"]
-    assert lost >= 200  # the first slice, thrown away
+    assert lost >= 200  # the first slice (500 events), thrown away
     # Its scores are those of the events it kept; the pace of full rankings is measured on them.
     want = model.rank(None, h.slice(3000 - res.used_len), cands, 2e9)
     torch.testing.assert_close(res.scores, want)
@@ -389,35 +407,44 @@ async def test_a_sliced_full_ranking_that_runs_slower_than_planned_starts_over_s
 
 async def test_a_replan_goes_by_the_rankings_own_pace_not_the_slices_usual_one(model) -> None:
     # 0.3 ms a token, 1 s left: the plan fills half of it (~1666 events). Slices have lately run
-    # at 4x their prediction (sized for it), and these run at 4x too: as usual for slices, but
-    # 4x what the plan assumed, so the rest would take ~2 s. It starts over at the pace its
-    # slices ran, at least 3x (the added 0.9 ms a token): at most 0.5 s / 3 / 0.3 ms = 555 events.
+    # at 4x their prediction (sized for it), and these run at 4x too (1.2 ms a token): as usual
+    # for slices, but 4x what the plan assumed, so the rest would take ~2 s. It starts over at
+    # the pace its slices ran: at most 0.5 s / 4 / 0.3 ms = 416 events.
     h = history(3000, seed=15)
-    e = _engine(model, LatencyModel(0.0, 0.3, 0.0), slice_ms=5.0, prefill_chunk=512, truncate_headroom=0.5)
+    device = _SimulatedDevice()
+    kw = {"slice_ms": 5.0, "prefill_chunk": 512, "truncate_headroom": 0.5}
+    e = _engine(model, LatencyModel(0.0, 0.3, 0.0), device.clock, **kw)
     e.pacing.extend._log = math.log(4.0)
-    e.model = _SlowChunks(model, 0.9e-3)
-    res = await e.rank("u", h, torch.arange(1, 9), 2e9, time.time() + 1.0)
-    assert res.replanned and 16 <= res.used_len <= 555
+    e.model = _SlowChunks(model, device, 1.2e-3)
+    res = await e.rank("u", h, torch.arange(1, 9), 2e9, device.deadline(1.0))
+    assert res.replanned and 16 <= res.used_len <= 416
     e.scheduler.close()
 
 
 async def test_one_slice_held_up_does_not_cut_a_ranking_short(model) -> None:
-    # As above, but only the first slice is slow (150 ms more, as if preempted): judged from it
-    # alone, the rest would take ~0.75 s of the ~0.85 s left; from two slices on it fits.
+    # As above at the planned pace (0.01 ms a token), but the first slice takes 150 ms more (as
+    # if preempted): judged from it alone, the rest would take ~0.78 s of the ~0.85 s left; from
+    # two slices on it fits.
     h = history(3000, seed=14)
-    e = _engine(model, LatencyModel(0.0, 0.01, 0.0), slice_ms=5.0, prefill_chunk=512, truncate_headroom=0.5)
-    e.model = _SlowChunks(model, 0.0, first_chunk_s=0.15)
-    res = await e.rank("u", h, torch.arange(1, 9), 2e9, time.time() + 1.0)
+    device = _SimulatedDevice()
+    kw = {"slice_ms": 5.0, "prefill_chunk": 512, "truncate_headroom": 0.5}
+    e = _engine(model, LatencyModel(0.0, 0.01, 0.0), device.clock, **kw)
+    e.model = _SlowChunks(model, device, 0.01e-3, first_chunk_s=0.15)
+    res = await e.rank("u", h, torch.arange(1, 9), 2e9, device.deadline(1.0))
     assert not res.replanned and res.path == "full" and res.used_len == 3000
     e.scheduler.close()
 
 
 async def test_a_sliced_full_ranking_at_its_planned_pace_does_not_replan(model) -> None:
     h = history(3000, seed=14)
-    e = _engine(model, LatencyModel(0.0, 0.01, 0.0), slice_ms=5.0, prefill_chunk=512, truncate_headroom=0.5)
-    res = await e.rank("u", h, torch.arange(1, 9), 2e9, time.time() + 1.0)
+    device = _SimulatedDevice()
+    kw = {"slice_ms": 5.0, "prefill_chunk": 512, "truncate_headroom": 0.5}
+    e = _engine(model, LatencyModel(0.0, 0.01, 0.0), device.clock, **kw)
+    e.model = _SlowChunks(model, device, 0.01e-3)
+    res = await e.rank("u", h, torch.arange(1, 9), 2e9, device.deadline(1.0))
     assert not res.replanned and res.path == "full" and res.used_len == 3000
     assert "replan_lost" not in res.breakdown_ms
+    assert device.elapsed == pytest.approx(0.03)  # the 3000 events, at the planned pace
     e.scheduler.close()
 
 
@@ -548,8 +575,6 @@ async def test_a_relay_slice_ends_at_the_slice_time_whatever_the_pace_says(model
     # The pace says the device is twice as fast as predicted (its floor), so a step takes a 1 ms
     # prediction's worth of the candidates' keys, 2.56 ms in all; a clock on which every check finds the slice over must cut
     # a step at every key block instead, with the same scores.
-    import relaygr.workers.pacing as pacing_module
-
     e = _engine(model, LatencyModel(0.0, 0.01, 0.0), slice_ms=0.5, prefill_chunk=512)
     h = history(8192, seed=11)
     cands = torch.arange(1, 257)
@@ -569,24 +594,21 @@ async def test_a_relay_slice_ends_at_the_slice_time_whatever_the_pace_says(model
                 steps.append(out)
             yield out
 
-    class Clock:  # the pacing clock: still (a slice never over) or a second a look (always over)
+    class Ticking:  # the pacing timer: still (a slice never over) or a second a look (always over)
         def __init__(self, step_s: float) -> None:
             self.now, self.step_s = 0.0, step_s
 
-        def perf_counter(self) -> float:
+        def __call__(self) -> float:
             self.now += self.step_s
             return self.now
 
-        def __getattr__(self, name: str):
-            return getattr(time, name)
-
     monkeypatch.setattr(e.model, "score_steps", counted)
-    monkeypatch.setattr(pacing_module, "time", Clock(0.0))
+    e.pacing.clock = EngineClock(timer=Ticking(0.0))
     res = await e.rank("heavy", h, cands, 2e9, FAR)
     paced = len(steps)
     assert res.path == "relay" and paced >= 1
     steps.clear()
-    monkeypatch.setattr(pacing_module, "time", Clock(1.0))
+    e.pacing.clock = EngineClock(timer=Ticking(1.0))
     res = await e.rank("heavy", h, cands, 2e9, FAR)
     assert res.path == "relay" and len(steps) > 3 * paced
     torch.testing.assert_close(res.scores, model.rank_full(h, cands, 2e9), rtol=1e-4, atol=1e-4)

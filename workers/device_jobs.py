@@ -9,6 +9,8 @@ Primitives:
   its own). Returns the last step's result.
 - ``run_in_burst(scheduler, model, prefix, ...)``: a relay ranking that keeps its suffix,
   batched with the same user's rankings waiting for the device against the same prefix.
+
+Each times with ``timer`` (monotonic seconds; ``time.perf_counter`` unless a test simulates one).
 """
 
 from __future__ import annotations
@@ -30,16 +32,20 @@ Grow = Callable[[], PrefixKV]
 
 
 async def run_job(
-    scheduler: DeviceScheduler, fn: Callable[[], T], deadline: float, breakdown: dict[str, float]
+    scheduler: DeviceScheduler,
+    fn: Callable[[], T],
+    deadline: float,
+    breakdown: dict[str, float],
+    timer: Callable[[], float] = time.perf_counter,
 ) -> T:
     """``fn()`` as a ranking job on the device thread (``breakdown``: see the module docstring)."""
     timing: list[float] = []
-    t_submit = time.perf_counter()
+    t_submit = timer()
 
     def job() -> T:
-        t0 = time.perf_counter()
+        t0 = timer()
         out = fn()
-        timing.extend((t0, time.perf_counter()))
+        timing.extend((t0, timer()))
         return out
 
     out = await scheduler.submit(job, priority=Priority.RANK, deadline=deadline)
@@ -49,17 +55,21 @@ async def run_job(
 
 
 async def run_steps(
-    scheduler: DeviceScheduler, steps: Iterator[Any], deadline: float, breakdown: dict[str, float]
+    scheduler: DeviceScheduler,
+    steps: Iterator[Any],
+    deadline: float,
+    breakdown: dict[str, float],
+    timer: Callable[[], float] = time.perf_counter,
 ) -> Any:
     """``steps`` as a chunked ranking job (``breakdown``: see the module docstring)."""
-    t_submit = time.perf_counter()
+    t_submit = timer()
     starts: list[float] = []
     ends: list[float] = []
 
     def step() -> Any:
-        starts.append(time.perf_counter())
+        starts.append(timer())
         out = next(steps)
-        ends.append(time.perf_counter())
+        ends.append(timer())
         return out
 
     out = await scheduler.submit_steps(
@@ -94,15 +104,16 @@ async def run_in_burst(
     request_ts: float,
     deadline: float,
     breakdown: dict[str, float],
+    timer: Callable[[], float] = time.perf_counter,
 ) -> tuple[torch.Tensor, Grow | None, int]:
     """``rank_and_extend`` on the device, batched (up to ``limit``, under ``key``) with the other
     rankings that wait for the device against the same cached prefix (``HSTURanker.rank_many``).
     Returns the scores, ``grow`` for the ranking that saw the longest history (``None`` for the
     others of its batch: one grown prefix per batch is stored), and the batch's size."""
-    item = _BurstItem(history, candidates, request_ts, time.perf_counter())
+    item = _BurstItem(history, candidates, request_ts, timer())
 
     def run(items: list[_BurstItem]) -> list[tuple[torch.Tensor, Grow | None]]:
-        t0 = time.perf_counter()
+        t0 = timer()
         if len(items) == 1:
             one = items[0]
             scores, grow = model.rank_and_extend(prefix, one.history, one.candidates, one.request_ts)
@@ -111,7 +122,7 @@ async def run_in_burst(
             many, grow = model.rank_many(prefix, [(i.history, i.candidates, i.request_ts) for i in items])
             widest = max(range(len(items)), key=lambda k: len(items[k].history))
             out = [(sc, grow if k == widest else None) for k, sc in enumerate(many)]
-        t1 = time.perf_counter()
+        t1 = timer()
         for i in items:
             i.started, i.finished, i.batch = t0, t1, len(items)
         return out

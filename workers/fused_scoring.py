@@ -367,8 +367,7 @@ def _advance_new_events(
     t_seg, t_k0, t_k1, t_index, t_hidden, t_far = _causal_plan(
         start, x.shape[0], starts, times, block, num_pos, far[1]
     )
-    q_pos = torch.arange(start, start + x.shape[0], device=x.device)
-    scale = far_queries(q_pos, far)
+    scale = far_queries(start, x.shape[0], far, x.device)
     _advance_tokens(
         x,
         keys,

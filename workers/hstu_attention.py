@@ -25,11 +25,11 @@ Primitives:
 - ``pair_index(dpos, dt, ...)``: combined bucket index into a layer's bias table;
   ``SELF_BIAS_INDEX``: the index of a token with itself.
 - ``far_index(near_keys, num_pos, columns)``: the first bias index of a far pair, in a table of
-  ``columns`` per position bucket; ``far_scale(q_pos,
-  near_keys, far_keys)``: each query's factor ``[nq, 1]``; ``far_weights(index, scale, first)``:
-  the factor of each pair (1 for a near one); ``wide_far_index``: ``far_index`` in the blockwise
-  path's table. ``far_queries(q_pos, far)``: ``far_scale`` of history queries, empty when every
-  key counts whole; ``candidate_far(starts, lengths, position, far)``: for candidates, how many
+  ``columns`` per position bucket; ``far_scale(q_pos, near_keys, far_keys)``: each query's factor
+  ``[nq, 1]``; ``far_weights(index, scale, first)``: the factor of each pair (1 for a near one);
+  ``wide_far_index``: ``far_index`` in the blockwise path's table. ``far_queries(first, count,
+  far, device)``: ``far_scale`` of history queries, empty when every key counts whole;
+  ``candidate_far(starts, lengths, position, far)``: for candidates, how many
   leading keys of each segment are far, and their one factor (``far``: first far index, near
   keys, far keys' weight). The serving paths add far keys into a second sum, scaled once.
 - ``dense_attention``: the plain reference; materialises the full score matrix, the bias of every
@@ -113,12 +113,13 @@ def far_weights(index: torch.Tensor, scale: torch.Tensor, first: int) -> torch.T
     return torch.where(index >= first, scale, torch.ones_like(scale))
 
 
-def far_queries(q_pos: torch.Tensor, far: tuple[int, int, float]) -> torch.Tensor:
-    """Far-key factors ``[nq, 1]`` of queries at ``q_pos``; empty when no key is far (``far[1]``
-    = 0) or none of these queries sees more than ``far[2]`` far keys (every factor is 1)."""
-    if far[1] == 0 or q_pos.numel() == 0 or int(q_pos.max()) - far[1] + 1 <= far[2]:
-        return torch.empty(0, device=q_pos.device)
-    return far_scale(q_pos, far[1], far[2])
+def far_queries(first: int, count: int, far: tuple[int, int, float], device: torch.device) -> torch.Tensor:
+    """Far-key factors ``[count, 1]`` of the queries at positions ``first .. first + count - 1``;
+    empty when no key is far (``far[1]`` = 0) or none of them sees more than ``far[2]`` far keys
+    (every factor is 1). Decided from the integers: no device round trip per chunk."""
+    if far[1] == 0 or count == 0 or first + count - far[1] <= far[2]:
+        return torch.empty(0, device=device)
+    return far_scale(torch.arange(first, first + count, device=device), far[1], far[2])
 
 
 def candidate_far(

@@ -112,8 +112,7 @@ class RelayInference:
                 near_keys=cfg.near_keys,
                 cache=pending.plan_cache,
             )
-            q_pos = torch.arange(pending.start + q0, pending.start + q1, device=self.device)
-            far_scale = far_queries(q_pos, sv.far)
+            far_scale = far_queries(pending.start + q0, q1 - q0, sv.far, self.device)
             if self._fused(q1 - q0):
                 with unspecialised():
                     advance_tokens(
@@ -197,7 +196,7 @@ class RelayInference:
             num_pos=cfg.position_buckets,
             near_keys=cfg.near_keys,
         )
-        far_scale = far_queries(torch.tensor([ctx.length], device=self.device), sv.far)
+        far_scale = far_queries(ctx.length, 1, sv.far, self.device)
         far = (far_scale, sv.far[0]) if far_scale.numel() else None
         for c0 in range(0, ids.shape[0], mb):
             e = self.item_emb(ids[c0 : c0 + mb])

@@ -14,6 +14,7 @@ Primitives:
   predicts, measured from the device's own slices (``observe(predicted_ms, measured_ms)``): a
   worker sharing cores with a broker and other stages computes the same slice 2-3x slower than
   on the quiet machine it was calibrated on, and slices sized by the quiet figure overrun.
+- ``EngineClock``: the clocks device work is planned and timed by (tests simulate one).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,6 +93,17 @@ class LatencyModel:
     @classmethod
     def load(cls, path: Path) -> LatencyModel:
         return cls.from_coeffs(json.loads(Path(path).read_text())["coeffs"])
+
+
+@dataclass(frozen=True)
+class EngineClock:
+    """The clocks the engine plans and times device work by: ``wall``, seconds since the epoch
+    (deadlines are wall-clock), and ``timer``, monotonic seconds (durations). Tests inject a
+    simulated pair, so that a plan follows the device time they simulate, not the load of the
+    machine that runs them."""
+
+    wall: Callable[[], float] = time.time
+    timer: Callable[[], float] = time.perf_counter
 
 
 class DevicePace:

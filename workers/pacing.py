@@ -1,7 +1,7 @@
 """How long device work runs: slices, paces, truncation and re-planning (the engine's policy).
 
 Primitives:
-- ``DevicePacing(config, latency)``: the latency model of full ranking and the paces the device
+- ``DevicePacing(config, latency, clock)``: the latency model of full ranking and the paces the device
   keeps against it (``extend``: chunks of history; ``score``: candidate slices; ``full``: whole
   full rankings), the ingest meter (a burst of behaviours slows the device) and recent full-path
   samples (``refit`` refits the latency model from them).
@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from relaygr.workers.engine_config import EngineConfig
-from relaygr.workers.latency_model import DevicePace, IngestMeter, LatencyModel
+from relaygr.workers.latency_model import DevicePace, EngineClock, IngestMeter, LatencyModel
 from relaygr.workers.model import HSTURanker
 from relaygr.workers.prefix_kv import Events, PrefixKV
 
@@ -49,8 +49,16 @@ class Slicer:
     (where it starts, its predicted ms), so that ``measured`` can time that chunk into the pace
     and a waiting ranking can tell how far a pre-inference has got."""
 
-    def __init__(self, latency: LatencyModel, pace: DevicePace, slice_ms: float, hi: int, start: int = 0):
-        self.latency, self.pace, self.slice_ms, self.hi = latency, pace, slice_ms, hi
+    def __init__(
+        self,
+        latency: LatencyModel,
+        pace: DevicePace,
+        slice_ms: float,
+        hi: int,
+        start: int = 0,
+        timer: Callable[[], float] = time.perf_counter,
+    ):
+        self.latency, self.pace, self.slice_ms, self.hi, self.timer = latency, pace, slice_ms, hi, timer
         self.at = start  # keys cached before the chunk sized last
         self.upto = start  # ... and after it
         self.predicted_ms = self.measured_ms = 0.0
@@ -67,12 +75,12 @@ class Slicer:
         assembles the prefix, which its prediction leaves out)."""
         while True:
             self.predicted_ms = 0.0
-            t0 = time.perf_counter()
+            t0 = self.timer()
             try:
                 out = next(steps)
             except StopIteration:
                 return
-            self.measured_ms = (time.perf_counter() - t0) * 1000
+            self.measured_ms = (self.timer() - t0) * 1000
             if out is None and self.predicted_ms:
                 self.pace.observe(self.predicted_ms, self.measured_ms)
             yield out
@@ -81,9 +89,10 @@ class Slicer:
 class DevicePacing:
     """See the module docstring."""
 
-    def __init__(self, config: EngineConfig, latency: LatencyModel) -> None:
+    def __init__(self, config: EngineConfig, latency: LatencyModel, clock: EngineClock | None = None) -> None:
         self.config = config
         self.latency = latency
+        self.clock = clock or EngineClock()
         # Measured device time over the latency model's: chunks of history; candidate slices;
         # whole full rankings (what the model predicts; a chunk's own overheads are not in it).
         self.extend, self.score, self.full = DevicePace(), DevicePace(), DevicePace()
@@ -100,7 +109,8 @@ class DevicePacing:
         ``prefill_chunk``. None: not sliced by time (``prefill_chunk`` tokens a chunk)."""
         if not self.config.slice_ms:
             return None
-        return Slicer(self.latency, self.extend, self.config.slice_ms, self.config.prefill_chunk, start)
+        cfg = self.config
+        return Slicer(self.latency, self.extend, cfg.slice_ms, cfg.prefill_chunk, start, self.clock.timer)
 
     def suffix_costs_a_slice(self, cached: int, n: int) -> bool:
         """Whether computing events ``cached .. n`` against the ``cached`` keys before them is
@@ -122,7 +132,7 @@ class DevicePacing:
         positive and what the pre-inference has left (``eta_ms``, None when unknown) fits in it;
         otherwise None (one predicted to finish too late is not waited for: the ranking gets the
         time for a truncated history instead)."""
-        room_s = deadline - time.time() - after_ms / 1000
+        room_s = deadline - self.clock.wall() - after_ms / 1000
         if room_s > 0 and (eta_ms is None or eta_ms / 1000 <= room_s):
             return room_s
         return None
@@ -151,7 +161,7 @@ class DevicePacing:
         the worker applies one now; ``pace``: the ranking's own, measured (a re-plan)."""
         if not self.config.truncate_to_budget:
             return n
-        left_ms = (deadline - time.time()) * 1000
+        left_ms = (deadline - self.clock.wall()) * 1000
         if sliced:
             if pace is None:
                 pace = self.full.factor * (self.config.ingest_slowdown if bursting else 1.0)
@@ -173,7 +183,7 @@ class DevicePacing:
         pace = measured_ms / predicted_ms
         lat = self.latency
         rest_ms = (lat.predict_ms(n) - lat.predict_ms(done) + lat.predict_ms(0)) * pace
-        left_ms = (deadline - time.time()) * 1000
+        left_ms = (deadline - self.clock.wall()) * 1000
         # Past the deadline nothing is saved: the answer keeps the events it was planned with.
         return (pace, rest_ms) if 0 < REPLAN_FILL * left_ms < rest_ms else None
 
@@ -284,7 +294,7 @@ class DevicePacing:
         def keys_per_step() -> int:
             # A step also ends once it has run a slice's time, whatever the pace said: a pace
             # that has not caught up with a slower device must not make one slice of a ranking.
-            if time.perf_counter() - step_started >= self.config.slice_ms / 1000:
+            if self.clock.timer() - step_started >= self.config.slice_ms / 1000:
                 return 0
             if per_visit_ms <= 0:
                 return visits
@@ -299,11 +309,11 @@ class DevicePacing:
                 else:
                     grown_prefix = out
         grown.append(grown_prefix)
-        t0 = step_started = time.perf_counter()
+        t0 = step_started = self.clock.timer()
         for out in model.score_steps(grown_prefix, candidates, request_ts, keys_per_step):
             if isinstance(out, int):  # keys visited by a step: timed into the pace
-                self.score.observe(out * per_visit_ms, (time.perf_counter() - t0) * 1000)
+                self.score.observe(out * per_visit_ms, (self.clock.timer() - t0) * 1000)
                 yield None
-                t0 = step_started = time.perf_counter()
+                t0 = step_started = self.clock.timer()
             else:
                 yield out

@@ -39,7 +39,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -48,7 +47,7 @@ import torch
 from relaygr.workers.device_jobs import run_in_burst, run_job, run_steps
 from relaygr.workers.engine_config import EngineConfig
 from relaygr.workers.kv_formats import token_bytes
-from relaygr.workers.latency_model import LatencyModel
+from relaygr.workers.latency_model import EngineClock, LatencyModel
 from relaygr.workers.model import HSTURanker
 from relaygr.workers.pacing import DevicePacing, Slicer
 from relaygr.workers.prefix_kv import Events, PrefixKV
@@ -92,6 +91,7 @@ class RankingEngine:
         scheduler: DeviceScheduler,
         config: EngineConfig,
         latency: LatencyModel,
+        clock: EngineClock | None = None,
     ) -> None:
         if config.mode == "relay" and store is None:
             raise ValueError("relay mode needs a prefix store")
@@ -99,7 +99,8 @@ class RankingEngine:
         self.store = store
         self.scheduler = scheduler
         self.config = config
-        self.pacing = DevicePacing(config, latency)
+        self.clock = clock or EngineClock()  # a test's simulated one: see ``EngineClock``
+        self.pacing = DevicePacing(config, latency, self.clock)
         self.bytes_per_token = kv_bytes_per_token(model)
         # Users whose in-flight pre-inference a waiting ranking job has promoted: (priority, deadline).
         self._urgent: dict[str, tuple[Priority, float]] = {}
@@ -169,7 +170,7 @@ class RankingEngine:
             raise ValueError(f"prefill: prefix_len={prefix_len} outside [0, {len(history)}]")
         if n == 0:
             return PrefillOutcome("skipped")
-        t0 = time.perf_counter()
+        t0 = self.clock.timer()
         lease = self.store.lease(user_id, ttl_s or self.config.lease_ttl_s, n * self.bytes_per_token)
         if not lease:
             return PrefillOutcome(f"refused:{lease.reason}", n)
@@ -198,14 +199,14 @@ class RankingEngine:
             got, source = await self.store.get_or_compute(user_id, history, compute, at_least=n)
         except PrefillAbandoned:
             self.store.release(user_id)
-            return PrefillOutcome("abandoned", n, (time.perf_counter() - t0) * 1000)
+            return PrefillOutcome("abandoned", n, (self.clock.timer() - t0) * 1000)
         finally:
             self._urgent.pop(user_id, None)
             self._abandoned.discard(user_id)
             self._computing.pop(user_id, None)
         if got.length < len(history) and self.pacing.suffix_costs_a_slice(got.length, len(history)):
             self._extend_later(user_id, got, history)
-        return PrefillOutcome(source, got.length, (time.perf_counter() - t0) * 1000)
+        return PrefillOutcome(source, got.length, (self.clock.timer() - t0) * 1000)
 
     def _extend_later(self, user_id: str, prefix: PrefixKV, history: Events) -> None:
         """Extend a prefix just pre-inferred by the rest of ``history`` (the short-term suffix the
@@ -290,9 +291,9 @@ class RankingEngine:
                 prefix = self.model.prefill(hist.slice(0, split), self.config.prefill_chunk)
                 self.model.rank(prefix, hist.slice(split), cands, request_ts)
 
-        t0 = time.perf_counter()
+        t0 = self.clock.timer()
         await self.scheduler.submit(work, priority=Priority.PREFILL)
-        return time.perf_counter() - t0
+        return self.clock.timer() - t0
 
     def expedite_prefill(self, user_id: str, deadline: float) -> None:
         """A ranking waits for ``user_id``'s pre-inference: its remaining chunks run at ranking
@@ -348,9 +349,9 @@ class RankingEngine:
         """The cached prefix of ``history`` (its tier, and the path it makes), or one being
         computed that the wait policy allows waiting for (lending it the ranking's priority)."""
         assert self.store is not None
-        t0 = time.perf_counter()
+        t0 = self.clock.timer()
         found = await self.store.lookup(user_id, history)
-        breakdown["lookup"] = (time.perf_counter() - t0) * 1000
+        breakdown["lookup"] = (self.clock.timer() - t0) * 1000
         if found.prefix is not None or not self.store.in_flight(user_id):
             if found.prefix is None:
                 self.store.release(user_id)
@@ -358,12 +359,12 @@ class RankingEngine:
         room_s = self.prefill_room_s(user_id, deadline, min(len(history), self.config.prefill_chunk))
         if room_s is not None:
             self.expedite_prefill(user_id, deadline)
-            t1 = time.perf_counter()
+            t1 = self.clock.timer()
             try:
                 waited = await self.store.wait_in_flight(user_id, room_s)
             finally:
                 self.yield_prefill(user_id)
-            breakdown["prefix_wait"] = (time.perf_counter() - t1) * 1000
+            breakdown["prefix_wait"] = (self.clock.timer() - t1) * 1000
             if waited is not None and waited.matches(history):
                 return waited, "inflight", "relay_waited"
         self.store.release(user_id)
@@ -406,6 +407,7 @@ class RankingEngine:
                 request_ts,
                 deadline,
                 breakdown,
+                self.clock.timer,
             )
             if batch > 1:
                 self.batched_rankings += 1
@@ -447,7 +449,7 @@ class RankingEngine:
             steps = self.pacing.full_steps(
                 self.model, plan, candidates, request_ts, deadline, breakdown, ranked
             )
-            scores = await run_steps(self.scheduler, steps, deadline, breakdown)
+            scores = await run_steps(self.scheduler, steps, deadline, breakdown, self.clock.timer)
             used, in_burst = ranked[0], bursts[0]
         else:  # the baseline: one job, as the paper's
             used, in_burst = history.slice(n - self.pacing.keep_within(n, deadline, sliced=False)), False
@@ -484,7 +486,7 @@ class RankingEngine:
         heavy user's ranking rather than all of it. The grown prefix is kept (``retain_suffix``)."""
         grown: list[PrefixKV] = []
         steps = self.pacing.relay_steps(self.model, prefix, history, candidates, request_ts, grown)
-        scores = await run_steps(self.scheduler, steps, deadline, breakdown)
+        scores = await run_steps(self.scheduler, steps, deadline, breakdown, self.clock.timer)
         if self.config.retain_suffix and len(history) > prefix.length and grown:
             assert self.store is not None
             self.store.put(user_id, grown[0], keep_longer=True)
@@ -543,6 +545,7 @@ class RankingEngine:
             lambda: self.model.rank(prefix, events, candidates, request_ts),
             deadline,
             breakdown,
+            self.clock.timer,
         )
 
     def refit_latency(self) -> LatencyModel:
