@@ -3,8 +3,8 @@
 Primitives:
 - ``candidates(base, n, seed)``: the sized defaults first, then N - 1 distinct configurations
   drawn without replacement from a small grid around them (width, dropout, learning rate,
-  negatives and their in-batch share, the window, cut points drawn toward long contexts): a
-  fixed, bounded set for a given seed.
+  negatives and their in-batch share, the window, cut points drawn toward long contexts, far
+  keys on or off): a fixed, bounded set for a given seed.
 - ``tune(base, n, train, args)``: trains each (early stopping on validation NDCG@10) under a
   progress bar, keeps the model with the best validation NDCG@10, and writes ``tune.csv`` and
   ``tune.md`` (one row per configuration, the kept one marked) into ``args.out``.
@@ -33,6 +33,8 @@ GRID: dict[str, Callable[[Any], list]] = {
     "in_batch_share": lambda s: [0.0, 0.5],
     "max_len": lambda s: sorted({max(32, s.max_len // 2), s.max_len}),
     "long_cuts": lambda s: sorted({0.0, 1.0, s.long_cuts}),
+    # Far keys on (the default) and off: whether old events as one summary help this log.
+    "near_keys": lambda s: sorted({0, s.near_keys}),
 }
 """Values tried for each setting, as functions of the sized defaults."""
 COLUMNS = ("rank", "kept", *GRID, "epochs_run", "best_epoch", "valid_ndcg10", "seconds")
