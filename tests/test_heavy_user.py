@@ -203,6 +203,44 @@ def _engine(model, latency, clock: EngineClock | None = None, **kw) -> RankingEn
     return RankingEngine(model, store, DeviceScheduler("test"), config, latency, clock)
 
 
+class _SimulatedDevice:
+    """Device time as these tests simulate it: the engine plans and times by this clock, the
+    chunks of ``_SlowChunks`` advance it, and the real time the tiny model takes counts for
+    nothing, so that whether a ranking re-plans does not depend on the load of the machine."""
+
+    def __init__(self) -> None:
+        self.elapsed, self.epoch = 0.0, time.time()
+        self.clock = EngineClock(wall=lambda: self.epoch + self.elapsed, timer=lambda: self.elapsed)
+
+    def deadline(self, in_s: float) -> float:
+        return self.clock.wall() + in_s
+
+
+class _SlowChunks:
+    """The model on a ``_SimulatedDevice``: every chunk of a chunked history takes ``per_token_s``
+    a token (and the first one ``first_chunk_s`` more: a slice held up once)."""
+
+    def __init__(
+        self, model: HSTURanker, device: _SimulatedDevice, per_token_s: float, first_chunk_s: float = 0.0
+    ) -> None:
+        self._model, self.device = model, device
+        self.per_token_s, self.first_chunk_s = per_token_s, first_chunk_s
+
+    def __getattr__(self, name: str):
+        return getattr(self._model, name)
+
+    def prefill_steps(self, history, chunk_size, prefix=None):
+        sizes: list[int] = []
+
+        def sized(cached: int) -> int:
+            sizes.append(min(chunk_size(cached), len(history) - cached))
+            return sizes[-1]
+
+        for i, out in enumerate(self._model.prefill_steps(history, sized, prefix)):
+            self.device.elapsed += self.per_token_s * sizes[-1] + (self.first_chunk_s if i == 0 else 0.0)
+            yield out
+
+
 async def test_a_sliced_full_ranking_equals_full_inference_and_lets_earlier_deadlines_in(model) -> None:
     # 0.01 ms per token against a 1 ms slice: a 5000-event full ranking takes ~50 slices.
     e = _engine(model, LatencyModel(0.0, 0.01, 0.0), slice_ms=1.0, prefill_chunk=512)
@@ -291,15 +329,17 @@ async def test_a_sliced_truncated_ranking_plans_for_its_headroom_at_the_measured
     # sliced ranking keeps what fills 0.5 of it at the pace of recent full rankings (2x here).
     h = history(3000, seed=11)
     cands = torch.arange(1, 9)
-    one_job = _engine(model, LatencyModel(0.0, 1.0, 0.0), slice_ms=0)
-    res = await one_job.rank("u", h, cands, 2e9, time.time() + 1.0)
+    device = _SimulatedDevice()  # planned on its clock: the machine's load takes none of the second
+    one_job = _engine(model, LatencyModel(0.0, 1.0, 0.0), device.clock, slice_ms=0)
+    res = await one_job.rank("u", h, cands, 2e9, device.deadline(1.0))
     assert res.path == "full_truncated" and 900 < res.used_len <= 1000
-    sliced = _engine(model, LatencyModel(0.0, 1.0, 0.0), slice_ms=50.0, truncate_headroom=0.5)
+    sliced = _engine(model, LatencyModel(0.0, 1.0, 0.0), device.clock, slice_ms=50.0, truncate_headroom=0.5)
+    sliced.model = _SlowChunks(model, device, 1e-3)  # its chunks take the predicted 1 ms a token
     for _ in range(30):
         sliced.pacing.full.observe(10.0, 20.0)  # full rankings take twice their prediction
         sliced.pacing.extend.observe(10.0, 40.0)  # (chunks' own overheads: not what it plans with)
     assert sliced.pacing.full.factor == pytest.approx(2.0, rel=1e-3)
-    res = await sliced.rank("u", h, cands, 2e9, time.time() + 1.0)
+    res = await sliced.rank("u", h, cands, 2e9, device.deadline(1.0))
     assert res.path == "full_truncated" and 200 < res.used_len <= 250
     assert sliced.pacing.full.observations == 31  # each full ranking is measured against its prediction
     one_job.scheduler.close()
@@ -313,22 +353,24 @@ async def test_a_sliced_truncated_ranking_plans_for_the_ingest_slowdown_while_be
     # burst of behaviours, twice the pace: ~250.
     h = history(3000, seed=12)
     cands = torch.arange(1, 9)
+    device = _SimulatedDevice()
     e = _engine(
         model,
         LatencyModel(0.0, 1.0, 0.0),
+        device.clock,
         slice_ms=50.0,
         truncate_headroom=0.5,
         ingest_slowdown=2.0,
         ingest_burst_events=1000,
         ingest_window_s=600.0,
     )
-    quiet = await e.rank("u", h, cands, 2e9, time.time() + 1.0)
+    quiet = await e.rank("u", h, cands, 2e9, device.deadline(1.0))
     assert quiet.path == "full_truncated" and 400 < quiet.used_len <= 500 and not quiet.in_ingest_burst
     e.pacing.full._log = 0.0  # the ranking just measured is not what this test is about
     e.pacing.ingest.add(999)
     assert not e.pacing.ingest.bursting()
     e.pacing.ingest.add(1)
-    burst = await e.rank("u", h, cands, 2e9, time.time() + 1.0)
+    burst = await e.rank("u", h, cands, 2e9, device.deadline(1.0))
     assert burst.path == "full_truncated" and 200 < burst.used_len <= 250 and burst.in_ingest_burst
     e.scheduler.close()
 
@@ -337,51 +379,23 @@ async def test_a_sliced_full_ranking_is_planned_when_the_device_starts_it(model)
     # 1 ms a token, headroom 0.5: with 1 s left when it is submitted it would keep ~500 events;
     # the device is busy for the first 0.5 s of it, so it keeps what fits the ~0.5 s left then.
     h = history(3000, seed=13)
-    e = _engine(model, LatencyModel(0.0, 1.0, 0.0), slice_ms=50.0, truncate_headroom=0.5)
-    busy = e.scheduler.submit(lambda: time.sleep(0.5), priority=Priority.RANK, deadline=time.time())
-    res = await e.rank("u", h, torch.arange(1, 9), 2e9, time.time() + 1.0)
-    await busy
+    device = _SimulatedDevice()
+    e = _engine(model, LatencyModel(0.0, 1.0, 0.0), device.clock, slice_ms=50.0, truncate_headroom=0.5)
+    gate = threading.Event()
+
+    def busy() -> None:  # holds the device until the ranking is queued, for 0.5 s of its time
+        gate.wait(10)
+        device.elapsed += 0.5
+
+    held = e.scheduler.submit(busy, priority=Priority.RANK, deadline=device.deadline(0.0))
+    ranking = asyncio.create_task(e.rank("u", h, torch.arange(1, 9), 2e9, device.deadline(1.0)))
+    while not e.scheduler.queue_depth(Priority.RANK):
+        await asyncio.sleep(0)
+    gate.set()
+    res, _ = await asyncio.gather(ranking, held)
     assert res.path == "full_truncated" and 16 <= res.used_len <= 250
     assert res.breakdown_ms["device_queue"] >= 400
     e.scheduler.close()
-
-
-class _SimulatedDevice:
-    """Device time as these tests simulate it: the engine plans and times by this clock, the
-    chunks of ``_SlowChunks`` advance it, and the real time the tiny model takes counts for
-    nothing, so that whether a ranking re-plans does not depend on the load of the machine."""
-
-    def __init__(self) -> None:
-        self.elapsed, self.epoch = 0.0, time.time()
-        self.clock = EngineClock(wall=lambda: self.epoch + self.elapsed, timer=lambda: self.elapsed)
-
-    def deadline(self, in_s: float) -> float:
-        return self.clock.wall() + in_s
-
-
-class _SlowChunks:
-    """The model on a ``_SimulatedDevice``: every chunk of a chunked history takes ``per_token_s``
-    a token (and the first one ``first_chunk_s`` more: a slice held up once)."""
-
-    def __init__(
-        self, model: HSTURanker, device: _SimulatedDevice, per_token_s: float, first_chunk_s: float = 0.0
-    ) -> None:
-        self._model, self.device = model, device
-        self.per_token_s, self.first_chunk_s = per_token_s, first_chunk_s
-
-    def __getattr__(self, name: str):
-        return getattr(self._model, name)
-
-    def prefill_steps(self, history, chunk_size, prefix=None):
-        sizes: list[int] = []
-
-        def sized(cached: int) -> int:
-            sizes.append(min(chunk_size(cached), len(history) - cached))
-            return sizes[-1]
-
-        for i, out in enumerate(self._model.prefill_steps(history, sized, prefix)):
-            self.device.elapsed += self.per_token_s * sizes[-1] + (self.first_chunk_s if i == 0 else 0.0)
-            yield out
 
 
 async def test_a_sliced_full_ranking_that_runs_slower_than_planned_starts_over_shorter(model) -> None:
