@@ -13,8 +13,9 @@ Primitives:
 - ``group_lag(client, cons, group, topic)``: records of ``topic`` a consumer group has not committed.
 - ``partition_for(key, partitions)``: the cascade's one partitioner (murmur2, as Java's and
   aiokafka's default for a keyed record) for everything it writes to co-partitioned topics.
-- ``RetriedOffsetErrors``: the log filter (installed on import) that demotes to DEBUG the offset
-  lookups aiokafka logs as errors and then retries while a new partition's leader gets ready.
+- ``RetriedLeaderErrors``: the log filter (installed on import) that demotes to DEBUG the offset
+  lookups and produce requests aiokafka logs as failed and then retries while a new partition's
+  leader gets ready.
 """
 
 from __future__ import annotations
@@ -34,27 +35,28 @@ from relaygr.schemas.topics import TopicRegistry
 TOPIC_ALREADY_EXISTS = 36
 
 
-class RetriedOffsetErrors(logging.Filter):
-    """aiokafka's fetcher logs a failed offset lookup as an error and then retries it. A partition
-    created a moment ago answers "not the leader" (or "no leader yet") until its leader has loaded
-    it, even once the metadata names that leader, so every fresh topic printed a few such errors
-    that were no failure. Those two answers are demoted to DEBUG; any other failure keeps its
-    level, and a lookup that never succeeds still surfaces as the caller's timeout."""
+class RetriedLeaderErrors(logging.Filter):
+    """aiokafka's fetcher logs a failed offset lookup as an error, and its producer a failed
+    produce as a warning, and both then retry. A partition created a moment ago answers "not the
+    leader" (or "no leader yet") until its leader has loaded it, even once the metadata names that
+    leader, so every fresh topic printed a few such lines that were no failure. Those two answers
+    are demoted to DEBUG; any other failure keeps its level, and a lookup or a send that never
+    succeeds still surfaces as the caller's timeout."""
 
     RETRIED = frozenset({"NotLeaderForPartitionError", "LeaderNotAvailableError"})
+    MESSAGES = ("Failed fetch offsets", "Got error produce response on topic-partition")
 
     def filter(self, record: logging.LogRecord) -> bool:
         args = record.args if isinstance(record.args, tuple) else ()
-        if (
-            isinstance(record.msg, str)
-            and record.msg.startswith("Failed fetch offsets")
-            and any(type(a).__name__ in self.RETRIED for a in args)
-        ):
+        # The fetcher passes the error, the producer its class.
+        names = {a.__name__ if isinstance(a, type) else type(a).__name__ for a in args}
+        if isinstance(record.msg, str) and record.msg.startswith(self.MESSAGES) and names & self.RETRIED:
             record.levelno, record.levelname = logging.DEBUG, "DEBUG"
         return True
 
 
-logging.getLogger("aiokafka.consumer.fetcher").addFilter(RetriedOffsetErrors())
+for _retrying in ("aiokafka.consumer.fetcher", "aiokafka.producer.sender"):
+    logging.getLogger(_retrying).addFilter(RetriedLeaderErrors())
 
 
 class TopicError(RuntimeError):

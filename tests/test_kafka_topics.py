@@ -103,3 +103,16 @@ def test_offset_lookups_retried_on_a_new_partition_are_not_logged_as_errors(capl
     caplog.set_level(logging.DEBUG)
     fetcher.error("Failed fetch offsets from %s: %s", 1, errors.NotLeaderForPartitionError())
     assert [r.levelname for r in caplog.records] == ["DEBUG"]
+
+
+def test_produce_requests_retried_on_a_new_partition_are_not_logged_as_warnings(caplog) -> None:
+    """The same for aiokafka's producer, which logs the error's class with the partition."""
+    sender = logging.getLogger("aiokafka.producer.sender")
+    caplog.set_level(logging.WARNING)
+    msg = "Got error produce response on topic-partition %s, retrying. Error: %s"
+    sender.warning(msg, ("t", 2), errors.NotLeaderForPartitionError)
+    sender.warning(msg, ("t", 2), errors.LeaderNotAvailableError)
+    assert not caplog.records
+    sender.warning(msg, ("t", 2), errors.KafkaTimeoutError)
+    sender.warning("Got error produce response: %s", errors.NotLeaderForPartitionError())
+    assert [r.levelno for r in caplog.records] == [logging.WARNING, logging.WARNING]
