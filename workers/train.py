@@ -35,6 +35,7 @@ from relaygr.workers.fit import (
     LONG_CUTS,
     EarlyStopping,
     Objective,
+    choose_far_keys,
     recency_prior,
     train_model,
 )
@@ -207,10 +208,15 @@ def resolve_settings(
     log("settings sized from the log:")
     for line in describe(choices, given):
         log(line)
-    near, far = getattr(args, "near_keys", 0) or 0, float(getattr(args, "far_keys", FAR_KEYS))
+    near, given_far = getattr(args, "near_keys", 0) or 0, getattr(args, "far_keys", None)
+    far = FAR_KEYS if given_far is None else float(given_far)
     log(
         f"  far keys: events {near} or more back weigh at most {far:g} events' worth together "
-        "(--near-keys, --far-keys)"
+        + (
+            "(--near-keys, --far-keys)"
+            if given_far is not None
+            else "while training; the weight served is chosen on validation (--near-keys, --far-keys)"
+        )
         if near
         else "  far keys: off, every event weighs one (--near-keys 0)"
     )
@@ -311,6 +317,24 @@ def train_once(
     return Trained(model, losses, stopping, time.perf_counter() - t0, time.process_time() - cpu0)
 
 
+def _choose_far_keys(
+    trained: Trained, split: tuple[dict, dict], args: argparse.Namespace
+) -> dict[float, float]:
+    """With far keys on and ``--far-keys`` left open, serve at the far weight validation prefers
+    (``fit.choose_far_keys``); each weight's validation NDCG@10, or nothing when not chosen."""
+    if not trained.model.config.near_keys or getattr(args, "far_keys", None) is not None or not split[1]:
+        return {}
+    trained_far = trained.model.config.far_keys
+    scores = choose_far_keys(trained.model, trained.stopping)
+    chosen = trained.model.config.far_keys
+    _log(
+        f"far keys' weight, validation NDCG@10 of {len(trained.stopping.users_ranked)} users: "
+        + "  ".join(f"{f:g} {v:.4f}" + (" (trained)" if f == trained_far else "") for f, v in scores.items())
+        + f"  -> serving at {chosen:g}"
+    )
+    return scores
+
+
 def _eval_lengths(spec: str) -> list[int | None]:
     lengths = [None if x.strip() == "all" else int(x) for x in spec.split(",") if x.strip()]
     return lengths if None in lengths else [*lengths, None]
@@ -374,6 +398,7 @@ def run(args: argparse.Namespace, log: InteractionLog | None = None, source: str
         trained, settings = tune(settings, args.tune, lambda s, p: train_once(s, log, split, args, p), args)
     else:
         trained = train_once(settings, log, split, args)
+    far_scores = _choose_far_keys(trained, split, args)
     out = trained.model.save(args.out)
     metrics = {
         "dataset": source,
@@ -395,6 +420,8 @@ def run(args: argparse.Namespace, log: InteractionLog | None = None, source: str
             "cpu_seconds": round(trained.cpu_seconds, 1),
             "seed": args.seed,
             "parameters": sum(p.numel() for p in trained.model.parameters()),
+            "far_keys_served": trained.model.config.far_keys,
+            "far_keys_validation_ndcg": {f"{f:g}": v for f, v in far_scores.items()},
         },
     }
     metrics["total_seconds"] = round(time.perf_counter() - t0, 1)
