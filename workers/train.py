@@ -319,20 +319,29 @@ def train_once(
 
 def _choose_far_keys(
     trained: Trained, split: tuple[dict, dict], args: argparse.Namespace
-) -> dict[float, float]:
-    """With far keys on and ``--far-keys`` left open, serve at the far weight validation prefers
-    (``fit.choose_far_keys``); each weight's validation NDCG@10, or nothing when not chosen."""
+) -> dict[str, object]:
+    """With far keys on and ``--far-keys`` left open, the far weight validation prefers beyond
+    noise (``fit.choose_far_keys``), what it saw, for ``metrics.json``; ``{}`` when not chosen."""
     if not trained.model.config.near_keys or getattr(args, "far_keys", None) is not None or not split[1]:
         return {}
-    trained_far = trained.model.config.far_keys
-    scores = choose_far_keys(trained.model, trained.stopping)
-    chosen = trained.model.config.far_keys
+    c = choose_far_keys(trained.model, trained.stopping)
+    lo, hi = c.gain_ci95
     _log(
         f"far keys' weight, validation NDCG@10 of {len(trained.stopping.users_ranked)} users: "
-        + "  ".join(f"{f:g} {v:.4f}" + (" (trained)" if f == trained_far else "") for f, v in scores.items())
-        + f"  -> serving at {chosen:g}"
+        + "  ".join(f"{f:g} {v:.4f}" + (" (trained)" if f == c.trained else "") for f, v in c.scores.items())
     )
-    return scores
+    _log(
+        f"  {c.best:g} over {c.trained:g}: {c.gain:+.4f} [{lo:+.4f}, {hi:+.4f}] -> serving at {c.served:g}"
+        + (
+            ""
+            if c.served != c.trained or c.best == c.trained
+            else " (not beyond the validation users' noise)"
+        )
+    )
+    return {
+        "far_keys_validation_ndcg": {f"{f:g}": v for f, v in c.scores.items()},
+        "far_keys_best_gain": {"far_keys": c.best, "NDCG@10": c.gain, "NDCG@10_ci95": [lo, hi]},
+    }
 
 
 def _eval_lengths(spec: str) -> list[int | None]:
@@ -398,7 +407,7 @@ def run(args: argparse.Namespace, log: InteractionLog | None = None, source: str
         trained, settings = tune(settings, args.tune, lambda s, p: train_once(s, log, split, args, p), args)
     else:
         trained = train_once(settings, log, split, args)
-    far_scores = _choose_far_keys(trained, split, args)
+    far_choice = _choose_far_keys(trained, split, args)
     out = trained.model.save(args.out)
     metrics = {
         "dataset": source,
@@ -421,7 +430,7 @@ def run(args: argparse.Namespace, log: InteractionLog | None = None, source: str
             "seed": args.seed,
             "parameters": sum(p.numel() for p in trained.model.parameters()),
             "far_keys_served": trained.model.config.far_keys,
-            "far_keys_validation_ndcg": {f"{f:g}": v for f, v in far_scores.items()},
+            **far_choice,
         },
     }
     metrics["total_seconds"] = round(time.perf_counter() - t0, 1)
