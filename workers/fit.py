@@ -9,9 +9,6 @@ Primitives:
   catalogue ranking is most of an epoch's time): while the learning rate is high validation swings
   from epoch to epoch (on ML-100K a peak at epoch 8 of 11 was kept and scored HR@10 0.064 on the
   test targets, against 0.106 after 24 epochs).
-- ``choose_far_keys`` / ``FarChoice``: once training ends, the far-key weight to serve with: the
-  best of a few on validation when it beats the trained one beyond noise (a serving constant: the
-  same weights read at another far weight).
 - ``recency_prior``: a starting point for the position biases that discounts old events.
 - ``FarBiases``: the farthest position and time buckets training has reached; the buckets beyond
   them take the farthest one's bias, so serving a history longer than any training window never
@@ -38,7 +35,7 @@ from relaygr.workers.hstu_attention import position_bucket, time_bucket
 from relaygr.workers.model import HSTURanker
 from relaygr.workers.objectives import batch_loss, make_batch
 from relaygr.workers.prefix_kv import Events
-from relaygr.workers.quality import _log, fmt_secs, paired_differences, rank_targets, spread_users, summarise
+from relaygr.workers.quality import _log, evaluate, fmt_secs, spread_users
 
 VALIDATION_USERS = 1024
 """Users ranked after each epoch (evenly spread): enough to tell a better epoch (with 256, one
@@ -75,16 +72,12 @@ class EarlyStopping:
         # An evenly spread, fixed subset: the same users every epoch.
         self._users = spread_users(list(self.targets), self.users)
 
-    def ranks(self, model: HSTURanker) -> list[np.ndarray]:
-        """Each validation user's rank of its target, after its whole history."""
+    def score(self, model: HSTURanker) -> float:
         model.eval()
         hist = {u: self.histories[u] for u in self._users}
-        got = rank_targets(model, hist, self.targets, lengths=[None], log=lambda _: None)["all"]
+        got = evaluate(model, hist, self.targets, lengths=[None], log=lambda _: None)
         model.train()
-        return got
-
-    def score(self, model: HSTURanker) -> float:
-        return float(summarise({"all": self.ranks(model)})["all"]["NDCG@10"])
+        return float(got["all"]["NDCG@10"])
 
     def should_stop(self, model: HSTURanker) -> bool:
         """Score this epoch (from ``min_epochs`` on: an earlier one is never kept, so it is not
@@ -112,56 +105,8 @@ class EarlyStopping:
                 model.eval()
 
     @property
-    def users_ranked(self) -> list[str]:
-        """The users whose validation targets are ranked."""
-        return self._users
-
-    @property
     def best(self) -> float:
         return self.scores[self.best_epoch] if self.scores else float("nan")
-
-
-FAR_KEYS_GRID = (16.0, 32.0, 64.0, 128.0, 256.0)
-"""Far-key weights ``choose_far_keys`` tries once training ends; trying one costs a validation
-pass, not a training run."""
-
-
-@dataclass(frozen=True)
-class FarChoice:
-    """``choose_far_keys``' outcome: the weight served, validation NDCG@10 at each weight, and the
-    best weight's gain over the trained one (paired over the validation users, 95 % interval)."""
-
-    served: float
-    trained: float
-    best: float
-    scores: dict[float, float]
-    gain: float
-    gain_ci95: tuple[float, float]
-
-
-def choose_far_keys(
-    model: HSTURanker, stopping: EarlyStopping, grid: tuple[float, ...] = FAR_KEYS_GRID
-) -> FarChoice:
-    """Rank ``stopping``'s validation targets at every far-key weight (``HSTUConfig.far_keys``) of
-    ``grid`` and the trained one, and serve the best by NDCG@10 only when its gain over the trained
-    weight is beyond the validation users' noise (paired bootstrap interval above zero); otherwise
-    keep the trained weight, the one the other weights were fitted with. On one log's seeds the
-    best weight swings (ML-100K: 16 to 256) while its test gain is nil; where it holds (ML-1M:
-    16 to 64 in every run) the long history loses less to its last events. The weight only scales
-    the far keys' terms by the reading token's position, so every value keeps the relay exact."""
-    trained = model.config.far_keys
-    ranks: dict[float, list[np.ndarray]] = {}
-    for far in sorted({*grid, trained}):
-        model.set_far_keys(far)
-        ranks[far] = stopping.ranks(model)
-    scores = {f: float(summarise({"v": r})["v"]["NDCG@10"]) for f, r in ranks.items()}
-    best = max(scores, key=lambda f: (scores[f], f == trained))
-    diff = paired_differences({"best": ranks[best], "trained": ranks[trained]}, reference="best")["trained"]
-    lo, hi = diff["NDCG@10_ci95"]
-    served = best if best != trained and lo > 0 else trained
-    model.set_far_keys(served)
-    model.eval()
-    return FarChoice(served, trained, best, scores, float(diff["NDCG@10"]), (float(lo), float(hi)))
 
 
 def recency_prior(model: HSTURanker, slope: float) -> None:

@@ -225,14 +225,6 @@ class HSTURanker(RelayInference, nn.Module):
         self.vocab = vocab
         self.refresh_version()
 
-    def set_far_keys(self, far_keys: float) -> None:
-        """Serve with another far-key weight (``HSTUConfig.far_keys``) on the same weights. It is
-        a constant of the checkpoint, part of ``model_version``: prefixes cached under one weight
-        are never read under another."""
-        self.config = HSTUConfig.model_validate({**self.config.model_dump(), "far_keys": far_keys})
-        self._serving_cache = None  # built from the old config
-        self.refresh_version()
-
     def vocab_items(self, raw: torch.Tensor) -> torch.Tensor:
         """Model item ids -> embedding rows; ids outside 1..num_items map to 0 (out of vocabulary).
         Raw ids reach here through ``self.vocab`` first."""

@@ -35,7 +35,6 @@ from relaygr.workers.fit import (
     LONG_CUTS,
     EarlyStopping,
     Objective,
-    choose_far_keys,
     recency_prior,
     train_model,
 )
@@ -208,15 +207,10 @@ def resolve_settings(
     log("settings sized from the log:")
     for line in describe(choices, given):
         log(line)
-    near, given_far = getattr(args, "near_keys", 0) or 0, getattr(args, "far_keys", None)
-    far = FAR_KEYS if given_far is None else float(given_far)
+    near, far = getattr(args, "near_keys", 0) or 0, float(getattr(args, "far_keys", FAR_KEYS))
     log(
         f"  far keys: events {near} or more back weigh at most {far:g} events' worth together "
-        + (
-            "(--near-keys, --far-keys)"
-            if given_far is not None
-            else "while training; the weight served is chosen on validation (--near-keys, --far-keys)"
-        )
+        "(--near-keys, --far-keys)"
         if near
         else "  far keys: off, every event weighs one (--near-keys 0)"
     )
@@ -317,33 +311,6 @@ def train_once(
     return Trained(model, losses, stopping, time.perf_counter() - t0, time.process_time() - cpu0)
 
 
-def _choose_far_keys(
-    trained: Trained, split: tuple[dict, dict], args: argparse.Namespace
-) -> dict[str, object]:
-    """With far keys on and ``--far-keys`` left open, the far weight validation prefers beyond
-    noise (``fit.choose_far_keys``), what it saw, for ``metrics.json``; ``{}`` when not chosen."""
-    if not trained.model.config.near_keys or getattr(args, "far_keys", None) is not None or not split[1]:
-        return {}
-    c = choose_far_keys(trained.model, trained.stopping)
-    lo, hi = c.gain_ci95
-    _log(
-        f"far keys' weight, validation NDCG@10 of {len(trained.stopping.users_ranked)} users: "
-        + "  ".join(f"{f:g} {v:.4f}" + (" (trained)" if f == c.trained else "") for f, v in c.scores.items())
-    )
-    _log(
-        f"  {c.best:g} over {c.trained:g}: {c.gain:+.4f} [{lo:+.4f}, {hi:+.4f}] -> serving at {c.served:g}"
-        + (
-            ""
-            if c.served != c.trained or c.best == c.trained
-            else " (not beyond the validation users' noise)"
-        )
-    )
-    return {
-        "far_keys_validation_ndcg": {f"{f:g}": v for f, v in c.scores.items()},
-        "far_keys_best_gain": {"far_keys": c.best, "NDCG@10": c.gain, "NDCG@10_ci95": [lo, hi]},
-    }
-
-
 def _eval_lengths(spec: str) -> list[int | None]:
     lengths = [None if x.strip() == "all" else int(x) for x in spec.split(",") if x.strip()]
     return lengths if None in lengths else [*lengths, None]
@@ -407,7 +374,6 @@ def run(args: argparse.Namespace, log: InteractionLog | None = None, source: str
         trained, settings = tune(settings, args.tune, lambda s, p: train_once(s, log, split, args, p), args)
     else:
         trained = train_once(settings, log, split, args)
-    far_choice = _choose_far_keys(trained, split, args)
     out = trained.model.save(args.out)
     metrics = {
         "dataset": source,
@@ -429,8 +395,6 @@ def run(args: argparse.Namespace, log: InteractionLog | None = None, source: str
             "cpu_seconds": round(trained.cpu_seconds, 1),
             "seed": args.seed,
             "parameters": sum(p.numel() for p in trained.model.parameters()),
-            "far_keys_served": trained.model.config.far_keys,
-            **far_choice,
         },
     }
     metrics["total_seconds"] = round(time.perf_counter() - t0, 1)

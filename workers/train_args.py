@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from relaygr.workers.fit import BIAS_LR_SCALE, FAR_KEYS_GRID, LONG_CUTS, VALIDATION_USERS
+from relaygr.workers.fit import BIAS_LR_SCALE, LONG_CUTS, VALIDATION_USERS
 from relaygr.workers.hstu_attention import is_bucket_boundary
 from relaygr.workers.instacart import INSTACART
 from relaygr.workers.model import FAR_KEYS, NEAR_KEYS, HSTUConfig
@@ -152,10 +152,8 @@ def add_shape_arguments(parser: argparse.ArgumentParser, auto: str) -> None:
     parser.add_argument(
         "--far-keys",
         type=float,
-        default=None,
-        help="the most events' worth the old events of a history weigh together (default: "
-        f"{FAR_KEYS:g} while training, then the weight served is chosen on validation among "
-        f"{', '.join(f'{f:g}' for f in FAR_KEYS_GRID)}; given, it is trained and served as is)",
+        default=FAR_KEYS,
+        help=f"the most events' worth the old events of a history weigh together (default {FAR_KEYS:g})",
     )
 
 
@@ -233,7 +231,7 @@ def check_arguments(args: argparse.Namespace) -> None:
             f"--near-keys {near}: must be 0 or a position-bucket boundary (1..16, then four per "
             "doubling: 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, ...)"
         )
-    if (far := getattr(args, "far_keys", None)) is not None and not far > 0:  # NaN too
+    if not getattr(args, "far_keys", 1.0) > 0:  # NaN too
         raise SystemExit(f"--far-keys {args.far_keys}: must be above 0 (how many events' worth)")
     if not 0 <= (whole := getattr(args, "whole_histories", 0.0) or 0) <= 1:
         raise SystemExit(f"--whole-histories {whole}: must be a probability, from 0 (off) to 1")
