@@ -13,6 +13,11 @@ Primitives:
 - ``group_lag(client, cons, group, topic)``: records of ``topic`` a consumer group has not committed.
 - ``partition_for(key, partitions)``: the cascade's one partitioner (murmur2, as Java's and
   aiokafka's default for a keyed record) for everything it writes to co-partitioned topics.
+- ``RepeatedClientErrors``: the log filter (installed on import) that lets one of aiokafka's
+  repeated connection errors through per 10 s while the broker is unreachable, with the count.
+- On import, every aiokafka client's failed metadata update waits out its retry backoff
+  (``_back_off_failed_metadata``: aiokafka's producer retries at once, and spun while the broker was down).
+- ``stop_clients(*clients)``: stop aiokafka clients in turn, each whatever the one before did.
 - ``RetriedLeaderErrors``: the log filter (installed on import) that demotes to DEBUG the offset
   lookups and produce requests aiokafka logs as failed and then retries while a new partition's
   leader gets ready.
@@ -22,10 +27,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.client import AIOKafkaClient
 from aiokafka.partitioner import murmur2
 
 from relaygr.infra.broker import replication_for, resolve_bootstrap
@@ -33,6 +42,7 @@ from relaygr.infra.settings import Settings, kafka_client_kwargs
 from relaygr.schemas.topics import TopicRegistry
 
 TOPIC_ALREADY_EXISTS = 36
+log = logging.getLogger(__name__)
 
 
 class RetriedLeaderErrors(logging.Filter):
@@ -55,12 +65,70 @@ class RetriedLeaderErrors(logging.Filter):
         return True
 
 
+class RepeatedClientErrors(logging.Filter):
+    """While the broker is unreachable, aiokafka logs every failed connection, metadata update,
+    fetch and coordinator lookup as an error, at every retry: about a hundred lines a second per
+    stage, so an hour's outage wrote hundreds of thousands of lines a stage. One record per message
+    (its format string: whatever node, address or error it names) passes per ``window_s``; the
+    next to pass says how many it stands for. Records below WARNING pass untouched."""
+
+    def __init__(self, window_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
+        self.window_s = window_s
+        self.clock = clock
+        self._passed: dict[tuple[str, str], tuple[float, int]] = {}  # (logger, format) -> (when, held since)
+        self._lock = threading.Lock()  # aiokafka logs from the loop, faust's consumer from its own thread
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING:
+            return True
+        key, now = (record.name, str(record.msg)), self.clock()
+        with self._lock:
+            when, held = self._passed.get(key, (None, 0))
+            if when is not None and now - when < self.window_s:
+                self._passed[key] = (when, held + 1)
+                return False
+            self._passed[key] = (now, 0)
+        if held and when is not None:
+            record.msg = f"{record.msg} [and {held} more like it in the {now - when:.0f} s before]"
+        return True
+
+
 for _retrying in ("aiokafka.consumer.fetcher", "aiokafka.producer.sender"):
     logging.getLogger(_retrying).addFilter(RetriedLeaderErrors())
+_REPEATING = (
+    "aiokafka",
+    "aiokafka.conn",
+    "aiokafka.consumer.fetcher",
+    "aiokafka.consumer.group_coordinator",
+    "aiokafka.producer.sender",
+)
+for _repeating in _REPEATING:
+    logging.getLogger(_repeating).addFilter(RepeatedClientErrors())
 
 
 class TopicError(RuntimeError):
     """Topics exist with a layout that breaks co-partitioning, or could not be created."""
+
+
+async def stop_clients(*clients: AIOKafkaConsumer | AIOKafkaProducer | AIOKafkaAdminClient) -> None:
+    """Stop each client in turn, whatever the ones before did: an error is logged, not raised.
+    With the broker unreachable, aiokafka's consumer ``stop`` cancels a fetch that is waiting out
+    its retry backoff and awaits it unguarded, so the fetch's CancelledError escapes ``stop``.
+    That is no cancellation of the caller (whose own cancellation still propagates), and the
+    clients after it must still be stopped."""
+    for client in clients:
+        try:
+            await client.stop()
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise
+            log.warning(
+                "%s stopped with a fetch of its own cancelled (broker unreachable?)", type(client).__name__
+            )
+        except Exception as e:
+            log.warning("%s did not stop cleanly: %r", type(client).__name__, e)
 
 
 def partition_for(key: bytes, partitions: int) -> int:
@@ -108,6 +176,29 @@ def consumer(settings: Settings, *topics: str, **kw: Any) -> AIOKafkaConsumer:
     opts: dict[str, Any] = {"enable_auto_commit": False, "auto_offset_reset": "earliest"}
     opts.update(kw)
     return AIOKafkaConsumer(*topics, **_common(settings), **opts)
+
+
+def _back_off_failed_metadata() -> None:
+    """Make every aiokafka client's failed metadata update wait out its retry backoff before it
+    reports. aiokafka's producer, holding a batch for a partition whose leader it does not know,
+    asks for metadata again as soon as an update fails; with every broker refusing connections
+    each update fails at once, so while the broker was down a stage's producer (ours or faust's)
+    spun at about 3,000 updates a second: a core, and two error lines each."""
+    update = AIOKafkaClient._metadata_update
+    if getattr(update, "backs_off", False):
+        return
+
+    async def backed_off(self: AIOKafkaClient, cluster_metadata: Any, topics: Any) -> bool:
+        ok = await update(self, cluster_metadata, topics)
+        if not ok:
+            await asyncio.sleep(self._retry_backoff)
+        return ok
+
+    backed_off.backs_off = True  # type: ignore[attr-defined]
+    AIOKafkaClient._metadata_update = backed_off  # type: ignore[method-assign]
+
+
+_back_off_failed_metadata()
 
 
 def admin(settings: Settings) -> AIOKafkaAdminClient:

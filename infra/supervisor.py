@@ -18,11 +18,14 @@ Primitives:
 - ``end_process(proc, kill=False, grace_s=30)``: SIGTERM (or SIGKILL), wait, SIGKILL after the grace.
 
 Children run in sessions of their own: a Ctrl-C at the terminal reaches the supervising process
-only, which stops the children in order instead of racing them.
+only, which stops the children in order instead of racing them. Each child finds the
+supervisor's pid in ``RELAYGR_SUPERVISOR_PID``: a stage stops by itself once the supervisor is
+gone (``stop_guard.watch_supervisor``), even one killed with SIGKILL.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -31,6 +34,8 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from relaygr.infra.stop_guard import SUPERVISOR_PID_ENV
 
 
 @dataclass(frozen=True)
@@ -115,7 +120,7 @@ class Supervisor:
         with open(log_path, "ab") as log:
             return subprocess.Popen(
                 argv,
-                env=env,
+                env={**env, SUPERVISOR_PID_ENV: str(os.getpid())},  # a stage ends when we are gone
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,

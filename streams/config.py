@@ -256,6 +256,13 @@ class PipelineSettings(BaseSettings):
         "Kafka loop next to another thread (the device thread; faust's consumer thread), and the "
         "default 5 ms would let that thread hold the loop up for 5 ms at a time.",
     )
+    stop_grace_s: float = Field(
+        default=25.0,
+        gt=0,
+        description="Most seconds a stage takes to stop after SIGTERM/SIGINT (or once its supervisor "
+        "is gone) before it exits without finishing: draining and committing wait on the broker, "
+        "which may be gone. Below the launcher's 30 s before SIGKILL, so the stage says why.",
+    )
     concurrency: int = Field(
         default=16, ge=1, description="Retrieval/pre-processing: requests processed concurrently."
     )

@@ -48,8 +48,9 @@ from prometheus_client import Counter as PCounter
 from prometheus_client import Gauge, Histogram
 
 from relaygr.infra.incarnations import Incarnations
-from relaygr.infra.kafka import consumer, describe_partitions, partition_for, producer
+from relaygr.infra.kafka import consumer, describe_partitions, partition_for, producer, stop_clients
 from relaygr.infra.settings import Settings
+from relaygr.infra.stop_guard import StopDeadline
 from relaygr.schemas import (
     BehaviorBatch,
     BehaviorEvent,
@@ -178,9 +179,7 @@ class Ingress:
                 if t is not stop and t.exception() is not None:
                     raise t.exception()
         finally:
-            for c in clients:
-                with contextlib.suppress(Exception):
-                    await c.stop()
+            await stop_clients(*clients)
             with contextlib.suppress(Exception):
                 await self.incarnations.close()
 
@@ -552,7 +551,11 @@ async def _commit(cons: Any, incarnations: Incarnations) -> None:
 
 
 def main(
-    settings: Settings, worker_id: str = "0", metrics_port: int = 0, inputs: tuple[str, ...] = INPUTS
+    settings: Settings,
+    worker_id: str = "0",
+    metrics_port: int = 0,
+    inputs: tuple[str, ...] = INPUTS,
+    stop_deadline: StopDeadline | None = None,
 ) -> int:
     from relaygr.streams.common import freeze_heap, serve_metrics
 
@@ -567,8 +570,14 @@ def main(
     async def go() -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, ingress.stop)
+            loop.add_signal_handler(sig, lambda: _stop(ingress, stop_deadline))
         await ingress.run()
 
     asyncio.run(go())
     return 0
+
+
+def _stop(ingress: Ingress, deadline: StopDeadline | None) -> None:
+    if deadline is not None:
+        deadline.arm()
+    ingress.stop()

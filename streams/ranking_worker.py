@@ -58,8 +58,9 @@ from prometheus_client import Counter as PCounter
 from prometheus_client import Gauge, Histogram
 
 from relaygr.infra.incarnations import Incarnations
-from relaygr.infra.kafka import consumer, producer
+from relaygr.infra.kafka import consumer, producer, stop_clients
 from relaygr.infra.settings import Settings
+from relaygr.infra.stop_guard import StopDeadline
 from relaygr.schemas import (
     BehaviorBatch,
     PrefillSignal,
@@ -293,8 +294,7 @@ class RankingWorker:
             await self.lineage.close()
         with contextlib.suppress(Exception):
             await self.incarnations.close()
-        await self.consumer.stop()
-        await self.producer.stop()
+        await stop_clients(self.consumer, self.producer)
         if not self.handing_over:  # (a successor rebuilds its own state: nothing to persist)
             with contextlib.suppress(TimeoutError):  # ranked suffixes, before the store persists
                 await asyncio.wait_for(self.engine.drain(), 10)
@@ -502,6 +502,7 @@ def main(
     *,
     standby: bool = False,
     handover_asked: Callable[[], bool] = lambda: False,
+    stop_deadline: StopDeadline | None = None,
 ) -> int:
     """Run the worker until SIGTERM/SIGINT (stop) or SIGUSR1 (hand over to a standby). With
     ``standby``, first stand by for the active process of ``worker_id`` and take over from it
@@ -519,8 +520,14 @@ def main(
 
     async def go() -> None:
         loop = asyncio.get_running_loop()
+
+        def stop() -> None:
+            if stop_deadline is not None:
+                stop_deadline.arm()
+            worker.stop()
+
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, worker.stop)
+            loop.add_signal_handler(sig, stop)
         loop.add_signal_handler(signal.SIGUSR1, worker.hand_over)
         if handover_asked():  # while starting up: hands over as soon as it runs
             worker.hand_over()

@@ -16,6 +16,7 @@ import sys
 
 from relaygr.infra.broker import BrokerError
 from relaygr.infra.settings import get_settings
+from relaygr.infra.stop_guard import StopDeadline, watch_supervisor_from_env
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -72,12 +73,15 @@ def run(args: argparse.Namespace) -> int:
         pipeline = pipeline.model_copy(update={"mode": args.mode})
     sys.setswitchinterval(pipeline.switch_interval_ms / 1000)
     place_this_process(pipeline)
+    deadline = StopDeadline(pipeline.stop_grace_s, f"relaygr stage {args.stage}[{args.worker_id}]")
+    # A supervisor that died (even by SIGKILL) stops its stages as a SIGTERM would.
+    watch_supervisor_from_env(lambda: os.kill(os.getpid(), signal.SIGTERM))
     if args.stage == "ingress":
         from relaygr.streams.ingress import main as ingress_main
 
         try:
             inputs = ("requests", "behaviors") if args.inputs == "both" else (args.inputs,)
-            return ingress_main(settings, args.worker_id, args.metrics_port, inputs)
+            return ingress_main(settings, args.worker_id, args.metrics_port, inputs, deadline)
         except BrokerError as e:
             print(f"relaygr stage ingress: {e}", file=sys.stderr)
             return 1
@@ -98,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
                 args.metrics_port,
                 standby=args.standby,
                 handover_asked=lambda: bool(handover_asked),
+                stop_deadline=deadline,
             )
         from relaygr.streams.common import freeze_heap, serve_metrics
 
@@ -108,20 +113,32 @@ def run(args: argparse.Namespace) -> int:
         app = build(settings, pipeline, args.worker_id)
         serve_metrics(args.metrics_port)
         freeze_heap()
-        faust_worker(app, args.log_level).execute_from_commandline()
+        faust_worker(app, args.log_level, deadline).execute_from_commandline()
         return 0
     except BrokerError as e:
         print(f"relaygr stage {args.stage}: {e}", file=sys.stderr)
         return 1
 
 
-def faust_worker(app, log_level: str):
+def faust_worker(app, log_level: str, stop_deadline: StopDeadline | None = None):
     """The faust worker of a stage, logging at ``log_level`` and without its terminal spinner:
     the spinner puts the root logger at DEBUG, so every debug call of faust and aiokafka (several
-    per message) would build and handle a record that no handler prints."""
+    per message) would build and handle a record that no handler prints. A stop signal arms
+    ``stop_deadline``: faust's own stop waits on the broker as long as it takes."""
     from faust.worker import Worker
 
+    class StageWorker(Worker):
+        def _on_sigterm(self) -> None:
+            if stop_deadline is not None:
+                stop_deadline.arm()
+            super()._on_sigterm()
+
+        def _on_sigint(self) -> None:
+            if stop_deadline is not None:
+                stop_deadline.arm()
+            super()._on_sigint()
+
     level = {"warning": "warn", "critical": "crit"}.get(log_level.lower(), log_level.lower())
-    worker = Worker(app, loglevel=level, quiet=True, redirect_stdouts=False)
+    worker = StageWorker(app, loglevel=level, quiet=True, redirect_stdouts=False)
     worker.spinner = None
     return worker
