@@ -44,7 +44,7 @@ from relaygr.tools.prepare import ensure_calibration, ensure_model
 from relaygr.tools.report.compare import comparison_markdown, plot_comparison, verdict
 from relaygr.tools.report.figures import RELAY_PATHS, json_safe
 from relaygr.tools.report.summary import RunSummary
-from relaygr.tools.sizing import Workload, size_demo
+from relaygr.tools.sizing import Workload, relay_pace_of, size_demo
 from relaygr.workers.cores import plan_cores
 
 MODES = ("relay", "baseline")
@@ -144,7 +144,8 @@ def size_to_machine(
     cfg = json.loads((model_dir / "config.json").read_text())
     max_seq_len = int(cfg.get("max_seq_len") or 8192)
     # The demo never pins cores apart: a CPU device shares its cores with the stages and the broker.
-    device = str(json.loads(calibration.read_text()).get("device", "cpu"))
+    calibrated = json.loads(calibration.read_text())
+    device = str(calibrated.get("device", "cpu"))
     work = size_demo(
         LatencyModel.load(calibration),
         budget_ms,
@@ -153,6 +154,7 @@ def size_to_machine(
         history=args.max_history,
         qps=args.qps,
         shared_device=device.startswith("cpu"),
+        relay_pace=relay_pace_of(calibrated),
     )
     _step("workload sized to this machine")
     for line in work.lines():

@@ -122,11 +122,13 @@ def test_planned_bytes_are_what_the_store_accounts(tmp_path, fmt: str) -> None:
             assert measured == pytest.approx(predicted[tier], rel=1e-12)
 
 
-def test_plan_command_prints_one_json_line(model_dir, capsys) -> None:
+def test_plan_command_prints_one_json_line(model_dir, capsys, tmp_path) -> None:
     from relaygr.cli import main
 
     load = ["--users", "100000", "--qps", "200", "--history-p50", "500", "--history-p99", "5000"]
-    rc = main(["plan", *load, "--model", str(model_dir), "--json"])
+    fit_only = tmp_path / "calibration.json"  # its own: a demo may have calibrated the shared model
+    LatencyModel(1.0, 0.01, 0.0).save(fit_only)
+    rc = main(["plan", *load, "--model", str(model_dir), "--calibration", str(fit_only), "--json"])
     assert rc == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     formats = out["plan"]["formats"]

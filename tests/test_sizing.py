@@ -8,10 +8,12 @@ import pytest
 from relaygr.tools.sizing import (
     BREAK_FACTOR,
     GRID,
+    NO_PACE,
     QPS_RANGE,
     SHARED_DEVICE_MAX_QPS,
     THROUGHPUT_FRACTION,
     relay_ms,
+    relay_pace_of,
     size_demo,
     size_throughput,
 )
@@ -83,10 +85,31 @@ def test_flags_override_the_choice_and_are_marked() -> None:
 
 def test_relay_ranking_costs_the_suffix_and_the_candidates_at_the_end_of_the_history() -> None:
     lat = LatencyModel(a=1.0, b=0.01, c=0.0)
-    assert relay_ms(lat, 4096, 64, candidates=128) == pytest.approx(1.0 + 0.01 * 192)
+    assert relay_ms(lat, 4096, 64, candidates=128) == pytest.approx(0.01 * 192)
     quad = LatencyModel(a=1.0, b=0.0, c=1e-6)
-    assert relay_ms(quad, 4096, 64, candidates=128) == pytest.approx(1.0 + 1e-6 * (4096**2 - 3904**2))
-    assert relay_ms(lat, 100, 64, candidates=128) == pytest.approx(lat.predict_ms(100))  # all of it
+    assert relay_ms(quad, 4096, 64, candidates=128) == pytest.approx(1e-6 * (4224**2 - 4032**2))
+    assert relay_ms(lat, 100, 64, candidates=128) == pytest.approx(0.01 * 192)  # cached 36
+
+
+def test_a_measured_relay_pace_scales_the_prediction_at_its_cached_length() -> None:
+    lat = LatencyModel(a=1.0, b=0.01, c=0.0)
+    pace = ((512.0, 2.0), (4096.0, 6.0))
+    assert relay_ms(lat, 4096, 64, candidates=128, relay_pace=pace) == pytest.approx(
+        0.01 * 192 * (2.0 + 4.0 * (4032 - 512) / (4096 - 512))
+    )
+    assert relay_ms(lat, 8192, 64, candidates=128, relay_pace=pace) == pytest.approx(0.01 * 192 * 6.0)  # flat
+    assert relay_pace_of({"relay_pace": [[512, 2.0], [4096, 6.0]]}) == pace
+    assert relay_pace_of({}) == NO_PACE
+
+
+def test_the_demo_says_the_relay_pace_it_sized_with() -> None:
+    latency = SLOW_CPU
+    plain = size_demo(latency, BUDGET, 8192, SHORT)
+    paced = size_demo(latency, BUDGET, 8192, SHORT, relay_pace=((0.0, 5.0),))
+    assert paced.history == plain.history  # the history is full ranking's: the pace does not move it
+    assert paced.relay_ms == pytest.approx(5.0 * plain.relay_ms)
+    assert paced.compute_ratio == pytest.approx(plain.compute_ratio / 5.0)
+    assert "5.0x the fit's marginal time" in paced.why_qps and "marginal" not in plain.why_qps
 
 
 def test_a_cpu_device_shared_with_the_stages_gets_a_lower_rate() -> None:

@@ -4,13 +4,15 @@ Primitives:
 - ``ensure_model(model_dir)``: train the HSTU ranker on MovieLens-100K into ``model_dir`` (in a
   child process, through ``relaygr train``) unless a checkpoint is there.
 - ``ensure_calibration(model_dir)``: time full ranking of that model on this machine, with the
-  workers' thread count, and write ``model_dir/calibration.json``; returns its path.
+  workers' thread count, and the paces of sliced pre-inference and relay ranking
+  (``calibration.measure_paces``), and write ``model_dir/calibration.json``; returns its path.
 Each step is printed as a ``== ...`` line on standard error (with the training's own output), so a
 command's standard output stays what it promises (one JSON line for ``--json``).
 """
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -35,9 +37,19 @@ def ensure_calibration(model_dir: Path) -> Path:
     from relaygr.workers.model import HSTURanker
 
     path = model_dir / "calibration.json"
-    _step("calibrating full-ranking latency on this machine")
+    _step("calibrating full-ranking latency on this machine, and the pace of relay rankings")
     model = HSTURanker.load(model_dir)
-    threads = PipelineSettings().torch_threads  # time it as the workers will run it
-    _, samples = calibrate_and_save(model, path, threads=threads)
+    settings = PipelineSettings()
+    # Timed as the workers will run it; the paces as `relaygr calibrate` measures them.
+    paces = {
+        "slice_ms": settings.device_slice_ms,
+        "chunk": settings.prefill_chunk,
+        "suffix": settings.short_term,
+    }
+    _, samples = calibrate_and_save(model, path, threads=settings.torch_threads, paces=paces)
     print("   " + ", ".join(f"{n} tokens {ms:.1f} ms" for n, ms in samples), file=sys.stderr)
+    relay = json.loads(path.read_text()).get("relay_pace", [])
+    print(
+        "   relay ranking pace: " + ", ".join(f"{n:.0f} cached {p:.1f}x" for n, p in relay), file=sys.stderr
+    )
     return path

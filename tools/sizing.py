@@ -5,9 +5,10 @@ A workload picked for one machine's speed says nothing on another: 1,024-event h
 experiment read the machine's own calibration (the ``LatencyModel`` of full ranking) and choose:
 
 Primitives:
-- ``relay_ms(latency, history, short_term)``: predicted time of a relay ranking of ``history``
-  events whose prefix is cached: the fixed cost of a ranking plus the marginal cost of the
-  ``short_term`` suffix and the candidates against the long prefix.
+- ``relay_ms(latency, history, short_term, relay_pace=...)``: predicted time of a relay ranking
+  of ``history`` events whose prefix is cached (the capacity plan's arithmetic: the marginal cost
+  of the ``short_term`` suffix and the candidates after the prefix, times the relay pace the
+  calibration measured); ``relay_pace_of(calibration)`` reads that pace from a calibration file.
 - ``Workload``: a chosen history length and rate, the predictions behind them and why (``lines()``
   prints them).
 - ``size_demo(latency, budget_ms, max_seq_len, short_term)``: the shortest history at which full
@@ -23,7 +24,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from relaygr.workers.capacity import pace_at, relay_ranking_ms
 from relaygr.workers.latency_model import LatencyModel
+
+Pace = tuple[tuple[float, float], ...]
+NO_PACE: Pace = ((0.0, 1.0),)
 
 BREAK_FACTOR = 2.0
 """The demo's histories: full ranking predicted at twice the budget (not at its edge, where
@@ -47,13 +52,24 @@ CANDIDATES = 128
 """Candidates per request (the trace's and the calibration's)."""
 
 
-def relay_ms(latency: LatencyModel, history: int, short_term: int, candidates: int = CANDIDATES) -> float:
+def relay_ms(
+    latency: LatencyModel,
+    history: int,
+    short_term: int,
+    candidates: int = CANDIDATES,
+    relay_pace: Pace = NO_PACE,
+) -> float:
     """Predicted relay ranking of ``history`` events against a cached prefix of all but the last
-    ``short_term``: the fixed cost of a ranking plus what the suffix and the candidates cost at the
-    end of a long history. The calibration times ``n`` events with ``candidates`` candidates
-    (about ``f(n + candidates)``), so that is ``predict(n) - predict(n - short_term - candidates)``."""
-    tail = min(short_term + candidates, history)
-    return latency.a + latency.predict_ms(history) - latency.predict_ms(history - tail)
+    ``short_term``, as the capacity plan predicts it (``capacity.relay_ranking_ms``): the marginal
+    cost of the suffix and the candidates after the prefix, times the pace calibration measured
+    for relay rankings at that length (``relay_pace`` of the calibration file; none: 1)."""
+    cached = max(0, history - short_term)
+    return float(relay_ranking_ms(latency, cached, history - cached, candidates, relay_pace))
+
+
+def relay_pace_of(calibration: dict) -> Pace:
+    """The measured relay pace of a calibration file's contents (``NO_PACE`` if it has none)."""
+    return tuple((float(n), float(p)) for n, p in calibration.get("relay_pace", NO_PACE))
 
 
 @dataclass(frozen=True)
@@ -97,6 +113,14 @@ class Workload:
         }
 
 
+def _paced(relay_pace: Pace, cached: int) -> str:
+    """What the prediction says of the measured pace (nothing without one)."""
+    if relay_pace == NO_PACE:
+        return ""
+    pace = float(pace_at(relay_pace, cached))
+    return f" ({pace:.1f}x the fit's marginal time, the relay pace calibration measured at {cached} cached events)"
+
+
 def _on_grid(n: float, lo: int, hi: int) -> int:
     """``n`` rounded up to the grid, within ``[lo, hi]`` (``hi`` itself need not be on it)."""
     up = int(-(-int(n) // GRID) * GRID)
@@ -117,6 +141,7 @@ def size_demo(
     history: int | None = None,
     qps: float | None = None,
     shared_device: bool = False,
+    relay_pace: Pace = NO_PACE,
 ) -> Workload:
     """The demo's workload on the machine ``latency`` was calibrated on (see the module doc);
     ``history`` / ``qps`` override the choice (the reasons then say what the machine predicts);
@@ -147,16 +172,17 @@ def size_demo(
             f"the shortest where full ranking is predicted to take {BREAK_FACTOR:g}x the {budget_ms:g} ms "
             f"budget ({latency.predict_ms(n):.1f} ms; the model serves up to {max_seq_len})"
         )
-    full, relay = latency.predict_ms(n), relay_ms(latency, n, short_term)
+    full, relay = latency.predict_ms(n), relay_ms(latency, n, short_term, relay_pace=relay_pace)
+    paced = _paced(relay_pace, n - short_term)
     if qps is not None:
-        rate, why_rate = qps, f"relay ranking predicted at {relay:.1f} ms each"
+        rate, why_rate = qps, f"relay ranking predicted at {relay:.1f} ms each{paced}"
     else:
         fit = RELAY_UTILISATION * 1000.0 / max(relay, 1e-3)
         cap = SHARED_DEVICE_MAX_QPS if shared_device else QPS_RANGE[1]
         rate = round(min(cap, max(QPS_RANGE[0], fit)), 1)
         shared = " (the device's cores are shared with the stages)" if shared_device else ""
         why_rate = (
-            f"relay ranking predicted at {relay:.1f} ms each, so {fit:.0f}/s would keep the device "
+            f"relay ranking predicted at {relay:.1f} ms each{paced}, so {fit:.0f}/s would keep the device "
             f"{RELAY_UTILISATION:.0%} busy"
             + (f"; capped at {cap:g}/s{shared}" if fit > cap else "")
             + f"; full ranking at this rate would need {rate * full / 10:.0f} % of it"
@@ -165,12 +191,14 @@ def size_demo(
     return Workload(n, rate, budget_ms, full, relay, full_fits, why, why_rate, given)
 
 
-def size_throughput(latency: LatencyModel, budget_ms: float, max_seq_len: int, short_term: int) -> Workload:
+def size_throughput(
+    latency: LatencyModel, budget_ms: float, max_seq_len: int, short_term: int, relay_pace: Pace = NO_PACE
+) -> Workload:
     """The throughput experiment's history (see the module doc); its rate is swept, not chosen."""
     lo = min(max(MIN_HISTORY, 2 * short_term), max_seq_len)
     within = latency.max_tokens_within(THROUGHPUT_FRACTION * budget_ms)
     n = max(lo, min(max_seq_len, within // GRID * GRID))
-    full, relay = latency.predict_ms(n), relay_ms(latency, n, short_term)
+    full, relay = latency.predict_ms(n), relay_ms(latency, n, short_term, relay_pace=relay_pace)
     if within >= max_seq_len:
         why = (
             f"the longest history the model serves: full ranking predicted at {full:.1f} ms, under "

@@ -135,6 +135,7 @@ def prepare(args: argparse.Namespace, kinds: list[ExperimentKind]) -> Run:
     from relaygr.streams.config import PipelineSettings
     from relaygr.tools.experiment.deployment import calibrate_latency, window_start
     from relaygr.tools.prepare import ensure_model
+    from relaygr.tools.sizing import relay_pace_of
     from relaygr.tools.trace import log_as_dataset
     from relaygr.workers.movielens import load_movielens
     from relaygr.workers.train import load_log, report_bad_rows
@@ -167,6 +168,7 @@ def prepare(args: argparse.Namespace, kinds: list[ExperimentKind]) -> Run:
         pin_tasks(os.getpid(), cores.shared)
         _pin_broker(settings, cores.shared)
     say("latency model of full ranking: " + ", ".join(f"{n} tokens {ms:.1f} ms" for n, ms in samples))
+    args.relay_pace = relay_pace_of(json.loads((out / "calibration.json").read_text()))
     cap = json.loads((model_dir / "config.json").read_text()).get("max_seq_len") or 8192
     for k in kinds:  # what the calibration decides (one B for all of them)
         k.size(args, lat, int(cap), say)

@@ -210,12 +210,20 @@ def model_info(model_dir: Path) -> tuple[dict, str]:
 
 def calibrate_latency(model_dir: Path, threads: int, out: Path, device: str | None = None):
     """The latency model of full ranking, timed on ``device`` (default: the checkpoint's), where
-    the ranking workers will run."""
+    the ranking workers will run, with the paces of sliced pre-inference and relay ranking (as
+    `relaygr calibrate` measures them; the sizing's relay prediction uses the relay pace)."""
+    from relaygr.streams.config import PipelineSettings
     from relaygr.workers.calibration import calibrate_and_save
     from relaygr.workers.model import HSTURanker
 
+    settings = PipelineSettings()
+    paces = {
+        "slice_ms": settings.device_slice_ms,
+        "chunk": settings.prefill_chunk,
+        "suffix": settings.short_term,
+    }
     model = HSTURanker.load(model_dir, device=device) if device else HSTURanker.load(model_dir)
-    return calibrate_and_save(model, out, repeats=5, threads=threads)
+    return calibrate_and_save(model, out, repeats=5, threads=threads, paces=paces)
 
 
 def pipeline_env(

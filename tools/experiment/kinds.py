@@ -18,7 +18,7 @@ from pathlib import Path
 from relaygr.tools.experiment.plots import plot_sweep
 from relaygr.tools.experiment.protocol import EXPERIMENT_SHORT_TERM, MODES, PointRun
 from relaygr.tools.report.plots import plot_lines
-from relaygr.tools.sizing import size_throughput
+from relaygr.tools.sizing import NO_PACE, Pace, size_throughput
 from relaygr.workers.latency_model import LatencyModel
 
 
@@ -173,12 +173,16 @@ class Throughput(ExperimentKind):
 
         if args.history is None:
             work = size_throughput(
-                latency, PipelineSettings().budget_ms, max_seq_len // 2, EXPERIMENT_SHORT_TERM
+                latency,
+                PipelineSettings().budget_ms,
+                max_seq_len // 2,
+                EXPERIMENT_SHORT_TERM,
+                relay_pace=getattr(args, "relay_pace", NO_PACE),
             )
             args.history, args.sizing = work.history, work.to_dict()
             say(f"history {work.history} events: {work.why_history}")
         else:
-            args.sizing = size_throughput_at(latency, args.history)
+            args.sizing = size_throughput_at(latency, args.history, getattr(args, "relay_pace", NO_PACE))
             say(
                 f"history {args.history} events (given): compute ratio {args.sizing['compute_ratio']:.1f}x there"
             )
@@ -237,11 +241,12 @@ class Throughput(ExperimentKind):
         return extra
 
 
-def size_throughput_at(latency: LatencyModel, history: int) -> dict:
+def size_throughput_at(latency: LatencyModel, history: int, relay_pace: Pace = NO_PACE) -> dict:
     """The compute figures at a given history (``--history``)."""
     from relaygr.tools.sizing import relay_ms
 
-    full, relay = latency.predict_ms(history), relay_ms(latency, history, EXPERIMENT_SHORT_TERM)
+    full = latency.predict_ms(history)
+    relay = relay_ms(latency, history, EXPERIMENT_SHORT_TERM, relay_pace=relay_pace)
     return {"history": history, "predicted_full_ms": round(full, 2), "predicted_relay_ms": round(relay, 2),
             "compute_ratio": round(full / relay, 2), "overridden": ["history"]}  # fmt: skip
 
