@@ -134,3 +134,11 @@ def test_dockerfile_installs_what_the_cli_imports() -> None:
     for folder in set(package_dirs.values()):  # every folder of the installed package
         assert f"COPY {folder} {folder}" in text
     assert "recbole==1.2.1" in text and 'ENTRYPOINT ["relaygr"]' in text
+
+
+def test_stages_get_their_stop_grace_before_compose_kills_them(compose) -> None:
+    grace = PipelineSettings.model_fields["stop_grace_s"].default
+    for name, svc in compose["services"].items():
+        if svc.get("command", [None])[0] == "stage":
+            period = svc.get("stop_grace_period", "10s")  # Compose's default
+            assert period.endswith("s") and float(period[:-1]) > grace, name
