@@ -69,6 +69,7 @@ from relaygr.infra.broker_files import (
     write_state,
 )
 from relaygr.infra.settings import Settings
+from relaygr.infra.stop_guard import process_alive
 from relaygr.infra.tls import issue_broker_tls, write_secret
 
 T = TypeVar("T")
@@ -134,21 +135,6 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie child (started by this very process) counts as dead.
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1][:1] != "Z"
-    except OSError:
-        return True
-
-
 def port_open(port: int, host: str = "127.0.0.1", timeout: float = 0.5) -> bool:
     try:
         with socket.create_connection((host, port), timeout=timeout):
@@ -158,7 +144,7 @@ def port_open(port: int, host: str = "127.0.0.1", timeout: float = 0.5) -> bool:
 
 
 def _node_up(node: BrokerNode) -> bool:
-    return _alive(node.pid) and port_open(node.port)
+    return process_alive(node.pid) and port_open(node.port)
 
 
 def node_status(state: BrokerState) -> list[tuple[BrokerNode, bool]]:
@@ -457,7 +443,7 @@ def kill_node(settings: Settings, node_id: int, *, sig: signal.Signals = signal.
     if sig == signal.SIGKILL:
         with contextlib.suppress(ProcessLookupError):
             os.kill(node.pid, signal.SIGKILL)
-        while _alive(node.pid):
+        while process_alive(node.pid):
             _reap(node.pid)
             time.sleep(0.05)
         _reap(node.pid)
@@ -522,12 +508,12 @@ def _terminate_all(pids: list[int], grace_s: float = 30.0) -> None:
     """SIGTERM to all at once (nodes of one cluster shut down together: one at a time, the last
     ones would wait for a controller quorum that is already gone), then SIGKILL after ``grace_s``."""
     for pid in pids:
-        if _alive(pid):
+        if process_alive(pid):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     for pid in pids:
-        while _alive(pid) and time.monotonic() < deadline:
+        while process_alive(pid) and time.monotonic() < deadline:
             _reap(pid)
             time.sleep(0.2)
     for pid in pids:
@@ -536,16 +522,16 @@ def _terminate_all(pids: list[int], grace_s: float = 30.0) -> None:
 
 def _terminate(pid: int, grace_s: float = 30.0) -> None:
     """SIGTERM (the broker's shutdown hook stops it cleanly), then SIGKILL after ``grace_s``."""
-    if not _alive(pid):
+    if not process_alive(pid):
         _reap(pid)
         return
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
-    while _alive(pid) and time.monotonic() < deadline:
+    while process_alive(pid) and time.monotonic() < deadline:
         _reap(pid)
         time.sleep(0.2)
-    if _alive(pid):
+    if process_alive(pid):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
         time.sleep(0.2)

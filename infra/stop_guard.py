@@ -15,6 +15,7 @@ Primitives:
   ``Supervisor`` sets for its children (nothing is watched without it). The parent's pid is polled
   rather than asked of the kernel (``PR_SET_PDEATHSIG``) because that signal follows the thread
   that started the child, and the supervisor restarts children from a thread of its own.
+- ``process_alive(pid)``: whether a process runs (a zombie counts as gone).
 """
 
 from __future__ import annotations
@@ -89,17 +90,22 @@ def watch_supervisor_from_env(on_gone: Callable[[], None], *, poll_s: float = 0.
             file=sys.stderr,
         )
         return None
-    if os.getppid() != pid and _alive(pid):  # inherited from elsewhere: that process is not our parent
+    if os.getppid() != pid and process_alive(pid):  # inherited from elsewhere: that process is not our parent
         print(f"{SUPERVISOR_PID_ENV}={pid} is not this process's parent: it is not watched", file=sys.stderr)
         return None
     return watch_supervisor(pid, on_gone, poll_s=poll_s)
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie of this process's own children counts as gone)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][:1] != "Z"
+    except OSError:
+        return True

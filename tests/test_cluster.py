@@ -30,6 +30,7 @@ from fault_checks import histories_by_user, read_results, worker_history
 from relaygr.infra import broker
 from relaygr.infra.kafka import admin, delete_topics_with_prefix, ensure_topics, partition_for, producer
 from relaygr.infra.settings import Settings
+from relaygr.infra.stop_guard import process_alive
 from relaygr.schemas import RecommendationRequest, TopicRegistry, encode
 from relaygr.tools.barriers import wait_groups_caught_up
 from relaygr.tools.traffic import collect_results, leave_last_out, publish
@@ -316,7 +317,7 @@ def test_stop_ends_every_node_and_removes_the_data(cluster) -> None:
     stopped = _cli(["broker", "stop"], cluster.nodes.home)
     assert stopped.returncode == 0
     assert not any(broker.port_open(n.port) for n in state.nodes)
-    assert not any(broker._alive(n.pid) for n in state.nodes)  # gone (or a zombie of this process)
+    assert not any(process_alive(n.pid) for n in state.nodes)  # gone (or a zombie of this process)
     for n in state.nodes:
         broker._reap(n.pid)
     assert not Path(state.data_dir).exists() and broker.read_state(cluster.nodes) is None

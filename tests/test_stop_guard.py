@@ -19,6 +19,7 @@ from relaygr.infra.stop_guard import (
     STOP_OVERDUE_EXIT,
     SUPERVISOR_PID_ENV,
     StopDeadline,
+    process_alive,
     watch_supervisor_from_env,
 )
 
@@ -29,15 +30,6 @@ def _until(condition: Callable[[], bool], what: str, timeout_s: float = 60.0) ->
         if time.monotonic() > deadline:
             raise AssertionError(f"not reached within {timeout_s:.0f} s: {what}")
         time.sleep(0.05)
-
-
-def _gone(pid: int) -> bool:
-    """No such process, or only its zombie (re-parented to an init that has not reaped it yet)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return True
-    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
 
 
 def test_an_armed_deadline_ends_the_process_once_its_grace_is_over() -> None:
@@ -93,10 +85,10 @@ def test_the_stages_of_a_supervisor_killed_with_sigkill_stop_by_themselves(tmp_p
         assert sup.stdout is not None
         child = int(sup.stdout.readline())
         time.sleep(0.5)
-        assert not _gone(child)  # supervised: it runs
+        assert process_alive(child)  # supervised: it runs
         sup.send_signal(signal.SIGKILL)  # no chance to stop its children
         sup.wait()
-        _until(lambda: _gone(child), f"stage pid {child} stopped after its supervisor died")
+        _until(lambda: not process_alive(child), f"stage pid {child} stopped after its supervisor died")
     finally:
         if sup.poll() is None:
             sup.kill()
