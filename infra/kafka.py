@@ -14,7 +14,8 @@ Primitives:
 - ``partition_for(key, partitions)``: the cascade's one partitioner (murmur2, as Java's and
   aiokafka's default for a keyed record) for everything it writes to co-partitioned topics.
 - ``RepeatedClientErrors``: the log filter (installed on import) that lets one of aiokafka's
-  repeated connection errors through per 10 s while the broker is unreachable, with the count.
+  repeated connection errors through per 10 s while the broker is unreachable, with the count;
+  ``forget_repeated_errors()`` starts the windows afresh.
 - On import, every aiokafka client's failed metadata update waits out its retry backoff
   (``_back_off_failed_metadata``: aiokafka's producer retries at once, and spun while the broker was down).
 - ``stop_clients(*clients)``: stop aiokafka clients in turn, each whatever the one before did.
@@ -69,20 +70,25 @@ class RepeatedClientErrors(logging.Filter):
     """While the broker is unreachable, aiokafka logs every failed connection, metadata update,
     fetch and coordinator lookup as an error, at every retry: about a hundred lines a second per
     stage, so an hour's outage wrote hundreds of thousands of lines a stage. One record per message
-    (its format string: whatever node, address or error it names) passes per ``window_s``; the
-    next to pass says how many it stands for. Records below WARNING pass untouched."""
+    (as formatted: the same node, address and error) passes per ``window_s``; the next to pass says
+    how many it stands for. Another message (a new reason, another node) passes at once, so a
+    failure that changes is never hidden. Records below WARNING pass untouched."""
 
     def __init__(self, window_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__()
         self.window_s = window_s
         self.clock = clock
-        self._passed: dict[tuple[str, str], tuple[float, int]] = {}  # (logger, format) -> (when, held since)
+        self._passed: dict[tuple[str, str], tuple[float, int]] = {}  # (logger, message) -> (when, held since)
         self._lock = threading.Lock()  # aiokafka logs from the loop, faust's consumer from its own thread
+
+    def forget(self) -> None:
+        with self._lock:
+            self._passed.clear()
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno < logging.WARNING:
             return True
-        key, now = (record.name, str(record.msg)), self.clock()
+        key, now = (record.name, record.getMessage()), self.clock()
         with self._lock:
             when, held = self._passed.get(key, (None, 0))
             if when is not None and now - when < self.window_s:
@@ -103,8 +109,16 @@ _REPEATING = (
     "aiokafka.consumer.group_coordinator",
     "aiokafka.producer.sender",
 )
-for _repeating in _REPEATING:
-    logging.getLogger(_repeating).addFilter(RepeatedClientErrors())
+_REPEAT_FILTERS = [RepeatedClientErrors() for _ in _REPEATING]
+for _repeating, _filter in zip(_REPEATING, _REPEAT_FILTERS, strict=True):
+    logging.getLogger(_repeating).addFilter(_filter)
+
+
+def forget_repeated_errors() -> None:
+    """Start every ``RepeatedClientErrors`` window afresh (tests: one test's errors never hold back
+    the next one's)."""
+    for f in _REPEAT_FILTERS:
+        f.forget()
 
 
 class TopicError(RuntimeError):

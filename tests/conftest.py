@@ -79,6 +79,15 @@ def pytest_report_header(config: pytest.Config) -> str:
     return f"relaygr: RELAYGR_BOOTSTRAP={os.environ.get('RELAYGR_BOOTSTRAP', '(local broker)')}"
 
 
+@pytest.fixture(autouse=True)
+def fresh_client_error_windows() -> None:
+    """aiokafka's repeated errors are logged once per window and process: a test that looks for one
+    must not find it held back by the same error of the test before."""
+    from relaygr.infra.kafka import forget_repeated_errors
+
+    forget_repeated_errors()
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """Small tensors: intra-op threads only add synchronisation (and stall on a busy machine)."""

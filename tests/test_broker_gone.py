@@ -31,11 +31,12 @@ def test_repeated_client_errors_pass_once_a_window_with_their_count() -> None:
     f = RepeatedClientErrors(window_s=10.0, clock=lambda: now[0])
     connect = "Unable connect to node with id %s: %s"
     assert f.filter(_record(connect, 1, "refused"))
-    for t in range(1, 10):  # every retry in the window: held back, whatever node or error it names
+    for t in range(1, 10):  # the same failure at every retry in the window: held back
         now[0] = float(t)
-        assert not f.filter(_record(connect, t % 3, "refused"))
-    assert f.filter(_record("Unable to update metadata from %s", [1]))  # another message has its own window
-    assert f.filter(_record("Failed", name="aiokafka.consumer.fetcher"))  # so has another logger
+        assert not f.filter(_record(connect, 1, "refused"))
+    assert f.filter(_record(connect, 2, "refused"))  # another node: passes at once
+    assert f.filter(_record(connect, 1, "CERTIFICATE_VERIFY_FAILED"))  # another reason: passes at once
+    assert f.filter(_record("Failed", name="aiokafka.consumer.fetcher"))  # so does another logger
     assert f.filter(_record(connect, 1, "refused", level=logging.DEBUG))  # below WARNING: untouched
     now[0] = 10.5
     passed = _record(connect, 1, "refused")
@@ -46,6 +47,9 @@ def test_repeated_client_errors_pass_once_a_window_with_their_count() -> None:
     now[0] = 30.0
     quiet = _record(connect, 1, "refused")
     assert f.filter(quiet) and quiet.getMessage().endswith("refused")  # nothing held back since
+    assert not f.filter(_record(connect, 1, "refused"))
+    f.forget()
+    assert f.filter(_record(connect, 1, "refused"))  # a fresh window
 
 
 async def test_a_failed_metadata_update_waits_out_the_retry_backoff() -> None:
