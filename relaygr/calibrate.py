@@ -48,11 +48,7 @@ def run(args: argparse.Namespace) -> int:
     out = args.out or Path(model_dir) / "calibration.json"
     paces = None
     if not args.no_paces:
-        paces = {
-            "slice_ms": settings.device_slice_ms,
-            "chunk": settings.prefill_chunk,
-            "suffix": settings.short_term,
-        }
+        paces = settings.pace_settings()
     lat, samples = calibrate_and_save(
         model, out, lengths=lengths, candidates=args.candidates, threads=threads, paces=paces
     )

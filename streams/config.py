@@ -267,6 +267,11 @@ class PipelineSettings(BaseSettings):
         default=16, ge=1, description="Retrieval/pre-processing: requests processed concurrently."
     )
 
+    def pace_settings(self) -> dict[str, Any]:
+        """``calibration.measure_paces``' keyword arguments for workers run with these settings:
+        pre-inference sliced and suffixes as long as theirs."""
+        return {"slice_ms": self.device_slice_ms, "chunk": self.prefill_chunk, "suffix": self.short_term}
+
     @classmethod
     def to_env(cls, **settings: Any) -> dict[str, str]:
         """The ``RELAYGR_*`` variables that give a stage process these settings, and only these

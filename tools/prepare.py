@@ -41,11 +41,7 @@ def ensure_calibration(model_dir: Path) -> Path:
     model = HSTURanker.load(model_dir)
     settings = PipelineSettings()
     # Timed as the workers will run it; the paces as `relaygr calibrate` measures them.
-    paces = {
-        "slice_ms": settings.device_slice_ms,
-        "chunk": settings.prefill_chunk,
-        "suffix": settings.short_term,
-    }
+    paces = settings.pace_settings()
     _, samples = calibrate_and_save(model, path, threads=settings.torch_threads, paces=paces)
     print("   " + ", ".join(f"{n} tokens {ms:.1f} ms" for n, ms in samples), file=sys.stderr)
     relay = json.loads(path.read_text()).get("relay_pace", [])

@@ -217,11 +217,7 @@ def calibrate_latency(model_dir: Path, threads: int, out: Path, device: str | No
     from relaygr.workers.model import HSTURanker
 
     settings = PipelineSettings()
-    paces = {
-        "slice_ms": settings.device_slice_ms,
-        "chunk": settings.prefill_chunk,
-        "suffix": settings.short_term,
-    }
+    paces = settings.pace_settings()
     model = HSTURanker.load(model_dir, device=device) if device else HSTURanker.load(model_dir)
     return calibrate_and_save(model, out, repeats=5, threads=threads, paces=paces)
 
