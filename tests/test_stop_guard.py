@@ -107,3 +107,45 @@ def test_only_a_supervisor_that_is_this_processs_parent_is_watched(monkeypatch: 
     assert watch_supervisor_from_env(lambda: calls.append(1), poll_s=0.01) is not None
     time.sleep(0.1)
     assert calls == []  # our parent is alive
+
+
+OVERDUE_WRITER = textwrap.dedent(
+    """
+    import sys, time
+    from relaygr.infra.stop_guard import StopDeadline
+    from relaygr.schemas import BehaviorEvent
+    from relaygr.streams.history import HistoryTable
+    from relaygr.workers.tiers import DiskTier
+    history = HistoryTable(sys.argv[1] + "/history")
+    for offset in range(3):
+        history.append(0, offset, BehaviorEvent(user_id="u", item_id=10 + offset, ts=float(offset), action=1))
+    disk = DiskTier(sys.argv[1] + "/prefixes", 1 << 20)
+    disk.write(("u", "m1"), b"kv" * 100, 3, b"fp")
+    StopDeadline(0.05, "stage t").arm()  # a stop that never finishes: no close, no flush
+    time.sleep(60)
+    """
+)
+
+
+def test_state_written_before_an_overdue_stop_reopens_whole(tmp_path: Path) -> None:
+    """A stage that exits at its stop deadline closes none of its RocksDB folders; the next
+    process on that machine opens them (no stale lock) and finds every write they took."""
+    from relaygr.streams.history import HistoryTable
+    from relaygr.workers.tiers import DiskTier
+
+    done = subprocess.run([sys.executable, "-c", OVERDUE_WRITER, str(tmp_path)], timeout=120)
+    assert done.returncode == STOP_OVERDUE_EXIT
+    history = HistoryTable(tmp_path / "history")
+    try:
+        assert history.get("u").item_ids.tolist() == [10, 11, 12] and history.next_offset(0) == 3
+    finally:
+        history.close()
+    disk = DiskTier(tmp_path / "prefixes", 1 << 20)
+    try:
+        blob, _ = disk.read(("u", "m1")) or (b"", 0)
+        meta = disk.meta(("u", "m1"))
+        assert (
+            bytes(blob) == b"kv" * 100 and meta is not None and (meta.length, meta.fingerprint) == (3, b"fp")
+        )
+    finally:
+        disk.close()
