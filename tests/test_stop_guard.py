@@ -22,6 +22,8 @@ from relaygr.infra.stop_guard import (
     process_alive,
     watch_supervisor_from_env,
 )
+from relaygr.streams.history import HistoryTable
+from relaygr.workers.tiers import DiskTier
 
 
 def _until(condition: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
@@ -130,9 +132,6 @@ OVERDUE_WRITER = textwrap.dedent(
 def test_state_written_before_an_overdue_stop_reopens_whole(tmp_path: Path) -> None:
     """A stage that exits at its stop deadline closes none of its RocksDB folders; the next
     process on that machine opens them (no stale lock) and finds every write they took."""
-    from relaygr.streams.history import HistoryTable
-    from relaygr.workers.tiers import DiskTier
-
     done = subprocess.run([sys.executable, "-c", OVERDUE_WRITER, str(tmp_path)], timeout=120)
     assert done.returncode == STOP_OVERDUE_EXIT
     history = HistoryTable(tmp_path / "history")
