@@ -259,8 +259,8 @@ class PipelineSettings(BaseSettings):
     stop_grace_s: float = Field(
         default=25.0,
         gt=0,
-        description="Most seconds a stage takes to stop after SIGTERM/SIGINT (or once its supervisor "
-        "is gone) before it exits without finishing: draining and committing wait on the broker, "
+        description="Most seconds a stage takes to stop after SIGTERM/SIGINT, or a ranking worker to "
+        "hand over after SIGUSR1 (or once its supervisor is gone), before it exits without finishing: draining and committing wait on the broker, "
         "which may be gone. Below the launcher's 30 s before SIGKILL, so the stage says why.",
     )
     concurrency: int = Field(

@@ -526,11 +526,16 @@ def main(
                 stop_deadline.arm()
             worker.stop()
 
+        def hand_over() -> None:  # a stop too: draining and committing may wait on a gone broker
+            if stop_deadline is not None:
+                stop_deadline.arm()
+            worker.hand_over()
+
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop)
-        loop.add_signal_handler(signal.SIGUSR1, worker.hand_over)
+        loop.add_signal_handler(signal.SIGUSR1, hand_over)
         if handover_asked():  # while starting up: hands over as soon as it runs
-            worker.hand_over()
+            hand_over()
         if standby:
             from relaygr.streams.standby import Standby
 

@@ -1,7 +1,8 @@
 """While the broker is gone: aiokafka's repeated errors are logged once per window with a count,
 a failed metadata update waits out the retry backoff, stopping clients never stops half-way, and
-(against a broker of this test's own, stopped under running stages) every stage ends on SIGTERM
-within its stop grace instead of waiting on the broker without end."""
+(against a broker of this test's own, stopped under running stages) every stage ends on SIGTERM,
+and a ranking worker told to hand over on SIGUSR1, within its stop grace instead of waiting on the
+broker without end."""
 
 from __future__ import annotations
 
@@ -117,7 +118,10 @@ async def test_every_stage_stops_within_its_grace_once_the_broker_is_gone(
     )
     state = await asyncio.to_thread(broker.start, own, quiet=True)
     settings = own.model_copy(update={"bootstrap": state.bootstrap})
-    pipe = Pipeline(settings, ranking_workers=1, env=_env(model_dir))
+    # ranker-1 is told to hand over (to no standby) and then blocks after writing handover.json, as
+    # a hand-over stuck on the broker would: only its stop grace can end it (the others get SIGTERM).
+    env = {**_env(model_dir), "RELAYGR_HANDOVER_STALL_S": "600"}
+    pipe = Pipeline(settings, ranking_workers=2, env=env)
     try:
         await ensure_topics(TopicRegistry(settings.topic_prefix, 2), settings)
         pipe.start()
@@ -126,8 +130,8 @@ async def test_every_stage_stops_within_its_grace_once_the_broker_is_gone(
         await asyncio.to_thread(broker.stop, own)  # the broker goes while every stage holds partitions
         await asyncio.sleep(2)
         pipe.supervisor._stopping.set()  # no restarts from here on
-        for p in procs.values():
-            p.send_signal(signal.SIGTERM)
+        for name, p in procs.items():
+            p.send_signal(signal.SIGUSR1 if name == "ranker-1" else signal.SIGTERM)
         # Faust's stop and the ranking worker's producer wait on the broker without end: without the
         # grace these would still be running when the bound below ends them.
         codes = {}
@@ -137,8 +141,16 @@ async def test_every_stage_stops_within_its_grace_once_the_broker_is_gone(
             except Exception:
                 p.kill()
                 codes[name] = "still running"
-        assert set(codes) >= {"ingress-requests", "ingress-behaviors", "retrieval", "preprocess", "ranker-0"}
+        assert set(codes) >= {
+            "ingress-requests",
+            "ingress-behaviors",
+            "retrieval",
+            "preprocess",
+            "ranker-0",
+            "ranker-1",
+        }
         assert all(c in (0, STOP_OVERDUE_EXIT) for c in codes.values()), codes
+        assert codes["ranker-1"] == STOP_OVERDUE_EXIT, codes  # a hand-over is a stop, under its grace
         overdue = [n for n, c in codes.items() if c == STOP_OVERDUE_EXIT]
         for name in overdue:  # a stage that gave up says why
             assert "still stopping 5 s after the stop signal" in (pipe.log_dir / f"{name}.log").read_text()

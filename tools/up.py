@@ -17,7 +17,8 @@ standby of the same id that warmed up beside it and takes over its partitions wh
 (``streams.standby``), so no request waits for a process to start.
 
 Primitives: ``Pipeline`` (start, wait_ready, scrape, check, pause, resume, stop, roll_worker,
-rolling_restart), ``Scrape`` (one stage's Prometheus samples, parsed by
+rolling_restart), ``complete_hand_over`` (its last step: signal, wait, and the old process ended whatever
+fails; ``HandOverFailed``), ``Scrape`` (one stage's Prometheus samples, parsed by
 ``prometheus_client.parser``: ``value``, ``by_label``), ``signal_running_up`` (the operator's verb).
 """
 
@@ -187,15 +188,9 @@ class Pipeline:
         if say is not None:
             say(f"{name}: standby pid {standby.pid} ready in {took['warm']:.1f} s; handing over")
         old = self.supervisor.adopt(name, standby)
-        t1 = time.monotonic()
-        old.send_signal(signal.SIGUSR1)
-        _wait_standby(files, standby, "serving", 60.0, old)
-        took["serving"] = time.monotonic() - t1
-        _wait_standby(files, standby, "joined", 60.0, old)
-        took["joined"] = time.monotonic() - t1
-        end_process(old, grace_s=60.0)  # it exits on its own once it has handed over
-        took["old_exit"] = time.monotonic() - t1
-        return took
+        # The old process hands over under its stop grace; past that (and a margin) it is killed.
+        grace = float(self.env.get("RELAYGR_STOP_GRACE_S") or PipelineSettings().stop_grace_s)
+        return took | complete_hand_over(files, standby, old, name=name, old_grace_s=grace + 5.0)
 
     def rolling_restart(self, *, say=None) -> dict[str, dict[str, float]]:
         """``roll_worker`` for every running ranking worker, one at a time."""
@@ -281,6 +276,47 @@ class Pipeline:
         finally:
             await cons.stop()
             await prod.stop()
+
+
+class HandOverFailed(RuntimeError):
+    """A rolling restart that failed after the old process was told to hand over: the standby,
+    already adopted, is the supervised process of the worker's id, and the old one has ended."""
+
+
+def complete_hand_over(
+    files: WorkerFiles,
+    standby: subprocess.Popen,
+    old: subprocess.Popen,
+    *,
+    name: str,
+    timeout_s: float = 60.0,
+    old_grace_s: float = 30.0,
+) -> dict[str, float]:
+    """Tell ``old`` to hand over to the adopted ``standby`` (SIGUSR1) and wait until the standby
+    serves and has joined, each within ``timeout_s``, then until ``old`` has exited. Returns seconds
+    from the signal: ``serving``, ``joined``, ``old_exit``. Whatever fails, ``old`` does not outlive
+    this call: it was told to leave, and nothing supervises it any more (SIGTERM, then SIGKILL after
+    ``old_grace_s``, above a stage's stop grace, under which the hand-over runs)."""
+    took: dict[str, float] = {}
+    t1 = time.monotonic()
+    try:
+        old.send_signal(signal.SIGUSR1)
+        _wait_standby(files, standby, "serving", timeout_s, old)
+        took["serving"] = time.monotonic() - t1
+        _wait_standby(files, standby, "joined", timeout_s, old)
+        took["joined"] = time.monotonic() - t1
+    except (RuntimeError, TimeoutError) as e:
+        end_process(old, grace_s=old_grace_s)
+        raise HandOverFailed(
+            f"{name}: {e}; pid {standby.pid} is {name} now (restarted as a plain worker if it exits), "
+            f"the old pid {old.pid} was told to hand over and has exited (code {old.returncode})"
+        ) from e
+    except BaseException:
+        end_process(old, grace_s=old_grace_s)
+        raise
+    end_process(old, grace_s=old_grace_s)  # it exits on its own once it has handed over
+    took["old_exit"] = time.monotonic() - t1
+    return took
 
 
 def _wait_standby(
@@ -445,8 +481,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _rolling_restart(pipe: Pipeline) -> None:
-    """The operator's rolling restart: every ranking worker in turn; a failed one is reported
-    and leaves the old process serving."""
+    """The operator's rolling restart: every ranking worker in turn. A failure is reported: before
+    the hand-over the old process keeps serving (its standby is ended); after it (``HandOverFailed``)
+    the standby is the worker, and the old process has ended."""
     print("relaygr up: rolling restart of the ranking workers", flush=True)
     for i in range(pipe.n):
         try:
