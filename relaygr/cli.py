@@ -38,6 +38,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "relaygr.tools.train_source",
         "train the HSTU ranker on MovieLens, an interaction log file or the behaviors topic",
     ),
+    "quality": (
+        "relaygr.quality_cli",
+        "several training runs of one log (seeds) pooled user by user: HR@10 by history length, all vs best",
+    ),
     "plan": (
         "relaygr.plan",
         "capacity plan: bytes per cached user, users per GB per tier, device time and workers for a load",

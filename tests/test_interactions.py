@@ -18,6 +18,7 @@ from relaygr.streams.retrieval import CandidateGenerator
 from relaygr.workers import train
 from relaygr.workers.interactions import Columns, MalformedLog, build_log, read_interactions
 from relaygr.workers.model import HSTUConfig, HSTURanker
+from relaygr.workers.quality import RANKS_FILE, load_ranks, summarise
 from relaygr.workers.vocab import OOV, VOCAB_FILE, ItemVocab, item_key, item_keys
 
 TINY = ["--layers", "1", "--heads", "1", "--dim", "16", "--epochs", "1", "--max-steps", "2", "--threads", "1"]
@@ -62,6 +63,10 @@ def test_a_string_id_log_trains_evaluates_and_keeps_its_vocabulary(fmt, tmp_path
     for row in [*metrics["by_history_length"], metrics["popularity_baseline"]]:
         lo, hi = row["HR@10_ci95"]
         assert 0.0 <= lo <= row["HR@10"] <= hi <= 1.0
+    users, ranks = load_ranks(out / RANKS_FILE)  # kept for `relaygr quality`: the table's own ranks
+    assert len(users) == 12 and list(ranks) == lengths
+    for row, (k, again) in zip(metrics["by_history_length"], summarise(ranks).items(), strict=True):
+        assert row["history"] == k and row["HR@10"] == again["HR@10"] and row["MRR"] == again["MRR"]
     model = HSTURanker.load(out)
     assert model.config.num_items == 25
     assert model.vocab.raw_ids() == sorted({r["sku"] for r in rows})

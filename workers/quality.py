@@ -15,6 +15,11 @@ Primitives:
 - ``paired_differences``: the whole history's metrics minus each truncation's, per user, with a
   paired bootstrap interval (the same resampled users for both).
 - ``popularity_metrics``: the same protocol for a most-popular baseline.
+- ``save_ranks`` / ``load_ranks``: every test target's rank per history length, per user
+  (``test_ranks.npz`` beside ``metrics.json``), so that runs can be compared user by user later.
+- ``pooled``: several runs (seeds) that ranked the same users' targets: each metric per user
+  averaged over the runs, per length, and the whole history minus each truncation, paired, with
+  bootstrap intervals over users (the users are the sample; the runs are repeated measurements).
 - ``format_row``: one line of the quality table.
 """
 
@@ -213,6 +218,55 @@ def popularity_metrics(
             got.append(_rank_of_target(counts[cands.numpy()], tpos))
         ranks.append(np.asarray(got))
     return {**_metrics(ranks), "users": len(ranks), "targets": int(sum(len(r) for r in ranks))}
+
+
+RANKS_FILE = "test_ranks.npz"
+
+
+def save_ranks(path, users: Sequence[str], ranks: dict[str, list[np.ndarray]]) -> None:
+    """``rank_targets``' ranks of ``users`` (in its order) to ``path`` (an ``.npz``): the users, the
+    number of targets of each, and per history length every rank, users one after another."""
+    per_length = list(ranks.values())
+    if any(len(v) != len(users) for v in per_length):
+        raise ValueError(f"ranks of {[len(v) for v in per_length]} users for {len(users)} users")
+    counts = np.asarray([len(r) for r in per_length[0]] if per_length else [], dtype=np.int64)
+    arrays = {f"ranks_{k}": np.concatenate(v) if v else np.zeros(0) for k, v in ranks.items()}
+    np.savez_compressed(path, users=np.asarray(list(users), dtype=str), targets=counts, **arrays)
+
+
+def load_ranks(path) -> tuple[list[str], dict[str, list[np.ndarray]]]:
+    """What ``save_ranks`` wrote: the users and, per history length, each user's ranks."""
+    with np.load(path) as z:
+        users = [str(u) for u in z["users"]]
+        bounds = np.cumsum(z["targets"])[:-1]
+        ranks = {n[len("ranks_") :]: np.split(z[n], bounds) for n in z.files if n.startswith("ranks_")}
+    return users, ranks
+
+
+def pooled(runs: Sequence[dict[str, list[np.ndarray]]], reference: str = "all") -> dict[str, dict]:
+    """Runs that ranked the same users' test targets (same users, same order; seeds of one log):
+    per history length, each metric per user averaged over the runs, with its mean and interval
+    (``by_history_length``); and ``reference`` minus each other length, per user, paired
+    (``all_minus_truncation``). Users are resampled, the runs never: they are one model's repeated
+    measurements, and a user's mean over them is that user's value."""
+    if not runs:
+        raise ValueError("no runs to pool")
+    lengths = [k for k in runs[0] if all(k in r for r in runs)]
+    if reference not in lengths:
+        raise ValueError(f"every run needs the {reference!r} history length")
+    users = {len(r[reference]) for r in runs}
+    if len(users) != 1:
+        raise ValueError(f"the runs ranked different numbers of users: {sorted(users)}")
+    per_user = {k: [_per_user(r[k]) for r in runs] for k in lengths}
+    mean = {k: {m: np.mean([u[m] for u in v], axis=0) for m in v[0]} for k, v in per_user.items()}
+    resample = _resample(users.pop())
+    ref = mean[reference]
+    return {
+        "by_history_length": {k: _with_ci(v, resample) for k, v in mean.items()},
+        "all_minus_truncation": {
+            k: _with_ci({m: ref[m] - v[m] for m in ref}, resample) for k, v in mean.items() if k != reference
+        },
+    }
 
 
 def format_row(row: dict) -> str:

@@ -10,7 +10,8 @@ Primitives:
 - ``run(args, log=None)``: ``relaygr train --dataset ml-100k --out DIR`` or ``--interactions
   PATH`` (the arguments and their checks: ``train_args``) writes ``model.safetensors``,
   ``config.json``, ``vocab.json`` (raw item ids -> model ids) and ``metrics.json`` (quality
-  against the history length used at inference, and the popularity baseline); ``--tune N``
+  against the history length used at inference, and the popularity baseline) with
+  ``test_ranks.npz`` (each test target's rank, for ``relaygr quality``); ``--tune N``
   first searches N configurations (``tuning``). ``log``: events already read (from the
   ``behaviors`` topic, by ``relaygr.tools.train_source``), so this module never touches Kafka.
 
@@ -27,6 +28,7 @@ import json
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -45,11 +47,13 @@ from relaygr.workers.movielens import load_atomic_log, load_movielens
 from relaygr.workers.objectives import Batch, batch_loss, make_batch
 from relaygr.workers.prefix_kv import Events
 from relaygr.workers.quality import (
+    RANKS_FILE,
     evaluate,
     format_row,
     paired_differences,
     popularity_metrics,
     rank_targets,
+    save_ranks,
     split_leave_last_out,
     split_validation,
     spread_users,
@@ -326,7 +330,8 @@ def _quality(
         trained.model, history, test, lengths=_eval_lengths(args.eval_lengths), max_users=args.eval_users
     )
     by_len = summarise(ranks)
-    users = spread_users(list(history), args.eval_users)
+    users = spread_users(list(history), args.eval_users)  # rank_targets' users, in its order
+    save_ranks(Path(args.out) / RANKS_FILE, users, ranks)  # for `relaygr quality`: runs user by user
     overall = {k: v for k, v in by_len["all"].items() if k not in ("users", "targets")}
     return {
         "model_version": trained.model.model_version,
