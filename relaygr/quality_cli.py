@@ -10,7 +10,7 @@ truncation, paired: per user, the metric averaged over the runs, then bootstrapp
 pooled table of different configurations is not taken for one of seeds.
 
 Primitives: ``read_run`` (a run folder: its ``metrics.json`` and ranks), ``compare`` (the pooled
-report, a dict), ``add_arguments`` / ``run`` (the command).
+report, a dict), ``plot`` (``--plot``: the report as a PNG), ``add_arguments`` / ``run`` (the command).
 """
 
 from __future__ import annotations
@@ -105,12 +105,72 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="output folders of `relaygr train` (seeds of one log)",
     )
     parser.add_argument("--json", action="store_true", help="print the report as one JSON line")
+    parser.add_argument(
+        "--plot",
+        type=Path,
+        metavar="PNG",
+        help="also draw HR@10 by history length (each run, and the mean with its interval) and the whole "
+        "history minus each truncation (pooled, with its interval) into this PNG",
+    )
+
+
+def plot(report: dict[str, Any], path: Path) -> Path:
+    """Two panels: HR@10 by history length (each run thin, the mean with its 95 % interval), and
+    the whole history minus each truncation, pooled, with its interval, against zero."""
+    from relaygr.tools.report.plots import pyplot
+
+    def bars(rows: list[dict]) -> tuple[list[float], list[list[float]]]:
+        mid = [row["HR@10"] for row in rows]
+        lo = [m - row["HR@10_ci95"][0] for m, row in zip(mid, rows, strict=True)]
+        hi = [row["HR@10_ci95"][1] - m for m, row in zip(mid, rows, strict=True)]
+        return mid, [lo, hi]
+
+    plt = pyplot()
+    fig, (by_length, minus) = plt.subplots(1, 2, figsize=(10, 4))
+    lengths = list(report["by_history_length"])
+    for i, r in enumerate(report["runs"]):
+        by_length.plot(
+            lengths,
+            [r["HR@10"].get(k) for k in lengths],
+            color="0.7",
+            lw=1,
+            label="each run" if i == 0 else None,
+        )
+    mid, err = bars([report["by_history_length"][k] for k in lengths])
+    by_length.errorbar(
+        lengths, mid, yerr=err, color="C0", lw=2, capsize=4, label=f"mean of {len(report['runs'])}, 95 % CI"
+    )
+    by_length.set(
+        xlabel="history read (last N events)",
+        ylabel="HR@10",
+        title=f"{report['dataset']}: {report['users']} users",
+    )
+    truncations = list(report["all_minus_truncation"])
+    mid, err = bars([report["all_minus_truncation"][k] for k in truncations])
+    minus.errorbar(
+        truncations, mid, yerr=err, fmt="o", color="C1", capsize=4, label="pooled over the runs, 95 % CI"
+    )
+    minus.axhline(0.0, color="0.3", lw=1)
+    minus.set(
+        xlabel="truncation (last N events)",
+        ylabel="HR@10: whole history minus truncation",
+        title="paired, per user",
+    )
+    for ax in (by_length, minus):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def run(args: argparse.Namespace) -> int:
     from relaygr.workers.quality import format_row
 
     report = compare(args.runs)
+    if args.plot:
+        plot(report, args.plot)
     if args.json:
         print(json.dumps(report))
         return 0
@@ -138,4 +198,6 @@ def run(args: argparse.Namespace) -> int:
         f"the whole history is {verdict} the best truncation (the last {report['best_truncation']} events) by "
         f"HR@10: {gap:+.4f} [{lo:+.4f}, {hi:+.4f}], {gap * users:+.1f} users of {users} a run"
     )
+    if args.plot:
+        print(f"plot: {args.plot}")
     return 0

@@ -120,7 +120,17 @@ def test_runs_that_did_not_rank_the_same_users_are_refused(tmp_path: Path) -> No
         compare([a, tmp_path / "missing"])
 
 
-def _args(runs: list[Path], as_json: bool = False):
+def test_the_json_line_and_the_plot(tmp_path: Path, capsys) -> None:
+    runs = [_run_folder(tmp_path, "a", _ranks(1)), _run_folder(tmp_path, "b", _ranks(2), seed=1)]
+    png = tmp_path / "pool.png"
+    assert quality_run(_args(runs, as_json=True, plot=png)) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["users"] == len(USERS) and len(report["runs"]) == 2
+    assert set(report["all_minus_truncation"]) == {"16", "64"}
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _args(runs: list[Path], as_json: bool = False, plot: Path | None = None):
     import argparse
 
-    return argparse.Namespace(runs=runs, json=as_json)
+    return argparse.Namespace(runs=runs, json=as_json, plot=plot)
