@@ -1,6 +1,7 @@
-"""The last step of a rolling restart (``tools.up.complete_hand_over``), with stand-in processes: the old
+"""A rolling restart's hand-over (``tools.up.complete_hand_over``), with stand-in processes: the old
 process is signalled, the standby's states are awaited, and whatever happens the old process,
-which nothing supervises any more, does not outlive the call."""
+which nothing supervises any more, does not outlive the call. A stop while a standby warms up gives
+the restart up at once (``RollAbandoned``), and the workers not rolled yet are left as they are."""
 
 from __future__ import annotations
 
@@ -11,7 +12,13 @@ from pathlib import Path
 import pytest
 
 from relaygr.streams.worker_files import WorkerFiles
-from relaygr.tools.up import HandOverFailed, complete_hand_over
+from relaygr.tools.up import (
+    HandOverFailed,
+    RollAbandoned,
+    _rolling_restart,
+    _wait_standby,
+    complete_hand_over,
+)
 
 # A process that ignores the hand-over signal (as one stuck in its drain would), or both it and SIGTERM.
 DEAF = "import signal, time; signal.signal(signal.SIGUSR1, signal.SIG_IGN); {more}print('ready', flush=True); time.sleep(600)"
@@ -86,3 +93,39 @@ def test_a_state_written_by_another_pid_does_not_count(procs, tmp_path: Path) ->
     files.write_standby("joined", standby.pid + 100_000)  # an earlier standby's file
     with pytest.raises(HandOverFailed, match="not serving"):
         complete_hand_over(files, standby, old, name="ranker-0", timeout_s=0.3, old_grace_s=10)
+
+
+def test_a_stop_while_the_standby_warms_up_gives_the_restart_up_at_once(procs, tmp_path: Path) -> None:
+    files = WorkerFiles(tmp_path)
+    standby = procs(SLEEPER)
+    with pytest.raises(RollAbandoned, match="given up before ready"):
+        _wait_standby(files, standby, "ready", 600.0, abandon=lambda: True)  # not the 600 s
+    files.write_standby("ready", standby.pid)
+    _wait_standby(files, standby, "ready", 600.0, abandon=lambda: False)
+
+
+class _Rolled:
+    """A deployment of three workers whose roll records the calls; a stop comes during the first."""
+
+    def __init__(self, stop_during: int | None) -> None:
+        self.n, self.calls, self.stopping = 3, [], False
+        self.stop_during = stop_during
+
+    def roll_worker(self, i: int, *, abandon) -> dict[str, float]:
+        self.calls.append(i)
+        if i == self.stop_during:
+            self.stopping = True
+            if abandon():
+                raise RollAbandoned("the standby was given up before ready: stopping")
+        return {"warm": 1.0, "serving": 0.01, "joined": 0.1, "old_exit": 0.2}
+
+
+def test_a_rolling_restart_stops_rolling_once_the_deployment_stops(capsys) -> None:
+    pipe = _Rolled(stop_during=1)
+    _rolling_restart(pipe, lambda: pipe.stopping)
+    assert pipe.calls == [0, 1]  # ranker-2 is left as it is
+    err = capsys.readouterr().err
+    assert "rolling restart of ranker-1 given up" in err
+    pipe = _Rolled(stop_during=None)
+    _rolling_restart(pipe, lambda: pipe.stopping)
+    assert pipe.calls == [0, 1, 2] and "ranker-2 replaced" in capsys.readouterr().out

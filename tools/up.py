@@ -14,7 +14,8 @@ ranking workers get the shared cores first.
 Rolling restart (``Pipeline.roll_worker``, ``rolling_restart``; SIGUSR1 to ``relaygr up``, or
 ``relaygr up --rolling-restart`` from another shell): each ranking worker in turn is replaced by a
 standby of the same id that warmed up beside it and takes over its partitions when it hands over
-(``streams.standby``), so no request waits for a process to start.
+(``streams.standby``), so no request waits for a process to start. A stop signal while a standby
+warms up gives the restart up (``RollAbandoned``) rather than waiting for it.
 
 Primitives: ``Pipeline`` (start, wait_ready, scrape, check, pause, resume, stop, roll_worker,
 rolling_restart), ``complete_hand_over`` (its last step: signal, wait, and the old process ended whatever
@@ -33,6 +34,7 @@ import sys
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -164,12 +166,21 @@ class Pipeline:
         once its session times out (a static member sends no leave). ``kill``: SIGKILL."""
         self.supervisor.release(f"ranker-{i}", kill=kill)
 
-    def roll_worker(self, i: int, *, ready_timeout_s: float = 600.0, say=None) -> dict[str, float]:
+    def roll_worker(
+        self,
+        i: int,
+        *,
+        ready_timeout_s: float = 600.0,
+        say=None,
+        abandon: Callable[[], bool] | None = None,
+    ) -> dict[str, float]:
         """Replace ranking worker ``ranker-{i}`` with no gap: start its standby, wait until it is
         warm, tell the old process to hand over (SIGUSR1), wait until the new one serves and has
         joined the group; the supervisor then keeps the new process running as ``ranker-{i}``.
         Returns seconds: ``warm`` (standby start to ready), ``serving`` (hand-over signal to
-        ranking), ``joined`` (to group membership), ``old_exit`` (to the old process's exit)."""
+        ranking), ``joined`` (to group membership), ``old_exit`` (to the old process's exit).
+        Once ``abandon()`` says so while the standby warms up (the deployment is stopping), the
+        standby is ended and ``RollAbandoned`` raised: the old process never heard of it."""
         name = f"ranker-{i}"
         files = WorkerFiles(deployment_dir(self.settings, "workers") / name)
         files.clear_standby()
@@ -180,7 +191,7 @@ class Pipeline:
         if self.cores is not None:
             pin_tasks(standby.pid, self.cores.shared)
         try:
-            _wait_standby(files, standby, "ready", ready_timeout_s)
+            _wait_standby(files, standby, "ready", ready_timeout_s, abandon=abandon)
         except BaseException:
             end_process(standby, kill=True)
             raise
@@ -278,6 +289,10 @@ class Pipeline:
             await prod.stop()
 
 
+class RollAbandoned(RuntimeError):
+    """A rolling restart given up before its hand-over because the deployment is stopping."""
+
+
 class HandOverFailed(RuntimeError):
     """A rolling restart that failed after the old process was told to hand over: the standby,
     already adopted, is the supervised process of the worker's id, and the old one has ended."""
@@ -325,12 +340,17 @@ def _wait_standby(
     state: str,
     timeout_s: float,
     old: subprocess.Popen | None = None,
+    *,
+    abandon: Callable[[], bool] | None = None,
 ) -> None:
     """Wait until the standby ``proc`` says it reached ``state`` (or a later one); meanwhile reap
-    ``old`` once it exits (a process that crashed instead of handing over is seen gone)."""
+    ``old`` once it exits (a process that crashed instead of handing over is seen gone). Raises
+    ``RollAbandoned`` as soon as ``abandon()`` is true."""
     deadline = time.monotonic() + timeout_s
     want = STANDBY_STATES.index(state)
     while time.monotonic() < deadline:
+        if abandon is not None and abandon():
+            raise RollAbandoned(f"the standby (pid {proc.pid}) was given up before {state}: stopping")
         if old is not None:
             old.poll()
         seen = files.read_standby()
@@ -460,7 +480,7 @@ def run(args: argparse.Namespace) -> int:
                 pipe.check()
                 if roll:
                     roll = False
-                    _rolling_restart(pipe)
+                    _rolling_restart(pipe, lambda: stop)
                 time.sleep(0.5)
             restarts = dict(pipe.restarts)
     except KeyboardInterrupt:
@@ -480,14 +500,26 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _rolling_restart(pipe: Pipeline) -> None:
+def _rolling_restart(pipe: Pipeline, stopping: Callable[[], bool] = lambda: False) -> None:
     """The operator's rolling restart: every ranking worker in turn. A failure is reported: before
     the hand-over the old process keeps serving (its standby is ended); after it (``HandOverFailed``)
-    the standby is the worker, and the old process has ended."""
+    the standby is the worker, and the old process has ended. Once ``stopping()`` (a stop signal
+    came), the workers not replaced yet are left as they are, so that the stop does not wait for
+    standbys to warm up."""
     print("relaygr up: rolling restart of the ranking workers", flush=True)
     for i in range(pipe.n):
+        if stopping():
+            print(
+                f"relaygr up: stopping; rolling restart given up from ranker-{i} on",
+                file=sys.stderr,
+                flush=True,
+            )
+            return
         try:
-            took = pipe.roll_worker(i)
+            took = pipe.roll_worker(i, abandon=stopping)
+        except RollAbandoned as e:
+            print(f"relaygr up: rolling restart of ranker-{i} given up: {e}", file=sys.stderr, flush=True)
+            return
         except (RuntimeError, TimeoutError) as e:
             print(f"relaygr up: rolling restart of ranker-{i} failed: {e}", file=sys.stderr, flush=True)
             continue
