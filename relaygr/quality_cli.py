@@ -75,6 +75,10 @@ def compare(folders: list[Path]) -> dict[str, Any]:
         if k not in OUTCOMES and len({json.dumps(t.get(k)) for t in trains}) > 1
     )
     table = pooled([r for *_, r in read])
+    if not table["all_minus_truncation"]:
+        raise SystemExit(
+            "relaygr quality: the runs share no truncated history length to compare the whole one with"
+        )
     best = max(table["all_minus_truncation"], key=lambda k: table["by_history_length"][k]["HR@10"])
     return {
         "dataset": runs[0][1].get("dataset"),

@@ -118,6 +118,9 @@ def test_runs_that_did_not_rank_the_same_users_are_refused(tmp_path: Path) -> No
         compare([a, old])
     with pytest.raises(SystemExit, match=r"no metrics\.json"):
         compare([a, tmp_path / "missing"])
+    whole_only = _run_folder(tmp_path, "whole", {"all": _ranks(4)["all"]})
+    with pytest.raises(SystemExit, match="no truncated history length"):
+        compare([a, whole_only])
 
 
 def test_the_json_line_and_the_plot(tmp_path: Path, capsys) -> None:
