@@ -321,15 +321,13 @@ def complete_hand_over(
         _wait_standby(files, standby, "joined", timeout_s, old)
         took["joined"] = time.monotonic() - t1
     except (RuntimeError, TimeoutError) as e:
-        end_process(old, grace_s=old_grace_s)
+        end_process(old, grace_s=old_grace_s)  # first, so that the message names how it ended
         raise HandOverFailed(
             f"{name}: {e}; pid {standby.pid} is {name} now (restarted as a plain worker if it exits), "
             f"the old pid {old.pid} was told to hand over and has exited (code {old.returncode})"
         ) from e
-    except BaseException:
+    finally:  # whatever happened; after a hand-over it exits on its own (ending it then only waits)
         end_process(old, grace_s=old_grace_s)
-        raise
-    end_process(old, grace_s=old_grace_s)  # it exits on its own once it has handed over
     took["old_exit"] = time.monotonic() - t1
     return took
 
