@@ -44,8 +44,17 @@ def read_run(folder: Path) -> tuple[dict[str, Any], list[str], dict]:
         raise SystemExit(
             f"relaygr quality: {folder}: no {RANKS_FILE} (trained before runs kept their ranks: train it again)"
         )
-    users, ranks = load_ranks(ranks_path)
-    return json.loads(metrics_path.read_text()), users, ranks
+    try:
+        metrics = json.loads(metrics_path.read_text())
+        if not isinstance(metrics, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as e:  # (json's errors are ValueErrors)
+        raise SystemExit(f"relaygr quality: {metrics_path}: unreadable: {e}") from e
+    try:
+        users, ranks = load_ranks(ranks_path)
+    except Exception as e:  # a truncated or foreign file: numpy raises several kinds
+        raise SystemExit(f"relaygr quality: {ranks_path}: unreadable ({type(e).__name__}: {e})") from e
+    return metrics, users, ranks
 
 
 def _same(runs: list[tuple[Path, dict, list[str]]], what: str, value) -> None:

@@ -118,6 +118,17 @@ def test_runs_that_did_not_rank_the_same_users_are_refused(tmp_path: Path) -> No
         compare([a, old])
     with pytest.raises(SystemExit, match=r"no metrics\.json"):
         compare([a, tmp_path / "missing"])
+    broken = _run_folder(tmp_path, "broken", _ranks(5))
+    (broken / "metrics.json").write_text('{"dataset": "ml-100k", ')
+    with pytest.raises(SystemExit, match=r"metrics\.json: unreadable"):
+        compare([a, broken])
+    (broken / "metrics.json").write_text("[1, 2]")
+    with pytest.raises(SystemExit, match="not a JSON object"):
+        compare([a, broken])
+    torn = _run_folder(tmp_path, "torn", _ranks(6))
+    (torn / RANKS_FILE).write_bytes((torn / RANKS_FILE).read_bytes()[:100])
+    with pytest.raises(SystemExit, match=re.escape(f"{RANKS_FILE}: unreadable")):
+        compare([a, torn])
     whole_only = _run_folder(tmp_path, "whole", {"all": _ranks(4)["all"]})
     with pytest.raises(SystemExit, match="no truncated history length"):
         compare([a, whole_only])
