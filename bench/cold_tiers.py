@@ -41,9 +41,9 @@ import numpy as np
 import torch
 
 from relaygr.tools.args import int_at_least
-from relaygr.workers.kv_codec import decode, encode
-from relaygr.workers.kv_formats import COLD_FORMATS, to_cold, to_warm
 from relaygr.workers.prefix_kv import Events, PrefixKV
+from relaygr.workers.store.kv_codec import decode, encode
+from relaygr.workers.store.kv_formats import COLD_FORMATS, to_cold, to_warm
 
 TARGETS = {
     "int8": {"users_per_gb_x": 3.5, "top10_overlap": 0.99},
@@ -181,7 +181,7 @@ def score_errors(
 
 def host_bytes_per_user(model: Any, prefixes: list[tuple[int, Events, PrefixKV]], fmt: str) -> float:
     """Host-tier bytes per cached user as the store accounts them in ``fmt``."""
-    from relaygr.workers.prefix_store import PrefixStore, PrefixStoreConfig
+    from relaygr.workers.store.prefix_store import PrefixStore, PrefixStoreConfig
 
     total = sum(p.nbytes() for _, _, p in prefixes)
     copies = ThreadPoolExecutor(1, thread_name_prefix="cold-tiers-copy")
@@ -203,7 +203,7 @@ async def disk_tier_figures(
     """Per format, disk bytes per cached user and promotion from disk: one store per format, the
     lookups interleaved (each user in every format in turn, the order rotating), so that whatever
     else the machine does falls on every format alike."""
-    from relaygr.workers.prefix_store import PrefixStore, PrefixStoreConfig
+    from relaygr.workers.store.prefix_store import PrefixStore, PrefixStoreConfig
 
     total = sum(p.nbytes() for _, _, p in prefixes)
     copies = ThreadPoolExecutor(1, thread_name_prefix="cold-tiers-copy")
@@ -333,9 +333,9 @@ def summarise(errors: dict[str, dict[str, float]], store: dict[str, dict[str, fl
 def run(args: argparse.Namespace) -> int:
     from relaygr.streams.config import PipelineSettings
     from relaygr.tools.prepare import ensure_calibration, ensure_model
-    from relaygr.workers.latency_model import LatencyModel
-    from relaygr.workers.model import HSTURanker
-    from relaygr.workers.movielens import load_movielens
+    from relaygr.workers.engine.latency_model import LatencyModel
+    from relaygr.workers.model.model import HSTURanker
+    from relaygr.workers.training.movielens import load_movielens
 
     settings = PipelineSettings()
     model_dir = args.model or settings.model_dir

@@ -99,7 +99,7 @@ def _device_facts(device: torch.device) -> dict:
         }
     if device.type == "npu":
         return {"name": str(torch.npu.get_device_name(device)), "devices": torch.npu.device_count()}
-    from relaygr.workers.devices import device_name
+    from relaygr.workers.model.devices import device_name
 
     return {"name": device_name(device)}
 
@@ -121,7 +121,7 @@ def probe(device_name: str) -> dict:
     out |= {"torch": torch.__version__, "torch_path": os.path.dirname(torch.__file__)}
     out["cuda_available"] = torch.cuda.is_available()
     try:
-        from relaygr.workers.devices import resolve_device
+        from relaygr.workers.model.devices import resolve_device
 
         device = resolve_device(device_name)
     except (RuntimeError, ValueError) as e:

@@ -229,8 +229,8 @@ def on_fresh_pipeline(tag: str, ranking_workers: int, measure, say, *, metrics: 
     from relaygr.streams.config import PipelineSettings
     from relaygr.tools.prepare import ensure_calibration, ensure_model
     from relaygr.tools.up import Pipeline
-    from relaygr.workers.cores import plan_cores
-    from relaygr.workers.movielens import load_movielens
+    from relaygr.workers.engine.cores import plan_cores
+    from relaygr.workers.training.movielens import load_movielens
 
     with contextlib.redirect_stdout(sys.stderr):  # stdout carries only the JSON line
         settings, _ = ensure_broker(get_settings())

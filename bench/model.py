@@ -33,10 +33,16 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from relaygr.workers.devices import device_name, keep_host_pages, resolve_device, resolve_dtype, synchronize
-from relaygr.workers.model import FAR_KEYS, NEAR_KEYS, HSTUConfig, HSTURanker
+from relaygr.workers.model.devices import (
+    device_name,
+    keep_host_pages,
+    resolve_device,
+    resolve_dtype,
+    synchronize,
+)
+from relaygr.workers.model.model import FAR_KEYS, NEAR_KEYS, HSTUConfig, HSTURanker
+from relaygr.workers.model.presets import PRESETS, resolve_shape
 from relaygr.workers.prefix_kv import Events, PrefixKV
-from relaygr.workers.presets import PRESETS, resolve_shape
 
 DEFAULT_LENGTHS = "256,512,1024,2048,4096,8192"
 BENCH_SHAPE = {"layers": 4, "dim": 128, "heads": 1}  # without --preset

@@ -42,7 +42,7 @@ from relaygr.infra.kafka import producer
 from relaygr.schemas import BehaviorEvent, RecommendationRequest, encode
 from relaygr.streams.config import PipelineSettings
 from relaygr.tools.args import float_above, int_at_least
-from relaygr.workers.cores import STAGE_NICE
+from relaygr.workers.engine.cores import STAGE_NICE
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -144,7 +144,7 @@ def _broker_pids(broker_settings: Settings) -> list[int]:
 def _pin(broker_settings: Settings, off: bool):
     """The core layout of one ranking worker; pinned, this process and the local broker's nodes
     move off its device core."""
-    from relaygr.workers.cores import CoreLayout, available_cores, pin_tasks, plan_cores
+    from relaygr.workers.engine.cores import CoreLayout, available_cores, pin_tasks, plan_cores
 
     if off:
         return CoreLayout((), tuple(sorted(available_cores())), False, "--no-pin")
@@ -157,7 +157,7 @@ def _pin(broker_settings: Settings, off: bool):
 
 def _unpin(broker_settings: Settings, cores) -> None:
     """The local broker and this process back on every core."""
-    from relaygr.workers.cores import pin_tasks
+    from relaygr.workers.engine.cores import pin_tasks
 
     if cores.pinned:
         every = set(cores.shared) | set(cores.device)
@@ -208,7 +208,7 @@ def _measure(
     args: argparse.Namespace, settings: Settings, nodes: Settings, pipeline, calib: Path, say
 ) -> int:
     from relaygr.tools.traffic import leave_last_out
-    from relaygr.workers.movielens import load_movielens
+    from relaygr.workers.training.movielens import load_movielens
 
     env = pipeline.to_env(
         model_dir=pipeline.model_dir,
@@ -307,7 +307,7 @@ def _measure(
     r, b = per_mode["relay"], per_mode["baseline"]
     # The model's own bound on the ratio: FLOPs of ranking the suffix and the candidates against
     # the cached prefix over FLOPs of full inference, at this history length.
-    from relaygr.workers.model import HSTURanker
+    from relaygr.workers.model.model import HSTURanker
 
     m = HSTURanker.load(pipeline.model_dir, device="cpu")
     st = SHORT_TERM

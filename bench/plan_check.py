@@ -65,9 +65,9 @@ async def _measure(model: Any, latency: Any, histories: list[tuple[int, Any]], r
     """One request per user through the engine; device busy time and the store's bytes."""
     from relaygr.streams.config import PipelineSettings, engine_config, trigger_config
     from relaygr.streams.trigger import SequenceAwareTrigger
-    from relaygr.workers.prefix_store import PrefixStore, PrefixStoreConfig
-    from relaygr.workers.ranker import RankingEngine, kv_bytes_per_token
-    from relaygr.workers.scheduler import DeviceScheduler, Priority
+    from relaygr.workers.engine.ranker import RankingEngine, kv_bytes_per_token
+    from relaygr.workers.engine.scheduler import DeviceScheduler, Priority
+    from relaygr.workers.store.prefix_store import PrefixStore, PrefixStoreConfig
 
     settings = PipelineSettings()
     total = sum(len(h) for _, h in histories) * kv_bytes_per_token(model)
@@ -147,10 +147,16 @@ def run(args: argparse.Namespace) -> int:
     from relaygr.streams.trigger import TriggerConfig
     from relaygr.tools.prepare import ensure_model
     from relaygr.tools.trace import lengthen
-    from relaygr.workers.calibration import calibrate, measure_paces
-    from relaygr.workers.capacity import ModelShape, WorkerShape, Workload, capacity_plan, lognormal_lengths
-    from relaygr.workers.model import HSTURanker
-    from relaygr.workers.movielens import load_movielens
+    from relaygr.workers.engine.calibration import calibrate, measure_paces
+    from relaygr.workers.engine.capacity import (
+        ModelShape,
+        WorkerShape,
+        Workload,
+        capacity_plan,
+        lognormal_lengths,
+    )
+    from relaygr.workers.model.model import HSTURanker
+    from relaygr.workers.training.movielens import load_movielens
 
     settings = PipelineSettings()
     model_dir = args.model or settings.model_dir

@@ -38,12 +38,18 @@ import torch
 
 from relaygr.tools.args import int_at_least
 
-# The program's packages: a file is the project's if it lies in one of their folders.
+# The program's packages (subpackages included): a file is the project's if it lies in one of their
+# folders.
 PACKAGES = (
     "relaygr",
     "relaygr.schemas",
     "relaygr.streams",
     "relaygr.workers",
+    "relaygr.workers.kernels",
+    "relaygr.workers.model",
+    "relaygr.workers.store",
+    "relaygr.workers.engine",
+    "relaygr.workers.training",
     "relaygr.infra",
     "relaygr.tools",
     "relaygr.bench",
@@ -150,12 +156,12 @@ async def _one_request(args: argparse.Namespace, recorder: CallRecorder, workdir
     from relaygr.streams.config import PipelineSettings
     from relaygr.streams.history import HistoryAlignment, HistoryTable
     from relaygr.streams.rank_handler import RankHandler
-    from relaygr.workers.engine_config import EngineConfig
-    from relaygr.workers.latency_model import LatencyModel
-    from relaygr.workers.model import HSTUConfig, HSTURanker
-    from relaygr.workers.prefix_store import PrefixStore, PrefixStoreConfig
-    from relaygr.workers.ranker import RankingEngine
-    from relaygr.workers.scheduler import DeviceScheduler
+    from relaygr.workers.engine.engine_config import EngineConfig
+    from relaygr.workers.engine.latency_model import LatencyModel
+    from relaygr.workers.engine.ranker import RankingEngine
+    from relaygr.workers.engine.scheduler import DeviceScheduler
+    from relaygr.workers.model.model import HSTUConfig, HSTURanker
+    from relaygr.workers.store.prefix_store import PrefixStore, PrefixStoreConfig
 
     torch.manual_seed(0)
     model = HSTURanker(HSTUConfig(layers=2, heads=2, dim=32, attn_dim=16, linear_dim=16, num_items=500))

@@ -38,11 +38,11 @@ from typing import Any
 
 import torch
 
-from relaygr.workers import prefix_store as prefix_store_module
-from relaygr.workers.devices import keep_host_pages, synchronize
+from relaygr.workers.model.devices import keep_host_pages, synchronize
+from relaygr.workers.model.presets import PRESETS, resolve_shape
 from relaygr.workers.prefix_kv import Events, PrefixKV, history_fingerprint
-from relaygr.workers.prefix_store import PrefixStore, PrefixStoreConfig
-from relaygr.workers.presets import PRESETS, resolve_shape
+from relaygr.workers.store import prefix_store as prefix_store_module
+from relaygr.workers.store.prefix_store import PrefixStore, PrefixStoreConfig
 
 STORE_SHAPE = {"layers": 4, "dim": 128, "heads": 2}  # without --preset
 
@@ -261,7 +261,7 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from relaygr.workers.model import HSTUConfig, HSTURanker  # only the recompute baseline needs it
+    from relaygr.workers.model.model import HSTUConfig, HSTURanker  # only the recompute baseline needs it
 
     lengths = [int(x) for x in str(args.lengths).split(",") if x.strip()]
     keep_host_pages()  # as a serving worker runs

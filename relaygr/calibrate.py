@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from relaygr.tools.args import int_at_least
-from relaygr.workers.calibration import CALIBRATION_LENGTHS
+from relaygr.workers.engine.calibration import CALIBRATION_LENGTHS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,8 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from relaygr.streams.config import PipelineSettings
-    from relaygr.workers.calibration import calibrate_and_save
-    from relaygr.workers.model import HSTURanker
+    from relaygr.workers.engine.calibration import calibrate_and_save
+    from relaygr.workers.model.model import HSTURanker
 
     model_dir = args.model or PipelineSettings().model_dir
     model = HSTURanker.load(model_dir, device=args.device)

@@ -45,7 +45,7 @@ from relaygr.tools.report.compare import comparison_markdown, plot_comparison, v
 from relaygr.tools.report.figures import RELAY_PATHS, json_safe
 from relaygr.tools.report.summary import RunSummary
 from relaygr.tools.sizing import Workload, relay_pace_of, size_demo
-from relaygr.workers.cores import plan_cores
+from relaygr.workers.engine.cores import plan_cores
 
 MODES = ("relay", "baseline")
 DEMO_MIN_PRIOR = 20
@@ -139,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
 def size_to_machine(
     args: argparse.Namespace, model_dir: Path, calibration: Path, budget_ms: float, short_term: int
 ) -> Workload:
-    from relaygr.workers.latency_model import LatencyModel
+    from relaygr.workers.engine.latency_model import LatencyModel
 
     cfg = json.loads((model_dir / "config.json").read_text())
     max_seq_len = int(cfg.get("max_seq_len") or 8192)
@@ -165,7 +165,7 @@ def size_to_machine(
 def _run(args: argparse.Namespace, settings: Settings, base: Settings, json_out: TextIO = sys.stdout) -> int:
     from relaygr.streams.config import PipelineSettings
     from relaygr.tools.experiment.deployment import build_and_publish
-    from relaygr.workers.movielens import load_movielens
+    from relaygr.workers.training.movielens import load_movielens
 
     pipeline = PipelineSettings()
     ensure_model(pipeline.model_dir)

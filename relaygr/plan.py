@@ -7,7 +7,7 @@ histories of median ``--history-p50`` and 99th percentile ``--history-p99`` even
 capped at the model's ``max_seq_len``): the bytes per cached user on device, host and disk, users
 per GB (10^9 bytes) of each tier, the pre-inference device time per second, and the ranking
 workers needed for ``--hit-rate`` (their tier budgets are the RELAYGR_*_CACHE_MB settings).
-The models behind each figure are those of ``relaygr.workers.capacity``, restated in the output.
+The models behind each figure are those of ``relaygr.workers.engine.capacity``, restated in the output.
 """
 
 from __future__ import annotations
@@ -60,9 +60,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from relaygr.streams.config import PipelineSettings
     from relaygr.streams.trigger import TriggerConfig
-    from relaygr.workers.capacity import ModelShape, WorkerShape, Workload, capacity_plan, lognormal_lengths
-    from relaygr.workers.latency_model import LatencyModel
-    from relaygr.workers.model import HSTUConfig
+    from relaygr.workers.engine.capacity import (
+        ModelShape,
+        WorkerShape,
+        Workload,
+        capacity_plan,
+        lognormal_lengths,
+    )
+    from relaygr.workers.engine.latency_model import LatencyModel
+    from relaygr.workers.model.model import HSTUConfig
 
     if args.history_p99 < args.history_p50:
         raise SystemExit("plan: --history-p99 must be at least --history-p50")

@@ -6,7 +6,7 @@ RUN [RUN ...]`` reads the output folders of ``relaygr train`` runs that ranked t
 test targets (seeds of one log, with ``test_ranks.npz``): it prints each run's HR@10 by history
 length, then the mean over the runs with 95 % intervals and the whole history minus each
 truncation, paired: per user, the metric averaged over the runs, then bootstrapped over users
-(``relaygr.workers.quality.pooled``). Settings in which the runs differ are named, so that a
+(``relaygr.workers.training.quality.pooled``). Settings in which the runs differ are named, so that a
 pooled table of different configurations is not taken for one of seeds.
 
 Primitives: ``read_run`` (a run folder: its ``metrics.json`` and ranks), ``compare`` (the pooled
@@ -35,7 +35,7 @@ OUTCOMES = {
 
 def read_run(folder: Path) -> tuple[dict[str, Any], list[str], dict]:
     """``metrics.json``, the users ranked and their ranks per history length of one run folder."""
-    from relaygr.workers.quality import RANKS_FILE, load_ranks
+    from relaygr.workers.training.quality import RANKS_FILE, load_ranks
 
     metrics_path, ranks_path = folder / "metrics.json", folder / RANKS_FILE
     if not metrics_path.is_file():
@@ -70,7 +70,7 @@ def _same(runs: list[tuple[Path, dict, list[str]]], what: str, value) -> None:
 def compare(folders: list[Path]) -> dict[str, Any]:
     """The pooled report of ``folders``: each run's metrics, the settings they differ in, the
     pooled table and differences, and the best truncation by mean HR@10 against the whole history."""
-    from relaygr.workers.quality import pooled
+    from relaygr.workers.training.quality import pooled
 
     read = [(f, *read_run(f)) for f in folders]
     runs = [(f, m, u) for f, m, u, _ in read]
@@ -179,7 +179,7 @@ def plot(report: dict[str, Any], path: Path) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
-    from relaygr.workers.quality import format_row
+    from relaygr.workers.training.quality import format_row
 
     report = compare(args.runs)
     if args.plot:

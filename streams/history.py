@@ -14,7 +14,7 @@ Primitives:
   cluster: see ``relaygr.streams.state_lineage``).
 - ``pack`` / ``unpack``: a history as fixed-width records (item int64, action int16, ts float64;
   ``RECORD``, with the packing of incoming behaviours, is ``relaygr.streams.history_records``).
-  The item column holds ``relaygr.workers.vocab.item_key`` of the raw id: an integer id as is, a
+  The item column holds ``relaygr.workers.model.vocab.item_key`` of the raw id: an integer id as is, a
   string id as its 64-bit hash. Keys, not model ids, so the table does not depend on the
   checkpoint: a model with another vocabulary maps the same table when it serves it.
 - Retention: with ``retain_events``, a user's oldest events beyond it are dropped in whole

@@ -2,7 +2,7 @@
 
 Primitives:
 - ``RECORD``: one event as a fixed-width record (item int64, action int16, ts float64, 18 bytes);
-  the item column holds ``relaygr.workers.vocab.item_key`` of the raw id.
+  the item column holds ``relaygr.workers.model.vocab.item_key`` of the raw id.
 - ``event_record(event, source, seen)``: one event packed, or nothing when its source offset was
   applied before; ``batch_records(batch, seen)``: a routed batch's events packed at once, without
   those already applied. Both move ``seen`` (source partition -> last applied offset) on.
@@ -18,7 +18,7 @@ import numpy as np
 
 from relaygr.schemas import BehaviorBatch, BehaviorEvent
 from relaygr.schemas.routing import Positions
-from relaygr.workers.vocab import item_key, item_keys
+from relaygr.workers.model.vocab import item_key, item_keys
 
 RECORD = np.dtype([("item", "<i8"), ("action", "<i2"), ("ts", "<f8")])
 # One record packed without numpy (the ingestion hot path): the same 18 bytes as RECORD.

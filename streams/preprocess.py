@@ -43,7 +43,7 @@ from relaygr.streams.common import (
     send_acked,
 )
 from relaygr.streams.config import PipelineSettings
-from relaygr.workers.vocab import RawId
+from relaygr.workers.model.vocab import RawId
 
 STAGE = "preprocess"
 # Items per chunk of a user's seen items: a write costs at most this, whatever the history's length.

@@ -40,9 +40,9 @@ from prometheus_client import Counter as PCounter
 from relaygr.schemas import PrefillSignal, RankedResult, RankPath, RankRequest, ScoredItem, TriggerReason
 from relaygr.streams.config import PipelineSettings
 from relaygr.streams.history import HistoryAlignment, HistoryTable
+from relaygr.workers.engine.ranker import RankingEngine, RankOutcome
+from relaygr.workers.model.vocab import item_keys
 from relaygr.workers.prefix_kv import Events, served, window_step
-from relaygr.workers.ranker import RankingEngine, RankOutcome
-from relaygr.workers.vocab import item_keys
 
 PREFILLS = PCounter("relaygr_prefill_outcomes_total", "Prefill signal outcomes", ["status"])
 PLANNED_IN_BURST = PCounter(

@@ -80,15 +80,15 @@ from relaygr.streams.rank_rebalance import STAGE, RankRebalance
 from relaygr.streams.standby import hand_over, spill_for_standby, stand_aside
 from relaygr.streams.state_lineage import HistoryLineage, deployment_dir
 from relaygr.streams.worker_files import WorkerFiles
-from relaygr.workers.calibration import calibrate
-from relaygr.workers.cores import pin_this_thread
-from relaygr.workers.devices import keep_host_pages
-from relaygr.workers.latency_model import LatencyModel
-from relaygr.workers.model import HSTURanker
+from relaygr.workers.engine.calibration import calibrate
+from relaygr.workers.engine.cores import pin_this_thread
+from relaygr.workers.engine.latency_model import LatencyModel
+from relaygr.workers.engine.ranker import RankingEngine
+from relaygr.workers.engine.scheduler import DeviceScheduler, Priority
+from relaygr.workers.model.devices import keep_host_pages
+from relaygr.workers.model.model import HSTURanker
 from relaygr.workers.prefix_kv import window_step
-from relaygr.workers.prefix_store import PrefixStore, PrefixStoreConfig
-from relaygr.workers.ranker import RankingEngine
-from relaygr.workers.scheduler import DeviceScheduler, Priority
+from relaygr.workers.store.prefix_store import PrefixStore, PrefixStoreConfig
 
 log = logging.getLogger(__name__)
 

@@ -55,8 +55,8 @@ from relaygr.streams.common import (
 )
 from relaygr.streams.config import PipelineSettings, trigger_config
 from relaygr.streams.trigger import Decision, SequenceAwareTrigger
-from relaygr.workers.latency_model import LatencyModel
-from relaygr.workers.vocab import OOV, ItemVocab, RawId
+from relaygr.workers.engine.latency_model import LatencyModel
+from relaygr.workers.model.vocab import OOV, ItemVocab, RawId
 
 log = logging.getLogger(__name__)
 
@@ -154,8 +154,8 @@ def summary_before(summary: dict | None, ts: float) -> tuple[int, list[RawId]]:
 def load_item_embeddings(pipeline: PipelineSettings) -> tuple[np.ndarray, ItemVocab, int, int]:
     """Item embeddings of the trained model, its vocabulary, its KV bytes per token and its
     served length cap."""
-    from relaygr.workers.model import HSTURanker
-    from relaygr.workers.ranker import kv_bytes_per_token
+    from relaygr.workers.engine.ranker import kv_bytes_per_token
+    from relaygr.workers.model.model import HSTURanker
 
     model = HSTURanker.load(pipeline.model_dir, device="cpu")
     emb = model.item_embeddings().float().cpu().numpy()

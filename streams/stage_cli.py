@@ -52,7 +52,7 @@ def place_this_process(pipeline) -> None:
     if pipeline.cpu_nice:
         os.nice(pipeline.cpu_nice)
     if pipeline.cpu_cores:
-        from relaygr.workers.cores import parse_cores, pin_tasks
+        from relaygr.workers.engine.cores import parse_cores, pin_tasks
 
         pin_tasks(os.getpid(), parse_cores(pipeline.cpu_cores))
 

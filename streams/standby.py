@@ -79,10 +79,10 @@ from relaygr.schemas import PrefillSignal, SchemaError
 from relaygr.streams.common import decode_keyed
 from relaygr.streams.state_lineage import deployment_dir
 from relaygr.streams.worker_files import WorkerFiles
-from relaygr.workers.cores import may_renice_to, nice_tasks
-from relaygr.workers.prefix_adoption import Adoption, adopt_prefixes
+from relaygr.workers.engine.cores import may_renice_to, nice_tasks
 from relaygr.workers.prefix_kv import Events
-from relaygr.workers.tiers import DiskSnapshot
+from relaygr.workers.store.prefix_adoption import Adoption, adopt_prefixes
+from relaygr.workers.store.tiers import DiskSnapshot
 
 if TYPE_CHECKING:
     from relaygr.streams.ranking_worker import RankingWorker

@@ -48,7 +48,7 @@ from relaygr.infra.settings import Settings
 
 if TYPE_CHECKING:
     from relaygr.streams.history import HistoryTable
-    from relaygr.workers.prefix_store import PrefixStore
+    from relaygr.workers.store.prefix_store import PrefixStore
 
 log = logging.getLogger(__name__)
 

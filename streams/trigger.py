@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from pydantic import BaseModel, Field
 
 from relaygr.schemas import TriggerReason
-from relaygr.workers.engine_config import EngineConfig
-from relaygr.workers.latency_model import LatencyModel
-from relaygr.workers.leases import DEFAULT_LEASE_TTL_S
+from relaygr.workers.engine.engine_config import EngineConfig
+from relaygr.workers.engine.latency_model import LatencyModel
+from relaygr.workers.store.leases import DEFAULT_LEASE_TTL_S
 
 
 class TriggerConfig(BaseModel):

@@ -63,8 +63,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory):
     skip start-up calibration; the trigger needs no stats)."""
     import torch
 
-    from relaygr.workers.latency_model import LatencyModel
-    from relaygr.workers.model import HSTUConfig, HSTURanker
+    from relaygr.workers.engine.latency_model import LatencyModel
+    from relaygr.workers.model.model import HSTUConfig, HSTURanker
 
     torch.manual_seed(7)
     d = tmp_path_factory.mktemp("model")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from relaygr.workers.prefix_store import PrefixStore, UserId
+from relaygr.workers.store.prefix_store import PrefixStore, UserId
 
 
 def keys_by_tier(store: PrefixStore) -> dict[str, Any]:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from relaygr.workers.model import HSTUConfig, HSTURanker
+from relaygr.workers.model.model import HSTUConfig, HSTURanker
 from relaygr.workers.prefix_kv import Events
 
 

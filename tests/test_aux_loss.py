@@ -11,9 +11,9 @@ import pytest
 import torch
 from synthetic import history, tiny_model
 
-from relaygr.workers.fit import train_model
-from relaygr.workers.objectives import _aux_pool, batch_loss, make_batch
-from relaygr.workers.sizing import AUX_FULL_ITEMS, AUX_NEGATIVES, size_training
+from relaygr.workers.training.fit import train_model
+from relaygr.workers.training.objectives import _aux_pool, batch_loss, make_batch
+from relaygr.workers.training.sizing import AUX_FULL_ITEMS, AUX_NEGATIVES, size_training
 
 POPULARITY = np.r_[0.0, np.linspace(1, 50, 500)] / np.linspace(1, 50, 500).sum()
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from relaygr.workers.capacity import (
+from relaygr.workers.engine.capacity import (
     ModelShape,
     WorkerShape,
     Workload,
@@ -19,11 +19,11 @@ from relaygr.workers.capacity import (
     lognormal_lengths,
     pace_at,
 )
-from relaygr.workers.kv_formats import COLD_FORMATS
-from relaygr.workers.latency_model import LatencyModel
-from relaygr.workers.model import HSTUConfig, HSTURanker
+from relaygr.workers.engine.latency_model import LatencyModel
+from relaygr.workers.model.model import HSTUConfig, HSTURanker
 from relaygr.workers.prefix_kv import Events
-from relaygr.workers.prefix_store import PrefixStore, PrefixStoreConfig
+from relaygr.workers.store.kv_formats import COLD_FORMATS
+from relaygr.workers.store.prefix_store import PrefixStore, PrefixStoreConfig
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

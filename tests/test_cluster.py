@@ -35,7 +35,7 @@ from relaygr.schemas import RecommendationRequest, TopicRegistry, encode
 from relaygr.tools.barriers import wait_groups_caught_up
 from relaygr.tools.traffic import collect_results, leave_last_out, publish
 from relaygr.tools.up import Pipeline
-from relaygr.workers.movielens import load_movielens
+from relaygr.workers.training.movielens import load_movielens
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
 PARTITIONS = 4

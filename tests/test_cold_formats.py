@@ -10,10 +10,17 @@ import pytest
 import torch
 
 from relaygr.bench.cold_tiers import ndcg_at_k, through_disk, top_k_overlap
-from relaygr.workers.kv_codec import decode, encode
-from relaygr.workers.kv_formats import COLD_FORMATS, check_format, cold_nbytes, to_cold, to_warm, token_bytes
 from relaygr.workers.prefix_kv import Events, PrefixKV, history_fingerprint
-from relaygr.workers.prefix_store import PrefixStore, PrefixStoreConfig
+from relaygr.workers.store.kv_codec import decode, encode
+from relaygr.workers.store.kv_formats import (
+    COLD_FORMATS,
+    check_format,
+    cold_nbytes,
+    to_cold,
+    to_warm,
+    token_bytes,
+)
+from relaygr.workers.store.prefix_store import PrefixStore, PrefixStoreConfig
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -163,9 +170,9 @@ async def test_disk_tier_counts_the_encoded_cold_form_and_survives_a_restart(tmp
 
 @pytest.fixture(scope="module")
 def trained():
-    from relaygr.workers.model import HSTUConfig, HSTURanker
-    from relaygr.workers.movielens import load_movielens
-    from relaygr.workers.train import split_leave_last_out, train_model
+    from relaygr.workers.model.model import HSTUConfig, HSTURanker
+    from relaygr.workers.training.movielens import load_movielens
+    from relaygr.workers.training.train import split_leave_last_out, train_model
 
     ml = load_movielens("ml-100k")
     history, _ = split_leave_last_out(ml)
@@ -239,7 +246,7 @@ def _square_prefix(n: int) -> PrefixKV:
 
 @pytest.mark.parametrize("n", [1, 33])
 def test_back_to_back_int8_blocks_decode_as_each_block_alone(n: int) -> None:
-    from relaygr.workers.kv_formats import _back_to_back
+    from relaygr.workers.store.kv_formats import _back_to_back
 
     cold = to_cold(_square_prefix(n), "int8")
     read = decode(encode(cold))
@@ -272,7 +279,7 @@ def test_back_to_back_int8_blocks_decode_as_each_block_alone(n: int) -> None:
 
 
 def test_the_codec_reads_a_run_of_like_tensors_as_views_of_one() -> None:
-    from relaygr.workers.kv_formats import _back_to_back
+    from relaygr.workers.store.kv_formats import _back_to_back
 
     exact = _square_prefix(9)
     read = decode(encode(exact))

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from relaygr.workers.cores import (
+from relaygr.workers.engine.cores import (
     PIPELINE_STAGES,
     STAGE_NICE,
     parse_cores,

@@ -12,11 +12,11 @@ import pytest
 import torch
 from test_model_relay import NUM_ITEMS, _config
 
-from relaygr.workers.model import HSTURanker
-from relaygr.workers.prefix_adoption import adopt_prefixes
+from relaygr.workers.model.model import HSTURanker
 from relaygr.workers.prefix_kv import Events, history_fingerprint
-from relaygr.workers.prefix_store import PrefixStore, PrefixStoreConfig
-from relaygr.workers.tiers import DiskSnapshot, DiskTier
+from relaygr.workers.store.prefix_adoption import adopt_prefixes
+from relaygr.workers.store.prefix_store import PrefixStore, PrefixStoreConfig
+from relaygr.workers.store.tiers import DiskSnapshot, DiskTier
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -11,13 +11,13 @@ import torch
 from store_probe import is_leased
 from synthetic import history, tiny_model
 
-from relaygr.workers.engine_config import EngineConfig
-from relaygr.workers.latency_model import LatencyModel
-from relaygr.workers.model import HSTURanker
+from relaygr.workers.engine.engine_config import EngineConfig
+from relaygr.workers.engine.latency_model import LatencyModel
+from relaygr.workers.engine.ranker import RankingEngine, kv_bytes_per_token
+from relaygr.workers.engine.scheduler import DeviceScheduler, Priority
+from relaygr.workers.model.model import HSTURanker
 from relaygr.workers.prefix_kv import Events
-from relaygr.workers.prefix_store import PrefixStore, PrefixStoreConfig
-from relaygr.workers.ranker import RankingEngine, kv_bytes_per_token
-from relaygr.workers.scheduler import DeviceScheduler, Priority
+from relaygr.workers.store.prefix_store import PrefixStore, PrefixStoreConfig
 
 FAR = 1e12  # a deadline that never passes
 

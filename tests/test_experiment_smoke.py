@@ -25,9 +25,9 @@ from relaygr.tools.report.summary import RunSummary
 from relaygr.tools.trace import Trace, TraceTopics, build_trace, load_trace, publish_trace
 from relaygr.tools.traffic import collect_results
 from relaygr.tools.up import Pipeline
-from relaygr.workers.latency_model import LatencyModel
-from relaygr.workers.model import HSTUConfig, HSTURanker
-from relaygr.workers.movielens import load_movielens
+from relaygr.workers.engine.latency_model import LatencyModel
+from relaygr.workers.model.model import HSTUConfig, HSTURanker
+from relaygr.workers.training.movielens import load_movielens
 
 
 def _point(x: float, mode: str, holds: bool, p99: float, attempt: int = 2) -> PointRun:

@@ -23,7 +23,7 @@ from relaygr.schemas import TopicRegistry
 from relaygr.tools.barriers import wait_groups_caught_up
 from relaygr.tools.traffic import collect_results
 from relaygr.tools.up import Pipeline
-from relaygr.workers.movielens import load_movielens
+from relaygr.workers.training.movielens import load_movielens
 
 confluent_kafka = pytest.importorskip("confluent_kafka")
 

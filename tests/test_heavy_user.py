@@ -18,13 +18,13 @@ from relaygr.schemas import BehaviorEvent, TriggerReason
 from relaygr.streams.history import HistoryTable
 from relaygr.streams.preprocess import SEEN_CHUNK, seen_add, seen_before
 from relaygr.streams.trigger import SequenceAwareTrigger, TriggerConfig
-from relaygr.workers.latency_model import DevicePace, EngineClock, IngestMeter, LatencyModel
-from relaygr.workers.model import HSTURanker
-from relaygr.workers.pacing import Slicer
+from relaygr.workers.engine.latency_model import DevicePace, EngineClock, IngestMeter, LatencyModel
+from relaygr.workers.engine.pacing import Slicer
+from relaygr.workers.engine.ranker import EngineConfig, RankingEngine
+from relaygr.workers.engine.scheduler import DeviceScheduler, Priority
+from relaygr.workers.model.model import HSTURanker
 from relaygr.workers.prefix_kv import served, window_start, window_step
-from relaygr.workers.prefix_store import PrefixStore, PrefixStoreConfig
-from relaygr.workers.ranker import EngineConfig, RankingEngine
-from relaygr.workers.scheduler import DeviceScheduler, Priority
+from relaygr.workers.store.prefix_store import PrefixStore, PrefixStoreConfig
 
 FAR = 1e12
 

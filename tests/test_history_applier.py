@@ -14,7 +14,7 @@ from relaygr.streams import history_applier
 from relaygr.streams.common import decode_keyed
 from relaygr.streams.history import HistoryAlignment, HistoryTable
 from relaygr.streams.history_applier import BehaviourApplier
-from relaygr.workers.latency_model import IngestMeter
+from relaygr.workers.engine.latency_model import IngestMeter
 
 
 class Device:

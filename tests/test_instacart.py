@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from relaygr.workers import instacart
-from relaygr.workers.instacart import read_orders
+from relaygr.workers.training import instacart
+from relaygr.workers.training.instacart import read_orders
 
 HEADER = ",order_id,user_id,order_number,order_dow,order_hour_of_day,days_since_prior_order,product_id,add_to_cart_order,reordered\n"
 

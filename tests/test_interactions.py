@@ -15,11 +15,11 @@ import torch
 from synthetic import write_csv, write_parquet
 
 from relaygr.streams.retrieval import CandidateGenerator
-from relaygr.workers import train
-from relaygr.workers.interactions import Columns, MalformedLog, build_log, read_interactions
-from relaygr.workers.model import HSTUConfig, HSTURanker
-from relaygr.workers.quality import RANKS_FILE, load_ranks, summarise
-from relaygr.workers.vocab import OOV, VOCAB_FILE, ItemVocab, item_key, item_keys
+from relaygr.workers.model.model import HSTUConfig, HSTURanker
+from relaygr.workers.model.vocab import OOV, VOCAB_FILE, ItemVocab, item_key, item_keys
+from relaygr.workers.training import train
+from relaygr.workers.training.interactions import Columns, MalformedLog, build_log, read_interactions
+from relaygr.workers.training.quality import RANKS_FILE, load_ranks, summarise
 
 TINY = ["--layers", "1", "--heads", "1", "--dim", "16", "--epochs", "1", "--max-steps", "2", "--threads", "1"]
 

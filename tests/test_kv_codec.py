@@ -9,9 +9,9 @@ import zlib
 import pytest
 import torch
 
-from relaygr.workers import kv_codec
-from relaygr.workers.kv_codec import CodecError, decode, encode, peek_header
 from relaygr.workers.prefix_kv import Events, PrefixKV, history_fingerprint
+from relaygr.workers.store import kv_codec
+from relaygr.workers.store.kv_codec import CodecError, decode, encode, peek_header
 
 
 def _prefix(n: int, *, layers: int = 3, dtype: torch.dtype = torch.float32, mv: str = "m1") -> PrefixKV:

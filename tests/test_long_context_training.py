@@ -16,16 +16,16 @@ import torch
 from synthetic import write_csv
 from test_interactions import COLS, tiny_log_rows
 
-from relaygr.workers import train
-from relaygr.workers.fit import LR_FLOOR, lr_factor, recency_prior
-from relaygr.workers.hstu_attention import position_bucket, time_bucket
-from relaygr.workers.interactions import InteractionLog
-from relaygr.workers.model import HSTUConfig, HSTURanker
-from relaygr.workers.objectives import make_batch
+from relaygr.workers.model.hstu_attention import position_bucket, time_bucket
+from relaygr.workers.model.model import HSTUConfig, HSTURanker
+from relaygr.workers.model.vocab import ItemVocab
 from relaygr.workers.prefix_kv import Events
-from relaygr.workers.quality import paired_differences, rank_targets, split_leave_last_out, summarise
-from relaygr.workers.sizing import MAX_EPOCHS, MIN_EPOCHS
-from relaygr.workers.vocab import ItemVocab
+from relaygr.workers.training import train
+from relaygr.workers.training.fit import LR_FLOOR, lr_factor, recency_prior
+from relaygr.workers.training.interactions import InteractionLog
+from relaygr.workers.training.objectives import make_batch
+from relaygr.workers.training.quality import paired_differences, rank_targets, split_leave_last_out, summarise
+from relaygr.workers.training.sizing import MAX_EPOCHS, MIN_EPOCHS
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -222,7 +222,7 @@ def test_biases_past_the_longest_training_window_take_the_farthest_trained_bias(
 
 
 def test_whole_histories_put_long_sequences_into_training_whole_and_leave_the_rest_alone() -> None:
-    from relaygr.workers.fit import _epoch_batches
+    from relaygr.workers.training.fit import _epoch_batches
 
     seqs = [
         Events.from_lists(list(range(1, n + 1)), [10.0 * i for i in range(n)], [1] * n) for n in (50, 8, 200)
@@ -251,7 +251,7 @@ def test_whole_histories_put_long_sequences_into_training_whole_and_leave_the_re
 
 
 def test_evaluated_users_are_spread_over_the_log_not_its_first_ids() -> None:
-    from relaygr.workers.quality import spread_users
+    from relaygr.workers.training.quality import spread_users
 
     ids = [f"u{i:03d}" for i in range(100)]
     assert spread_users(ids, 4) == ["u000", "u025", "u050", "u075"]
@@ -260,7 +260,7 @@ def test_evaluated_users_are_spread_over_the_log_not_its_first_ids() -> None:
 
 
 def test_validation_ranks_only_the_epochs_that_may_be_kept() -> None:
-    from relaygr.workers.fit import EarlyStopping
+    from relaygr.workers.training.fit import EarlyStopping
 
     class Counting(EarlyStopping):
         ranked = 0

@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from relaygr.workers.fused_scoring import bias_index, candidate_index
-from relaygr.workers.hstu_attention import (
+from relaygr.workers.model.fused_scoring import bias_index, candidate_index
+from relaygr.workers.model.hstu_attention import (
     WIDE_TIME_COLUMNS,
     Segment,
     dense_attention,

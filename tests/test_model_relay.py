@@ -10,11 +10,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from relaygr.workers.dense import dense_rank_full
-from relaygr.workers.inference import reference_path
-from relaygr.workers.model import HSTUConfig, HSTURanker
+from relaygr.workers.model.dense import dense_rank_full
+from relaygr.workers.model.inference import reference_path
+from relaygr.workers.model.model import HSTUConfig, HSTURanker
+from relaygr.workers.model.presets import PRESETS, preset
 from relaygr.workers.prefix_kv import Events, PrefixKV, history_fingerprint
-from relaygr.workers.presets import PRESETS, preset
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -421,7 +421,7 @@ def test_flops_counts_visible_pairs() -> None:
 
 
 def test_device_and_dtype_resolution() -> None:
-    from relaygr.workers.devices import resolve_device, resolve_dtype
+    from relaygr.workers.model.devices import resolve_device, resolve_dtype
 
     assert resolve_device("cpu").type == "cpu"
     assert resolve_dtype("bfloat16") is torch.bfloat16 and resolve_dtype("float32") is torch.float32
@@ -442,7 +442,7 @@ def test_device_and_dtype_resolution() -> None:
 _HEAP_USE = """
 import ctypes, ctypes.util, json, sys
 import torch
-from relaygr.workers.devices import keep_host_pages
+from relaygr.workers.model.devices import keep_host_pages
 
 
 class MallInfo2(ctypes.Structure):

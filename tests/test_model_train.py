@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from relaygr.workers.model import HSTUConfig, HSTURanker
-from relaygr.workers.movielens import load_movielens
-from relaygr.workers.train import (
+from relaygr.workers.model.model import HSTUConfig, HSTURanker
+from relaygr.workers.training.movielens import load_movielens
+from relaygr.workers.training.train import (
     batch_loss,
     evaluate,
     make_batch,

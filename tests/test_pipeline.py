@@ -21,8 +21,8 @@ from relaygr.infra.kafka import consumer, delete_topics_with_prefix, ensure_topi
 from relaygr.schemas import DeadLetter, RecommendationRequest, TopicRegistry, decode
 from relaygr.tools.traffic import collect_results, history_of, leave_last_out, publish
 from relaygr.tools.up import Pipeline
-from relaygr.workers.model import HSTURanker
-from relaygr.workers.movielens import load_movielens
+from relaygr.workers.model.model import HSTURanker
+from relaygr.workers.training.movielens import load_movielens
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 from test_prefix_store import MV, NB10, Clock, history, prefix_for
 
-from relaygr.workers.placement import PrefixPlacement
-from relaygr.workers.prefix_store import PrefixStoreConfig
+from relaygr.workers.store.placement import PrefixPlacement
+from relaygr.workers.store.prefix_store import PrefixStoreConfig
 
 
 def make_core(*, device: int = 2, host: int = 2, clock: Clock | None = None) -> tuple[PrefixPlacement, list]:

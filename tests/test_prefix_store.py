@@ -15,8 +15,8 @@ from rocksdict import Options, Rdict
 from store_probe import is_leased, keys_by_tier
 
 from relaygr.workers.prefix_kv import Events, PrefixKV, history_fingerprint
-from relaygr.workers.prefix_store import PrefixStore, PrefixStoreConfig
-from relaygr.workers.tiers import VALUE_PREFIX, DiskTier, encode_key
+from relaygr.workers.store.prefix_store import PrefixStore, PrefixStoreConfig
+from relaygr.workers.store.tiers import VALUE_PREFIX, DiskTier, encode_key
 
 MV = "m1"
 
@@ -282,7 +282,7 @@ async def test_corrupt_disk_entry_is_a_counted_deleted_miss(tmp_path, caplog, ho
     store.close()
     _mutate_stored(tmp_path / "kv", (1, MV), how)
     store = make_store(tmp_path, disk=10)
-    with caplog.at_level(logging.WARNING, logger="relaygr.workers.prefix_store"):
+    with caplog.at_level(logging.WARNING, logger="relaygr.workers.store.prefix_store"):
         got = await store.lookup(1, h)
         assert got.tier == "miss" and got.prefix is None
         again = await store.lookup(1, h)

@@ -24,7 +24,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from store_probe import is_leased, keys_by_tier
 
 from relaygr.workers.prefix_kv import Events, PrefixKV, history_fingerprint
-from relaygr.workers.prefix_store import PrefixStore, PrefixStoreConfig
+from relaygr.workers.store.prefix_store import PrefixStore, PrefixStoreConfig
 
 MV = "m1"
 USERS = st.integers(0, 5)

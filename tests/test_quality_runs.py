@@ -11,7 +11,7 @@ import pytest
 
 from relaygr.quality_cli import compare
 from relaygr.quality_cli import run as quality_run
-from relaygr.workers.quality import (
+from relaygr.workers.training.quality import (
     RANKS_FILE,
     load_ranks,
     paired_differences,

@@ -13,9 +13,9 @@ import torch
 from relaygr.schemas import RankRequest, TriggerReason
 from relaygr.streams.config import PipelineSettings
 from relaygr.streams.rank_handler import PrefillRendezvous, RankHandler
-from relaygr.workers.engine_config import EngineConfig
-from relaygr.workers.latency_model import LatencyModel
-from relaygr.workers.pacing import DevicePacing
+from relaygr.workers.engine.engine_config import EngineConfig
+from relaygr.workers.engine.latency_model import LatencyModel
+from relaygr.workers.engine.pacing import DevicePacing
 
 FAR = 3600.0
 

@@ -17,8 +17,8 @@ from relaygr.infra.settings import Settings
 from relaygr.schemas import TopicRegistry
 from relaygr.tools.traffic import collect_results, leave_last_out, publish
 from relaygr.tools.up import Pipeline
-from relaygr.workers.latency_model import LatencyModel
-from relaygr.workers.movielens import load_movielens
+from relaygr.workers.engine.latency_model import LatencyModel
+from relaygr.workers.training.movielens import load_movielens
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
 

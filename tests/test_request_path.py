@@ -8,7 +8,7 @@ import argparse
 import sys
 
 from relaygr.bench import request_path
-from relaygr.workers import fused_scoring, inference
+from relaygr.workers.model import fused_scoring, inference
 
 
 def _args(path: str) -> argparse.Namespace:
@@ -24,8 +24,8 @@ def test_one_relay_request_runs_through_the_handler_the_engine_and_the_scripted_
     for name in (
         "streams/rank_handler.py",
         "streams/history.py",
-        "workers/ranker.py",
-        "workers/fused_scoring.py",
+        "workers/engine/ranker.py",
+        "workers/model/fused_scoring.py",
     ):
         assert f"relaygr/{name}" in files, sorted(files)
     assert "relaygr/bench/request_path.py" not in files  # the harness is not the path
@@ -40,4 +40,4 @@ def test_one_relay_request_runs_through_the_handler_the_engine_and_the_scripted_
 def test_a_full_ranking_takes_the_full_path_without_a_prefix() -> None:
     record = request_path.trace_request(_args("full"))
     assert record["path"] == "full" and record["prefix_len"] == 0
-    assert "relaygr/workers/hstu_attention.py" in record["by_file"]
+    assert "relaygr/workers/model/hstu_attention.py" in record["by_file"]

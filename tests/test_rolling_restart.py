@@ -19,7 +19,7 @@ from relaygr.streams.state_lineage import deployment_dir
 from relaygr.streams.worker_files import WorkerFiles
 from relaygr.tools.traffic import publish
 from relaygr.tools.up import Pipeline
-from relaygr.workers.movielens import load_movielens
+from relaygr.workers.training.movielens import load_movielens
 
 pytest.importorskip("confluent_kafka")
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from relaygr.workers.scheduler import DeviceScheduler, Priority, SchedulerClosed
+from relaygr.workers.engine.scheduler import DeviceScheduler, Priority, SchedulerClosed
 
 
 async def test_ranking_jumps_the_prefill_queue() -> None:

@@ -7,7 +7,7 @@ import json
 import torch
 
 from relaygr.tools.experiment.deployment import serving_cap_at_least
-from relaygr.workers.model import HSTURanker
+from relaygr.workers.model.model import HSTURanker
 from tests.synthetic import history, tiny_model
 
 

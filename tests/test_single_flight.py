@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from relaygr.workers.single_flight import FlightAbandoned, SingleFlight
+from relaygr.workers.store.single_flight import FlightAbandoned, SingleFlight
 
 
 async def test_joiners_share_one_result_and_one_error() -> None:

@@ -17,7 +17,7 @@ from relaygr.tools.sizing import (
     size_demo,
     size_throughput,
 )
-from relaygr.workers.latency_model import LatencyModel
+from relaygr.workers.engine.latency_model import LatencyModel
 
 BUDGET = 50.0
 SHORT = 64

@@ -18,7 +18,7 @@ from relaygr.streams import standby as standby_module
 from relaygr.streams.standby import Standby, spill_for_standby
 from relaygr.streams.worker_files import WorkerFiles
 from relaygr.workers.prefix_kv import Events
-from relaygr.workers.prefix_store import PrefixStore, PrefixStoreConfig
+from relaygr.workers.store.prefix_store import PrefixStore, PrefixStoreConfig
 
 VERSION = "m1"
 

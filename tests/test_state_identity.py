@@ -45,9 +45,9 @@ from relaygr.streams.state_lineage import (
 )
 from relaygr.tools.traffic import collect_results, history_of, leave_last_out, publish
 from relaygr.tools.up import Pipeline, Scrape
-from relaygr.workers.movielens import load_movielens
 from relaygr.workers.prefix_kv import Events, PrefixKV, history_fingerprint
-from relaygr.workers.prefix_store import PrefixStore, PrefixStoreConfig
+from relaygr.workers.store.prefix_store import PrefixStore, PrefixStoreConfig
+from relaygr.workers.training.movielens import load_movielens
 
 HERE = Lineage("cluster-a", "p.behaviors", "id-1")
 

@@ -23,7 +23,7 @@ from relaygr.infra.stop_guard import (
     watch_supervisor_from_env,
 )
 from relaygr.streams.history import HistoryTable
-from relaygr.workers.tiers import DiskTier
+from relaygr.workers.store.tiers import DiskTier
 
 
 def _until(condition: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
@@ -117,7 +117,7 @@ OVERDUE_WRITER = textwrap.dedent(
     from relaygr.infra.stop_guard import StopDeadline
     from relaygr.schemas import BehaviorEvent
     from relaygr.streams.history import HistoryTable
-    from relaygr.workers.tiers import DiskTier
+    from relaygr.workers.store.tiers import DiskTier
     history = HistoryTable(sys.argv[1] + "/history")
     for offset in range(3):
         history.append(0, offset, BehaviorEvent(user_id="u", item_id=10 + offset, ts=float(offset), action=1))

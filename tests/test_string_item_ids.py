@@ -27,8 +27,8 @@ from relaygr.cli import main
 from relaygr.infra.kafka import delete_topics_with_prefix, ensure_topics
 from relaygr.schemas import DeadLetter, RankedResult, TopicRegistry, decode
 from relaygr.tools.up import Pipeline
-from relaygr.workers.latency_model import LatencyModel
-from relaygr.workers.model import HSTURanker
+from relaygr.workers.engine.latency_model import LatencyModel
+from relaygr.workers.model.model import HSTURanker
 
 confluent_kafka = pytest.importorskip("confluent_kafka")
 

@@ -16,8 +16,8 @@ from relaygr.schemas import BehaviorEvent, RecommendationRequest
 from relaygr.tools.barriers import sentinel_users
 from relaygr.tools.replay import Replayer, plan_replay, poisson_offsets, scaled_offsets
 from relaygr.tools.trace import EPOCH_FLOOR, TraceTopics, build_trace, lengthen, load_trace, publish_trace
-from relaygr.workers.movielens import load_movielens
 from relaygr.workers.prefix_kv import Events
+from relaygr.workers.training.movielens import load_movielens
 
 
 @pytest.fixture(scope="module")

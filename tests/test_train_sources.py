@@ -16,10 +16,10 @@ from relaygr.schemas import BehaviorEvent, RecommendationRequest, TopicRegistry
 from relaygr.tools.traffic import collect_results, publish
 from relaygr.tools.train_source import read_behaviours
 from relaygr.tools.up import Pipeline
-from relaygr.workers import train
-from relaygr.workers.interactions import Columns, build_log, read_interactions
-from relaygr.workers.latency_model import LatencyModel
-from relaygr.workers.model import HSTURanker
+from relaygr.workers.engine.latency_model import LatencyModel
+from relaygr.workers.model.model import HSTURanker
+from relaygr.workers.training import train
+from relaygr.workers.training.interactions import Columns, build_log, read_interactions
 from tests.synthetic import write_csv
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow]

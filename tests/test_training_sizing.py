@@ -16,13 +16,13 @@ import torch
 from synthetic import write_csv
 from test_interactions import COLS, tiny_log_rows
 
-from relaygr.workers import train
-from relaygr.workers.fit import EarlyStopping
-from relaygr.workers.model import HSTUConfig, HSTURanker
-from relaygr.workers.objectives import make_batch
+from relaygr.workers.model.model import HSTUConfig, HSTURanker
 from relaygr.workers.prefix_kv import Events
-from relaygr.workers.sizing import CANDIDATE_TOKENS, MAX_WINDOW, size_training
-from relaygr.workers.tuning import GRID, candidates
+from relaygr.workers.training import train
+from relaygr.workers.training.fit import EarlyStopping
+from relaygr.workers.training.objectives import make_batch
+from relaygr.workers.training.sizing import CANDIDATE_TOKENS, MAX_WINDOW, size_training
+from relaygr.workers.training.tuning import GRID, candidates
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

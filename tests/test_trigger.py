@@ -6,7 +6,7 @@ import pytest
 
 from relaygr.schemas import TriggerReason
 from relaygr.streams.trigger import SequenceAwareTrigger, TokenBucket, TriggerConfig
-from relaygr.workers.latency_model import LatencyModel
+from relaygr.workers.engine.latency_model import LatencyModel
 
 LAT = LatencyModel(a=2.0, b=0.01, c=0.0)  # 1000 tokens -> 12 ms, 4000 -> 42 ms
 
@@ -143,9 +143,9 @@ def test_every_lease_default_is_the_one_of_the_lease_table() -> None:
     it agrees with the one every config reads."""
     from relaygr.schemas import PrefillSignal
     from relaygr.streams.config import PipelineSettings
-    from relaygr.workers.engine_config import EngineConfig
-    from relaygr.workers.leases import DEFAULT_LEASE_TTL_S
-    from relaygr.workers.prefix_store import PrefixStoreConfig
+    from relaygr.workers.engine.engine_config import EngineConfig
+    from relaygr.workers.store.leases import DEFAULT_LEASE_TTL_S
+    from relaygr.workers.store.prefix_store import PrefixStoreConfig
 
     defaults = {
         PrefillSignal.model_fields["lease_ttl_s"].default,

@@ -76,7 +76,7 @@ def test_a_standby_stands_aside_at_the_lowest_priority(tmp_path: Path) -> None:
     import sys
 
     from relaygr.streams.standby import STANDBY_NICE
-    from relaygr.workers.cores import may_renice_to
+    from relaygr.workers.engine.cores import may_renice_to
 
     active = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:

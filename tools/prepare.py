@@ -33,8 +33,8 @@ def ensure_model(model_dir: Path) -> None:
 
 def ensure_calibration(model_dir: Path) -> Path:
     from relaygr.streams.config import PipelineSettings
-    from relaygr.workers.calibration import calibrate_and_save
-    from relaygr.workers.model import HSTURanker
+    from relaygr.workers.engine.calibration import calibrate_and_save
+    from relaygr.workers.model.model import HSTURanker
 
     path = model_dir / "calibration.json"
     _step("calibrating full-ranking latency on this machine, and the pace of relay rankings")

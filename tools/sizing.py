@@ -24,8 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from relaygr.workers.capacity import pace_at, relay_ranking_ms
-from relaygr.workers.latency_model import LatencyModel
+from relaygr.workers.engine.capacity import pace_at, relay_ranking_ms
+from relaygr.workers.engine.latency_model import LatencyModel
 
 Pace = tuple[tuple[float, float], ...]
 NO_PACE: Pace = ((0.0, 1.0),)

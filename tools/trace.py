@@ -39,11 +39,11 @@ from relaygr.infra.settings import Settings
 from relaygr.infra.topic_reader import Start, merge_by_time, read_topic
 from relaygr.schemas import BehaviorEvent, RecommendationRequest
 from relaygr.schemas.topics import TopicSpec
-from relaygr.workers.interactions import InteractionLog
-from relaygr.workers.movielens import MovieLens
 from relaygr.workers.prefix_kv import Events
-from relaygr.workers.train import report_bad_rows
-from relaygr.workers.train_args import add_source_arguments
+from relaygr.workers.training.interactions import InteractionLog
+from relaygr.workers.training.movielens import MovieLens
+from relaygr.workers.training.train import report_bad_rows
+from relaygr.workers.training.train_args import add_source_arguments
 
 
 @dataclass
@@ -305,8 +305,8 @@ def run(args: argparse.Namespace) -> int:
     from relaygr.infra.cluster import ensure_broker
     from relaygr.infra.kafka import TopicError
     from relaygr.infra.settings import get_settings
-    from relaygr.workers.movielens import load_movielens
-    from relaygr.workers.train import load_log
+    from relaygr.workers.training.movielens import load_movielens
+    from relaygr.workers.training.train import load_log
 
     try:
         settings, _ = ensure_broker(get_settings())

@@ -26,9 +26,9 @@ from relaygr.infra.publishing import send_in_order
 from relaygr.infra.settings import Settings
 from relaygr.schemas import BehaviorEvent, RankedResult, RecommendationRequest, TopicRegistry, decode, encode
 from relaygr.tools.barriers import wait_groups_caught_up
-from relaygr.workers.movielens import MovieLens
+from relaygr.workers.model.vocab import item_keys
 from relaygr.workers.prefix_kv import Events
-from relaygr.workers.vocab import item_keys
+from relaygr.workers.training.movielens import MovieLens
 
 DAY = 86400.0
 

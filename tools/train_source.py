@@ -5,12 +5,12 @@ Primitives:
 - ``read_behaviours(settings, start)``: the public ``behaviors`` topic from ``start`` (the
   beginning, or a time) up to its end when reading starts, as rows, with the records that did not
   decode counted as bad rows.
-- ``add_arguments`` / ``run``: ``relaygr.workers.train``'s flags plus ``--preset`` (a named model
+- ``add_arguments`` / ``run``: ``relaygr.workers.training.train``'s flags plus ``--preset`` (a named model
   shape, ``workers.presets``; explicit ``--layers`` / ``--heads`` / ``--dim`` / ``--max-seq-len``
   win), ``--from-topic`` and ``--from-timestamp``; without ``--from-topic`` it is
-  ``relaygr.workers.train.run`` on the resolved shape.
+  ``relaygr.workers.training.train.run`` on the resolved shape.
 
-The trainer itself (``relaygr.workers.train``) never imports Kafka: it takes the events read here.
+The trainer itself (``relaygr.workers.training.train``) never imports Kafka: it takes the events read here.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from collections.abc import Iterable
 from relaygr.infra.settings import Settings, get_settings
 from relaygr.infra.topic_reader import Start, read_topic
 from relaygr.schemas import BehaviorEvent, TopicRegistry
-from relaygr.workers import train
-from relaygr.workers.interactions import BadRow, Interaction, InteractionLog, build_log
-from relaygr.workers.presets import PRESETS, SHAPE_FIELDS, resolve_shape
+from relaygr.workers.model.presets import PRESETS, SHAPE_FIELDS, resolve_shape
+from relaygr.workers.training import train
+from relaygr.workers.training.interactions import BadRow, Interaction, InteractionLog, build_log
 
 
 def behaviour_rows(events: Iterable[BehaviorEvent]) -> list[Interaction]:

@@ -49,7 +49,14 @@ from relaygr.streams.standby import STANDBY_NICE
 from relaygr.streams.state_lineage import deployment_dir
 from relaygr.streams.worker_files import STANDBY_STATES, WorkerFiles
 from relaygr.tools.args import float_above, int_at_least
-from relaygr.workers.cores import CoreLayout, format_cores, may_renice_to, nice_tasks, pin_tasks, plan_cores
+from relaygr.workers.engine.cores import (
+    CoreLayout,
+    format_cores,
+    may_renice_to,
+    nice_tasks,
+    pin_tasks,
+    plan_cores,
+)
 
 
 @dataclass(frozen=True)

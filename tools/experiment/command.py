@@ -91,10 +91,10 @@ from relaygr.tools.experiment.report import print_headline, say, write_experimen
 from relaygr.tools.experiment.stopping import StopRule
 from relaygr.tools.report.figures import json_safe
 from relaygr.tools.report.markdown import fmt
-from relaygr.workers.cores import PIPELINE_STAGES, CoreLayout, available_cores, pin_tasks, plan_cores
-from relaygr.workers.latency_model import LatencyModel
-from relaygr.workers.movielens import MovieLens
-from relaygr.workers.train_args import add_source_arguments
+from relaygr.workers.engine.cores import PIPELINE_STAGES, CoreLayout, available_cores, pin_tasks, plan_cores
+from relaygr.workers.engine.latency_model import LatencyModel
+from relaygr.workers.training.movielens import MovieLens
+from relaygr.workers.training.train_args import add_source_arguments
 
 
 @dataclass
@@ -137,8 +137,8 @@ def prepare(args: argparse.Namespace, kinds: list[ExperimentKind]) -> Run:
     from relaygr.tools.prepare import ensure_model
     from relaygr.tools.sizing import relay_pace_of
     from relaygr.tools.trace import log_as_dataset
-    from relaygr.workers.movielens import load_movielens
-    from relaygr.workers.train import load_log, report_bad_rows
+    from relaygr.workers.training.movielens import load_movielens
+    from relaygr.workers.training.train import load_log, report_bad_rows
 
     settings, _ = ensure_broker(get_settings())
     model_dir = Path(args.model or PipelineSettings().model_dir)

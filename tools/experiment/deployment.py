@@ -202,7 +202,7 @@ async def _rounds(rp: Replayer, s, reg, window: list, rule: StopRule, qps: float
 
 def model_info(model_dir: Path) -> tuple[dict, str]:
     cfg = json.loads((model_dir / "config.json").read_text())
-    from relaygr.workers.model import HSTURanker
+    from relaygr.workers.model.model import HSTURanker
 
     m = HSTURanker.load(model_dir, device="cpu")
     return cfg.get("config", cfg), m.model_version
@@ -213,8 +213,8 @@ def calibrate_latency(model_dir: Path, threads: int, out: Path, device: str | No
     the ranking workers will run, with the paces of sliced pre-inference and relay ranking (as
     `relaygr calibrate` measures them; the sizing's relay prediction uses the relay pace)."""
     from relaygr.streams.config import PipelineSettings
-    from relaygr.workers.calibration import calibrate_and_save
-    from relaygr.workers.model import HSTURanker
+    from relaygr.workers.engine.calibration import calibrate_and_save
+    from relaygr.workers.model.model import HSTURanker
 
     settings = PipelineSettings()
     paces = settings.pace_settings()

@@ -19,7 +19,7 @@ from relaygr.tools.experiment.plots import plot_sweep
 from relaygr.tools.experiment.protocol import EXPERIMENT_SHORT_TERM, MODES, PointRun
 from relaygr.tools.report.plots import plot_lines
 from relaygr.tools.sizing import NO_PACE, Pace, size_throughput
-from relaygr.workers.latency_model import LatencyModel
+from relaygr.workers.engine.latency_model import LatencyModel
 
 
 @dataclass(frozen=True)

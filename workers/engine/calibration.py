@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from relaygr.workers.devices import keep_host_pages
-from relaygr.workers.latency_model import LatencyModel
-from relaygr.workers.model import HSTURanker
+from relaygr.workers.engine.latency_model import LatencyModel
+from relaygr.workers.model.devices import keep_host_pages
+from relaygr.workers.model.model import HSTURanker
 from relaygr.workers.prefix_kv import Events
 
 CALIBRATION_LENGTHS: tuple[int, ...] = (64, 256, 512, 1024, 2048)
@@ -95,8 +95,8 @@ def measure_paces(
     ``predict(n) - predict(0)``; ``relay_pace``, ranking ``suffix`` events and ``candidates``
     against a cached prefix of n events, against ``predict(n + suffix + C) - predict(n)``.
     Each as ``[[n, pace], ...]``."""
-    from relaygr.workers.latency_model import DevicePace
-    from relaygr.workers.pacing import Slicer
+    from relaygr.workers.engine.latency_model import DevicePace
+    from relaygr.workers.engine.pacing import Slicer
 
     gen = torch.Generator().manual_seed(1)
     cands = torch.randint(1, model.config.num_items + 1, (candidates,), generator=gen)

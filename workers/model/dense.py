@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from relaygr.workers.hstu_attention import (
+from relaygr.workers.model.hstu_attention import (
     SELF_BIAS_INDEX,
     dense_attention,
     far_index,
@@ -22,7 +22,7 @@ from relaygr.workers.hstu_attention import (
     far_weights,
     pair_index,
 )
-from relaygr.workers.model import HSTURanker
+from relaygr.workers.model.model import HSTURanker
 from relaygr.workers.prefix_kv import Events
 
 

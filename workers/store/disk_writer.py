@@ -23,10 +23,10 @@ from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from relaygr.workers.kv_codec import encode
-from relaygr.workers.kv_formats import ColdFormat, to_cold
 from relaygr.workers.prefix_kv import PrefixKV
-from relaygr.workers.tiers import DiskTier, StoreKey
+from relaygr.workers.store.kv_codec import encode
+from relaygr.workers.store.kv_formats import ColdFormat, to_cold
+from relaygr.workers.store.tiers import DiskTier, StoreKey
 
 log = logging.getLogger(__name__)
 

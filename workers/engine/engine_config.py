@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from relaygr.workers.leases import DEFAULT_LEASE_TTL_S
+from relaygr.workers.store.leases import DEFAULT_LEASE_TTL_S
 
 
 class EngineConfig(BaseModel):

@@ -29,9 +29,9 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from relaygr.workers.engine_config import EngineConfig
-from relaygr.workers.latency_model import DevicePace, EngineClock, IngestMeter, LatencyModel
-from relaygr.workers.model import HSTURanker
+from relaygr.workers.engine.engine_config import EngineConfig
+from relaygr.workers.engine.latency_model import DevicePace, EngineClock, IngestMeter, LatencyModel
+from relaygr.workers.model.model import HSTURanker
 from relaygr.workers.prefix_kv import Events, PrefixKV
 
 # A sliced full ranking re-plans (once) when, at the pace its own slices ran, the rest would take

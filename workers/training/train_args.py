@@ -13,12 +13,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from relaygr.workers.fit import BIAS_LR_SCALE, LONG_CUTS, VALIDATION_USERS
-from relaygr.workers.hstu_attention import is_bucket_boundary
-from relaygr.workers.instacart import INSTACART
-from relaygr.workers.model import FAR_KEYS, NEAR_KEYS, HSTUConfig
-from relaygr.workers.movielens import DATASETS
-from relaygr.workers.sizing import PATIENCE
+from relaygr.workers.model.hstu_attention import is_bucket_boundary
+from relaygr.workers.model.model import FAR_KEYS, NEAR_KEYS, HSTUConfig
+from relaygr.workers.training.fit import BIAS_LR_SCALE, LONG_CUTS, VALIDATION_USERS
+from relaygr.workers.training.instacart import INSTACART
+from relaygr.workers.training.movielens import DATASETS
+from relaygr.workers.training.sizing import PATIENCE
 
 
 def add_source_arguments(parser: argparse.ArgumentParser) -> argparse._MutuallyExclusiveGroup:

@@ -20,11 +20,11 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from relaygr.workers.kv_codec import CodecError, decode
-from relaygr.workers.kv_formats import to_warm
 from relaygr.workers.prefix_kv import Events, history_fingerprint
-from relaygr.workers.prefix_store import PrefixStore, UserId
-from relaygr.workers.tiers import DiskMeta, DiskSnapshot, StoreKey
+from relaygr.workers.store.kv_codec import CodecError, decode
+from relaygr.workers.store.kv_formats import to_warm
+from relaygr.workers.store.prefix_store import PrefixStore, UserId
+from relaygr.workers.store.tiers import DiskMeta, DiskSnapshot, StoreKey
 
 
 @dataclass

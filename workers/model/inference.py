@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 import torch.nn.functional as F
 
-from relaygr.workers.fused_scoring import (
+from relaygr.workers.model.fused_scoring import (
     advance_tokens,
     candidate_index,
     rank_relay,
@@ -40,7 +40,7 @@ from relaygr.workers.fused_scoring import (
     score_layer_end,
     unspecialised,
 )
-from relaygr.workers.hstu_attention import (
+from relaygr.workers.model.hstu_attention import (
     SELF_BIAS_INDEX,
     Segment,
     candidate_far,
@@ -49,7 +49,7 @@ from relaygr.workers.hstu_attention import (
     plan_attention,
     run_attention,
 )
-from relaygr.workers.inference_state import Context, Pending, Serving, serving_state
+from relaygr.workers.model.inference_state import Context, Pending, Serving, serving_state
 from relaygr.workers.prefix_kv import Events, PrefixKV, history_fingerprint
 
 FUSED_MAX_ROWS = 256

@@ -32,7 +32,10 @@ from pathlib import Path
 
 import torch
 
-from relaygr.workers.fit import (
+from relaygr.workers.model.model import FAR_KEYS, HSTUConfig, HSTURanker
+from relaygr.workers.model.vocab import ItemVocab
+from relaygr.workers.prefix_kv import Events
+from relaygr.workers.training.fit import (
     BIAS_LR_SCALE,
     LONG_CUTS,
     EarlyStopping,
@@ -40,13 +43,17 @@ from relaygr.workers.fit import (
     recency_prior,
     train_model,
 )
-from relaygr.workers.instacart import INSTACART, load_instacart_log
-from relaygr.workers.interactions import Columns, InteractionLog, build_log, print_progress, read_interactions
-from relaygr.workers.model import FAR_KEYS, HSTUConfig, HSTURanker
-from relaygr.workers.movielens import load_atomic_log, load_movielens
-from relaygr.workers.objectives import Batch, batch_loss, make_batch
-from relaygr.workers.prefix_kv import Events
-from relaygr.workers.quality import (
+from relaygr.workers.training.instacart import INSTACART, load_instacart_log
+from relaygr.workers.training.interactions import (
+    Columns,
+    InteractionLog,
+    build_log,
+    print_progress,
+    read_interactions,
+)
+from relaygr.workers.training.movielens import load_atomic_log, load_movielens
+from relaygr.workers.training.objectives import Batch, batch_loss, make_batch
+from relaygr.workers.training.quality import (
     RANKS_FILE,
     evaluate,
     format_row,
@@ -59,9 +66,8 @@ from relaygr.workers.quality import (
     spread_users,
     summarise,
 )
-from relaygr.workers.sizing import describe, size_training
-from relaygr.workers.train_args import add_arguments, add_source_arguments, check_arguments
-from relaygr.workers.vocab import ItemVocab
+from relaygr.workers.training.sizing import describe, size_training
+from relaygr.workers.training.train_args import add_arguments, add_source_arguments, check_arguments
 
 __all__ = [
     "Batch",
@@ -374,7 +380,7 @@ def run(args: argparse.Namespace, log: InteractionLog | None = None, source: str
     settings = resolve_settings(args, log.num_items, history)
     _log(f"{source}: {len(history)} users, {log.num_items} items, {log.num_events} events")
     if args.tune:
-        from relaygr.workers.tuning import tune
+        from relaygr.workers.training.tuning import tune
 
         trained, settings = tune(settings, args.tune, lambda s, p: train_once(s, log, split, args, p), args)
     else:

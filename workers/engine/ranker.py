@@ -44,15 +44,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from relaygr.workers.device_jobs import run_in_burst, run_job, run_steps
-from relaygr.workers.engine_config import EngineConfig
-from relaygr.workers.kv_formats import token_bytes
-from relaygr.workers.latency_model import EngineClock, LatencyModel
-from relaygr.workers.model import HSTURanker
-from relaygr.workers.pacing import DevicePacing, Slicer
+from relaygr.workers.engine.device_jobs import run_in_burst, run_job, run_steps
+from relaygr.workers.engine.engine_config import EngineConfig
+from relaygr.workers.engine.latency_model import EngineClock, LatencyModel
+from relaygr.workers.engine.pacing import DevicePacing, Slicer
+from relaygr.workers.engine.scheduler import DeviceScheduler, Priority, SchedulerClosed
+from relaygr.workers.model.model import HSTURanker
 from relaygr.workers.prefix_kv import Events, PrefixKV
-from relaygr.workers.prefix_store import PrefixStore
-from relaygr.workers.scheduler import DeviceScheduler, Priority, SchedulerClosed
+from relaygr.workers.store.kv_formats import token_bytes
+from relaygr.workers.store.prefix_store import PrefixStore
 
 log = logging.getLogger(__name__)
 

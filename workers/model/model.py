@@ -42,10 +42,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from relaygr.workers.devices import resolve_device, resolve_dtype
-from relaygr.workers.hstu_attention import is_bucket_boundary, wide_bias_table
-from relaygr.workers.inference import RelayInference
-from relaygr.workers.vocab import ItemVocab
+from relaygr.workers.model.devices import resolve_device, resolve_dtype
+from relaygr.workers.model.hstu_attention import is_bucket_boundary, wide_bias_table
+from relaygr.workers.model.inference import RelayInference
+from relaygr.workers.model.vocab import ItemVocab
 
 NEAR_KEYS = 64
 """``near_keys`` of a model ``relaygr train`` trains and of the presets (``HSTUConfig``'s own

@@ -46,12 +46,12 @@ from typing import Any, Literal
 
 import torch
 
-from relaygr.workers.disk_writer import DiskWriter
-from relaygr.workers.kv_formats import check_format, cold_nbytes, to_warm
-from relaygr.workers.leases import LeaseTable
 from relaygr.workers.prefix_kv import Events, PrefixKV, history_fingerprint
-from relaygr.workers.store_counters import StoreCounters
-from relaygr.workers.tiers import DiskMeta, DiskTier, MemoryTier, StoreKey
+from relaygr.workers.store.disk_writer import DiskWriter
+from relaygr.workers.store.kv_formats import check_format, cold_nbytes, to_warm
+from relaygr.workers.store.leases import LeaseTable
+from relaygr.workers.store.store_counters import StoreCounters
+from relaygr.workers.store.tiers import DiskMeta, DiskTier, MemoryTier, StoreKey
 
 log = logging.getLogger(__name__)
 

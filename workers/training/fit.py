@@ -31,11 +31,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from relaygr.workers.hstu_attention import position_bucket, time_bucket
-from relaygr.workers.model import HSTURanker
-from relaygr.workers.objectives import batch_loss, make_batch
+from relaygr.workers.model.hstu_attention import position_bucket, time_bucket
+from relaygr.workers.model.model import HSTURanker
 from relaygr.workers.prefix_kv import Events
-from relaygr.workers.quality import _log, evaluate, fmt_secs, spread_users
+from relaygr.workers.training.objectives import batch_loss, make_batch
+from relaygr.workers.training.quality import _log, evaluate, fmt_secs, spread_users
 
 VALIDATION_USERS = 1024
 """Users ranked after each epoch (evenly spread): enough to tell a better epoch (with 256, one

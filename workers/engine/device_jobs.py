@@ -22,9 +22,9 @@ from typing import Any, TypeVar
 
 import torch
 
-from relaygr.workers.model import HSTURanker
+from relaygr.workers.engine.scheduler import DeviceScheduler, Priority
+from relaygr.workers.model.model import HSTURanker
 from relaygr.workers.prefix_kv import Events, PrefixKV
-from relaygr.workers.scheduler import DeviceScheduler, Priority
 
 T = TypeVar("T")
 _NEVER = object()  # sentinel of ``iter(step, _NEVER)``: a step function as a step iterator

@@ -48,10 +48,11 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from relaygr.workers.kv_codec import CodecError, decode
-from relaygr.workers.kv_formats import ColdFormat, to_cold, to_warm
-from relaygr.workers.leases import DEFAULT_LEASE_TTL_S
-from relaygr.workers.placement import (
+from relaygr.workers.prefix_kv import Events, PrefixKV, history_fingerprint
+from relaygr.workers.store.kv_codec import CodecError, decode
+from relaygr.workers.store.kv_formats import ColdFormat, to_cold, to_warm
+from relaygr.workers.store.leases import DEFAULT_LEASE_TTL_S
+from relaygr.workers.store.placement import (
     Entry,
     LeaseResult,
     Plan,
@@ -60,9 +61,8 @@ from relaygr.workers.placement import (
     UserId,
     same_device,
 )
-from relaygr.workers.prefix_kv import Events, PrefixKV, history_fingerprint
-from relaygr.workers.single_flight import FlightAbandoned, SingleFlight
-from relaygr.workers.tiers import DiskMeta, StoreKey
+from relaygr.workers.store.single_flight import FlightAbandoned, SingleFlight
+from relaygr.workers.store.tiers import DiskMeta, StoreKey
 
 log = logging.getLogger(__name__)
 

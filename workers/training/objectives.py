@@ -22,8 +22,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from relaygr.workers.dense import train_scores
-from relaygr.workers.model import HSTURanker
+from relaygr.workers.model.dense import train_scores
+from relaygr.workers.model.model import HSTURanker
 from relaygr.workers.prefix_kv import Events
 
 

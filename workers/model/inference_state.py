@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from relaygr.workers.fused_scoring import layer_weights
-from relaygr.workers.hstu_attention import Segment, wide_far_index
+from relaygr.workers.model.fused_scoring import layer_weights
+from relaygr.workers.model.hstu_attention import Segment, wide_far_index
 
 if TYPE_CHECKING:
-    from relaygr.workers.model import HSTURanker
+    from relaygr.workers.model.model import HSTURanker
 
 
 @dataclass

@@ -1,0 +1,1 @@
+"""HSTU attention kernels behind one entry point; imports nothing of the project but itself."""

@@ -1,0 +1,7 @@
+"""The memory-aware expander: a tiered store of prefixes (device, host, disk).
+
+Entry points: ``prefix_store.PrefixStore`` (asynchronous lookups, single-flight loads and
+computations), over ``placement`` (the synchronous core: tiers, leases, demotion, spill),
+``tiers`` (host and RocksDB disk tiers), ``kv_formats`` and ``kv_codec`` (the cold formats and
+their byte layout). It knows the prefix type and nothing else of the model.
+"""
