@@ -1,1 +1,35 @@
-"""HSTU attention kernels behind one entry point; imports nothing of the project but itself."""
+"""HSTU attention kernels behind one entry point.
+
+The model calls ``hstu_mha`` and never sees which implementation ran. This package imports
+nothing of the project but itself (an import contract checks it).
+
+Primitives:
+- ``JaggedBatch``: the layer-independent description of one forward over several users: where
+  each user's queries and keys lie in the packed tensors, their positions and timestamps.
+- ``hstu_mha(q, k, v, batch, bias_table, params)``: pointwise HSTU attention over that batch.
+- ``AttentionParams``: the model's constants (bias table shape, normaliser, far keys).
+- ``position_bucket``, ``time_bucket``: the bias buckets, exact integer functions of float32 bits.
+- ``available_backends()``, ``use_backend(name)``: which implementations this machine has, and
+  forcing one (tests, benchmarks).
+"""
+
+from relaygr.workers.kernels.buckets import EXACT_POSITIONS, SELF_BIAS_INDEX, position_bucket, time_bucket
+from relaygr.workers.kernels.interface import (
+    AttentionParams,
+    JaggedBatch,
+    available_backends,
+    hstu_mha,
+    use_backend,
+)
+
+__all__ = [
+    "EXACT_POSITIONS",
+    "SELF_BIAS_INDEX",
+    "AttentionParams",
+    "JaggedBatch",
+    "available_backends",
+    "hstu_mha",
+    "position_bucket",
+    "time_bucket",
+    "use_backend",
+]
