@@ -13,8 +13,12 @@ Primitives:
   without a producer (the ``relaygr results`` command uses them).
 - ``open_results``, ``seek_results``, ``read_results``: the consumer under those reads, for a
   reader that positions itself (``relaygr results tail``).
+- ``ResultRecord``: a result with its partition, offset and timestamp; ``StartAt``: where a read
+  of the results topic starts.
 - ``RequestTimeout``: no result in time; it names the request. ``ClientError``: the client
   cannot work (missing topic, closed client, results reader failed).
+
+``__all__`` names exactly these: the Kafka and typing names this module imports are not its API.
 
 Delivery is at least once: a ranking worker that restarts may publish a second result for a
 request. ``request`` returns the first one and ignores the rest; ``results`` yields each request
@@ -50,6 +54,19 @@ from relaygr.schemas import (
     decode,
     encode,
 )
+
+__all__ = [
+    "ClientError",
+    "RelayClient",
+    "RequestTimeout",
+    "ResultRecord",
+    "StartAt",
+    "iter_results",
+    "lookup_result",
+    "open_results",
+    "read_results",
+    "seek_results",
+]
 
 log = logging.getLogger(__name__)
 
