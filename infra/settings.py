@@ -27,10 +27,12 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
 def default_home() -> Path:
+    """`$XDG_STATE_HOME/relaygr`, else `~/.local/state/relaygr`"""
     return Path(os.environ.get("XDG_STATE_HOME", Path.home() / ".local" / "state")) / "relaygr"
 
 
 def _default_cache() -> Path:
+    """`$XDG_CACHE_HOME/relaygr`, else `~/.cache/relaygr`"""
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "relaygr"
 
 

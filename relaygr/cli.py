@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "broker": ("relaygr.infra.broker_cli", "start, stop or inspect the local Kafka broker or cluster"),
     "topics": ("relaygr.infra.topics_cli", "create (idempotently) or list RelayGR's topics"),
     "schemas": ("relaygr.schemas_cli", "export the public events as JSON Schema files for other stacks"),
+    "settings": ("relaygr.tools.settings_doc", "every RELAYGR_* setting as the Markdown configuration page"),
     "results": ("relaygr.results_cli", "look up one request's result, or tail the results as they come"),
     "acl": ("relaygr.infra.acls", "show, grant or list the Kafka ACLs of RelayGR's access roles"),
     "roundtrip": (
@@ -124,7 +125,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
             "the user's long-term history on the worker that will rank the request; ranking then "
             "computes only the short-term behaviours and the candidates against the cached prefix."
         ),
-        epilog="Configuration: environment variables with the RELAYGR_ prefix (see README).",
+        epilog="Configuration: environment variables with the RELAYGR_ prefix (`relaygr settings`, docs/configuration.md).",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     # Only the module of the command being run is imported; the others get a stub for --help.

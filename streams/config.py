@@ -36,6 +36,7 @@ def _default(config: type[BaseModel], field: str, per: int = 1) -> Any:
 
 
 def _default_model_dir() -> Path:
+    """`$RELAYGR_HOME/model`"""
     home = os.environ.get("RELAYGR_HOME")
     return (Path(home) if home else default_home()) / "model"
 
