@@ -77,7 +77,7 @@ class Settings(BaseSettings):
         default=90.0, gt=0, description="How long `broker start` waits for the broker to accept connections."
     )
 
-    # Client security, passed through to aiokafka and faust (see README, "Security").
+    # Client security, passed through to aiokafka and faust (docs/operations.md, "Security").
     security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = Field(
         default="PLAINTEXT", description="Kafka client security protocol."
     )

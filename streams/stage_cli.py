@@ -1,7 +1,7 @@
 """Run one stage of the cascade in this process: ingress, retrieval, preprocess or ranking.
 
 Every stage reads the broker, topic and pipeline settings from RELAYGR_* environment variables
-(see README). Run several `ranking` processes with different --worker-id to scale out: Kafka's
+(docs/configuration.md). Run several `ranking` processes with different --worker-id to scale out: Kafka's
 consumer group gives each a share of the partitions, the same share of every co-partitioned topic.
 The ingress stage needs no model: it re-keys the public input topics onto the routed ones.
 """

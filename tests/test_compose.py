@@ -125,7 +125,7 @@ def test_the_documented_cluster_bootstrap_names_every_node(compose) -> None:
     documented = line.split("RELAYGR_COMPOSE_BOOTSTRAP=")[1].split()[0]
     nodes = [n for n, svc in compose["services"].items() if "cluster" in svc.get("profiles", [])]
     assert documented == ",".join(f"{n}:9092" for n in nodes)
-    assert documented in (ROOT / "README.md").read_text()
+    assert documented in (ROOT / "docs" / "operations.md").read_text()
 
 
 def test_dockerfile_installs_what_the_cli_imports() -> None:

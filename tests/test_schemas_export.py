@@ -1,5 +1,6 @@
-"""The exported JSON Schemas: valid schemas, accepting every example (the README's too), rejecting
-malformed events with the same field the codec names, and unchanged unless the version moves.
+"""The exported JSON Schemas: valid schemas, accepting every example (docs/integration.md's kcat
+lines too), rejecting malformed events with the same field the codec names, and unchanged unless
+the version moves.
 
 The snapshot in tests/schemas_snapshot/ is the contract as published. A schema that differs from
 the snapshot of its version fails: bump SCHEMA_VERSION (a new file name), then record the new
@@ -25,7 +26,8 @@ from relaygr.schemas.examples import examples
 from relaygr.schemas.json_schema import PUBLIC_EVENTS, schema_file_name
 
 SNAPSHOT = Path(__file__).parent / "schemas_snapshot"
-README = Path(__file__).parent.parent / "README.md"
+# The pages whose kcat lines are checked against the schemas.
+KCAT_PAGES = [Path(__file__).parent.parent / "docs" / "integration.md"]
 EVENT_OF_KIND = {e.kind: e for e in PUBLIC_EVENTS.values()}
 # Defaults stay: a producer that leaves a field out gets the default, so it is part of the contract.
 ANNOTATIONS = {"title", "description", "examples", "$comment"}
@@ -99,10 +101,11 @@ def _more_examples() -> list[tuple[str, dict[str, Any]]]:
     ]
 
 
-def _readme_kcat_examples() -> list[tuple[str, dict[str, Any]]]:
-    """The README's kcat lines: `printf 'KEY|JSON\\n' "$(date +%s)"`, with a time for %s."""
+def _documented_kcat_examples() -> list[tuple[str, dict[str, Any]]]:
+    """The documented kcat lines: `printf 'KEY|JSON\\n' "$(date +%s)"`, with a time for %s."""
     found = []
-    for key, payload in re.findall(r"printf '([^|']+)\|(\{[^']*\})\\n'", README.read_text()):
+    text = "".join(page.read_text() for page in KCAT_PAGES)
+    for key, payload in re.findall(r"printf '([^|']+)\|(\{[^']*\})\\n'", text):
         event = json.loads(payload.replace("%s", "1700000000"))
         assert key == event["user_id"], "inputs are keyed by user_id"
         found.append(("request" if "request_id" in event else "behavior", event))
@@ -113,7 +116,7 @@ def _readme_kcat_examples() -> list[tuple[str, dict[str, Any]]]:
 def test_every_example_is_accepted_by_schema_and_codec(exported) -> None:
     cases = [(type(e).kind, json.loads(encode(e))) for e in examples() if type(e) in PUBLIC_EVENTS.values()]
     cases += [(kind, ex) for kind, schema in exported.items() for ex in schema["examples"]]
-    cases += _more_examples() + _readme_kcat_examples()
+    cases += _more_examples() + _documented_kcat_examples()
     assert {kind for kind, _ in cases} == set(EVENT_OF_KIND)
     for kind, event in cases:
         errors = list(validator(exported[kind]).iter_errors(event))

@@ -50,7 +50,7 @@ OTHER_VARIABLES: tuple[tuple[str, str, str], ...] = (
 
 HEADER = """# Configuration
 
-This page is the reference of every setting: each is an environment variable with the `RELAYGR_`
+This page is for looking up any setting: each is an environment variable with the `RELAYGR_`
 prefix, read by every stage, tool and command (pydantic-settings; case-insensitive). It is
 generated from the settings classes by `relaygr settings > docs/configuration.md`, and a test
 checks that this page equals what that command prints: change a setting in its class, not here.
