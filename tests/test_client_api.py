@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+from pathlib import Path
 
 import relaygr.client as client
 
@@ -48,3 +49,8 @@ def test_star_import_gives_the_api() -> None:
 def test_the_docstring_names_every_exported_name() -> None:
     doc = client.__doc__ or ""
     assert [name for name in client.__all__ if f"``{name}" not in doc] == []
+
+
+def test_the_integration_page_names_every_exported_name() -> None:
+    page = (Path(__file__).resolve().parent.parent / "docs" / "integration.md").read_text()
+    assert [name for name in client.__all__ if f"`{name}" not in page] == []
