@@ -217,7 +217,7 @@ def test_every_relative_link_resolves(page: str) -> None:
     assert not broken, f"{page}: broken links {broken}"
 
 
-@pytest.mark.parametrize("name", OWN_PAGES)
+@pytest.mark.parametrize("name", [*OWN_PAGES, "quality"])
 def test_every_docs_page_begins_with_what_it_is_for(name: str) -> None:
     text = (DOCS / f"{name}.md").read_text()
     title, _, rest = text.partition("\n\n")
