@@ -20,7 +20,6 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
-import annotated_types
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings
 
@@ -73,7 +72,7 @@ def _bounds(field: FieldInfo) -> str:
     parts = []
     for meta in field.metadata:
         for attr, sign in signs.items():
-            value = getattr(meta, attr, None) if isinstance(meta, annotated_types.BaseMetadata) else None
+            value = getattr(meta, attr, None)  # pydantic keeps Field(ge=...) as annotated_types metadata
             if value is not None:
                 parts.append(f"{sign} {value:g}")
     return ", ".join(parts)
