@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from relaygr.tools.report.compare import comparison_markdown, verdict
 from relaygr.tools.report.summary import RunSummary
 
@@ -35,6 +37,7 @@ def test_verdict_says_when_full_ranking_fits_the_machine() -> None:
     assert verdict({"relay": summaries["relay"]}).startswith("relay held 58 %")
 
 
+@pytest.mark.slow
 def test_tiny_demo_runs_both_modes_on_one_trace(kafka_settings, model_dir, tmp_path) -> None:
     env = {
         **os.environ,
