@@ -19,8 +19,6 @@ ALLOWED_LONG_FUNCTIONS: dict[str, str] = {
     "bench/store.py:_measure_length": "the store benchmark's measurement, shortened with its rewrite",
     "infra/broker.py:start": "to split",
     "infra/tls.py:issue_broker_tls": "to split",
-    "tools/experiment/command.py:add_arguments": "to split",
-    "tools/experiment/report.py:write_experiment_report": "to split",
     "tools/replay.py:run": "to split",
     "tools/trace.py:build_trace": "to split",
     "bench/noisy_neighbour.py:_measure": "to split",

@@ -498,6 +498,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "latency model is calibrated there",
     )
     parser.add_argument("--theta", type=float, default=0.1, help="trigger threshold θ (default 0.1)")
+    _add_slo_calibration_arguments(parser)
+    _add_run_arguments(parser)
+    _add_holding_arguments(parser)
+    _add_isolation_arguments(parser)
+    _add_kind_arguments(parser)
+
+
+def _add_slo_calibration_arguments(parser: argparse.ArgumentParser) -> None:
+    """How B is fixed: given, or measured on the baseline."""
     parser.add_argument("--slo-ms", type=float, help="fix B instead of measuring it")
     parser.add_argument(
         "--slo-tokens",
@@ -511,6 +520,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--slo-slices", type=int, default=3, help="B from the largest P99 of this many slices"
     )
     parser.add_argument("--slo-headroom", type=float, default=0.25, help="B = measured P99 × (1 + this)")
+
+
+def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """The trace's window, warm-up and seed, and what is kept and printed."""
     parser.add_argument(
         "--pipeline-warmup", type=int, default=100, help="unmeasured requests through each fresh pipeline"
     )
@@ -527,6 +540,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="run the whole experiment this many times (median, worst)",
     )
+
+
+def _add_holding_arguments(parser: argparse.ArgumentParser) -> None:
+    """The sequential rule that says whether a point holds the SLO."""
     g = parser.add_argument_group("holding the SLO")
     g.add_argument(
         "--max-requests",
@@ -545,6 +562,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--miss-rate", type=open_fraction, default=0.01, help="miss rate the bound must stay under"
     )
     g.add_argument("--confidence", type=open_fraction, default=0.95, help="one-sided confidence of the bound")
+
+
+def _add_isolation_arguments(parser: argparse.ArgumentParser) -> None:
+    """What shares the machine with a point: cores, the other mode's pipeline."""
     g = parser.add_argument_group("isolation")
     g.add_argument(
         "--no-pin",
@@ -564,6 +585,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="run the first point once, not twice (short checks; the protocol records it)",
     )
+
+
+def _add_kind_arguments(parser: argparse.ArgumentParser) -> None:
+    """The points of each experiment kind."""
     g = parser.add_argument_group("seq-len")
     g.add_argument("--lengths", default="512,1024,2048,4096,8192", help="history lengths (events)")
     g.add_argument("--qps", type=float, default=10.0, help="request rate of every point")
