@@ -171,21 +171,7 @@ def start(settings: Settings, *, quiet: bool = False, secure: bool = False, brok
     state = read_state(settings)
     nodes_up = node_status(state) if state is not None else []
     if state is not None and any(up for _, up in nodes_up):
-        if state.secure != secure:
-            running, asked = ("secure", "plaintext") if state.secure else ("plaintext", "secure")
-            raise BrokerError(
-                f"a {running} broker is already running (pid {state.pid}); "
-                f"stop it with `relaygr broker stop` before starting a {asked} one"
-            )
-        if len(state.nodes) != brokers:
-            raise BrokerError(
-                f"a broker of {len(state.nodes)} node(s) is already running; stop it with "
-                f"`relaygr broker stop` before starting one of {brokers}"
-            )
-        for node, up in nodes_up:
-            if not up:
-                state = start_node(settings, node.node_id)
-        return state
+        return _revive(settings, state, nodes_up, secure=secure, brokers=brokers)
     if state is not None:  # stale record of a dead broker
         _cleanup(state, settings)
     jars = ensure_jars(settings, quiet=quiet)
@@ -194,10 +180,41 @@ def start(settings: Settings, *, quiet: bool = False, secure: bool = False, brok
     data_dir.mkdir(parents=True, mode=0o700)
     if brokers > 1:
         return _start_cluster(settings, jars, data_dir, brokers)
+    return _start_single(settings, jars, data_dir, secure)
+
+
+def _revive(
+    settings: Settings,
+    state: BrokerState,
+    nodes_up: list[tuple[BrokerNode, bool]],
+    *,
+    secure: bool,
+    brokers: int,
+) -> BrokerState:
+    """The running broker, if it is of the kind asked for, its nodes that are down started again."""
+    if state.secure != secure:
+        running, asked = ("secure", "plaintext") if state.secure else ("plaintext", "secure")
+        raise BrokerError(
+            f"a {running} broker is already running (pid {state.pid}); "
+            f"stop it with `relaygr broker stop` before starting a {asked} one"
+        )
+    if len(state.nodes) != brokers:
+        raise BrokerError(
+            f"a broker of {len(state.nodes)} node(s) is already running; stop it with "
+            f"`relaygr broker stop` before starting one of {brokers}"
+        )
+    for node, up in nodes_up:
+        if not up:
+            state = start_node(settings, node.node_id)
+    return state
+
+
+def _start_single(settings: Settings, jars: Path, data_dir: Path, secure: bool) -> BrokerState:
+    """One node in the fresh ``data_dir``: configured, formatted, launched, recorded, ready (and,
+    ``secure``, each role's user granted its ACLs)."""
     port, cport = _free_ports(2)
     props = data_dir / "server.properties"
     (data_dir / "log4j2.properties").write_text(LOG4J_PROPERTIES)
-    log_file = data_dir / "broker.log"
     cluster_id = new_cluster_id()
     format_args = ["kafka.tools.StorageTool", "format", f"--cluster-id={cluster_id}", "--config", str(props)]
     passwords: dict[str, str] = {}
@@ -210,38 +227,21 @@ def start(settings: Settings, *, quiet: bool = False, secure: bool = False, brok
         for user, password in passwords.items():
             write_secret(secrets_dir / f"{user}.password", password + "\n")
         tls = issue_broker_tls(data_dir / "tls")
-        write_secret(
-            props,
-            secure_server_properties(data_dir, port, cport, tls, passwords[ADMIN_USER]),
-        )
+        write_secret(props, secure_server_properties(data_dir, port, cport, tls, passwords[ADMIN_USER]))
         # SCRAM users are created with the metadata at format time.
         for user, password in passwords.items():
             format_args += ["--add-scram", f"{SCRAM_MECHANISM}=[name={user},password={password}]"]
         ca_file = str(tls.ca_file)
     else:
         props.write_text(server_properties(data_dir, port, cport))
-
-    # The arguments reach the JVM through an argument file (mode 0600, removed right after), so the
-    # passwords never show in the process list.
-    args_file = write_secret(data_dir / "format.args", "\n".join(format_args) + "\n")
-    try:
-        fmt = subprocess.run(
-            java_cmd(jars, data_dir, "256m", [f"@{args_file}"]), capture_output=True, text=True
-        )
-    finally:
-        args_file.unlink(missing_ok=True)
-    if fmt.returncode != 0:
-        shutil.rmtree(data_dir, ignore_errors=True)
-        output = _redact((fmt.stdout + fmt.stderr)[-2000:], passwords.values())
-        raise BrokerError("formatting the broker's data directory failed:\n" + output)
-
+    _format_data_dir(jars, data_dir, format_args, passwords)
     proc = _launch(jars, data_dir, settings.broker_heap)
     state = BrokerState(
         pid=proc.pid,
         port=port,
         controller_port=cport,
         data_dir=str(data_dir),
-        log_file=str(log_file),
+        log_file=str(data_dir / "broker.log"),
         cluster_id=cluster_id,
         kafka_version=settings.kafka_version,
         started_at=time.time(),
@@ -259,6 +259,23 @@ def start(settings: Settings, *, quiet: bool = False, secure: bool = False, brok
             stop(settings)
             raise
     return state
+
+
+def _format_data_dir(jars: Path, data_dir: Path, format_args: list[str], passwords: dict[str, str]) -> None:
+    """Run the storage tool's format on ``data_dir``; on failure the folder is removed."""
+    # The arguments reach the JVM through an argument file (mode 0600, removed right after), so the
+    # passwords never show in the process list.
+    args_file = write_secret(data_dir / "format.args", "\n".join(format_args) + "\n")
+    try:
+        fmt = subprocess.run(
+            java_cmd(jars, data_dir, "256m", [f"@{args_file}"]), capture_output=True, text=True
+        )
+    finally:
+        args_file.unlink(missing_ok=True)
+    if fmt.returncode != 0:
+        shutil.rmtree(data_dir, ignore_errors=True)
+        output = _redact((fmt.stdout + fmt.stderr)[-2000:], passwords.values())
+        raise BrokerError("formatting the broker's data directory failed:\n" + output)
 
 
 def _free_ports(n: int) -> list[int]:
