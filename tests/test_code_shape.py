@@ -53,12 +53,6 @@ ALLOWED_CYCLES: dict[tuple[str, ...], str] = {
         "relaygr.infra.broker_files",
         "relaygr.infra.kafka",
     ): "to untangle",
-    (
-        "relaygr.streams.common",
-        "relaygr.streams.history",
-        "relaygr.streams.state_lineage",
-        "relaygr.streams.table_lineage",
-    ): "to untangle",
 }
 
 
