@@ -13,16 +13,13 @@ Primitives:
 - ``restart(settings)``: the same nodes (ports, data) stopped and started again.
 - ``kill_node(settings, node_id)`` / ``start_node(settings, node_id)``: one node of a cluster
   killed (SIGKILL by default: a crash, for fault tests) and started again on its ports and data.
-- ``status(settings)`` / ``node_status(state)``: the recorded broker, whether every node is up,
-  and each node's own state.
-- ``resolve_bootstrap(settings)``: ``RELAYGR_BOOTSTRAP`` if set, else the running local broker
-  (every node's address, so clients reach a cluster while one node is down).
-- ``free_port()`` / ``port_open(port)``: loopback ports.
+- ``status(settings)``: the recorded broker and whether every node is up.
+- ``free_port()``: a loopback port for a listener.
 
-What a broker is made of (jars, node properties, the state record, client sign-in:
-``ensure_jars``, ``replication_for``, ``BrokerState``, ``read_state``, ``client_env``,
-``client_settings``, ``BrokerError``) is ``relaygr.infra.broker_files``; those names are
-importable from here too.
+What a broker is made of (jars, node properties, the state record and whether its nodes are up,
+client sign-in: ``ensure_jars``, ``replication_for``, ``BrokerState``, ``read_state``,
+``node_status``, ``port_open``, ``resolve_bootstrap``, ``client_env``, ``client_settings``,
+``BrokerError``) is ``relaygr.infra.broker_files``; those names are importable from here too.
 
 Secrets of the secure broker (passwords, the keystore) live in files of mode 0600 inside its data
 directory, never on a command line: the JVM reads the storage tool's arguments from an argument
@@ -62,12 +59,17 @@ from relaygr.infra.broker_files import (
     jars_dir,
     java_cmd,
     new_cluster_id,
+    node_status,
+    node_up,
+    port_open,
     read_state,
     replication_for,
+    resolve_bootstrap,
     secure_server_properties,
     server_properties,
     write_state,
 )
+from relaygr.infra.kafka import started_admin
 from relaygr.infra.settings import Settings
 from relaygr.infra.stop_guard import process_alive
 from relaygr.infra.tls import issue_broker_tls, write_secret
@@ -89,6 +91,7 @@ __all__ = [
     "jars_dir",
     "kill_node",
     "node_status",
+    "node_up",
     "port_open",
     "read_state",
     "replication_for",
@@ -133,23 +136,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def port_open(port: int, host: str = "127.0.0.1", timeout: float = 0.5) -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=timeout):
-            return True
-    except OSError:
-        return False
-
-
-def _node_up(node: BrokerNode) -> bool:
-    return process_alive(node.pid) and port_open(node.port)
-
-
-def node_status(state: BrokerState) -> list[tuple[BrokerNode, bool]]:
-    """Every recorded node and whether it is up (its process alive, its client port open)."""
-    return [(n, _node_up(n)) for n in state.nodes]
 
 
 def status(settings: Settings) -> tuple[bool, BrokerState | None]:
@@ -390,8 +376,12 @@ def _grant_roles(settings: Settings, state: BrokerState) -> None:
 
     registry = TopicRegistry(settings.topic_prefix, settings.partitions)
     bindings = [b for role in acls.ROLES for b in acls.role_acls(role, role, registry)]
-    admin_settings = client_settings(settings, state, ADMIN_USER)
-    _run_blocking(acls.create_acls(admin_settings, bindings))
+
+    async def grant() -> None:
+        async with started_admin(client_settings(settings, state, ADMIN_USER)) as client:
+            await acls.create_acls(client, bindings)
+
+    _run_blocking(grant())
 
 
 def _run_blocking(coro: Coroutine[Any, Any, T]) -> T:
@@ -476,7 +466,7 @@ def start_node(settings: Settings, node_id: int) -> BrokerState:
     if state is None:
         raise BrokerError("no broker recorded")
     node = state.node(node_id)
-    if _node_up(node):
+    if node_up(node):
         return state
     _terminate(node.pid)  # a process that is alive but not serving
     return _relaunch(settings, state, [node_id])
@@ -559,19 +549,3 @@ def _reap(pid: int) -> None:
     """Collect our own child's exit status so it does not linger as a zombie."""
     with contextlib.suppress(ChildProcessError):
         os.waitpid(pid, os.WNOHANG)
-
-
-def resolve_bootstrap(settings: Settings) -> str:
-    if settings.bootstrap:
-        return settings.bootstrap
-    state = read_state(settings)
-    # A cluster with a node down still serves: clients get every node's address and use those up.
-    if state is not None and any(up for _, up in node_status(state)):
-        if state.secure and settings.security_protocol != "SASL_SSL":
-            raise BrokerError(
-                "the local broker is secure (SASL_SSL): export the settings that `relaygr broker env` prints"
-            )
-        return state.bootstrap
-    raise BrokerError(
-        "no Kafka broker: run `relaygr broker start` (local) or set RELAYGR_BOOTSTRAP=host:port (external)"
-    )

@@ -47,12 +47,6 @@ ALLOWED_CYCLES: dict[tuple[str, ...], str] = {
         "relaygr.workers.kernels.reference",
         "relaygr.workers.kernels.triton_hstu",
     ): "the entry point loads its backends lazily and they import its types: to be untangled",
-    (
-        "relaygr.infra.acls",
-        "relaygr.infra.broker",
-        "relaygr.infra.broker_files",
-        "relaygr.infra.kafka",
-    ): "to untangle",
 }
 
 
