@@ -38,6 +38,9 @@ Model work runs on the engine's device thread; this loop only fetches, schedules
 Rolling restarts (``streams.standby``, ``streams.worker_files``): a standby of its id that warms up
 finds the worker's cached prefixes on its disk tier; on SIGUSR1 the worker stops fetching, leaves its
 positions in ``handover.json``, finishes and commits what it holds, and exits, persisting nothing.
+The standby and the rebalance listener use the worker through ``streams.worker_port.WorkerPort``:
+its parts and the methods it offers them (``note``, ``take``, ``drain``, ``finish_appliers``,
+``commit``, ``join_group``).
 """
 
 from __future__ import annotations
@@ -125,6 +128,7 @@ class RankingWorker:
     ) -> None:
         self.settings, self.pipeline, self.worker_id = settings, pipeline, worker_id
         self.reg = TopicRegistry(settings.topic_prefix, settings.partitions)
+        self._signals_topic = self.reg.name("prefill")
         self.static_membership = static_membership
         self.dir = deployment_dir(settings, "workers") / worker_id  # per topic prefix
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -391,9 +395,7 @@ class RankingWorker:
 
     def take(self, tp: TopicPartition, m) -> None:
         """Handle a fetched signal or request (by its topic) in a task of its own."""
-        self._spawn(
-            tp, m, self._handle_prefill if tp.topic == self.reg.name("prefill") else self._handle_rank
-        )
+        self._spawn(tp, m, self._handle_prefill if tp.topic == self._signals_topic else self._handle_rank)
 
     def _spawn(self, tp: TopicPartition, m, handler) -> None:
         self.tracker.start(tp, m.offset)
@@ -429,6 +431,7 @@ class RankingWorker:
         return offsets
 
     async def drain(self, tps: set[TopicPartition], timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``) until the signals and requests of ``tps`` are handled."""
         deadline = time.monotonic() + timeout_s
         while self.tracker.pending(tps) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
