@@ -209,28 +209,10 @@ async def _alternate(settings, reg, args, requests, heavy_user: str, burst: list
 
 
 async def _measure(settings, reg, args, ml, say) -> dict:
-    from relaygr.tools.report.figures import percentile
-    from relaygr.tools.traffic import collect_results, leave_last_out, publish, synthesise
+    from relaygr.tools.traffic import collect_results
 
-    users = sorted(ml.histories)[: args.users]
-    behaviours, requests = leave_last_out(ml, users, num_candidates=128)
-    await publish(settings, reg, behaviours, [], wait_for_ingest=True, settle_s=0)
-    say(f"warm-up: {args.warmup_s:g} s at {args.qps:g} req/s")
-    stop, warm = asyncio.Event(), []
-    task = asyncio.create_task(request_stream(settings, reg, requests, args.qps, stop, warm))
-    await asyncio.sleep(args.warmup_s)
-    stop.set()
-    await task
-
-    base = max(ml.histories, key=lambda u: len(ml.histories[u]))
-    h = ml.histories[base]
-    h = synthesise(h, -(-args.heavy_events // len(h)))
-    h = h.slice(len(h) - args.heavy_events)
-    heavy_user = f"heavy-{base}"
-    heavy_events = [
-        BehaviorEvent(user_id=heavy_user, item_id=int(i), ts=float(t), action=int(a))
-        for i, a, t in zip(h.item_ids.tolist(), h.action_ids.tolist(), h.timestamps.tolist(), strict=True)
-    ]
+    requests = await _warm_up(settings, reg, args, ml, say)
+    heavy_user, heavy_events = _heavy_user(ml, args.heavy_events)
     say(
         f"{args.duration_s:g} s quiet and {args.duration_s:g} s heavy at {args.qps:g} req/s, in "
         f"alternating {args.block_s:g} s blocks; {len(heavy_events)} behaviours of one user in the "
@@ -248,8 +230,6 @@ async def _measure(settings, reg, args, ml, say) -> dict:
         _write_results(args.results, results, blocks, quiet=quiet_sent, heavy=hot_sent, heavy_user=heavy_sent)
     quiet = breakdown_percentiles(results, quiet_sent, "ranking")
     hot = breakdown_percentiles(results, hot_sent, "ranking")
-    heavy = [results[r.request_id] for r in heavy_sent if r.request_id in results]
-    heavy_ranking = [r.breakdown_ms.get("ranking", float("nan")) for r in heavy]
     budget_ms = PipelineSettings().budget_ms  # what the pipeline was started with (RELAYGR_BUDGET_MS)
 
     def ranking_ms(sent: list) -> list[float]:
@@ -278,6 +258,60 @@ async def _measure(settings, reg, args, ml, say) -> dict:
         "ordinary_requests": [len(quiet_sent), len(hot_sent)],
         "ordinary_answered": [quiet["n"], hot["n"]],
         "heavy_requests": len(heavy_sent),
+        **_heavy_fields([results[r.request_id] for r in heavy_sent if r.request_id in results]),
+        "ordinary_slowest_heavy": [
+            _ranking_parts(r)
+            for r in sorted(
+                (results[x.request_id] for x in hot_sent if x.request_id in results),
+                key=lambda r: -r.breakdown_ms.get("ranking", 0),
+            )[:3]
+        ],
+        "target_ratio": 1.2,
+        # The host's CPU in each condition (quiet, heavy), in %: busy (the pipeline included), and
+        # steal (taken by the machine's neighbours; a spell of it slows a block whatever the
+        # pipeline does), over the condition's blocks and at most in any one second. None off Linux.
+        "host_cpu": {k: [cpu["quiet"][k], cpu["heavy"][k]] for k in cpu["quiet"]},
+    }
+
+
+async def _warm_up(settings, reg, args, ml, say) -> list:
+    """Publish the users' histories and send their requests for ``--warmup-s``; returns the
+    requests (the measured blocks send them again)."""
+    from relaygr.tools.traffic import leave_last_out, publish
+
+    users = sorted(ml.histories)[: args.users]
+    behaviours, requests = leave_last_out(ml, users, num_candidates=128)
+    await publish(settings, reg, behaviours, [], wait_for_ingest=True, settle_s=0)
+    say(f"warm-up: {args.warmup_s:g} s at {args.qps:g} req/s")
+    stop, warm = asyncio.Event(), []
+    task = asyncio.create_task(request_stream(settings, reg, requests, args.qps, stop, warm))
+    await asyncio.sleep(args.warmup_s)
+    stop.set()
+    await task
+    return requests
+
+
+def _heavy_user(ml, events: int) -> tuple[str, list[BehaviorEvent]]:
+    """The heavy user: the longest history, repeated to ``events`` behaviours."""
+    from relaygr.tools.traffic import synthesise
+
+    base = max(ml.histories, key=lambda u: len(ml.histories[u]))
+    h = ml.histories[base]
+    h = synthesise(h, -(-events // len(h)))
+    h = h.slice(len(h) - events)
+    heavy_user = f"heavy-{base}"
+    return heavy_user, [
+        BehaviorEvent(user_id=heavy_user, item_id=int(i), ts=float(t), action=int(a))
+        for i, a, t in zip(h.item_ids.tolist(), h.action_ids.tolist(), h.timestamps.tolist(), strict=True)
+    ]
+
+
+def _heavy_fields(heavy: list) -> dict:
+    """What the heavy user's answered rankings took and were made of (ms)."""
+    from relaygr.tools.report.figures import percentile
+
+    heavy_ranking = [r.breakdown_ms.get("ranking", float("nan")) for r in heavy]
+    return {
         "heavy_answered": len(heavy),
         "heavy_ranking_ms": [round(x, 1) for x in heavy_ranking],
         "heavy_ranking_p99_ms": percentile(heavy_ranking, 99) if heavy else None,
@@ -295,18 +329,6 @@ async def _measure(settings, reg, args, ml, say) -> dict:
             }
             for r in heavy
         ],
-        "ordinary_slowest_heavy": [
-            _ranking_parts(r)
-            for r in sorted(
-                (results[x.request_id] for x in hot_sent if x.request_id in results),
-                key=lambda r: -r.breakdown_ms.get("ranking", 0),
-            )[:3]
-        ],
-        "target_ratio": 1.2,
-        # The host's CPU in each condition (quiet, heavy), in %: busy (the pipeline included), and
-        # steal (taken by the machine's neighbours; a spell of it slows a block whatever the
-        # pipeline does), over the condition's blocks and at most in any one second. None off Linux.
-        "host_cpu": {k: [cpu["quiet"][k], cpu["heavy"][k]] for k in cpu["quiet"]},
     }
 
 

@@ -207,9 +207,6 @@ def _own_cluster(base: Settings, brokers: int, say):
 def _measure(
     args: argparse.Namespace, settings: Settings, nodes: Settings, pipeline, calib: Path, say
 ) -> int:
-    from relaygr.tools.traffic import leave_last_out
-    from relaygr.workers.training.movielens import load_movielens
-
     env = pipeline.to_env(
         model_dir=pipeline.model_dir,
         calibration_file=calib,
@@ -219,21 +216,7 @@ def _measure(
         short_term=SHORT_TERM,
         device_cache_mb=2048,
     )
-    ml = load_movielens("ml-100k")
-    users = sorted(ml.histories)
-    hop_users = users[: args.hop_users]
-    hop_b, hop_r = leave_last_out(ml, hop_users, num_candidates=64)
-    n_hop = args.warmup_requests + args.hop_requests
-    hop_r = (hop_r * math.ceil(n_hop / len(hop_r)))[:n_hop]
-    hop_r = [r.model_copy(update={"request_id": f"{r.request_id}-{i}"}) for i, r in enumerate(hop_r)]
-    warm_r, hop_r = hop_r[: args.warmup_requests], hop_r[args.warmup_requests :]
-    long_users = [u for u in users if len(ml.histories[u]) >= 50][: args.users]
-    long_b, long_r = leave_last_out(ml, long_users, target_len=args.history, num_candidates=128)
-    long_b = [b.model_copy(update={"user_id": f"L{b.user_id}"}) for b in long_b]
-    long_r = [
-        r.model_copy(update={"user_id": f"L{r.user_id}", "request_id": f"L{r.request_id}"}) for r in long_r
-    ]
-
+    hop_b, warm_r, hop_r, long_b, long_r = _traffic(args)
     cores = _pin(nodes, args.no_pin)
     say(f"cores: {cores.describe()}")
     try:
@@ -261,15 +244,52 @@ def _measure(
         )
     finally:
         _unpin(nodes, cores)
+    hop_line = _hop_line(args, relay["hops"], cores.describe())
+    per_mode = {
+        mode: _long_history_line(args, mode, runs["long"], pipeline.budget_ms)
+        for mode, runs in (("relay", relay), ("baseline", base))
+    }
+    summary = _summary_line(args, pipeline.model_dir, relay, base, hop_line, per_mode)
+    summary["seconds"] = round(time.monotonic() - t0, 1)
+    if args.results is not None:
+        _write_results(args.results, {"relay": relay, "baseline": base})
+    for line in [hop_line, per_mode["relay"], per_mode["baseline"], summary]:
+        print(json.dumps({**line, "brokers": args.brokers}))
+    return 0
 
-    lines = []
-    sent, res = relay["hops"]
+
+def _traffic(args: argparse.Namespace) -> tuple[list, list, list, list, list]:
+    """The Kafka-hop phase's users (behaviours, warm-up requests, measured requests) and the
+    long-history phase's (behaviours, requests, their users renamed apart)."""
+    from relaygr.tools.traffic import leave_last_out
+    from relaygr.workers.training.movielens import load_movielens
+
+    ml = load_movielens("ml-100k")
+    users = sorted(ml.histories)
+    hop_users = users[: args.hop_users]
+    hop_b, hop_r = leave_last_out(ml, hop_users, num_candidates=64)
+    n_hop = args.warmup_requests + args.hop_requests
+    hop_r = (hop_r * math.ceil(n_hop / len(hop_r)))[:n_hop]
+    hop_r = [r.model_copy(update={"request_id": f"{r.request_id}-{i}"}) for i, r in enumerate(hop_r)]
+    warm_r, hop_r = hop_r[: args.warmup_requests], hop_r[args.warmup_requests :]
+    long_users = [u for u in users if len(ml.histories[u]) >= 50][: args.users]
+    long_b, long_r = leave_last_out(ml, long_users, target_len=args.history, num_candidates=128)
+    long_b = [b.model_copy(update={"user_id": f"L{b.user_id}"}) for b in long_b]
+    long_r = [
+        r.model_copy(update={"user_id": f"L{r.user_id}", "request_id": f"L{r.request_id}"}) for r in long_r
+    ]
+    return hop_b, warm_r, hop_r, long_b, long_r
+
+
+def _hop_line(args: argparse.Namespace, phase: tuple[list, dict], cores: str) -> dict:
+    """The Kafka hops of the relay pipeline's hop phase: P50 and P99 of each."""
+    sent, res = phase
     hops = {
         h: [r.breakdown_ms[h] for r in res.values() if h in r.breakdown_ms]
         # routing: the ingress's part of hop_requests (the cost of re-keying the public input).
         for h in ("hop_requests", "routing", "hop_retrieved", "hop_rank")
     }
-    hop_line = {
+    line = {
         "bench": "pipeline",
         "phase": "kafka_hops",
         "qps": args.qps,
@@ -278,69 +298,69 @@ def _measure(
         **{f"{h}_ms_p50": percentile(v, 50) for h, v in hops.items()},
         **{f"{h}_ms_p99": percentile(v, 99) for h, v in hops.items()},
     }
-    hop_line["max_hop_ms_p99"] = max(hop_line[f"{h}_ms_p99"] for h in hops if h != "routing")
-    hop_line["cores"] = cores.describe()
-    lines.append(hop_line)
-    per_mode = {}
-    for mode, runs in (("relay", relay), ("baseline", base)):
-        sent, res = runs["long"]
-        summary = RunSummary.of(
-            sorted(res.values(), key=lambda r: r.ts), slo_ms=pipeline.budget_ms, expected=len(sent)
-        )
-        ranking = summary.ranking
-        per_mode[mode] = {
-            "bench": "pipeline",
-            "phase": "long_history",
-            "mode": mode,
-            "history": args.history,
-            "requests": len(sent),
-            "results": len(res),
-            "ranking_ms_p50": ranking.p50 if ranking else math.nan,
-            "ranking_ms_p99": ranking.p99 if ranking else math.nan,
-            "e2e_ms_p99": summary.latency_ms["end_to_end"].p99,
-            "timeouts": summary.slo.timeouts,
-            "paths": summary.path_counts,
-            "path_reasons": summary.path_reasons,
-            "tokens_computed_mean": summary.history.mean_tokens_computed,
-        }
-        lines.append(per_mode[mode])
-    r, b = per_mode["relay"], per_mode["baseline"]
-    # The model's own bound on the ratio: FLOPs of ranking the suffix and the candidates against
-    # the cached prefix over FLOPs of full inference, at this history length.
+    line["max_hop_ms_p99"] = max(line[f"{h}_ms_p99"] for h in hops if h != "routing")
+    line["cores"] = cores
+    return line
+
+
+def _long_history_line(
+    args: argparse.Namespace, mode: str, phase: tuple[list, dict], budget_ms: float
+) -> dict:
+    sent, res = phase
+    summary = RunSummary.of(sorted(res.values(), key=lambda r: r.ts), slo_ms=budget_ms, expected=len(sent))
+    ranking = summary.ranking
+    return {
+        "bench": "pipeline",
+        "phase": "long_history",
+        "mode": mode,
+        "history": args.history,
+        "requests": len(sent),
+        "results": len(res),
+        "ranking_ms_p50": ranking.p50 if ranking else math.nan,
+        "ranking_ms_p99": ranking.p99 if ranking else math.nan,
+        "e2e_ms_p99": summary.latency_ms["end_to_end"].p99,
+        "timeouts": summary.slo.timeouts,
+        "paths": summary.path_counts,
+        "path_reasons": summary.path_reasons,
+        "tokens_computed_mean": summary.history.mean_tokens_computed,
+    }
+
+
+def _summary_line(
+    args: argparse.Namespace, model_dir: Path, relay: dict, base: dict, hop_line: dict, per_mode: dict
+) -> dict:
+    """Relay over baseline, next to the model's own bound on the ratio: FLOPs of ranking the
+    suffix and the candidates against the cached prefix over FLOPs of full inference."""
     from relaygr.workers.model.model import HSTURanker
 
-    m = HSTURanker.load(pipeline.model_dir, device="cpu")
+    r, b = per_mode["relay"], per_mode["baseline"]
+    m = HSTURanker.load(model_dir, device="cpu")
     st = SHORT_TERM
     flop_ratio = m.flops(args.history - st, st, 128) / m.flops(0, args.history, 128)
     compute = {
         mode: percentile([x.breakdown_ms.get("compute", math.nan) for x in runs["long"][1].values()], 50)
         for mode, runs in (("relay", relay), ("baseline", base))
     }
-    lines.append(
-        {
-            "bench": "pipeline",
-            "summary": True,
-            "kafka_hop_ms_p99": hop_line["max_hop_ms_p99"],
-            "relay_ranking_ms_p99": r["ranking_ms_p99"],
-            "baseline_ranking_ms_p99": b["ranking_ms_p99"],
-            "relay_over_baseline_p99": r["ranking_ms_p99"] / b["ranking_ms_p99"],
-            "relay_over_baseline_p50": r["ranking_ms_p50"] / b["ranking_ms_p50"],
-            "relay_over_baseline_compute_p50": compute["relay"] / compute["baseline"],
-            "relay_over_baseline_flops": flop_ratio,
-            "target_hop_p99_ms": 5.0,
-            "target_ratio": 0.25,
-            "seconds": round(time.monotonic() - t0, 1),
-        }
-    )
-    if args.results is not None:
-        args.results.parent.mkdir(parents=True, exist_ok=True)
-        with args.results.open("w") as f:
-            for mode, runs in (("relay", relay), ("baseline", base)):
-                for phase, (_, res) in runs.items():
-                    for r in res.values():
-                        f.write(
-                            json.dumps({"mode": mode, "phase": phase, **r.model_dump(mode="json")}) + "\n"
-                        )
-    for line in lines:
-        print(json.dumps({**line, "brokers": args.brokers}))
-    return 0
+    return {
+        "bench": "pipeline",
+        "summary": True,
+        "kafka_hop_ms_p99": hop_line["max_hop_ms_p99"],
+        "relay_ranking_ms_p99": r["ranking_ms_p99"],
+        "baseline_ranking_ms_p99": b["ranking_ms_p99"],
+        "relay_over_baseline_p99": r["ranking_ms_p99"] / b["ranking_ms_p99"],
+        "relay_over_baseline_p50": r["ranking_ms_p50"] / b["ranking_ms_p50"],
+        "relay_over_baseline_compute_p50": compute["relay"] / compute["baseline"],
+        "relay_over_baseline_flops": flop_ratio,
+        "target_hop_p99_ms": 5.0,
+        "target_ratio": 0.25,
+    }
+
+
+def _write_results(path: Path, by_mode: dict[str, dict]) -> None:
+    """Every result of every phase, one JSON line each, with its mode and phase."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for mode, runs in by_mode.items():
+            for phase, (_, res) in runs.items():
+                for r in res.values():
+                    f.write(json.dumps({"mode": mode, "phase": phase, **r.model_dump(mode="json")}) + "\n")

@@ -144,86 +144,23 @@ def _side_by_side(predicted: float, measured: float, tolerance: float) -> dict[s
 
 def run(args: argparse.Namespace) -> int:
     from relaygr.streams.config import PipelineSettings
-    from relaygr.streams.trigger import TriggerConfig
-    from relaygr.tools.prepare import ensure_model
-    from relaygr.tools.trace import lengthen
-    from relaygr.workers.engine.calibration import calibrate, measure_paces
-    from relaygr.workers.engine.capacity import (
-        ModelShape,
-        WorkerShape,
-        Workload,
-        capacity_plan,
-        lognormal_lengths,
-    )
-    from relaygr.workers.model.model import HSTURanker
-    from relaygr.workers.training.movielens import load_movielens
+    from relaygr.workers.engine.capacity import ModelShape, WorkerShape, capacity_plan
 
     settings = PipelineSettings()
-    model_dir = args.model or settings.model_dir
-    ensure_model(model_dir)
-    torch.set_num_threads(1)
-    model = HSTURanker.load(model_dir)
+    model, latency, samples, paces = _calibrated(args, settings)
     shape = ModelShape.of(model.config)
-    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
-    latency, samples = calibrate(model, candidates=CANDIDATES, threads=1, clock=clock)
-    paces = measure_paces(
-        model,
-        latency,
-        slice_ms=settings.device_slice_ms,
-        chunk=settings.prefill_chunk,
-        suffix=settings.short_term,
-        candidates=CANDIDATES,
-        clock=clock,
-    )
-    at_risk = latency.max_tokens_within(settings.budget_ms * settings.theta) + 1
-    p50 = args.history_p50 or min(shape.max_seq_len, max(settings.short_term * 2, round(1.5 * at_risk)))
-    p99 = args.history_p99 or 4 * p50
-    if p99 < p50:
-        raise SystemExit("bench plan: --history-p99 must be at least --history-p50")
-    lengths = lognormal_lengths(p50, p99, shape.max_seq_len, points=args.users)
-    ml = load_movielens("ml-100k")
-    users = sorted(ml.histories)[: args.users]
-    rng = np.random.default_rng(0)
-    order = rng.permutation(len(lengths))  # long and short users interleaved, as traffic comes
-    histories = [(u, lengthen(ml.histories[u], int(lengths[i]))) for u, i in zip(users, order, strict=False)]
-    workload = Workload(
-        users=args.users,
-        qps=args.qps,
-        budget_ms=settings.budget_ms,
-        theta=settings.theta,
-        short_term=settings.short_term,
-        min_prefix=TriggerConfig.model_fields["min_prefix"].default,
-        candidates=CANDIDATES,
-        hit_rate=0.0,  # every request of the run is a first visit
-        slice_ms=settings.device_slice_ms,
-        **paces,
-    )
+    history = _histories(args, settings, shape.max_seq_len, latency)
     plan = capacity_plan(
-        shape, latency, np.array([len(h) for _, h in histories]), workload, WorkerShape(1, 1, 1)
+        shape,
+        latency,
+        np.array([len(h) for _, h in history["histories"]]),
+        _workload(args, settings, paces),
+        WorkerShape(1, 1, 1),
     )
     with tempfile.TemporaryDirectory(prefix="relaygr-plan-check-") as root:
-        measured = asyncio.run(_measure(model, latency, histories, root))
-    tol = args.tolerance
-    device = measured[args.clock]
-    checks: dict[str, Any] = {
-        "preinfer_device_ms_per_s": _side_by_side(
-            plan["preinfer_device_ms_per_s"], device["preinfer_ms_per_request"] * args.qps, tol
-        ),
-        "rank_device_ms_per_s": _side_by_side(
-            plan["rank_device_ms_per_s"], device["rank_ms_per_request"] * args.qps, tol
-        ),
-        "device_bytes_per_user": _side_by_side(
-            plan["formats"]["exact"]["bytes_per_cached_user"]["device"],
-            measured["device_bytes_per_user"],
-            tol,
-        ),
-    }
-    for fmt, got in measured["tiers"].items():
-        for tier in ("host", "disk"):
-            predicted = plan["formats"][fmt]["bytes_per_cached_user"][tier]
-            checks[f"{tier}_bytes_per_user_{fmt}"] = _side_by_side(
-                predicted, got[f"{tier}_bytes_per_user"], tol
-            )
+        measured = asyncio.run(_measure(model, latency, history["histories"], root))
+    checks = _checks(args, plan, measured)
+    p50, p99, lengths = history["p50"], history["p99"], history["lengths"]
     out = {
         "bench": "plan",
         "model_version": model.model_version,
@@ -231,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
         "qps": args.qps,
         "history_p50": p50,
         "history_p99": p99,
-        "history_from": "arguments" if args.history_p50 else f"calibration: at risk from {at_risk} events",
+        "history_from": history["from"],
         "lengths": {
             "min": int(lengths.min()),
             "median": float(np.median(lengths)),
@@ -257,3 +194,100 @@ def run(args: argparse.Namespace) -> int:
             f"  {name:28s} predicted {c['predicted']:12.1f}  measured {c['measured']:12.1f}  x{c['ratio']:.3f} {mark}"
         )
     return 0
+
+
+def _calibrated(args: argparse.Namespace, settings: Any) -> tuple[Any, Any, Any, dict]:
+    """The model on one thread, its latency model and paces calibrated on ``--clock``: (model,
+    latency model, calibration samples, paces)."""
+    from relaygr.tools.prepare import ensure_model
+    from relaygr.workers.engine.calibration import calibrate, measure_paces
+    from relaygr.workers.model.model import HSTURanker
+
+    model_dir = args.model or settings.model_dir
+    ensure_model(model_dir)
+    torch.set_num_threads(1)
+    model = HSTURanker.load(model_dir)
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
+    latency, samples = calibrate(model, candidates=CANDIDATES, threads=1, clock=clock)
+    paces = measure_paces(
+        model,
+        latency,
+        slice_ms=settings.device_slice_ms,
+        chunk=settings.prefill_chunk,
+        suffix=settings.short_term,
+        candidates=CANDIDATES,
+        clock=clock,
+    )
+    return model, latency, samples, paces
+
+
+def _histories(args: argparse.Namespace, settings: Any, max_seq_len: int, latency: Any) -> dict[str, Any]:
+    """The users' histories: MovieLens users lengthened to log-normal lengths (p50 and p99 given,
+    or the p50 at 1.5 × the length where the trigger starts to admit), long and short interleaved."""
+    from relaygr.tools.trace import lengthen
+    from relaygr.workers.engine.capacity import lognormal_lengths
+    from relaygr.workers.training.movielens import load_movielens
+
+    at_risk = latency.max_tokens_within(settings.budget_ms * settings.theta) + 1
+    p50 = args.history_p50 or min(max_seq_len, max(settings.short_term * 2, round(1.5 * at_risk)))
+    p99 = args.history_p99 or 4 * p50
+    if p99 < p50:
+        raise SystemExit("bench plan: --history-p99 must be at least --history-p50")
+    lengths = lognormal_lengths(p50, p99, max_seq_len, points=args.users)
+    ml = load_movielens("ml-100k")
+    users = sorted(ml.histories)[: args.users]
+    rng = np.random.default_rng(0)
+    order = rng.permutation(len(lengths))  # long and short users interleaved, as traffic comes
+    return {
+        "p50": p50,
+        "p99": p99,
+        "from": "arguments" if args.history_p50 else f"calibration: at risk from {at_risk} events",
+        "lengths": lengths,
+        "histories": [
+            (u, lengthen(ml.histories[u], int(lengths[i]))) for u, i in zip(users, order, strict=False)
+        ],
+    }
+
+
+def _workload(args: argparse.Namespace, settings: Any, paces: dict) -> Any:
+    from relaygr.streams.trigger import TriggerConfig
+    from relaygr.workers.engine.capacity import Workload
+
+    return Workload(
+        users=args.users,
+        qps=args.qps,
+        budget_ms=settings.budget_ms,
+        theta=settings.theta,
+        short_term=settings.short_term,
+        min_prefix=TriggerConfig.model_fields["min_prefix"].default,
+        candidates=CANDIDATES,
+        hit_rate=0.0,  # every request of the run is a first visit
+        slice_ms=settings.device_slice_ms,
+        **paces,
+    )
+
+
+def _checks(args: argparse.Namespace, plan: dict, measured: dict) -> dict[str, Any]:
+    """Each planned figure beside its measurement, within ``--tolerance`` or not."""
+    tol = args.tolerance
+    device = measured[args.clock]
+    checks: dict[str, Any] = {
+        "preinfer_device_ms_per_s": _side_by_side(
+            plan["preinfer_device_ms_per_s"], device["preinfer_ms_per_request"] * args.qps, tol
+        ),
+        "rank_device_ms_per_s": _side_by_side(
+            plan["rank_device_ms_per_s"], device["rank_ms_per_request"] * args.qps, tol
+        ),
+        "device_bytes_per_user": _side_by_side(
+            plan["formats"]["exact"]["bytes_per_cached_user"]["device"],
+            measured["device_bytes_per_user"],
+            tol,
+        ),
+    }
+    for fmt, got in measured["tiers"].items():
+        for tier in ("host", "disk"):
+            predicted = plan["formats"][fmt]["bytes_per_cached_user"][tier]
+            checks[f"{tier}_bytes_per_user_{fmt}"] = _side_by_side(
+                predicted, got[f"{tier}_bytes_per_user"], tol
+            )
+    return checks

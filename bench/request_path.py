@@ -152,7 +152,7 @@ def summarise(recorder: CallRecorder, folders: dict[Path, str]) -> dict[str, dic
 
 
 async def _one_request(args: argparse.Namespace, recorder: CallRecorder, workdir: Path) -> dict[str, Any]:
-    from relaygr.schemas import BehaviorBatch, PrefillSignal, RankRequest, TriggerReason
+    from relaygr.schemas import PrefillSignal, RankRequest, TriggerReason
     from relaygr.streams.config import PipelineSettings
     from relaygr.streams.history import HistoryAlignment, HistoryTable
     from relaygr.streams.rank_handler import RankHandler
@@ -175,21 +175,7 @@ async def _one_request(args: argparse.Namespace, recorder: CallRecorder, workdir
         engine, history, HistoryAlignment(history), pipeline, "w0", lambda **_: None, lambda _p: None
     )
     now, n = time.time(), args.history
-    gen = torch.Generator().manual_seed(0)
-    offset = 0
-    for user in ("warm", "u"):
-        items = torch.randint(1, 500, (n,), generator=gen).tolist()
-        batch = BehaviorBatch(
-            user_id=user,
-            item_ids=items,
-            timestamps=[now - 3600 + i for i in range(n)],
-            actions=[1] * n,
-            source_partitions=[0] * n,
-            source_offsets=list(range(offset, offset + n)),
-        )
-        offset += n
-        history.append_many(0, [(offset, batch)], progress={0: offset})
-    needs = {"0": offset}
+    needs = _seed_histories(history, ("warm", "u"), n, now)
 
     async def request(user: str) -> Any:
         relay = args.path == "relay"
@@ -233,6 +219,28 @@ async def _one_request(args: argparse.Namespace, recorder: CallRecorder, workdir
         "prefix_len": result.prefix_len,
         "candidates": args.candidates,
     }
+
+
+def _seed_histories(history: Any, users: tuple[str, ...], n: int, now: float) -> dict[str, int]:
+    """``n`` random behaviours of each user in partition 0 of ``history`` (a ``HistoryTable``),
+    in the last hour; returns what a request must see applied (``behaviors_needed``)."""
+    from relaygr.schemas import BehaviorBatch
+
+    gen = torch.Generator().manual_seed(0)
+    offset = 0
+    for user in users:
+        items = torch.randint(1, 500, (n,), generator=gen).tolist()
+        batch = BehaviorBatch(
+            user_id=user,
+            item_ids=items,
+            timestamps=[now - 3600 + i for i in range(n)],
+            actions=[1] * n,
+            source_partitions=[0] * n,
+            source_offsets=list(range(offset, offset + n)),
+        )
+        offset += n
+        history.append_many(0, [(offset, batch)], progress={0: offset})
+    return {"0": offset}
 
 
 def trace_request(args: argparse.Namespace) -> dict[str, Any]:

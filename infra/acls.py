@@ -1,4 +1,4 @@
-"""Access roles of a RelayGR deployment as Kafka ACLs, and their creation on a broker.
+"""Access roles of a RelayGR deployment as Kafka ACLs, and their requests to a broker.
 
 Primitives:
 - ``AclBinding``: one ALLOW rule: principal, resource (type, name, literal or prefixed), operation.
@@ -11,8 +11,9 @@ Primitives:
     ``<prefix>-<stage>``) and transactional ids.
   - ``producer``: write (and describe) the public input topics, ``behaviors`` and ``requests``.
   - ``results-consumer``: read ``results``, in consumer groups named ``<results topic>.<anything>``.
-- ``create_acls(settings, bindings)`` / ``describe_acls(settings, user)``: on the broker, as an
-  admin (a super user, or one allowed to ALTER the cluster).
+- ``create_acls(client, bindings)`` / ``describe_acls(client, user)``: on the broker, through a
+  started admin client signed in as an admin (a super user, or one allowed to ALTER the cluster).
+  (The command line, ``relaygr acl``, is ``infra.acls_cli``.)
 
 aiokafka's admin client has no ACL calls, so the requests are aiokafka's own protocol structs
 (CreateAcls v1+, DescribeAcls v1+: the versions that know prefixed patterns), sent through it.
@@ -20,13 +21,11 @@ aiokafka's admin client has no ACL calls, so the requests are aiokafka's own pro
 
 from __future__ import annotations
 
-import argparse
-import asyncio
-import sys
 from dataclasses import dataclass
 from enum import IntEnum
 
-from relaygr.infra.settings import Settings
+from aiokafka.admin import AIOKafkaAdminClient
+
 from relaygr.schemas.topics import TopicRegistry
 
 
@@ -157,51 +156,37 @@ def _error_text(code: int, message: str | None) -> str:
     return f"{name} (error {code}){detail}"
 
 
-async def create_acls(settings: Settings, bindings: list[AclBinding]) -> None:
+async def create_acls(client: AIOKafkaAdminClient, bindings: list[AclBinding]) -> None:
     """Create ``bindings`` on the broker (idempotent: an existing binding is left as it is)."""
     from aiokafka.protocol.admin import CreateAclsRequest
 
-    from relaygr.infra.kafka import admin
-
-    client = admin(settings)
-    await client.start()
-    try:
-        for b in bindings:
-            # One binding per request (aiokafka's builder); a role has a handful.
-            resp = await client._send_request(
-                CreateAclsRequest(
-                    b.resource_type, b.resource_name, b.pattern, b.principal, b.host, b.operation, ALLOW
-                )
+    for b in bindings:
+        # One binding per request (aiokafka's builder); a role has a handful.
+        resp = await client._send_request(
+            CreateAclsRequest(
+                b.resource_type, b.resource_name, b.pattern, b.principal, b.host, b.operation, ALLOW
             )
-            for code, message in resp.creation_responses:
-                if code:
-                    raise AclError(f"creating the ACL [{b}] failed: {_error_text(code, message)}")
-    finally:
-        await client.close()
+        )
+        for code, message in resp.creation_responses:
+            if code:
+                raise AclError(f"creating the ACL [{b}] failed: {_error_text(code, message)}")
 
 
-async def describe_acls(settings: Settings, user: str | None = None) -> list[AclBinding]:
+async def describe_acls(client: AIOKafkaAdminClient, user: str | None = None) -> list[AclBinding]:
     """Every ALLOW binding on the broker (of ``user`` only, if given), sorted."""
     from aiokafka.protocol.admin import DescribeAclsRequest
 
-    from relaygr.infra.kafka import admin
-
-    client = admin(settings)
-    await client.start()
-    try:
-        resp = await client._send_request(
-            DescribeAclsRequest(
-                ResourceType.ANY,
-                None,
-                PatternType.ANY,
-                f"User:{user}" if user else None,
-                None,
-                Operation.ANY,
-                ANY_PERMISSION,
-            )
+    resp = await client._send_request(
+        DescribeAclsRequest(
+            ResourceType.ANY,
+            None,
+            PatternType.ANY,
+            f"User:{user}" if user else None,
+            None,
+            Operation.ANY,
+            ANY_PERMISSION,
         )
-    finally:
-        await client.close()
+    )
     if resp.error_code:
         raise AclError(f"listing ACLs failed: {_error_text(resp.error_code, resp.error_message)}")
     out = []
@@ -214,44 +199,3 @@ async def describe_acls(settings: Settings, user: str | None = None) -> list[Acl
                     )
                 )
     return sorted(out)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.description = (
-        "Kafka ACLs of RelayGR's access roles. `show ROLE` prints what a role needs for the topic prefix "
-        "(no broker needed); `grant ROLE --user NAME` creates those ACLs (run it with an admin's "
-        "RELAYGR_SASL_* settings); `list` prints the ACLs the broker holds. Roles: cascade (every stage "
-        "and the topic tools: all topics, groups and transactional ids starting with the prefix), "
-        "producer (write behaviors and requests), results-consumer (read results)."
-    )
-    parser.add_argument("action", choices=["show", "grant", "list"], help="what to do")
-    parser.add_argument("role", nargs="?", choices=list(ROLES), help="the access role (show, grant)")
-    parser.add_argument("--user", help="SCRAM/SASL user name to grant to (default: the role's name)")
-    parser.add_argument("--prefix", help="topic prefix (default: RELAYGR_TOPIC_PREFIX or 'relaygr')")
-
-
-def run(args: argparse.Namespace) -> int:
-    from aiokafka.errors import KafkaError
-
-    from relaygr.infra.broker import BrokerError
-    from relaygr.infra.settings import get_settings
-
-    settings = get_settings()
-    registry = TopicRegistry(args.prefix or settings.topic_prefix, settings.partitions)
-    if args.action in ("show", "grant") and args.role is None:
-        print(f"relaygr acl {args.action}: name a role ({', '.join(ROLES)})", file=sys.stderr)
-        return 2
-    try:
-        if args.action == "list":
-            for b in asyncio.run(describe_acls(settings, args.user)):
-                print(b)
-            return 0
-        bindings = role_acls(args.role, args.user or args.role, registry)
-        if args.action == "grant":
-            asyncio.run(create_acls(settings, bindings))
-        for b in bindings:
-            print(b)
-        return 0
-    except (AclError, BrokerError, KafkaError, ValueError) as e:
-        print(f"relaygr acl {args.action}: {e}", file=sys.stderr)
-        return 1

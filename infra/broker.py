@@ -13,16 +13,13 @@ Primitives:
 - ``restart(settings)``: the same nodes (ports, data) stopped and started again.
 - ``kill_node(settings, node_id)`` / ``start_node(settings, node_id)``: one node of a cluster
   killed (SIGKILL by default: a crash, for fault tests) and started again on its ports and data.
-- ``status(settings)`` / ``node_status(state)``: the recorded broker, whether every node is up,
-  and each node's own state.
-- ``resolve_bootstrap(settings)``: ``RELAYGR_BOOTSTRAP`` if set, else the running local broker
-  (every node's address, so clients reach a cluster while one node is down).
-- ``free_port()`` / ``port_open(port)``: loopback ports.
+- ``status(settings)``: the recorded broker and whether every node is up.
+- ``free_port()``: a loopback port for a listener.
 
-What a broker is made of (jars, node properties, the state record, client sign-in:
-``ensure_jars``, ``replication_for``, ``BrokerState``, ``read_state``, ``client_env``,
-``client_settings``, ``BrokerError``) is ``relaygr.infra.broker_files``; those names are
-importable from here too.
+What a broker is made of (jars, node properties, the state record and whether its nodes are up,
+client sign-in: ``ensure_jars``, ``replication_for``, ``BrokerState``, ``read_state``,
+``node_status``, ``port_open``, ``resolve_bootstrap``, ``client_env``, ``client_settings``,
+``BrokerError``) is ``relaygr.infra.broker_files``; those names are importable from here too.
 
 Secrets of the secure broker (passwords, the keystore) live in files of mode 0600 inside its data
 directory, never on a command line: the JVM reads the storage tool's arguments from an argument
@@ -62,12 +59,17 @@ from relaygr.infra.broker_files import (
     jars_dir,
     java_cmd,
     new_cluster_id,
+    node_status,
+    node_up,
+    port_open,
     read_state,
     replication_for,
+    resolve_bootstrap,
     secure_server_properties,
     server_properties,
     write_state,
 )
+from relaygr.infra.kafka import started_admin
 from relaygr.infra.settings import Settings
 from relaygr.infra.stop_guard import process_alive
 from relaygr.infra.tls import issue_broker_tls, write_secret
@@ -89,6 +91,7 @@ __all__ = [
     "jars_dir",
     "kill_node",
     "node_status",
+    "node_up",
     "port_open",
     "read_state",
     "replication_for",
@@ -135,23 +138,6 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def port_open(port: int, host: str = "127.0.0.1", timeout: float = 0.5) -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=timeout):
-            return True
-    except OSError:
-        return False
-
-
-def _node_up(node: BrokerNode) -> bool:
-    return process_alive(node.pid) and port_open(node.port)
-
-
-def node_status(state: BrokerState) -> list[tuple[BrokerNode, bool]]:
-    """Every recorded node and whether it is up (its process alive, its client port open)."""
-    return [(n, _node_up(n)) for n in state.nodes]
-
-
 def status(settings: Settings) -> tuple[bool, BrokerState | None]:
     """The recorded broker and whether every one of its nodes is up."""
     state = read_state(settings)
@@ -171,21 +157,7 @@ def start(settings: Settings, *, quiet: bool = False, secure: bool = False, brok
     state = read_state(settings)
     nodes_up = node_status(state) if state is not None else []
     if state is not None and any(up for _, up in nodes_up):
-        if state.secure != secure:
-            running, asked = ("secure", "plaintext") if state.secure else ("plaintext", "secure")
-            raise BrokerError(
-                f"a {running} broker is already running (pid {state.pid}); "
-                f"stop it with `relaygr broker stop` before starting a {asked} one"
-            )
-        if len(state.nodes) != brokers:
-            raise BrokerError(
-                f"a broker of {len(state.nodes)} node(s) is already running; stop it with "
-                f"`relaygr broker stop` before starting one of {brokers}"
-            )
-        for node, up in nodes_up:
-            if not up:
-                state = start_node(settings, node.node_id)
-        return state
+        return _revive(settings, state, nodes_up, secure=secure, brokers=brokers)
     if state is not None:  # stale record of a dead broker
         _cleanup(state, settings)
     jars = ensure_jars(settings, quiet=quiet)
@@ -194,10 +166,41 @@ def start(settings: Settings, *, quiet: bool = False, secure: bool = False, brok
     data_dir.mkdir(parents=True, mode=0o700)
     if brokers > 1:
         return _start_cluster(settings, jars, data_dir, brokers)
+    return _start_single(settings, jars, data_dir, secure)
+
+
+def _revive(
+    settings: Settings,
+    state: BrokerState,
+    nodes_up: list[tuple[BrokerNode, bool]],
+    *,
+    secure: bool,
+    brokers: int,
+) -> BrokerState:
+    """The running broker, if it is of the kind asked for, its nodes that are down started again."""
+    if state.secure != secure:
+        running, asked = ("secure", "plaintext") if state.secure else ("plaintext", "secure")
+        raise BrokerError(
+            f"a {running} broker is already running (pid {state.pid}); "
+            f"stop it with `relaygr broker stop` before starting a {asked} one"
+        )
+    if len(state.nodes) != brokers:
+        raise BrokerError(
+            f"a broker of {len(state.nodes)} node(s) is already running; stop it with "
+            f"`relaygr broker stop` before starting one of {brokers}"
+        )
+    for node, up in nodes_up:
+        if not up:
+            state = start_node(settings, node.node_id)
+    return state
+
+
+def _start_single(settings: Settings, jars: Path, data_dir: Path, secure: bool) -> BrokerState:
+    """One node in the fresh ``data_dir``: configured, formatted, launched, recorded, ready (and,
+    ``secure``, each role's user granted its ACLs)."""
     port, cport = _free_ports(2)
     props = data_dir / "server.properties"
     (data_dir / "log4j2.properties").write_text(LOG4J_PROPERTIES)
-    log_file = data_dir / "broker.log"
     cluster_id = new_cluster_id()
     format_args = ["kafka.tools.StorageTool", "format", f"--cluster-id={cluster_id}", "--config", str(props)]
     passwords: dict[str, str] = {}
@@ -210,38 +213,21 @@ def start(settings: Settings, *, quiet: bool = False, secure: bool = False, brok
         for user, password in passwords.items():
             write_secret(secrets_dir / f"{user}.password", password + "\n")
         tls = issue_broker_tls(data_dir / "tls")
-        write_secret(
-            props,
-            secure_server_properties(data_dir, port, cport, tls, passwords[ADMIN_USER]),
-        )
+        write_secret(props, secure_server_properties(data_dir, port, cport, tls, passwords[ADMIN_USER]))
         # SCRAM users are created with the metadata at format time.
         for user, password in passwords.items():
             format_args += ["--add-scram", f"{SCRAM_MECHANISM}=[name={user},password={password}]"]
         ca_file = str(tls.ca_file)
     else:
         props.write_text(server_properties(data_dir, port, cport))
-
-    # The arguments reach the JVM through an argument file (mode 0600, removed right after), so the
-    # passwords never show in the process list.
-    args_file = write_secret(data_dir / "format.args", "\n".join(format_args) + "\n")
-    try:
-        fmt = subprocess.run(
-            java_cmd(jars, data_dir, "256m", [f"@{args_file}"]), capture_output=True, text=True
-        )
-    finally:
-        args_file.unlink(missing_ok=True)
-    if fmt.returncode != 0:
-        shutil.rmtree(data_dir, ignore_errors=True)
-        output = _redact((fmt.stdout + fmt.stderr)[-2000:], passwords.values())
-        raise BrokerError("formatting the broker's data directory failed:\n" + output)
-
+    _format_data_dir(jars, data_dir, format_args, passwords)
     proc = _launch(jars, data_dir, settings.broker_heap)
     state = BrokerState(
         pid=proc.pid,
         port=port,
         controller_port=cport,
         data_dir=str(data_dir),
-        log_file=str(log_file),
+        log_file=str(data_dir / "broker.log"),
         cluster_id=cluster_id,
         kafka_version=settings.kafka_version,
         started_at=time.time(),
@@ -259,6 +245,23 @@ def start(settings: Settings, *, quiet: bool = False, secure: bool = False, brok
             stop(settings)
             raise
     return state
+
+
+def _format_data_dir(jars: Path, data_dir: Path, format_args: list[str], passwords: dict[str, str]) -> None:
+    """Run the storage tool's format on ``data_dir``; on failure the folder is removed."""
+    # The arguments reach the JVM through an argument file (mode 0600, removed right after), so the
+    # passwords never show in the process list.
+    args_file = write_secret(data_dir / "format.args", "\n".join(format_args) + "\n")
+    try:
+        fmt = subprocess.run(
+            java_cmd(jars, data_dir, "256m", [f"@{args_file}"]), capture_output=True, text=True
+        )
+    finally:
+        args_file.unlink(missing_ok=True)
+    if fmt.returncode != 0:
+        shutil.rmtree(data_dir, ignore_errors=True)
+        output = _redact((fmt.stdout + fmt.stderr)[-2000:], passwords.values())
+        raise BrokerError("formatting the broker's data directory failed:\n" + output)
 
 
 def _free_ports(n: int) -> list[int]:
@@ -373,8 +376,12 @@ def _grant_roles(settings: Settings, state: BrokerState) -> None:
 
     registry = TopicRegistry(settings.topic_prefix, settings.partitions)
     bindings = [b for role in acls.ROLES for b in acls.role_acls(role, role, registry)]
-    admin_settings = client_settings(settings, state, ADMIN_USER)
-    _run_blocking(acls.create_acls(admin_settings, bindings))
+
+    async def grant() -> None:
+        async with started_admin(client_settings(settings, state, ADMIN_USER)) as client:
+            await acls.create_acls(client, bindings)
+
+    _run_blocking(grant())
 
 
 def _run_blocking(coro: Coroutine[Any, Any, T]) -> T:
@@ -459,7 +466,7 @@ def start_node(settings: Settings, node_id: int) -> BrokerState:
     if state is None:
         raise BrokerError("no broker recorded")
     node = state.node(node_id)
-    if _node_up(node):
+    if node_up(node):
         return state
     _terminate(node.pid)  # a process that is alive but not serving
     return _relaunch(settings, state, [node_id])
@@ -542,19 +549,3 @@ def _reap(pid: int) -> None:
     """Collect our own child's exit status so it does not linger as a zombie."""
     with contextlib.suppress(ChildProcessError):
         os.waitpid(pid, os.WNOHANG)
-
-
-def resolve_bootstrap(settings: Settings) -> str:
-    if settings.bootstrap:
-        return settings.bootstrap
-    state = read_state(settings)
-    # A cluster with a node down still serves: clients get every node's address and use those up.
-    if state is not None and any(up for _, up in node_status(state)):
-        if state.secure and settings.security_protocol != "SASL_SSL":
-            raise BrokerError(
-                "the local broker is secure (SASL_SSL): export the settings that `relaygr broker env` prints"
-            )
-        return state.bootstrap
-    raise BrokerError(
-        "no Kafka broker: run `relaygr broker start` (local) or set RELAYGR_BOOTSTRAP=host:port (external)"
-    )

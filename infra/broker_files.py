@@ -13,6 +13,10 @@ Primitives:
 - ``replication_for(brokers)``: the replication factor and min ISR of topics on that many brokers.
 - ``BrokerNode`` / ``BrokerState``: the record of a started broker (every node's process, ports
   and folders; a secure broker's CA and users), ``read_state`` / ``write_state`` its state file.
+- ``node_status(state)`` / ``node_up(node)`` / ``port_open(port)``: each recorded node and whether it is up (its
+  process alive, its client port open).
+- ``resolve_bootstrap(settings)``: ``RELAYGR_BOOTSTRAP`` if set, else the running local broker
+  (every node's address, so clients reach a cluster while one node is down).
 - ``client_env(state, user)`` / ``client_settings(settings, state, user)``: the client settings
   of a user of the secure broker, as ``RELAYGR_*`` variables or as ``Settings``.
 - ``BrokerError``: what went wrong, said plainly.
@@ -26,6 +30,7 @@ import base64
 import json
 import os
 import shutil
+import socket
 import subprocess
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -33,6 +38,7 @@ from pathlib import Path
 
 from relaygr.infra import acls
 from relaygr.infra.settings import Settings
+from relaygr.infra.stop_guard import process_alive
 from relaygr.infra.tls import BrokerTLS
 
 POM = Path(__file__).with_name("pom.xml")
@@ -345,4 +351,38 @@ def client_settings(settings: Settings, state: BrokerState, user: str = DEFAULT_
             "sasl_password_file": state.password_file(user),
             "ssl_cafile": Path(str(state.ca_file)),
         }
+    )
+
+
+def port_open(port: int, host: str = "127.0.0.1", timeout: float = 0.5) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def node_up(node: BrokerNode) -> bool:
+    """Whether a node's process is alive and its client port open."""
+    return process_alive(node.pid) and port_open(node.port)
+
+
+def node_status(state: BrokerState) -> list[tuple[BrokerNode, bool]]:
+    """Every recorded node and whether it is up (its process alive, its client port open)."""
+    return [(n, node_up(n)) for n in state.nodes]
+
+
+def resolve_bootstrap(settings: Settings) -> str:
+    if settings.bootstrap:
+        return settings.bootstrap
+    state = read_state(settings)
+    # A cluster with a node down still serves: clients get every node's address and use those up.
+    if state is not None and any(up for _, up in node_status(state)):
+        if state.secure and settings.security_protocol != "SASL_SSL":
+            raise BrokerError(
+                "the local broker is secure (SASL_SSL): export the settings that `relaygr broker env` prints"
+            )
+        return state.bootstrap
+    raise BrokerError(
+        "no Kafka broker: run `relaygr broker start` (local) or set RELAYGR_BOOTSTRAP=host:port (external)"
     )

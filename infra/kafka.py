@@ -2,7 +2,8 @@
 
 Primitives:
 - ``producer(settings)`` / ``consumer(settings, *topics, ...)`` / ``admin(settings)``: aiokafka
-  clients with the bootstrap servers and security settings of this deployment.
+  clients with the bootstrap servers and security settings of this deployment;
+  ``started_admin(settings)``: an admin client started for a block and closed after it.
 - ``ensure_topics(registry, settings)``: create every topic of the registry that is missing
   (idempotent); an existing topic with another partition count is an error, since co-partitioning
   (hence affinity) depends on it.
@@ -27,10 +28,11 @@ Primitives:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
@@ -38,7 +40,7 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.client import AIOKafkaClient
 from aiokafka.partitioner import murmur2
 
-from relaygr.infra.broker import replication_for, resolve_bootstrap
+from relaygr.infra.broker_files import replication_for, resolve_bootstrap
 from relaygr.infra.settings import Settings, kafka_client_kwargs
 from relaygr.schemas.topics import TopicRegistry
 
@@ -217,6 +219,17 @@ _back_off_failed_metadata()
 
 def admin(settings: Settings) -> AIOKafkaAdminClient:
     return AIOKafkaAdminClient(**_common(settings))
+
+
+@contextlib.asynccontextmanager
+async def started_admin(settings: Settings) -> AsyncIterator[AIOKafkaAdminClient]:
+    """An admin client of ``settings``, started, and closed when the block ends."""
+    client = admin(settings)
+    await client.start()
+    try:
+        yield client
+    finally:
+        await client.close()
 
 
 async def replication(settings: Settings, *, client: AIOKafkaAdminClient | None = None) -> tuple[int, int]:

@@ -18,6 +18,7 @@ import os
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 # Long enough for any local deployment; the material is replaced with every `broker start`.
 VALIDITY = dt.timedelta(days=365)
@@ -42,90 +43,13 @@ def write_secret(path: Path, text: str) -> Path:
 
 def issue_broker_tls(folder: Path, hosts: tuple[str, ...] = ("127.0.0.1", "localhost")) -> BrokerTLS:
     """A new CA and a broker certificate for ``hosts`` (IP addresses or DNS names) in ``folder``."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.serialization import pkcs12
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
     folder.mkdir(parents=True, exist_ok=True)
     now = dt.datetime.now(dt.UTC)
-    not_before = now - dt.timedelta(minutes=5)  # tolerate small clock differences
-
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name(
-        [x509.NameAttribute(NameOID.COMMON_NAME, f"RelayGR local broker CA {secrets.token_hex(4)}")]
-    )
-    ca_cert = (
-        x509.CertificateBuilder()
-        .subject_name(ca_name)
-        .issuer_name(ca_name)
-        .public_key(ca_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(not_before)
-        .not_valid_after(now + VALIDITY)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=False,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                key_cert_sign=True,
-                crl_sign=True,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
-        )
-        .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
-        .sign(ca_key, hashes.SHA256())
-    )
-
-    broker_key = ec.generate_private_key(ec.SECP256R1())
-    names: list[x509.GeneralName] = []
-    for host in hosts:
-        try:
-            names.append(x509.IPAddress(ipaddress.ip_address(host)))
-        except ValueError:
-            names.append(x509.DNSName(host))
-    broker_cert = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hosts[0])]))
-        .issuer_name(ca_name)
-        .public_key(broker_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(not_before)
-        .not_valid_after(now + VALIDITY)
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=True,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=True,
-                key_cert_sign=False,
-                crl_sign=False,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
-        )
-        # The broker is also a TLS client: of its own controller listener.
-        .add_extension(
-            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
-            critical=False,
-        )
-        .add_extension(x509.SubjectAlternativeName(names), critical=False)
-        .add_extension(x509.SubjectKeyIdentifier.from_public_key(broker_key.public_key()), critical=False)
-        .add_extension(
-            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False
-        )
-        .sign(ca_key, hashes.SHA256())
-    )
-
+    ca_key, ca_cert = _issue_ca(now)
+    broker_key, broker_cert = _issue_broker_certificate(ca_key, ca_cert, hosts, now)
     ca_file = folder / "ca.pem"
     ca_file.write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
     password = secrets.token_urlsafe(24)
@@ -142,3 +66,96 @@ def issue_broker_tls(folder: Path, hosts: tuple[str, ...] = ("127.0.0.1", "local
     with os.fdopen(fd, "wb") as f:
         f.write(keystore)
     return BrokerTLS(ca_file=ca_file, keystore_file=keystore_file, keystore_password=password)
+
+
+def _issue_ca(now: dt.datetime) -> tuple[Any, Any]:
+    """A fresh CA: its private key (kept in memory only) and its self-signed certificate."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name(
+        [x509.NameAttribute(NameOID.COMMON_NAME, f"RelayGR local broker CA {secrets.token_hex(4)}")]
+    )
+    ca_cert = (
+        _certificate(ca_name, ca_name, ca_key.public_key(), now)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(_key_usage(key_cert_sign=True, crl_sign=True), critical=True)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    return ca_key, ca_cert
+
+
+def _issue_broker_certificate(
+    ca_key: Any, ca_cert: Any, hosts: tuple[str, ...], now: dt.datetime
+) -> tuple[Any, Any]:
+    """The broker's private key and its certificate for ``hosts``, signed by the CA."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    broker_key = ec.generate_private_key(ec.SECP256R1())
+    names: list[x509.GeneralName] = []
+    for host in hosts:
+        try:
+            names.append(x509.IPAddress(ipaddress.ip_address(host)))
+        except ValueError:
+            names.append(x509.DNSName(host))
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hosts[0])])
+    broker_cert = (
+        _certificate(subject, ca_cert.subject, broker_key.public_key(), now)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(_key_usage(digital_signature=True, key_agreement=True), critical=True)
+        # The broker is also a TLS client: of its own controller listener.
+        .add_extension(
+            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
+            critical=False,
+        )
+        .add_extension(x509.SubjectAlternativeName(names), critical=False)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(broker_key.public_key()), critical=False)
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    return broker_key, broker_cert
+
+
+def _certificate(subject: Any, issuer: Any, public_key: Any, now: dt.datetime) -> Any:
+    """A certificate builder with its names, key, a random serial and the validity window."""
+    from cryptography import x509
+
+    return (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(issuer)
+        .public_key(public_key)
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))  # tolerate small clock differences
+        .not_valid_after(now + VALIDITY)
+    )
+
+
+def _key_usage(**allowed: bool) -> Any:
+    """``KeyUsage`` with the uses named in ``allowed`` and no other."""
+    from cryptography import x509
+
+    uses = (
+        "digital_signature",
+        "content_commitment",
+        "key_encipherment",
+        "data_encipherment",
+        "key_agreement",
+        "key_cert_sign",
+        "crl_sign",
+        "encipher_only",
+        "decipher_only",
+    )
+    unknown = set(allowed) - set(uses)
+    if unknown:
+        raise ValueError(f"unknown key uses {sorted(unknown)}")
+    return x509.KeyUsage(**{use: allowed.get(use, False) for use in uses})

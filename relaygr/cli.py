@@ -20,7 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "schemas": ("relaygr.schemas_cli", "export the public events as JSON Schema files for other stacks"),
     "settings": ("relaygr.tools.settings_doc", "every RELAYGR_* setting as the Markdown configuration page"),
     "results": ("relaygr.results_cli", "look up one request's result, or tail the results as they come"),
-    "acl": ("relaygr.infra.acls", "show, grant or list the Kafka ACLs of RelayGR's access roles"),
+    "acl": ("relaygr.infra.acls_cli", "show, grant or list the Kafka ACLs of RelayGR's access roles"),
     "roundtrip": (
         "relaygr.infra.roundtrip",
         "send one event of every schema through the broker and read it back",

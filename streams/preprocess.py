@@ -38,11 +38,11 @@ from relaygr.streams.common import (
     faust_dead_letterer,
     guarded,
     ingest_batches,
-    make_app,
     raw_topic,
     send_acked,
 )
 from relaygr.streams.config import PipelineSettings
+from relaygr.streams.stage_app import make_app
 from relaygr.workers.model.vocab import RawId
 
 STAGE = "preprocess"

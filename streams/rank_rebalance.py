@@ -12,15 +12,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import TYPE_CHECKING
 
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 
 from relaygr.streams.common import commit_existing
 from relaygr.streams.state_lineage import rewind_old_topic_offsets
-
-if TYPE_CHECKING:
-    from relaygr.streams.ranking_worker import RankingWorker
+from relaygr.streams.worker_port import WorkerPort
 
 log = logging.getLogger("relaygr.streams.ranking_worker")
 
@@ -31,7 +28,7 @@ STAGE = "ranking"
 class RankRebalance(ConsumerRebalanceListener):
     """Commits what a revoked partition finished; resumes an assigned one where its state is."""
 
-    def __init__(self, worker: RankingWorker, group_consumer: AIOKafkaConsumer) -> None:
+    def __init__(self, worker: WorkerPort, group_consumer: AIOKafkaConsumer) -> None:
         self.w = worker
         self.consumer = group_consumer  # the worker's own, once a standby switched to it
         self.assigned_once = asyncio.Event()
@@ -39,8 +36,8 @@ class RankRebalance(ConsumerRebalanceListener):
     async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
         revoked = set(revoked)
         # Finish (or give up on) what is in flight for these partitions, then commit it.
-        await self.w._drain(revoked, timeout_s=10)
-        await self.w._finish_appliers(revoked)
+        await self.w.drain(revoked, timeout_s=10)
+        await self.w.finish_appliers(revoked)
         with contextlib.suppress(Exception):
             offsets = self.w.tracker.committable(revoked)
             if offsets:
@@ -79,7 +76,7 @@ class RankRebalance(ConsumerRebalanceListener):
             self.w.applier.catch_up(tp.partition, start)
         await self._track_catch_up(behaviours)
         self.w.files.write_assignment([tp.partition for tp in self.w.assigned if tp.topic == beh])
-        self.w._note(event="assigned", partitions=sorted(tp.partition for tp in behaviours))
+        self.w.note(event="assigned", partitions=sorted(tp.partition for tp in behaviours))
         self.assigned_once.set()
         log.info("%s assigned %s", self.w.worker_id, sorted((t.topic, t.partition) for t in assigned))
 

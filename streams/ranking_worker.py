@@ -38,6 +38,9 @@ Model work runs on the engine's device thread; this loop only fetches, schedules
 Rolling restarts (``streams.standby``, ``streams.worker_files``): a standby of its id that warms up
 finds the worker's cached prefixes on its disk tier; on SIGUSR1 the worker stops fetching, leaves its
 positions in ``handover.json``, finishes and commits what it holds, and exits, persisting nothing.
+The standby and the rebalance listener use the worker through ``streams.worker_port.WorkerPort``:
+its parts and the methods it offers them (``note``, ``take``, ``drain``, ``finish_appliers``,
+``commit``, ``join_group``).
 """
 
 from __future__ import annotations
@@ -125,6 +128,7 @@ class RankingWorker:
     ) -> None:
         self.settings, self.pipeline, self.worker_id = settings, pipeline, worker_id
         self.reg = TopicRegistry(settings.topic_prefix, settings.partitions)
+        self._signals_topic = self.reg.name("prefill")
         self.static_membership = static_membership
         self.dir = deployment_dir(settings, "workers") / worker_id  # per topic prefix
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -141,10 +145,10 @@ class RankingWorker:
         self.lineage = HistoryLineage(STAGE, settings, self.state_dir, self.history, self.engine.store)
         self.events_log = open(self.dir / "events.jsonl", "a", buffering=1)  # noqa: SIM115
         self.handler = RankHandler(
-            self.engine, self.history, self.alignment, pipeline, worker_id, self._note, self._log_end
+            self.engine, self.history, self.alignment, pipeline, worker_id, self.note, self._log_end
         )
         self.applier = BehaviourApplier(
-            self.history, self.alignment, self.engine, self._decode_behaviours, self._reject, self._note
+            self.history, self.alignment, self.engine, self._decode_behaviours, self._reject, self.note
         )
         # Request and signal offsets name the topic id they were read from (see on assignment).
         self.incarnations = Incarnations(settings)
@@ -206,7 +210,7 @@ class RankingWorker:
         log.info("calibrated full ranking on this machine: %s -> %s", samples, fitted)
         return fitted
 
-    def _note(self, **fields: object) -> None:
+    def note(self, **fields: object) -> None:
         """One JSON line per signal handled / result produced (the worker's own audit trail); a
         standby's say so (the active process handles those signals too)."""
         mark = {"standby": True} if self.standing_by else {}
@@ -255,6 +259,14 @@ class RankingWorker:
         group_consumer.subscribe(topics, listener=listener)
         return group_consumer, listener
 
+    async def join_group(self) -> AIOKafkaConsumer:
+        """Start the group member's consumer; return it once it has its first assignment (a
+        standby joining after its hand-over)."""
+        group, listener = self.group_consumer()
+        await group.start()
+        await listener.assigned_once.wait()
+        return group
+
     async def run(self) -> None:
         # Before joining the group: the first requests must not pay the process's cold start.
         took = await self.engine.warm_up()
@@ -286,10 +298,10 @@ class RankingWorker:
         if self.handing_over and self.in_group:
             await hand_over(self)  # handover.json, requests drained and committed (streams.standby)
         else:
-            await self._drain(set(self.assigned), timeout_s=30)
-            await self._finish_appliers()
+            await self.drain(set(self.assigned), timeout_s=30)
+            await self.finish_appliers()
             with contextlib.suppress(Exception):
-                await self._commit()
+                await self.commit()
         with contextlib.suppress(Exception):
             await self.lineage.close()
         with contextlib.suppress(Exception):
@@ -303,7 +315,7 @@ class RankingWorker:
         self.events_log.close()
 
     async def _loop(self) -> None:
-        beh, sig = self.reg.name("routed_behaviors"), self.reg.name("prefill")
+        beh = self.reg.name("routed_behaviors")
         last_commit = time.monotonic()
         while not self._stop.is_set():
             if self.before_fetch is not None:
@@ -344,11 +356,11 @@ class RankingWorker:
                         self.consumer.seek(tp, m.offset)
                         break
                     room -= 1
-                    self._spawn(tp, m, self._handle_prefill if tp.topic == sig else self._handle_rank)
+                    self.take(tp, m)
             self.peak_inflight = max(self.peak_inflight, len(self.tasks))
             INFLIGHT_PEAK.set(self.peak_inflight)
             if time.monotonic() - last_commit > self.pipeline.commit_interval_s:
-                await self._commit()
+                await self.commit()
                 last_commit = time.monotonic()
             INFLIGHT.set(len(self.tasks))
 
@@ -375,11 +387,15 @@ class RankingWorker:
                 del self.appliers[tp]
                 task.result()
 
-    async def _finish_appliers(self, tps: set[TopicPartition] | None = None) -> None:
+    async def finish_appliers(self, tps: set[TopicPartition] | None = None) -> None:
         """Wait for the appliers of ``tps`` (None: all) to finish."""
         pending = [t for tp, t in self.appliers.items() if tps is None or tp in tps]
         if pending:
             await asyncio.gather(*pending, return_exceptions=True)
+
+    def take(self, tp: TopicPartition, m) -> None:
+        """Handle a fetched signal or request (by its topic) in a task of its own."""
+        self._spawn(tp, m, self._handle_prefill if tp.topic == self._signals_topic else self._handle_rank)
 
     def _spawn(self, tp: TopicPartition, m, handler) -> None:
         self.tracker.start(tp, m.offset)
@@ -399,7 +415,7 @@ class RankingWorker:
             await self._dead_letter(tp, m, f"internal error in {STAGE}: {type(e).__name__}: {e}")
         self.tracker.done(tp, m.offset)
 
-    async def _commit(self) -> dict[TopicPartition, int]:
+    async def commit(self) -> dict[TopicPartition, int]:
         """Commit what is finished (nothing outside the group); returns the offsets committed."""
         if not self.in_group:
             return {}
@@ -414,7 +430,8 @@ class RankingWorker:
             await commit_existing(self.consumer, offsets, incarnations=self.incarnations)
         return offsets
 
-    async def _drain(self, tps: set[TopicPartition], timeout_s: float) -> None:
+    async def drain(self, tps: set[TopicPartition], timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``) until the signals and requests of ``tps`` are handled."""
         deadline = time.monotonic() + timeout_s
         while self.tracker.pending(tps) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
@@ -450,7 +467,7 @@ class RankingWorker:
         await deliver(lambda: self.producer.send_and_wait(topic, encode(res), key=res.key()), what="result")
         PATHS.labels(res.path.value).inc()
         E2E.labels(res.path.value).observe(res.breakdown_ms["ranking"] / 1000)
-        self._note(
+        self.note(
             event="result",
             request_id=r.request_id,
             user_id=r.user_id,

@@ -48,12 +48,12 @@ from relaygr.streams.common import (
     faust_dead_letterer,
     guarded,
     ingest_batches,
-    make_app,
     raw_topic,
     routing_headers,
     send_acked,
 )
 from relaygr.streams.config import PipelineSettings, trigger_config
+from relaygr.streams.stage_app import make_app
 from relaygr.streams.trigger import Decision, SequenceAwareTrigger
 from relaygr.workers.engine.latency_model import LatencyModel
 from relaygr.workers.model.vocab import OOV, ItemVocab, RawId

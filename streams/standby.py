@@ -69,7 +69,6 @@ import shutil
 import time
 from collections import deque
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
@@ -79,13 +78,11 @@ from relaygr.schemas import PrefillSignal, SchemaError
 from relaygr.streams.common import decode_keyed
 from relaygr.streams.state_lineage import deployment_dir
 from relaygr.streams.worker_files import WorkerFiles
+from relaygr.streams.worker_port import WorkerPort
 from relaygr.workers.engine.cores import may_renice_to, nice_tasks
 from relaygr.workers.prefix_kv import Events
 from relaygr.workers.store.prefix_adoption import Adoption, adopt_prefixes
 from relaygr.workers.store.tiers import DiskSnapshot
-
-if TYPE_CHECKING:
-    from relaygr.streams.ranking_worker import RankingWorker
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +112,7 @@ def stand_aside(settings: Settings, worker_id: str) -> int | None:
     return level
 
 
-async def spill_for_standby(w: RankingWorker) -> None:
+async def spill_for_standby(w: WorkerPort) -> None:
     """The active process's timer: while a standby of its id says ``warming`` and finds no
     ``spilled.json`` for it, write the prefixes its memory tiers hold and its disk tier lacks to the
     disk tier (queued for the disk writer's thread: nothing leaves memory, the loop waits for
@@ -138,7 +135,7 @@ async def spill_for_standby(w: RankingWorker) -> None:
             failed_for = pid
 
 
-async def _spill(w: RankingWorker, standby_pid: int) -> None:
+async def _spill(w: WorkerPort, standby_pid: int) -> None:
     t0 = time.monotonic()
     store = w.engine.store
     if store is None:  # a baseline worker caches nothing
@@ -147,11 +144,11 @@ async def _spill(w: RankingWorker, standby_pid: int) -> None:
         report = await asyncio.to_thread(store.persist, SPILL_TIMEOUT_S)
     report["seconds"] = round(time.monotonic() - t0, 3)
     w.files.write_spilled(standby_pid, report)
-    w._note(event="spilled_for_standby", standby_pid=standby_pid, **report)
+    w.note(event="spilled_for_standby", standby_pid=standby_pid, **report)
     log.info("%s: prefixes on the disk tier for standby pid %d: %s", w.worker_id, standby_pid, report)
 
 
-async def hand_over(w: RankingWorker) -> None:
+async def hand_over(w: WorkerPort) -> None:
     """The shut-down of a process that hands over. ``handover.json`` names at once, per request
     and signal partition, the first offset this process did not take (its position), and the
     successor ranks from there while this process finishes the requests it holds (no request
@@ -166,7 +163,7 @@ async def hand_over(w: RankingWorker) -> None:
     w.files.write_latency_samples(w.engine.latency_samples())
     w.files.write_handover(offsets, os.getpid())
     # How long the requests that came meanwhile waited for this before the standby could take them.
-    w._note(event="handed_over", ms=round((time.time() - w.handing_over) * 1000, 1))
+    w.note(event="handed_over", ms=round((time.time() - w.handing_over) * 1000, 1))
     log.info("%s: handed over at %s", w.worker_id, offsets)
     if w.pipeline.handover_stall_s:  # fault injection: a kill meanwhile is a crash mid hand-over
         _stall(w.pipeline.handover_stall_s)
@@ -176,12 +173,12 @@ async def hand_over(w: RankingWorker) -> None:
         task.cancel()
     await asyncio.gather(*prefills, return_exceptions=True)
     requests = {tp for tp in w.assigned if tp.topic == rank}
-    await w._drain(requests, timeout_s=30)
-    await w._finish_appliers()
+    await w.drain(requests, timeout_s=30)
+    await w.finish_appliers()
     with contextlib.suppress(Exception):  # fenced once the successor joined: it commits past them
-        await w._commit()
+        await w.commit()
     if not w.tracker.pending(requests):  # every request before the offsets has its result
-        w._note(event="answered", ms=round((time.time() - w.handing_over) * 1000, 1))
+        w.note(event="answered", ms=round((time.time() - w.handing_over) * 1000, 1))
         w.files.write_handover(offsets, os.getpid(), answered=True)
     if w.engine.store is not None:  # nor is this state kept: the successor rebuilt its own
         w.engine.store.config = w.engine.store.config.model_copy(update={"persist_on_close": False})
@@ -190,7 +187,7 @@ async def hand_over(w: RankingWorker) -> None:
 class Standby:
     """Stands by for the active process of ``worker``'s id, takes over from it, joins the group."""
 
-    def __init__(self, worker: RankingWorker, metrics_port: int = 0, serve_nice: int | None = None) -> None:
+    def __init__(self, worker: WorkerPort, metrics_port: int = 0, serve_nice: int | None = None) -> None:
         self.w = worker
         self.metrics_port = metrics_port
         self.serve_nice = serve_nice  # the level to come back to at the hand-over (``stand_aside``)
@@ -245,7 +242,7 @@ class Standby:
         """Read ``partitions`` outside the group: behaviours from the history table's offsets;
         signals (from ``offsets``, None: from now on) and requests (from ``offsets``) held."""
         w = self.w
-        await w._finish_appliers()
+        await w.finish_appliers()
         gone = {tp for tp in w.assigned if tp.partition not in partitions}
         w.tracker.forget(gone)
         for p in {tp.partition for tp in gone}:
@@ -304,10 +301,10 @@ class Standby:
                 log.warning("%s (standby): adopting prefixes failed", w.worker_id, exc_info=True)
                 why = f"error: {e}"
             else:
-                w._note(event="standby_adopted", **got.fields(), spilled=spilled.get("prefixes"))
+                w.note(event="standby_adopted", **got.fields(), spilled=spilled.get("prefixes"))
                 log.info("%s (standby): adopted prefixes: %s", w.worker_id, got.fields())
                 return
-        w._note(event="standby_adopted", adopted=0, why=why)
+        w.note(event="standby_adopted", adopted=0, why=why)
         log.info("%s (standby): adopted no prefixes (%s)", w.worker_id, why)
 
     async def _spilled(self) -> dict | None:
@@ -401,7 +398,7 @@ class Standby:
         w.held = {tp for tp in w.held if tp.topic != self.sig}
         await self._signals_handled()  # those of the catch-up time too
         w.files.write_standby("ready", self.pid)
-        w._note(event="standby_ready", partitions=self.partitions, seconds=round(time.monotonic() - t0, 3))
+        w.note(event="standby_ready", partitions=self.partitions, seconds=round(time.monotonic() - t0, 3))
         offsets, self.old_pid = await self._handed_over()
         t_handover = time.monotonic()
         self.handed_rank = offsets.get(self.rank, {})
@@ -422,11 +419,9 @@ class Standby:
             w.engine.inherit_latency_samples(inherited)
         w.held, w.standing_by = set(), False
         w.files.write_standby("serving", self.pid)
-        w._note(event="took_over", partitions=handed, offsets={t: o for t, o in offsets.items()})
+        w.note(event="took_over", partitions=handed, offsets={t: o for t, o in offsets.items()})
         log.info("%s (standby): serving %s from %s", w.worker_id, handed, offsets)
-        self.group, listener = w.group_consumer()
-        await self.group.start()
-        await listener.assigned_once.wait()
+        self.group = await w.join_group()
         log.info(
             "%s: joined the group %.2f s after the hand-over", w.worker_id, time.monotonic() - t_handover
         )
@@ -440,7 +435,7 @@ class Standby:
         if kept and kept[0].offset <= offset <= kept[-1].offset + 1:
             for m in kept:
                 if m.offset >= offset:
-                    w._spawn(tp, m, w._handle_rank)
+                    w.take(tp, m)
         else:
             w.consumer.seek(tp, offset)
 
@@ -470,13 +465,13 @@ class Standby:
         t0 = time.monotonic()
         w.before_fetch = None
         manual = w.consumer
-        await w._finish_appliers()
+        await w.finish_appliers()
         work = [tp for tp in manual.assignment() if tp.topic != self.beh]
         # What the manual consumer has fetched by now is handled here, not fetched again by the
         # group's (a request that came during the switch would wait for that fetch).
         for tp, msgs in (await manual.getmany(*work, timeout_ms=0)).items():
             for m in msgs:
-                w._spawn(tp, m, w._handle_prefill if tp.topic == self.sig else w._handle_rank)
+                w.take(tp, m)
         positions = {tp: await manual.position(tp) for tp in work}
         mine = group.assignment()
         for tp in mine:
@@ -491,7 +486,7 @@ class Standby:
         w.files.promote(w.state_dir)
         w.files.clear_handover()  # done with
         w.files.write_standby("joined", self.pid)
-        w._note(
+        w.note(
             event="joined",
             partitions=sorted({tp.partition for tp in mine}),
             switch_ms=round((time.monotonic() - t0) * 1000, 1),  # the loop fetched nothing meanwhile
@@ -517,7 +512,7 @@ class Standby:
             if committed < at:
                 again[p] = (committed, at)
         # Before they are ranked again: the results after this line are the new process's.
-        self.w._note(event="unanswered", pid=self.old_pid, ranked_again=again)
+        self.w.note(event="unanswered", pid=self.old_pid, ranked_again=again)
         for p, (start, end) in again.items():
             await self._rank_range(TopicPartition(self.rank, p), start, end)
         return True
@@ -534,7 +529,7 @@ class Standby:
             while await reader.position(tp) < end and time.monotonic() < deadline:
                 for m in (await reader.getmany(tp, timeout_ms=200)).get(tp, []):
                     if m.offset < end:
-                        w._spawn(tp, m, w._handle_rank)
+                        w.take(tp, m)
         finally:
             await reader.stop()
 

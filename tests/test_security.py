@@ -13,7 +13,7 @@ from relaygr.infra.broker_files import secure_server_properties, server_properti
 from relaygr.infra.settings import Settings, kafka_client_kwargs, security_env
 from relaygr.infra.tls import BrokerTLS
 from relaygr.schemas.topics import TopicRegistry
-from relaygr.streams.common import faust_credentials
+from relaygr.streams.stage_app import faust_credentials
 
 
 def test_local_broker_listens_on_loopback_only(tmp_path) -> None:

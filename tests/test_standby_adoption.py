@@ -47,7 +47,7 @@ def _worker(folder: Path, store: PrefixStore | None, histories: dict[str, Events
         handing_over=0.0,
         noted=noted,
     )
-    w._note = lambda **fields: noted.append(fields)
+    w.note = lambda **fields: noted.append(fields)
     return w
 
 

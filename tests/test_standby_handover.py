@@ -25,11 +25,8 @@ class _Worker(SimpleNamespace):
         self.prefetched = {TP: deque(SimpleNamespace(offset=o) for o in kept)}
         self.consumer = SimpleNamespace(seek=lambda tp, at: self.seeks.append((tp, at)))
 
-    def _spawn(self, tp, m, handler) -> None:
+    def take(self, tp, m) -> None:
         self.spawned.append(m.offset)
-
-    async def _handle_rank(self, tp, m) -> None:  # pragma: no cover - never awaited here
-        pass
 
 
 def _hand_over(kept: list[int], offset: int) -> _Worker:
@@ -74,7 +71,7 @@ def _standby(answered: bool, old_pid: int, committed: dict[int, int | None]) -> 
     w = _Worker([])
     w.files = SimpleNamespace(handover_answered=lambda: answered)
     w.notes = []
-    w._note = lambda **fields: w.notes.append(fields)
+    w.note = lambda **fields: w.notes.append(fields)
     sb = Standby(w)  # type: ignore[arg-type]
     sb.old_pid, sb.group, sb.handed_rank = old_pid, _Group(committed), {0: 50, 1: 70, 2: 9}  # type: ignore[assignment]
     ranged: list = []

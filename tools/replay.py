@@ -30,13 +30,13 @@ import math
 import random
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from relaygr.infra.publishing import send_in_order
 from relaygr.infra.settings import Settings
-from relaygr.infra.topic_reader import merge_by_time
+from relaygr.infra.topic_reader import Start, merge_by_time, read_topic
 from relaygr.schemas import BehaviorEvent, RecommendationRequest, TopicRegistry, encode
 from relaygr.tools.barriers import wait_sentinels_applied
 
@@ -248,78 +248,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from relaygr.infra.broker import BrokerError
     from relaygr.infra.cluster import ensure_broker
-    from relaygr.infra.kafka import describe_partitions
     from relaygr.infra.settings import get_settings
-    from relaygr.infra.topic_reader import Start, read_topic
 
     try:
         settings, _ = ensure_broker(get_settings())
-        prefix = args.prefix or settings.topic_prefix
-        reg = TopicRegistry(prefix, settings.partitions)
-        topic = args.topic or f"{settings.topic_prefix}.trace"
-        start = Start.parse(args.from_offset, args.from_timestamp)
-
-        async def go() -> dict:
-            got = await read_topic(settings, topic, RecommendationRequest, start, progress=True)
-            records = merge_by_time(
-                got.records,
-                (lambda r: r.timestamp_ms / 1000)
-                if args.timing == "record"
-                else (lambda r: r.value.ts)
-                if args.timing == "sent"
-                else (lambda r: r.value.model_ts),
-            )
-            times = [
-                r.timestamp_ms / 1000
-                if args.timing == "record"
-                else r.value.ts
-                if args.timing == "sent"
-                else r.value.model_ts
-                for r in records
-            ]
-            plan = plan_replay(
-                [r.value for r in records],
-                qps=args.qps,
-                speed=args.speed,
-                duration_s=args.duration,
-                max_requests=args.max_requests,
-                seed=args.seed,
-                times=times,
-            )
-            behaviours: list[BehaviorEvent] = []
-            btopic = args.behaviors_topic or f"{topic}-behaviors"
-            if not args.no_behaviors and (
-                args.behaviors_topic or btopic in await describe_partitions(settings, [btopic])
-            ):
-                behaviours = [r.value for r in (await read_topic(settings, btopic, BehaviorEvent)).records]
-            print(
-                f"== replaying {len(plan.requests)} of {len(records)} requests from {topic} "
-                f"({len(behaviours)} behaviours) into {prefix}.* over {plan.duration_s:.1f} s",
-                file=sys.stderr,
-                flush=True,
-            )
-            async with Replayer(settings, reg, behaviours, user_prefix=args.user_prefix, progress=True) as rp:
-                first = plan.requests[0].model_ts if plan.requests else math.inf
-                pre = await rp.preload(first)
-                if pre and not args.no_wait:
-                    await wait_sentinels_applied(settings, reg, progress=True)
-                t0 = time.monotonic()
-                sent = await rp.run(plan)
-                secs = time.monotonic() - t0
-            return {
-                "replay": topic,
-                "into": prefix,
-                "requests": len(sent),
-                "skipped_undecodable": got.undecodable,
-                "behaviours_preloaded": pre,
-                "behaviours": rp.next_behaviour,
-                "seconds": round(secs, 2),
-                "qps": round(len(sent) / secs, 2) if secs > 0 else None,
-                "first_request_id": sent[0].request_id if sent else None,
-                "last_request_id": sent[-1].request_id if sent else None,
-            }
-
-        out = asyncio.run(go())
+        out = asyncio.run(_replay(settings, args))
     except (BrokerError, LookupError, ValueError, TimeoutError) as e:
         print(f"relaygr replay: {e}", file=sys.stderr)
         return 1
@@ -328,3 +261,72 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"replayed {out['requests']} requests in {out['seconds']} s ({out['qps']} req/s)")
     return 0
+
+
+def _record_time(timing: str) -> Callable[[Any], float]:
+    """A read record's time on the replay's clock: its broker timestamp (``record``), the request's
+    send time (``sent``) or its model time."""
+    if timing == "record":
+        return lambda r: r.timestamp_ms / 1000
+    if timing == "sent":
+        return lambda r: r.value.ts
+    return lambda r: r.value.model_ts
+
+
+async def _replay(settings: Settings, args: argparse.Namespace) -> dict:
+    """Read the trace topic, plan its replay, and send it (behaviours first) into the deployment."""
+    prefix = args.prefix or settings.topic_prefix
+    reg = TopicRegistry(prefix, settings.partitions)
+    topic = args.topic or f"{settings.topic_prefix}.trace"
+    start = Start.parse(args.from_offset, args.from_timestamp)
+    got = await read_topic(settings, topic, RecommendationRequest, start, progress=True)
+    record_time = _record_time(args.timing)
+    records = merge_by_time(got.records, record_time)
+    plan = plan_replay(
+        [r.value for r in records],
+        qps=args.qps,
+        speed=args.speed,
+        duration_s=args.duration,
+        max_requests=args.max_requests,
+        seed=args.seed,
+        times=[record_time(r) for r in records],
+    )
+    behaviours = await _behaviours(settings, args, topic)
+    print(
+        f"== replaying {len(plan.requests)} of {len(records)} requests from {topic} "
+        f"({len(behaviours)} behaviours) into {prefix}.* over {plan.duration_s:.1f} s",
+        file=sys.stderr,
+        flush=True,
+    )
+    async with Replayer(settings, reg, behaviours, user_prefix=args.user_prefix, progress=True) as rp:
+        first = plan.requests[0].model_ts if plan.requests else math.inf
+        pre = await rp.preload(first)
+        if pre and not args.no_wait:
+            await wait_sentinels_applied(settings, reg, progress=True)
+        t0 = time.monotonic()
+        sent = await rp.run(plan)
+        secs = time.monotonic() - t0
+    return {
+        "replay": topic,
+        "into": prefix,
+        "requests": len(sent),
+        "skipped_undecodable": got.undecodable,
+        "behaviours_preloaded": pre,
+        "behaviours": rp.next_behaviour,
+        "seconds": round(secs, 2),
+        "qps": round(len(sent) / secs, 2) if secs > 0 else None,
+        "first_request_id": sent[0].request_id if sent else None,
+        "last_request_id": sent[-1].request_id if sent else None,
+    }
+
+
+async def _behaviours(settings: Settings, args: argparse.Namespace, topic: str) -> list[BehaviorEvent]:
+    """The trace's behaviours: from ``--behaviors-topic``, else ``<topic>-behaviors`` where it exists."""
+    from relaygr.infra.kafka import describe_partitions
+
+    btopic = args.behaviors_topic or f"{topic}-behaviors"
+    if args.no_behaviors:
+        return []
+    if args.behaviors_topic or btopic in await describe_partitions(settings, [btopic]):
+        return [r.value for r in (await read_topic(settings, btopic, BehaviorEvent)).records]
+    return []

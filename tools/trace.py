@@ -39,6 +39,7 @@ from relaygr.infra.settings import Settings
 from relaygr.infra.topic_reader import Start, merge_by_time, read_topic
 from relaygr.schemas import BehaviorEvent, RecommendationRequest
 from relaygr.schemas.topics import TopicSpec
+from relaygr.workers.model.vocab import RawId
 from relaygr.workers.prefix_kv import Events
 from relaygr.workers.training.interactions import InteractionLog
 from relaygr.workers.training.movielens import MovieLens
@@ -137,51 +138,23 @@ def build_trace(
         rows = [r for r in rows if r[1] in keep]
     window = rows[start : None if count is None else start + count]
     first: dict[int, int] = {}
+    last: dict[int, int] = {}
     for _, u, k in window:
         first.setdefault(u, k)
+        last[u] = max(last.get(u, k), k)
     if target_len is not None and min(first.values(), default=1) < 1:
         raise ValueError(
             "target_len needs every user to have real history before the window (min_prior >= 1)"
         )
-    name = ml.name
 
     def request(u: int, k: int) -> RecommendationRequest:
-        h = ml.histories[u]
-        t = float(h.timestamps[k])
-        return RecommendationRequest(
-            request_id=f"{name}-{u}-{k}",
-            user_id=str(u),
-            ts=t,
-            event_ts=t,
-            num_candidates=num_candidates,
-            top_k=top_k,
-            label_item_id=ml.raw_items([int(h.item_ids[k])])[0],
-        )
+        return _request(ml, u, k, num_candidates, top_k)
 
     beh: list[tuple[float, int, int, BehaviorEvent]] = []
     synthesised = 0
     for u, k0 in first.items():
-        h = ml.histories[u]
-        last_k = max(k for _, uu, k in window if uu == u)
-        past = h.slice(0, k0)
-        if target_len is not None:
-            real = len(past)
-            past = lengthen(past, target_len)
-            synthesised += len(past) - min(real, len(past))
-        seq = [
-            (float(t), i, int(a))
-            for i, a, t in zip(
-                ml.raw_items(past.item_ids.tolist()),
-                past.action_ids.tolist(),
-                past.timestamps.tolist(),
-                strict=True,
-            )
-        ]
-        tail = range(k0, last_k + 1)
-        seq += [
-            (float(h.timestamps[k]), i, int(h.action_ids[k]))
-            for k, i in zip(tail, ml.raw_items([int(h.item_ids[k]) for k in tail]), strict=True)
-        ]
+        seq, added = _user_behaviours(ml, u, k0, last[u], target_len)
+        synthesised += added
         beh += [
             (t, u, j, BehaviorEvent(user_id=str(u), item_id=i, ts=t, action=a))
             for j, (t, i, a) in enumerate(seq)
@@ -193,7 +166,7 @@ def build_trace(
         warm = [request(u, k0 - 1) for u, k0 in first.items() if k0 >= 1]
     reqs = sorted([*warm, *requests], key=lambda r: (r.event_ts, _user_order(r.user_id), r.request_id))
     meta = {
-        "dataset": name,
+        "dataset": ml.name,
         "min_prior": min_prior,
         "start": start,
         "requests": len(requests),
@@ -213,6 +186,51 @@ def build_trace(
         ),
     }
     return Trace(reqs, [b for *_, b in beh], frozenset(r.request_id for r in warm), meta)
+
+
+def _request(ml: MovieLens, u: int, k: int, num_candidates: int, top_k: int) -> RecommendationRequest:
+    """User ``u``'s interaction ``k`` as a request whose ground truth is its item."""
+    h = ml.histories[u]
+    t = float(h.timestamps[k])
+    return RecommendationRequest(
+        request_id=f"{ml.name}-{u}-{k}",
+        user_id=str(u),
+        ts=t,
+        event_ts=t,
+        num_candidates=num_candidates,
+        top_k=top_k,
+        label_item_id=ml.raw_items([int(h.item_ids[k])])[0],
+    )
+
+
+def _user_behaviours(
+    ml: MovieLens, u: int, k0: int, last_k: int, target_len: int | None
+) -> tuple[list[tuple[float, RawId, int]], int]:
+    """User ``u``'s behaviours as (ts, raw item, action): the history before interaction ``k0``
+    (lengthened to ``target_len``), then its interactions ``k0 .. last_k``; and how many events
+    the lengthening synthesised."""
+    h = ml.histories[u]
+    past = h.slice(0, k0)
+    synthesised = 0
+    if target_len is not None:
+        real = len(past)
+        past = lengthen(past, target_len)
+        synthesised = len(past) - min(real, len(past))
+    seq = [
+        (float(t), i, int(a))
+        for i, a, t in zip(
+            ml.raw_items(past.item_ids.tolist()),
+            past.action_ids.tolist(),
+            past.timestamps.tolist(),
+            strict=True,
+        )
+    ]
+    tail = range(k0, last_k + 1)
+    seq += [
+        (float(h.timestamps[k]), i, int(h.action_ids[k]))
+        for k, i in zip(tail, ml.raw_items([int(h.item_ids[k]) for k in tail]), strict=True)
+    ]
+    return seq, synthesised
 
 
 class TraceTopics:
