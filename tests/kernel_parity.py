@@ -35,6 +35,7 @@ class Case:
     shuffled: bool = False  # positions in no order: the kernel must not cut keys short
     block: int = 16  # 0: the kernel's own choice
     splits: int = 1
+    head_group: int = 1
     dtypes: tuple[str, ...] = ("fp32", "bf16")
 
 
@@ -42,11 +43,15 @@ CASES: dict[str, Case] = {
     "single_user_relay": Case(((40, 6, 5),), near_keys=8),
     "users_full_causal": Case(((0, 37, 0), (0, 16, 0), (0, 5, 0)), heads=1),
     "users_candidates_far": Case(((33, 4, 6), (0, 9, 3), (50, 2, 7)), near_keys=16, far_keys=3.0),
-    "relay_split_keys": Case(((90, 3, 5), (21, 2, 4)), near_keys=8, splits=3, dtypes=("fp32", "bf16", "fp16")),
+    "relay_split_keys": Case(
+        ((90, 3, 5), (21, 2, 4)), near_keys=8, splits=3, dtypes=("fp32", "bf16", "fp16")
+    ),
     "full_split_keys": Case(((0, 45, 0),), splits=2),
     "odd_head_dims": Case(((19, 5, 3), (0, 7, 2)), d_qk=24, d_v=40, near_keys=4),
-    "shuffled_positions": Case(((20, 6, 4), (5, 3, 2)), shuffled=True, near_keys=8),
-    "own_choice_of_tiles": Case(((70, 8, 6), (0, 12, 4)), block=0, splits=0, near_keys=16),
+    "shuffled_positions": Case(((20, 30, 4), (5, 3, 2)), shuffled=True, near_keys=8),
+    "grouped_heads": Case(((30, 5, 4), (0, 6, 3)), heads=4, head_group=4, near_keys=8),
+    "grouped_heads_split": Case(((60, 3, 4),), heads=4, d_qk=24, d_v=20, head_group=2, splits=3),
+    "own_choice_of_tiles": Case(((70, 8, 6), (0, 12, 4)), heads=4, block=0, splits=0, near_keys=16),
 }
 
 
@@ -76,9 +81,7 @@ def make_case(case: Case, dtype: torch.dtype, device: str, seed: int = 0):
         ts_q.append(ts[len(ts) - n_q :])
         nq.append(n_q)
         nk.append(len(pos))
-    batch = JaggedBatch.build(
-        nq, nk, *(torch.cat(t).to(device) for t in (pos_q, ts_q, pos_k, ts_k))
-    )
+    batch = JaggedBatch.build(nq, nk, *(torch.cat(t).to(device) for t in (pos_q, ts_q, pos_k, ts_k)))
     params = AttentionParams(num_pos=24, num_time=20, normaliser=16.0, near_keys=case.near_keys,
                              far_keys=case.far_keys)  # fmt: skip
 
@@ -98,7 +101,11 @@ def run_case(case: Case, dtype: torch.dtype, device: str) -> dict[str, float]:
 
     q, k, v, batch, bias, params = make_case(case, dtype, device)
     want = reference_hstu_mha(q, k, v, batch, bias, params).to(torch.float32)
-    config = None if case.block == 0 else KernelConfig(case.block, case.block, splits=case.splits)
+    config = (
+        None
+        if case.block == 0
+        else KernelConfig(case.block, case.block, splits=case.splits, head_group=case.head_group)
+    )
     got = hstu_forward(q, k, v, batch, bias, params, config)
     if got.dtype != q.dtype or got.shape != want.shape:
         raise AssertionError(f"got {got.dtype} {tuple(got.shape)}, want {q.dtype} {tuple(want.shape)}")

@@ -16,12 +16,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from kernel_parity import CASES, DTYPES, make_case, run_case
 
 pytest.importorskip("triton")
 
-from relaygr.workers.kernels.triton_hstu import (  # noqa: E402
+from relaygr.workers.kernels.triton_hstu import (
     KernelConfig,
     causal_limits,
     choose_config,
@@ -36,7 +35,8 @@ TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2, "fp16": 4e-3}
 
 @pytest.fixture(scope="module")
 def interpreted() -> dict:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(Path(__file__).parent)}
+    path = os.pathsep.join(p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
     done = subprocess.run(
         [sys.executable, str(Path(__file__).parent / "kernel_parity.py"), "cpu"],
         env=env,
@@ -92,6 +92,8 @@ def test_bad_input_is_a_clear_error() -> None:
         hstu_forward(q[1:], k, v, batch, bias, params)
     with pytest.raises(ValueError, match="power of two"):
         KernelConfig(block_m=48)
+    with pytest.raises(ValueError, match="does not divide"):
+        hstu_forward(q, k, v, batch, bias, params, KernelConfig(head_group=4))
 
 
 def test_keys_are_split_only_when_the_grid_is_small() -> None:

@@ -54,12 +54,15 @@ class KernelConfig:
     num_warps: int = 4
     num_stages: int = 2
     splits: int = 0
+    head_group: int = 1  # heads per program: the pairs' bias and weight serve them all
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):
             size = getattr(self, name)
             if size < MIN_BLOCK or size & (size - 1):
                 raise ValueError(f"{name} must be a power of two of at least {MIN_BLOCK}, got {size}")
+        if self.head_group < 1 or self.head_group & (self.head_group - 1):
+            raise ValueError(f"head_group must be a power of two, got {self.head_group}")
         if self.splits < 0:
             raise ValueError(f"splits must be 0 (automatic) or positive, got {self.splits}")
 
@@ -70,8 +73,9 @@ def _pair_terms(
     HAS_FAR: tl.constexpr,
 ):  # fmt: skip
     """Per (query, key) pair of a tile: the bias (float32) and the weight (visibility x far)."""
-    dpos = q_pos[:, None] - k_pos[None, :]  # int64
-    d = tl.minimum(tl.maximum(dpos, 0), MAX_POSITION_GAP).to(tl.int32)
+    # The gap clamped to [0, 2^30] answers "dpos > 0" and "dpos >= near_keys" too (near_keys is
+    # far below 2^30), so the int64 tile lives only for this line.
+    d = tl.minimum(tl.maximum(q_pos[:, None] - k_pos[None, :], 0), MAX_POSITION_GAP).to(tl.int32)
     log_part = (d.to(tl.float32).to(tl.int32, bitcast=True) >> 21) - POSITION_LOG_OFFSET
     pos_bucket = tl.where(d < EXACT, d, log_part)
     pos_bucket = tl.minimum(tl.maximum(pos_bucket, 0), num_pos - 1)
@@ -80,11 +84,29 @@ def _pair_terms(
     time_bucket = (gap.to(tl.int32, bitcast=True) >> 22) - TIME_LOG_OFFSET
     time_bucket = tl.minimum(tl.maximum(time_bucket, 0), num_time - 1)
     bias = tl.load(bias_ptr + pos_bucket * num_time + time_bucket, mask=valid, other=0.0).to(tl.float32)
-    visible = valid & ((dpos > 0) | (cols[None, :] == own[:, None]))
+    visible = valid & ((d > 0) | (cols[None, :] == own[:, None]))
     weight = tl.where(visible, 1.0, 0.0)
     if HAS_FAR:
-        weight = tl.where(dpos >= near_keys, weight * far_scale[:, None], weight)
+        weight = tl.where(d >= near_keys, weight * far_scale[:, None], weight)
     return bias, weight
+
+
+@triton.jit
+def _query_terms(Q_POS, Q_TS, q_tok, row_ok, near_keys, far_keys):
+    """A query block's positions, timestamps and far-key scale ``min(1, far / (pos - near + 1))``."""
+    q_pos = tl.load(Q_POS + q_tok, mask=row_ok, other=0)
+    q_ts = tl.load(Q_TS + q_tok, mask=row_ok, other=0.0)
+    far_scale = tl.minimum(far_keys / tl.maximum(q_pos - near_keys + 1, 1).to(tl.float32), 1.0)
+    return q_pos, q_ts, far_scale
+
+
+@triton.jit
+def _key_range(CAUSAL_OK, user, n_q, n_k, m0, split, split_keys, BLOCK_M: tl.constexpr):
+    """The user's keys this program reads: its split, cut after the block's last own key where the
+    user's positions allow it (every later key is hidden from all the block's queries)."""
+    hi = tl.where(tl.load(CAUSAL_OK + user) != 0, n_k - n_q + tl.minimum(m0 + BLOCK_M, n_q), n_k)
+    lo = split * split_keys
+    return lo, tl.minimum(hi, lo + split_keys)
 
 
 @triton.jit
@@ -121,16 +143,9 @@ def _hstu_fwd_kernel(
     )
     if UPCAST:
         q = q.to(tl.float32)
-    q_pos = tl.load(Q_POS + q_tok, mask=row_ok, other=0)
-    q_ts = tl.load(Q_TS + q_tok, mask=row_ok, other=0.0)
+    q_pos, q_ts, far_scale = _query_terms(Q_POS, Q_TS, q_tok, row_ok, near_keys, far_keys)
     own = n_k - n_q + rows  # each query's own key, counted within the user's keys
-    far_scale = tl.minimum(far_keys / tl.maximum(q_pos - near_keys + 1, 1).to(tl.float32), 1.0)
-
-    # Keys after the block's last own key are hidden from all its queries (where the user's
-    # positions allow it), and this program reads only its split of the rest.
-    hi = tl.where(tl.load(CAUSAL_OK + user) != 0, n_k - n_q + tl.minimum(m0 + BLOCK_M, n_q), n_k)
-    lo = split * split_keys
-    hi = tl.minimum(hi, lo + split_keys)
+    lo, hi = _key_range(CAUSAL_OK, user, n_q, n_k, m0, split, split_keys, BLOCK_M)
     acc = tl.zeros((BLOCK_M, BLOCK_DV), dtype=tl.float32)
     for n0 in range(lo, hi, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
@@ -159,13 +174,93 @@ def _hstu_fwd_kernel(
             other=0.0,
         )
         if UPCAST:
-            acc += tl.dot(act.to(V.dtype.element_ty).to(tl.float32), v.to(tl.float32), input_precision=DOT_PRECISION)
+            acc += tl.dot(
+                act.to(V.dtype.element_ty).to(tl.float32), v.to(tl.float32), input_precision=DOT_PRECISION
+            )
         else:
             acc += tl.dot(act.to(v.dtype), v, input_precision=DOT_PRECISION)
 
     acc = acc / normaliser
     out_ptrs = OUT + split * stride_os + q_tok[:, None] * stride_ot + head * stride_oh + d_v[None, :]
     tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=row_ok[:, None] & (d_v[None, :] < D_V))
+
+
+@triton.jit
+def _hstu_fwd_grouped_kernel(
+    Q, K, V, OUT, BIAS, Q_OFFSETS, K_OFFSETS, Q_POS, Q_TS, K_POS, K_TS, CAUSAL_OK,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_os, stride_ot, stride_oh,
+    num_heads, split_keys, num_pos, num_time, normaliser, near_keys, far_keys,
+    D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_FAR: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, GROUP: tl.constexpr,
+):  # fmt: skip
+    """``_hstu_fwd_kernel`` for ``GROUP`` heads at once: each pair's bias and weight, the same for
+    every head, are derived once per tile and serve the group (batched products)."""
+    m_block = tl.num_programs(0) - 1 - tl.program_id(0)
+    user = tl.program_id(1)
+    groups = num_heads // GROUP
+    heads = (tl.program_id(2) % groups) * GROUP + tl.arange(0, GROUP)
+    split = tl.program_id(2) // groups
+    q_start = tl.load(Q_OFFSETS + user)
+    n_q = tl.load(Q_OFFSETS + user + 1) - q_start
+    m0 = m_block * BLOCK_M
+    if m0 >= n_q:
+        return
+    k_start = tl.load(K_OFFSETS + user)
+    n_k = tl.load(K_OFFSETS + user + 1) - k_start
+
+    rows = m0 + tl.arange(0, BLOCK_M)
+    row_ok = rows < n_q
+    d_qk = tl.arange(0, BLOCK_DQK)
+    d_v = tl.arange(0, BLOCK_DV)
+    q_tok = q_start + rows
+    q = tl.load(
+        Q + q_tok[None, :, None] * stride_qt + heads[:, None, None] * stride_qh + d_qk[None, None, :],
+        mask=row_ok[None, :, None] & (d_qk[None, None, :] < D_QK),
+        other=0.0,
+    )  # [GROUP, BLOCK_M, BLOCK_DQK]
+    if UPCAST:
+        q = q.to(tl.float32)
+    q_pos, q_ts, far_scale = _query_terms(Q_POS, Q_TS, q_tok, row_ok, near_keys, far_keys)
+    own = n_k - n_q + rows  # each query's own key, counted within the user's keys
+    lo, hi = _key_range(CAUSAL_OK, user, n_q, n_k, m0, split, split_keys, BLOCK_M)
+    acc = tl.zeros((GROUP, BLOCK_M, BLOCK_DV), dtype=tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        col_ok = cols < hi
+        k_tok = k_start + cols
+        k_pos = tl.load(K_POS + k_tok, mask=col_ok, other=0)
+        k_ts = tl.load(K_TS + k_tok, mask=col_ok, other=0.0)
+        valid = row_ok[:, None] & col_ok[None, :]
+        bias, weight = _pair_terms(
+            q_pos, q_ts, own, far_scale, k_pos, k_ts, cols, valid, BIAS, num_pos, num_time, near_keys,
+            HAS_FAR,
+        )  # fmt: skip
+        k_t = tl.load(
+            K + k_tok[None, None, :] * stride_kt + heads[:, None, None] * stride_kh + d_qk[None, :, None],
+            mask=col_ok[None, None, :] & (d_qk[None, :, None] < D_QK),
+            other=0.0,
+        )  # [GROUP, BLOCK_DQK, BLOCK_N]
+        v = tl.load(
+            V + k_tok[None, :, None] * stride_vt + heads[:, None, None] * stride_vh + d_v[None, None, :],
+            mask=col_ok[None, :, None] & (d_v[None, None, :] < D_V),
+            other=0.0,
+        )  # [GROUP, BLOCK_N, BLOCK_DV]
+        if UPCAST:
+            k_t = k_t.to(tl.float32)
+        scores = tl.dot(q, k_t, input_precision=DOT_PRECISION) + bias[None, :, :]
+        act = scores * tl.sigmoid(scores) * weight[None, :, :]
+        if UPCAST:
+            act = act.to(V.dtype.element_ty).to(tl.float32)
+            v = v.to(tl.float32)
+        acc += tl.dot(act.to(v.dtype), v, input_precision=DOT_PRECISION)
+
+    acc = acc / normaliser
+    out_ptrs = (
+        OUT + split * stride_os + q_tok[None, :, None] * stride_ot + heads[:, None, None] * stride_oh
+        + d_v[None, None, :]
+    )  # fmt: skip
+    tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=row_ok[None, :, None] & (d_v[None, None, :] < D_V))
 
 
 @triton.jit
@@ -217,36 +312,55 @@ def _block_dim(d: int) -> int:
     return max(MIN_BLOCK, triton.next_power_of_2(d))
 
 
+def _head_group(heads: int, wide: int, limit: int) -> int:
+    group = 1
+    while heads % (group * 2) == 0 and group * 2 * wide <= limit:
+        group *= 2
+    return group
+
+
 def choose_config(dtype: torch.dtype, d_qk: int, d_v: int, max_q: int, max_k: int, users: int,
                   heads: int, sm_count: int) -> KernelConfig:  # fmt: skip
     """Tiles for a call: wide query blocks for long query runs (a full ranking), narrow ones for a
-    relay's few queries; key splits when the grid would fill under half of the multiprocessors."""
+    relay's few queries; heads grouped so a pair's bias serves several; key splits when the grid
+    would fill under half of the multiprocessors."""
     wide = max(_block_dim(d_qk), _block_dim(d_v))
     fp32 = dtype == torch.float32
-    block_m = 128 if max_q >= 1024 and not fp32 and wide <= 128 else 64
-    block_n = 32 if wide >= 256 or (fp32 and wide >= 128) else 64
-    num_warps = 8 if block_m * wide >= 128 * 128 else 4
-    programs = triton.cdiv(max_q, block_m) * users * heads
+    group = _head_group(heads, wide, 128 if fp32 else 256)
+    block_m = 128 if max_q >= 1024 and not fp32 and wide * group <= 128 else 64
+    block_n = 32 if wide * group >= 256 or fp32 else 64
+    num_warps = 8 if block_m * wide * group >= 128 * 128 else 4
+    programs = triton.cdiv(max_q, block_m) * users * (heads // group)
     splits = 1
     if programs * 2 < sm_count:
         splits = max(1, min(triton.cdiv(2 * sm_count, programs), max_k // (block_n * MIN_SPLIT_BLOCKS)))
-    return KernelConfig(block_m, block_n, num_warps, 2, splits)
+    return KernelConfig(block_m, block_n, num_warps, 2, splits, group)
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: JaggedBatch,
            bias_table: torch.Tensor, params: AttentionParams) -> None:  # fmt: skip
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
-        raise ValueError(f"q, k, v must be [tokens, heads, dim], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+        raise ValueError(
+            f"q, k, v must be [tokens, heads, dim], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
     if q.dtype not in SUPPORTED_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"q, k, v must share one dtype of {SUPPORTED_DTYPES}, got {q.dtype}, {k.dtype}, {v.dtype}")
+        raise ValueError(
+            f"q, k, v must share one dtype of {SUPPORTED_DTYPES}, got {q.dtype}, {k.dtype}, {v.dtype}"
+        )
     if k.shape[:2] != v.shape[:2] or q.shape[1:] != k.shape[1:]:
         raise ValueError(f"shapes do not agree: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     if max(q.shape[2], v.shape[2]) > MAX_HEAD_DIM:
         raise ValueError(f"head dims up to {MAX_HEAD_DIM} are supported, got {q.shape[2]} and {v.shape[2]}")
     if q.shape[0] != batch.q_pos.shape[0] or k.shape[0] != batch.k_pos.shape[0]:
-        raise ValueError(f"{q.shape[0]} queries and {k.shape[0]} keys for a batch of {batch.q_pos.shape[0]} and {batch.k_pos.shape[0]}")
+        raise ValueError(
+            f"{q.shape[0]} queries and {k.shape[0]} keys for a batch of {batch.q_pos.shape[0]} and {batch.k_pos.shape[0]}"
+        )
+    if not 0 <= params.near_keys < MAX_POSITION_GAP:
+        raise ValueError(f"near_keys must be in [0, 2^30), got {params.near_keys}")
     if bias_table.numel() != params.num_pos * params.num_time:
-        raise ValueError(f"bias table of {bias_table.numel()} entries for {params.num_pos} x {params.num_time} buckets")
+        raise ValueError(
+            f"bias table of {bias_table.numel()} entries for {params.num_pos} x {params.num_time} buckets"
+        )
     devices = {t.device for t in (q, k, v, bias_table, batch.q_offsets, batch.k_pos)}
     if len(devices) != 1:
         raise ValueError(f"tensors on several devices: {sorted(map(str, devices))}")
@@ -270,29 +384,41 @@ def hstu_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Jagge
     if config is None:
         config = choose_config(q.dtype, d_qk, d_v, batch.max_q, batch.max_k, batch.users, heads,
                                _sm_count(q.device))  # fmt: skip
-    splits = max(1, config.splits)
-    split_keys = triton.cdiv(triton.cdiv(batch.max_k, splits), config.block_n) * config.block_n
+    if heads % config.head_group:
+        raise ValueError(f"head_group {config.head_group} does not divide {heads} heads")
+    split_keys = triton.cdiv(triton.cdiv(batch.max_k, max(1, config.splits)), config.block_n) * config.block_n
     splits = max(1, triton.cdiv(batch.max_k, split_keys))
-    target = out if splits == 1 else torch.empty((splits, tokens, heads, d_v), dtype=torch.float32, device=q.device)
+    target = (
+        out
+        if splits == 1
+        else torch.empty((splits, tokens, heads, d_v), dtype=torch.float32, device=q.device)
+    )
     o_strides = (0, *out.stride()[:2]) if splits == 1 else target.stride()[:3]
     # The interpreter multiplies bfloat16 tiles as raw bits: it gets them in float32 instead.
     upcast = q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
-    grid = (triton.cdiv(batch.max_q, config.block_m), batch.users, heads * splits)
-    _hstu_fwd_kernel[grid](
+    constants = {
+        "D_QK": d_qk, "D_V": d_v, "BLOCK_DQK": _block_dim(d_qk), "BLOCK_DV": _block_dim(d_v),
+        "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "HAS_FAR": params.near_keys > 0,
+        "DOT_PRECISION": "ieee" if q.dtype == torch.float32 or upcast else "tf32", "UPCAST": upcast,
+        "num_warps": config.num_warps, "num_stages": config.num_stages,
+    }  # fmt: skip
+    kernel = _hstu_fwd_kernel
+    if config.head_group > 1:
+        kernel, constants["GROUP"] = _hstu_fwd_grouped_kernel, config.head_group
+    grid = (triton.cdiv(batch.max_q, config.block_m), batch.users, heads // config.head_group * splits)
+    kernel[grid](
         q, k, v, target, bias_table.reshape(-1), batch.q_offsets, batch.k_offsets,
         batch.q_pos, batch.q_ts, batch.k_pos, batch.k_ts, causal_limits(batch),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), *o_strides,
         heads, split_keys, params.num_pos, params.num_time, float(params.normaliser),
-        params.near_keys, float(params.far_keys),
-        D_QK=d_qk, D_V=d_v, BLOCK_DQK=_block_dim(d_qk), BLOCK_DV=_block_dim(d_v),
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, HAS_FAR=params.near_keys > 0,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 or upcast else "tf32", UPCAST=upcast,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        params.near_keys, float(params.far_keys), **constants,
     )  # fmt: skip
     if splits > 1:
         width = tokens * heads * d_v
         block = 1024
-        _sum_splits_kernel[(triton.cdiv(width, block),)](target, out, splits, target.stride(0), width, BLOCK=block)
+        _sum_splits_kernel[(triton.cdiv(width, block),)](
+            target, out, splits, target.stride(0), width, BLOCK=block
+        )
     return out
 
 
