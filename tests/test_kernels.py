@@ -103,3 +103,37 @@ def test_keys_are_split_only_when_the_grid_is_small() -> None:
     assert full.splits == 1
     many_users = choose_config(torch.bfloat16, 128, 128, 192, 2048, users=64, heads=8, sm_count=132)
     assert many_users.splits == 1
+
+
+def test_bench_runs_the_reference_on_a_cpu(capsys: pytest.CaptureFixture[str]) -> None:
+    from relaygr.cli import main
+
+    assert main(["bench", "kernels", "--device", "cpu", "--presets", "tiny", "--lengths", "200",
+                 "--repeats", "1", "--dtype", "fp32"]) == 0  # fmt: skip
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["bench"] == "kernels" and not report["interpreted"]
+    assert [r["kind"] for r in report["rows"]] == ["relay_1", "relay_batch", "full"]
+    for row in report["rows"]:
+        assert row["reference_ms"] > 0 and row["reference_tflops"] > 0 and row["triton_ms"] is None
+
+
+def test_bench_compares_the_interpreted_kernel_with_the_reference() -> None:
+    path = os.pathsep.join(p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p)
+    done = subprocess.run(
+        [sys.executable, "-m", "relaygr.bench.kernels", "--device", "cpu", "--presets", "tiny",
+         "--lengths", "192", "--kinds", "relay_1,full", "--repeats", "1", "--dtype", "fp32"],
+        env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path},
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["interpreted"]
+    for row in report["rows"]:
+        assert row["triton_ms"] > 0 and row["worst_diff"] <= TOLERANCE["fp32"], row
+
+
+def test_bench_refuses_a_relay_shorter_than_its_queries() -> None:
+    from relaygr.bench.kernels import make_call
+
+    with pytest.raises(ValueError, match="under the 192 queries"):
+        make_call("tiny", "relay_1", 100, 1, torch.float32, "cpu", 0)

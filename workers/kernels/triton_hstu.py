@@ -181,7 +181,7 @@ def _hstu_fwd_kernel(
             acc += tl.dot(act.to(v.dtype), v, input_precision=DOT_PRECISION)
 
     acc = acc / normaliser
-    out_ptrs = OUT + split * stride_os + q_tok[:, None] * stride_ot + head * stride_oh + d_v[None, :]
+    out_ptrs = OUT + split.to(tl.int64) * stride_os + q_tok[:, None] * stride_ot + head * stride_oh + d_v[None, :]
     tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=row_ok[:, None] & (d_v[None, :] < D_V))
 
 
@@ -257,7 +257,7 @@ def _hstu_fwd_grouped_kernel(
 
     acc = acc / normaliser
     out_ptrs = (
-        OUT + split * stride_os + q_tok[None, :, None] * stride_ot + heads[:, None, None] * stride_oh
+        OUT + split.to(tl.int64) * stride_os + q_tok[None, :, None] * stride_ot + heads[:, None, None] * stride_oh
         + d_v[None, None, :]
     )  # fmt: skip
     tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=row_ok[None, :, None] & (d_v[None, None, :] < D_V))
