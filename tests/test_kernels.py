@@ -99,8 +99,10 @@ def test_bad_input_is_a_clear_error() -> None:
 def test_keys_are_split_only_when_the_grid_is_small() -> None:
     relay = choose_config(torch.bfloat16, 64, 64, 192, 8192, users=1, heads=4, sm_count=132)
     assert relay.splits > 1 and 8192 // relay.splits >= relay.block_n
-    full = choose_config(torch.bfloat16, 64, 64, 8192, 8192, users=1, heads=4, sm_count=132)
+    full = choose_config(torch.bfloat16, 128, 128, 32768, 32768, users=1, heads=8, sm_count=132)
     assert full.splits == 1
+    short_full = choose_config(torch.bfloat16, 64, 64, 2048, 2048, users=1, heads=4, sm_count=132)
+    assert short_full.splits > 1
     many_users = choose_config(torch.bfloat16, 128, 128, 192, 2048, users=64, heads=8, sm_count=132)
     assert many_users.splits == 1
 

@@ -181,7 +181,9 @@ def _hstu_fwd_kernel(
             acc += tl.dot(act.to(v.dtype), v, input_precision=DOT_PRECISION)
 
     acc = acc / normaliser
-    out_ptrs = OUT + split.to(tl.int64) * stride_os + q_tok[:, None] * stride_ot + head * stride_oh + d_v[None, :]
+    out_ptrs = (
+        OUT + split.to(tl.int64) * stride_os + q_tok[:, None] * stride_ot + head * stride_oh + d_v[None, :]
+    )
     tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=row_ok[:, None] & (d_v[None, :] < D_V))
 
 
@@ -323,7 +325,7 @@ def choose_config(dtype: torch.dtype, d_qk: int, d_v: int, max_q: int, max_k: in
                   heads: int, sm_count: int) -> KernelConfig:  # fmt: skip
     """Tiles for a call: wide query blocks for long query runs (a full ranking), narrow ones for a
     relay's few queries; heads grouped so a pair's bias serves several; key splits when the grid
-    would fill under half of the multiprocessors."""
+    holds under two programs per multiprocessor."""
     wide = max(_block_dim(d_qk), _block_dim(d_v))
     fp32 = dtype == torch.float32
     group = _head_group(heads, wide, 128 if fp32 else 256)
@@ -332,7 +334,7 @@ def choose_config(dtype: torch.dtype, d_qk: int, d_v: int, max_q: int, max_k: in
     num_warps = 8 if block_m * wide * group >= 128 * 128 else 4
     programs = triton.cdiv(max_q, block_m) * users * (heads // group)
     splits = 1
-    if programs * 2 < sm_count:
+    if programs < 2 * sm_count:  # also evens out jagged users and causal blocks
         splits = max(1, min(triton.cdiv(2 * sm_count, programs), max_k // (block_n * MIN_SPLIT_BLOCKS)))
     return KernelConfig(block_m, block_n, num_warps, 2, splits, group)
 
@@ -364,6 +366,10 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: JaggedBatch
     devices = {t.device for t in (q, k, v, bias_table, batch.q_offsets, batch.k_pos)}
     if len(devices) != 1:
         raise ValueError(f"tensors on several devices: {sorted(map(str, devices))}")
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_contiguous() else t.contiguous()
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -406,9 +412,10 @@ def hstu_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Jagge
     if config.head_group > 1:
         kernel, constants["GROUP"] = _hstu_fwd_grouped_kernel, config.head_group
     grid = (triton.cdiv(batch.max_q, config.block_m), batch.users, heads // config.head_group * splits)
+    per_token = (_dense(t) for t in (batch.q_pos, batch.q_ts, batch.k_pos, batch.k_ts))
     kernel[grid](
-        q, k, v, target, bias_table.reshape(-1), batch.q_offsets, batch.k_offsets,
-        batch.q_pos, batch.q_ts, batch.k_pos, batch.k_ts, causal_limits(batch),
+        q, k, v, target, _dense(bias_table.reshape(-1)), _dense(batch.q_offsets), _dense(batch.k_offsets),
+        *per_token, causal_limits(batch),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), *o_strides,
         heads, split_keys, params.num_pos, params.num_time, float(params.normaliser),
         params.near_keys, float(params.far_keys), **constants,
