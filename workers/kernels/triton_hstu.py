@@ -314,29 +314,21 @@ def _block_dim(d: int) -> int:
     return max(MIN_BLOCK, triton.next_power_of_2(d))
 
 
-def _head_group(heads: int, wide: int, limit: int) -> int:
-    group = 1
-    while heads % (group * 2) == 0 and group * 2 * wide <= limit:
-        group *= 2
-    return group
-
-
 def choose_config(dtype: torch.dtype, d_qk: int, d_v: int, max_q: int, max_k: int, users: int,
                   heads: int, sm_count: int) -> KernelConfig:  # fmt: skip
-    """Tiles for a call: wide query blocks for long query runs (a full ranking), narrow ones for a
-    relay's few queries; heads grouped so a pair's bias serves several; key splits when the grid
-    holds under two programs per multiprocessor."""
+    """Tiles for a call. A tile's per-pair work (bias index in int64 and float64, the gather) holds
+    many registers: 64-query blocks, 8 warps, and key blocks of 32 (16 for wide heads or two heads
+    at once), the sm_90 builds that did not spill. 16-bit heads up to 64 wide go two per program,
+    so each pair's bias serves both. Key splits when the grid holds under two programs per
+    multiprocessor (a relay's few queries; also evens out jagged users and causal blocks)."""
     wide = max(_block_dim(d_qk), _block_dim(d_v))
-    fp32 = dtype == torch.float32
-    group = _head_group(heads, wide, 128 if fp32 else 256)
-    block_m = 128 if max_q >= 1024 and not fp32 and wide * group <= 128 else 64
-    block_n = 32 if wide * group >= 256 or fp32 else 64
-    num_warps = 8 if block_m * wide * group >= 128 * 128 else 4
+    group = 2 if dtype != torch.float32 and wide <= 64 and heads % 2 == 0 else 1
+    block_m, block_n = 64, (32 if group == 1 and wide <= 64 else 16)
     programs = triton.cdiv(max_q, block_m) * users * (heads // group)
     splits = 1
-    if programs < 2 * sm_count:  # also evens out jagged users and causal blocks
+    if programs < 2 * sm_count:
         splits = max(1, min(triton.cdiv(2 * sm_count, programs), max_k // (block_n * MIN_SPLIT_BLOCKS)))
-    return KernelConfig(block_m, block_n, num_warps, 2, splits, group)
+    return KernelConfig(block_m, block_n, 8, 2, splits, group)
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: JaggedBatch,
