@@ -15,7 +15,9 @@ and head), the speed-up, and the worst absolute difference of the kernel from th
 attention constants are the model's defaults (64 x 64 bias buckets, normaliser 256, far keys
 beyond 64 positions weighing 128 keys). On a CPU the benchmark runs a tiny shape, the kernel
 through Triton's interpreter where ``TRITON_INTERPRET=1`` is set, else the reference alone.
-``--sweep`` times a grid of tile configs per shape instead (tuning ``choose_config``).
+``--sweep`` times a grid of tile configs per shape instead (tuning ``choose_config``);
+``--build sm_90`` only compiles the configs ``choose_config`` picks, with no GPU, and reports each
+one's registers per thread and stack bytes (spills) from the cubin.
 """
 
 from __future__ import annotations
@@ -50,6 +52,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16" if cuda else "fp32")
     parser.add_argument("--repeats", type=int, default=20 if cuda else 2)
     parser.add_argument("--sweep", action="store_true", help="time a grid of tile configs instead")
+    parser.add_argument(
+        "--build",
+        default=None,
+        metavar="SM",
+        help="only compile the chosen configs for a target (sm_90), no GPU needed: registers, spills",
+    )
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -199,6 +207,62 @@ def sweep(preset: str, kind: str, length: int, args: argparse.Namespace) -> dict
             "top": results[:5], "errors": [r for r in results if "error" in r][:3]}  # fmt: skip
 
 
+POINTER_ARGS = {"BIAS": "*fp32", "Q_OFFSETS": "*i64", "K_OFFSETS": "*i64", "Q_POS": "*i64", "K_POS": "*i64",
+                "Q_TS": "*fp64", "K_TS": "*fp64", "CAUSAL_OK": "*i32"}  # fmt: skip
+FLOAT_ARGS = ("normaliser", "far_keys")
+TRITON_TYPES = {"fp32": "*fp32", "bf16": "*bf16", "fp16": "*fp16"}
+
+
+def build(preset: str, kind: str, length: int, args: argparse.Namespace) -> dict:
+    """Compile (no GPU needed) the config ``choose_config`` picks for a shape, for ``--build``'s
+    target (``sm_90``: the H100 and H200): registers per thread, stack (spills) and shared memory."""
+    import re
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from relaygr.workers.kernels.triton_hstu import choose_config, kernel_constants
+
+    heads, d = SHAPES[preset]
+    queries = length if kind == "full" else NEW_TOKENS + CANDIDATES
+    users = args.batch_users if kind == "relay_batch" else 1
+    config = choose_config(DTYPES[args.dtype], d, d, queries, length, users, heads, 132)
+    kernel, constants = kernel_constants(config, DTYPES[args.dtype], d, d, PARAMS.near_keys > 0)
+    signature = {
+        name: "constexpr" if name in constants
+        else TRITON_TYPES[args.dtype] if name in ("Q", "K", "V", "OUT")
+        else POINTER_ARGS.get(name, "fp32" if name in FLOAT_ARGS else "i32")
+        for name in kernel.arg_names
+    }  # fmt: skip
+    if args.build.startswith("sm_"):
+        capability = int(args.build[3:])
+    else:
+        raise SystemExit(f"--build: a target like sm_90, got {args.build!r}")
+    compiled = triton.compile(
+        ASTSource(kernel, signature, constants),
+        target=GPUTarget("cuda", capability, 32),
+        options={"num_warps": config.num_warps, "num_stages": config.num_stages, "enable_fp_fusion": True},
+    )
+    row = {"preset": preset, "kind": kind, "length": length, "config": config.__dict__,
+           "shared_bytes": compiled.metadata.shared, "registers": None, "stack_bytes": None}  # fmt: skip
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if tool.exists():
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+            cubin.write(compiled.asm["cubin"])
+            cubin.flush()
+            usage = subprocess.run(
+                [str(tool), "--dump-resource-usage", cubin.name], capture_output=True, text=True
+            )
+        found = re.search(r"REG:(\d+).*?STACK:(\d+)", usage.stdout)
+        if found:
+            row.update(registers=int(found.group(1)), stack_bytes=int(found.group(2)))
+    return row
+
+
 def run(args: argparse.Namespace) -> int:
     presets = [p.strip() for p in args.presets.split(",") if p.strip()]
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
@@ -208,10 +272,10 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(f"--presets: no shape {p!r}; use {sorted(SHAPES)}")
     if args.repeats < 1 or args.batch_users < 1:
         raise SystemExit("--repeats and --batch-users must be at least 1")
-    step = sweep if args.sweep else measure
+    step = build if args.build else sweep if args.sweep else measure
     rows = [step(p, k, n, args) for p in presets for n in lengths for k in kinds]
     name = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "cpu"
-    print(json.dumps({"bench": "kernels", "device": name, "dtype": args.dtype, "sweep": args.sweep,
+    print(json.dumps({"bench": "kernels", "device": args.build or name, "dtype": args.dtype, "sweep": args.sweep,
                       "interpreted": not args.device.startswith("cuda") and _kernel_runs(args.device),
                       "rows": rows}), flush=True)  # fmt: skip
     return 0

@@ -139,3 +139,14 @@ def test_bench_refuses_a_relay_shorter_than_its_queries() -> None:
 
     with pytest.raises(ValueError, match="under the 192 queries"):
         make_call("tiny", "relay_1", 100, 1, torch.float32, "cpu", 0)
+
+
+def test_the_chosen_configs_compile_for_hopper_without_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    # The interpreter runs no GPU lowering: this builds the sm_90 code of the large preset's relay.
+    from relaygr.cli import main
+
+    assert main(["bench", "kernels", "--build", "sm_90", "--presets", "large", "--lengths", "2048",
+                 "--kinds", "relay_1", "--dtype", "bf16"]) == 0  # fmt: skip
+    (row,) = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
+    assert row["config"]["head_group"] == 2 and row["config"]["splits"] > 1
+    assert row["shared_bytes"] > 0

@@ -6,7 +6,8 @@ Primitives:
 - ``hstu_forward(..., config=)``: one launch of ``_hstu_fwd_kernel`` over (query block, user,
   head x key split), plus one small ``_sum_splits_kernel`` launch when the keys are split.
 - ``KernelConfig``: block sizes, warps, pipeline stages and the number of key splits.
-- ``choose_config(...)``: the config for a call's shape and dtype on a device.
+- ``choose_config(...)``: the config for a call's shape and dtype on a device;
+  ``kernel_constants(config, ...)``: the kernel it launches and its compile-time arguments.
 - ``causal_limits(batch)``: once per batch (kept in ``batch.scratch``), whether each user's keys
   may be cut at a query block's last own key (the causal skip).
 
@@ -368,6 +369,19 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(2) == 1 else t.contiguous()
 
 
+def kernel_constants(config: KernelConfig, dtype: torch.dtype, d_qk: int, d_v: int, has_far: bool,
+                     upcast: bool = False) -> tuple[triton.JITFunction, dict]:  # fmt: skip
+    """The kernel a config launches and its compile-time arguments (also for builds without a GPU)."""
+    constants = {
+        "D_QK": d_qk, "D_V": d_v, "BLOCK_DQK": _block_dim(d_qk), "BLOCK_DV": _block_dim(d_v),
+        "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "HAS_FAR": has_far,
+        "DOT_PRECISION": "ieee" if dtype == torch.float32 or upcast else "tf32", "UPCAST": upcast,
+    }  # fmt: skip
+    if config.head_group == 1:
+        return _hstu_fwd_kernel, constants
+    return _hstu_fwd_grouped_kernel, {**constants, "GROUP": config.head_group}
+
+
 def hstu_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: JaggedBatch,
                  bias_table: torch.Tensor, params: AttentionParams,
                  config: KernelConfig | None = None) -> torch.Tensor:  # fmt: skip
@@ -394,15 +408,7 @@ def hstu_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Jagge
     o_strides = (0, *out.stride()[:2]) if splits == 1 else target.stride()[:3]
     # The interpreter multiplies bfloat16 tiles as raw bits: it gets them in float32 instead.
     upcast = q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
-    constants = {
-        "D_QK": d_qk, "D_V": d_v, "BLOCK_DQK": _block_dim(d_qk), "BLOCK_DV": _block_dim(d_v),
-        "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "HAS_FAR": params.near_keys > 0,
-        "DOT_PRECISION": "ieee" if q.dtype == torch.float32 or upcast else "tf32", "UPCAST": upcast,
-        "num_warps": config.num_warps, "num_stages": config.num_stages,
-    }  # fmt: skip
-    kernel = _hstu_fwd_kernel
-    if config.head_group > 1:
-        kernel, constants["GROUP"] = _hstu_fwd_grouped_kernel, config.head_group
+    kernel, constants = kernel_constants(config, q.dtype, d_qk, d_v, params.near_keys > 0, upcast)
     grid = (triton.cdiv(batch.max_q, config.block_m), batch.users, heads // config.head_group * splits)
     per_token = (_dense(t) for t in (batch.q_pos, batch.q_ts, batch.k_pos, batch.k_ts))
     kernel[grid](
@@ -411,6 +417,7 @@ def hstu_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Jagge
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), *o_strides,
         heads, split_keys, params.num_pos, params.num_time, float(params.normaliser),
         params.near_keys, float(params.far_keys), **constants,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     if splits > 1:
         width = tokens * heads * d_v
