@@ -3,21 +3,23 @@
 Primitives:
 - ``triton_hstu_mha(q, k, v, batch, bias_table, params)``: the interface's ``hstu_mha``, same
   signature and result as the reference; it picks a ``KernelConfig`` and calls ``hstu_forward``.
-- ``hstu_forward(..., config=)``: one launch of ``_hstu_fwd_kernel`` over (query block, user,
-  head x key split), plus one small ``_sum_splits_kernel`` launch when the keys are split.
-- ``KernelConfig``: block sizes, warps, pipeline stages and the number of key splits.
+- ``hstu_forward(..., config=)``: one launch of ``_hstu_fwd_kernel`` (one head per program) or
+  ``_hstu_fwd_grouped_kernel`` (a group of heads sharing each pair's bias and weight) over (query
+  block, user, head group x key split), plus one small ``_sum_splits_kernel`` launch when the keys
+  are split.
+- ``KernelConfig``: block sizes, warps, pipeline stages, key splits and heads per program.
 - ``choose_config(...)``: the config for a call's shape and dtype on a device;
   ``kernel_constants(config, ...)``: the kernel it launches and its compile-time arguments.
 - ``causal_limits(batch)``: once per batch (kept in ``batch.scratch``), whether each user's keys
   may be cut at a query block's last own key (the causal skip).
 
-Each program holds one block of one user's queries for one head and loops over that user's key
+Each program holds one block of one user's queries for its heads and loops over that user's key
 blocks inside the kernel: ``silu(q k^T + bias)`` times the pair's weight, then times ``v``, summed in
 float32; no score matrix is ever in memory. The bias index comes from positions and timestamps
 exactly as ``buckets.py`` computes it (float64 gap, float32, its bit pattern shifted). HSTU has no
 softmax, so a user's keys can be split across programs and their partial sums simply added: that
-is the split-K path, taken when the grid alone would leave most multiprocessors idle (a relay
-ranking: few queries, many keys).
+is the split-K path, taken when the grid alone would leave multiprocessors idle (a relay ranking:
+few queries, many keys).
 """
 
 from __future__ import annotations
@@ -51,8 +53,8 @@ class KernelConfig:
     """How one call is tiled: ``splits`` 0 chooses the key splits from the grid and the device."""
 
     block_m: int = 64
-    block_n: int = 64
-    num_warps: int = 4
+    block_n: int = 32
+    num_warps: int = 8
     num_stages: int = 2
     splits: int = 0
     head_group: int = 1  # heads per program: the pairs' bias and weight serve them all
