@@ -71,6 +71,10 @@ GROUPS: dict[str, tuple[str, dict[str, tuple[str, str]]]] = {
                 "rank with a cached prefix vs full inference, per prefix length",
             ),
             "store": ("relaygr.bench.store", "prefix store tiers vs recompute, per prefix length"),
+            "kernels": (
+                "relaygr.bench.kernels",
+                "HSTU attention: PyTorch reference vs Triton kernel, relay and full calls, TFLOP/s",
+            ),
             "cold-tiers": (
                 "relaygr.bench.cold_tiers",
                 "cold-tier formats (exact, bf16, int8): ranking error, users per GB, promotion from disk",

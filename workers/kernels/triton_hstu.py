@@ -1,10 +1,433 @@
-"""The Triton forward kernel of ``hstu_mha`` (CUDA; CPU under ``TRITON_INTERPRET=1``)."""
+"""The Triton forward kernel of ``hstu_mha`` (CUDA; CPU under ``TRITON_INTERPRET=1``).
+
+Primitives:
+- ``triton_hstu_mha(q, k, v, batch, bias_table, params)``: the interface's ``hstu_mha``, same
+  signature and result as the reference; it picks a ``KernelConfig`` and calls ``hstu_forward``.
+- ``hstu_forward(..., config=)``: one launch of ``_hstu_fwd_kernel`` (one head per program) or
+  ``_hstu_fwd_grouped_kernel`` (a group of heads sharing each pair's bias and weight) over (query
+  block, user, head group x key split), plus one small ``_sum_splits_kernel`` launch when the keys
+  are split.
+- ``KernelConfig``: block sizes, warps, pipeline stages, key splits and heads per program.
+- ``choose_config(...)``: the config for a call's shape and dtype on a device;
+  ``kernel_constants(config, ...)``: the kernel it launches and its compile-time arguments.
+- ``causal_limits(batch)``: once per batch (kept in ``batch.scratch``), whether each user's keys
+  may be cut at a query block's last own key (the causal skip).
+
+Each program holds one block of one user's queries for its heads and loops over that user's key
+blocks inside the kernel: ``silu(q k^T + bias)`` times the pair's weight, then times ``v``, summed in
+float32; no score matrix is ever in memory. The bias index comes from positions and timestamps
+exactly as ``buckets.py`` computes it (float64 gap, float32, its bit pattern shifted). HSTU has no
+softmax, so a user's keys can be split across programs and their partial sums simply added: that
+is the split-K path, taken when the grid alone would leave multiprocessors idle (a relay ranking:
+few queries, many keys).
+"""
 
 from __future__ import annotations
 
-import torch
+import functools
+import os
+from dataclasses import dataclass
 
+import torch
+import triton
+import triton.language as tl
+
+from relaygr.workers.kernels.buckets import EXACT_POSITIONS, F32_EXP_BIAS
 from relaygr.workers.kernels.interface import AttentionParams, JaggedBatch
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MAX_HEAD_DIM = 256
+MIN_BLOCK = 16  # tl.dot's smallest side
+# The bucket constants as the kernel sees them (buckets.py is the source of truth).
+MAX_POSITION_GAP = tl.constexpr(1 << 30)  # the reference clamps position gaps here before the int32 cast
+EXACT = tl.constexpr(EXACT_POSITIONS)
+# position_bucket's log part: (bits >> 21) - POSITION_LOG_OFFSET; time_bucket's likewise (>> 22).
+POSITION_LOG_OFFSET = tl.constexpr(((F32_EXP_BIAS + 4) << 2) - EXACT_POSITIONS)
+TIME_LOG_OFFSET = tl.constexpr(F32_EXP_BIAS << 1)
+DEFAULT_SM_COUNT = 132  # where the device has no count to read (the interpreter)
+MIN_SPLIT_BLOCKS = 4  # a key split holds at least this many key blocks
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """How one call is tiled: ``splits`` 0 chooses the key splits from the grid and the device."""
+
+    block_m: int = 64
+    block_n: int = 32
+    num_warps: int = 8
+    num_stages: int = 2
+    splits: int = 0
+    head_group: int = 1  # heads per program: the pairs' bias and weight serve them all
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n"):
+            size = getattr(self, name)
+            if size < MIN_BLOCK or size & (size - 1):
+                raise ValueError(f"{name} must be a power of two of at least {MIN_BLOCK}, got {size}")
+        if self.head_group < 1 or self.head_group & (self.head_group - 1):
+            raise ValueError(f"head_group must be a power of two, got {self.head_group}")
+        if self.splits < 0:
+            raise ValueError(f"splits must be 0 (automatic) or positive, got {self.splits}")
+
+
+@triton.jit
+def _pair_terms(
+    q_pos, q_ts, own, far_scale, k_pos, k_ts, cols, valid, bias_ptr, num_pos, num_time, near_keys,
+    HAS_FAR: tl.constexpr,
+):  # fmt: skip
+    """Per (query, key) pair of a tile: the bias (float32) and the weight (visibility x far)."""
+    # The gap clamped to [0, 2^30] answers "dpos > 0" and "dpos >= near_keys" too (near_keys is
+    # far below 2^30), so the int64 tile lives only for this line.
+    d = tl.minimum(tl.maximum(q_pos[:, None] - k_pos[None, :], 0), MAX_POSITION_GAP).to(tl.int32)
+    log_part = (d.to(tl.float32).to(tl.int32, bitcast=True) >> 21) - POSITION_LOG_OFFSET
+    pos_bucket = tl.where(d < EXACT, d, log_part)
+    pos_bucket = tl.minimum(tl.maximum(pos_bucket, 0), num_pos - 1)
+    gap = (q_ts[:, None] - k_ts[None, :]).to(tl.float32)  # the gap in float64, then float32
+    gap = tl.maximum(gap, 1.0)
+    time_bucket = (gap.to(tl.int32, bitcast=True) >> 22) - TIME_LOG_OFFSET
+    time_bucket = tl.minimum(tl.maximum(time_bucket, 0), num_time - 1)
+    bias = tl.load(bias_ptr + pos_bucket * num_time + time_bucket, mask=valid, other=0.0).to(tl.float32)
+    visible = valid & ((d > 0) | (cols[None, :] == own[:, None]))
+    weight = tl.where(visible, 1.0, 0.0)
+    if HAS_FAR:
+        weight = tl.where(d >= near_keys, weight * far_scale[:, None], weight)
+    return bias, weight
+
+
+@triton.jit
+def _query_terms(Q_POS, Q_TS, q_tok, row_ok, near_keys, far_keys):
+    """A query block's positions, timestamps and far-key scale ``min(1, far / (pos - near + 1))``."""
+    q_pos = tl.load(Q_POS + q_tok, mask=row_ok, other=0)
+    q_ts = tl.load(Q_TS + q_tok, mask=row_ok, other=0.0)
+    far_scale = tl.minimum(far_keys / tl.maximum(q_pos - near_keys + 1, 1).to(tl.float32), 1.0)
+    return q_pos, q_ts, far_scale
+
+
+@triton.jit
+def _key_range(CAUSAL_OK, user, n_q, n_k, m0, split, split_keys, BLOCK_M: tl.constexpr):
+    """The user's keys this program reads: its split, cut after the block's last own key where the
+    user's positions allow it (every later key is hidden from all the block's queries)."""
+    hi = tl.where(tl.load(CAUSAL_OK + user) != 0, n_k - n_q + tl.minimum(m0 + BLOCK_M, n_q), n_k)
+    lo = split * split_keys
+    return lo, tl.minimum(hi, lo + split_keys)
+
+
+@triton.jit
+def _hstu_fwd_kernel(
+    Q, K, V, OUT, BIAS, Q_OFFSETS, K_OFFSETS, Q_POS, Q_TS, K_POS, K_TS, CAUSAL_OK,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_os, stride_ot, stride_oh,
+    num_heads, split_keys, num_pos, num_time, normaliser, near_keys, far_keys,
+    D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_FAR: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):  # fmt: skip
+    # The heaviest causal blocks (the last queries) are launched first.
+    m_block = tl.num_programs(0) - 1 - tl.program_id(0)
+    user = tl.program_id(1)
+    head = tl.program_id(2) % num_heads
+    split = tl.program_id(2) // num_heads
+    q_start = tl.load(Q_OFFSETS + user)
+    n_q = tl.load(Q_OFFSETS + user + 1) - q_start
+    m0 = m_block * BLOCK_M
+    if m0 >= n_q:
+        return
+    k_start = tl.load(K_OFFSETS + user)
+    n_k = tl.load(K_OFFSETS + user + 1) - k_start
+
+    rows = m0 + tl.arange(0, BLOCK_M)
+    row_ok = rows < n_q
+    d_qk = tl.arange(0, BLOCK_DQK)
+    d_v = tl.arange(0, BLOCK_DV)
+    q_tok = q_start + rows
+    q = tl.load(
+        Q + q_tok[:, None] * stride_qt + head * stride_qh + d_qk[None, :],
+        mask=row_ok[:, None] & (d_qk[None, :] < D_QK),
+        other=0.0,
+    )
+    if UPCAST:
+        q = q.to(tl.float32)
+    q_pos, q_ts, far_scale = _query_terms(Q_POS, Q_TS, q_tok, row_ok, near_keys, far_keys)
+    own = n_k - n_q + rows  # each query's own key, counted within the user's keys
+    lo, hi = _key_range(CAUSAL_OK, user, n_q, n_k, m0, split, split_keys, BLOCK_M)
+    acc = tl.zeros((BLOCK_M, BLOCK_DV), dtype=tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        col_ok = cols < hi
+        k_tok = k_start + cols
+        k_t = tl.load(
+            K + k_tok[None, :] * stride_kt + head * stride_kh + d_qk[:, None],
+            mask=col_ok[None, :] & (d_qk[:, None] < D_QK),
+            other=0.0,
+        )
+        if UPCAST:
+            k_t = k_t.to(tl.float32)
+        scores = tl.dot(q, k_t, input_precision=DOT_PRECISION)
+        k_pos = tl.load(K_POS + k_tok, mask=col_ok, other=0)
+        k_ts = tl.load(K_TS + k_tok, mask=col_ok, other=0.0)
+        valid = row_ok[:, None] & col_ok[None, :]
+        bias, weight = _pair_terms(
+            q_pos, q_ts, own, far_scale, k_pos, k_ts, cols, valid, BIAS, num_pos, num_time, near_keys,
+            HAS_FAR,
+        )  # fmt: skip
+        scores = scores + bias
+        act = scores * tl.sigmoid(scores) * weight
+        v = tl.load(
+            V + k_tok[:, None] * stride_vt + head * stride_vh + d_v[None, :],
+            mask=col_ok[:, None] & (d_v[None, :] < D_V),
+            other=0.0,
+        )
+        if UPCAST:
+            acc += tl.dot(
+                act.to(V.dtype.element_ty).to(tl.float32), v.to(tl.float32), input_precision=DOT_PRECISION
+            )
+        else:
+            acc += tl.dot(act.to(v.dtype), v, input_precision=DOT_PRECISION)
+
+    acc = acc / normaliser
+    out_ptrs = (
+        OUT + split.to(tl.int64) * stride_os + q_tok[:, None] * stride_ot + head * stride_oh + d_v[None, :]
+    )
+    tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=row_ok[:, None] & (d_v[None, :] < D_V))
+
+
+@triton.jit
+def _hstu_fwd_grouped_kernel(
+    Q, K, V, OUT, BIAS, Q_OFFSETS, K_OFFSETS, Q_POS, Q_TS, K_POS, K_TS, CAUSAL_OK,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_os, stride_ot, stride_oh,
+    num_heads, split_keys, num_pos, num_time, normaliser, near_keys, far_keys,
+    D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_FAR: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, GROUP: tl.constexpr,
+):  # fmt: skip
+    """``_hstu_fwd_kernel`` for ``GROUP`` heads at once: each pair's bias and weight, the same for
+    every head, are derived once per tile and serve the group (batched products)."""
+    m_block = tl.num_programs(0) - 1 - tl.program_id(0)
+    user = tl.program_id(1)
+    groups = num_heads // GROUP
+    heads = (tl.program_id(2) % groups) * GROUP + tl.arange(0, GROUP)
+    split = tl.program_id(2) // groups
+    q_start = tl.load(Q_OFFSETS + user)
+    n_q = tl.load(Q_OFFSETS + user + 1) - q_start
+    m0 = m_block * BLOCK_M
+    if m0 >= n_q:
+        return
+    k_start = tl.load(K_OFFSETS + user)
+    n_k = tl.load(K_OFFSETS + user + 1) - k_start
+
+    rows = m0 + tl.arange(0, BLOCK_M)
+    row_ok = rows < n_q
+    d_qk = tl.arange(0, BLOCK_DQK)
+    d_v = tl.arange(0, BLOCK_DV)
+    q_tok = q_start + rows
+    q = tl.load(
+        Q + q_tok[None, :, None] * stride_qt + heads[:, None, None] * stride_qh + d_qk[None, None, :],
+        mask=row_ok[None, :, None] & (d_qk[None, None, :] < D_QK),
+        other=0.0,
+    )  # [GROUP, BLOCK_M, BLOCK_DQK]
+    if UPCAST:
+        q = q.to(tl.float32)
+    q_pos, q_ts, far_scale = _query_terms(Q_POS, Q_TS, q_tok, row_ok, near_keys, far_keys)
+    own = n_k - n_q + rows  # each query's own key, counted within the user's keys
+    lo, hi = _key_range(CAUSAL_OK, user, n_q, n_k, m0, split, split_keys, BLOCK_M)
+    acc = tl.zeros((GROUP, BLOCK_M, BLOCK_DV), dtype=tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        col_ok = cols < hi
+        k_tok = k_start + cols
+        k_pos = tl.load(K_POS + k_tok, mask=col_ok, other=0)
+        k_ts = tl.load(K_TS + k_tok, mask=col_ok, other=0.0)
+        valid = row_ok[:, None] & col_ok[None, :]
+        bias, weight = _pair_terms(
+            q_pos, q_ts, own, far_scale, k_pos, k_ts, cols, valid, BIAS, num_pos, num_time, near_keys,
+            HAS_FAR,
+        )  # fmt: skip
+        k_t = tl.load(
+            K + k_tok[None, None, :] * stride_kt + heads[:, None, None] * stride_kh + d_qk[None, :, None],
+            mask=col_ok[None, None, :] & (d_qk[None, :, None] < D_QK),
+            other=0.0,
+        )  # [GROUP, BLOCK_DQK, BLOCK_N]
+        v = tl.load(
+            V + k_tok[None, :, None] * stride_vt + heads[:, None, None] * stride_vh + d_v[None, None, :],
+            mask=col_ok[None, :, None] & (d_v[None, None, :] < D_V),
+            other=0.0,
+        )  # [GROUP, BLOCK_N, BLOCK_DV]
+        if UPCAST:
+            k_t = k_t.to(tl.float32)
+        scores = tl.dot(q, k_t, input_precision=DOT_PRECISION) + bias[None, :, :]
+        act = scores * tl.sigmoid(scores) * weight[None, :, :]
+        if UPCAST:
+            act = act.to(V.dtype.element_ty).to(tl.float32)
+            v = v.to(tl.float32)
+        acc += tl.dot(act.to(v.dtype), v, input_precision=DOT_PRECISION)
+
+    acc = acc / normaliser
+    out_ptrs = (
+        OUT + split.to(tl.int64) * stride_os + q_tok[None, :, None] * stride_ot + heads[:, None, None] * stride_oh
+        + d_v[None, None, :]
+    )  # fmt: skip
+    tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=row_ok[None, :, None] & (d_v[None, None, :] < D_V))
+
+
+@triton.jit
+def _sum_splits_kernel(
+    PARTIAL, OUT, splits, stride_ps, width, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """``OUT[i] = sum_s PARTIAL[s, i]`` in float32, stored in ``OUT``'s dtype."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < width
+    total = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(0, splits):
+        total += tl.load(PARTIAL + s * stride_ps + offs, mask=ok, other=0.0)
+    tl.store(OUT + offs, total.to(OUT.dtype.element_ty), mask=ok)
+
+
+def causal_limits(batch: JaggedBatch) -> torch.Tensor:
+    """``[B]`` int32, once per batch: 1 where a user's key positions never decrease and each query
+    sits at or before its own key's position, so every key after a query's own key is hidden from
+    it (``pos_j >= pos_i``) and the kernel may stop there; 0 where the kernel reads all the keys."""
+    key = ("triton", "causal_limits")
+    if key in batch.scratch:
+        return batch.scratch[key]
+    users = batch.users
+    device = batch.k_pos.device
+    k_pos, q_pos = batch.k_pos, batch.q_pos
+    total_k, total_q = int(k_pos.shape[0]), int(q_pos.shape[0])
+    bad = torch.zeros(users, dtype=torch.int32, device=device)
+    k_user = torch.searchsorted(batch.k_offsets[1:], torch.arange(total_k, device=device), right=True)
+    q_user = torch.searchsorted(batch.q_offsets[1:], torch.arange(total_q, device=device), right=True)
+    if total_k > 1:
+        drops = (k_pos[1:] < k_pos[:-1]) & (k_user[1:] == k_user[:-1])
+        bad.index_add_(0, k_user[1:], drops.to(torch.int32))
+    if total_q:
+        own = batch.k_offsets[q_user + 1] - batch.q_offsets[q_user + 1] + torch.arange(total_q, device=device)
+        bad.index_add_(0, q_user, (q_pos > k_pos[own]).to(torch.int32))
+    limits = (bad == 0).to(torch.int32)
+    batch.scratch[key] = limits
+    return limits
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return DEFAULT_SM_COUNT
+
+
+def _block_dim(d: int) -> int:
+    return max(MIN_BLOCK, triton.next_power_of_2(d))
+
+
+def choose_config(dtype: torch.dtype, d_qk: int, d_v: int, max_q: int, max_k: int, users: int,
+                  heads: int, sm_count: int) -> KernelConfig:  # fmt: skip
+    """Tiles for a call. A tile's per-pair work (bias index in int64 and float64, the gather) holds
+    many registers: 64-query blocks, 8 warps, and key blocks of 32 (16 for wide heads or two heads
+    at once), the sm_90 builds that did not spill. 16-bit heads up to 64 wide go two per program,
+    so each pair's bias serves both. Key splits when the grid holds under two programs per
+    multiprocessor (a relay's few queries; also evens out jagged users and causal blocks)."""
+    wide = max(_block_dim(d_qk), _block_dim(d_v))
+    group = 2 if dtype != torch.float32 and wide <= 64 and heads % 2 == 0 else 1
+    block_m, block_n = 64, (32 if group == 1 and wide <= 64 else 16)
+    programs = triton.cdiv(max_q, block_m) * users * (heads // group)
+    splits = 1
+    if programs < 2 * sm_count:
+        splits = max(1, min(triton.cdiv(2 * sm_count, programs), max_k // (block_n * MIN_SPLIT_BLOCKS)))
+    return KernelConfig(block_m, block_n, 8, 2, splits, group)
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: JaggedBatch,
+           bias_table: torch.Tensor, params: AttentionParams) -> None:  # fmt: skip
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(
+            f"q, k, v must be [tokens, heads, dim], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if q.dtype not in SUPPORTED_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(
+            f"q, k, v must share one dtype of {SUPPORTED_DTYPES}, got {q.dtype}, {k.dtype}, {v.dtype}"
+        )
+    if k.shape[:2] != v.shape[:2] or q.shape[1:] != k.shape[1:]:
+        raise ValueError(f"shapes do not agree: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if max(q.shape[2], v.shape[2]) > MAX_HEAD_DIM:
+        raise ValueError(f"head dims up to {MAX_HEAD_DIM} are supported, got {q.shape[2]} and {v.shape[2]}")
+    if q.shape[0] != batch.q_pos.shape[0] or k.shape[0] != batch.k_pos.shape[0]:
+        raise ValueError(
+            f"{q.shape[0]} queries and {k.shape[0]} keys for a batch of {batch.q_pos.shape[0]} and {batch.k_pos.shape[0]}"
+        )
+    if not 0 <= params.near_keys < MAX_POSITION_GAP:
+        raise ValueError(f"near_keys must be in [0, 2^30), got {params.near_keys}")
+    if bias_table.numel() != params.num_pos * params.num_time:
+        raise ValueError(
+            f"bias table of {bias_table.numel()} entries for {params.num_pos} x {params.num_time} buckets"
+        )
+    devices = {t.device for t in (q, k, v, bias_table, batch.q_offsets, batch.k_pos)}
+    if len(devices) != 1:
+        raise ValueError(f"tensors on several devices: {sorted(map(str, devices))}")
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(2) == 1 else t.contiguous()
+
+
+def kernel_constants(config: KernelConfig, dtype: torch.dtype, d_qk: int, d_v: int, has_far: bool,
+                     upcast: bool = False) -> tuple[triton.JITFunction, dict]:  # fmt: skip
+    """The kernel a config launches and its compile-time arguments (also for builds without a GPU)."""
+    constants = {
+        "D_QK": d_qk, "D_V": d_v, "BLOCK_DQK": _block_dim(d_qk), "BLOCK_DV": _block_dim(d_v),
+        "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "HAS_FAR": has_far,
+        "DOT_PRECISION": "ieee" if dtype == torch.float32 or upcast else "tf32", "UPCAST": upcast,
+    }  # fmt: skip
+    if config.head_group == 1:
+        return _hstu_fwd_kernel, constants
+    return _hstu_fwd_grouped_kernel, {**constants, "GROUP": config.head_group}
+
+
+def hstu_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: JaggedBatch,
+                 bias_table: torch.Tensor, params: AttentionParams,
+                 config: KernelConfig | None = None) -> torch.Tensor:  # fmt: skip
+    """``hstu_mha`` with an explicit ``config`` (``None``: ``choose_config``)."""
+    _check(q, k, v, batch, bias_table, params)
+    q, k, v = _rows(q), _rows(k), _rows(v)
+    tokens, heads, d_qk = q.shape
+    d_v = v.shape[2]
+    out = q.new_empty((tokens, heads, d_v))
+    if tokens == 0:
+        return out
+    if config is None:
+        config = choose_config(q.dtype, d_qk, d_v, batch.max_q, batch.max_k, batch.users, heads,
+                               _sm_count(q.device))  # fmt: skip
+    if heads % config.head_group:
+        raise ValueError(f"head_group {config.head_group} does not divide {heads} heads")
+    split_keys = triton.cdiv(triton.cdiv(batch.max_k, max(1, config.splits)), config.block_n) * config.block_n
+    splits = max(1, triton.cdiv(batch.max_k, split_keys))
+    target = (
+        out
+        if splits == 1
+        else torch.empty((splits, tokens, heads, d_v), dtype=torch.float32, device=q.device)
+    )
+    o_strides = (0, *out.stride()[:2]) if splits == 1 else target.stride()[:3]
+    # The interpreter multiplies bfloat16 tiles as raw bits: it gets them in float32 instead.
+    upcast = q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
+    kernel, constants = kernel_constants(config, q.dtype, d_qk, d_v, params.near_keys > 0, upcast)
+    grid = (triton.cdiv(batch.max_q, config.block_m), batch.users, heads // config.head_group * splits)
+    per_token = (_dense(t) for t in (batch.q_pos, batch.q_ts, batch.k_pos, batch.k_ts))
+    kernel[grid](
+        q, k, v, target, _dense(bias_table.reshape(-1)), _dense(batch.q_offsets), _dense(batch.k_offsets),
+        *per_token, causal_limits(batch),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), *o_strides,
+        heads, split_keys, params.num_pos, params.num_time, float(params.normaliser),
+        params.near_keys, float(params.far_keys), **constants,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+    if splits > 1:
+        width = tokens * heads * d_v
+        block = 1024
+        _sum_splits_kernel[(triton.cdiv(width, block),)](
+            target, out, splits, target.stride(0), width, BLOCK=block
+        )
+    return out
 
 
 def triton_hstu_mha(
@@ -15,4 +438,5 @@ def triton_hstu_mha(
     bias_table: torch.Tensor,
     params: AttentionParams,
 ) -> torch.Tensor:
-    raise NotImplementedError("the Triton HSTU kernel is not built yet")
+    """``hstu_mha`` in Triton (see ``interface``): one kernel launch, two when the keys are split."""
+    return hstu_forward(q, k, v, batch, bias_table, params)

@@ -1,0 +1,125 @@
+"""Parity cases of the Triton HSTU kernel against the PyTorch reference, shared by the tests and
+the GPU check.
+
+``make_case`` builds a jagged batch the way the model lays one out: each user's keys are the
+cached prefix then the new history tokens then the candidates (which share the position after the
+history), and the queries are the new tokens and the candidates. ``CASES`` are tiny (the
+interpreter runs them on a CPU). Run as a script (``TRITON_INTERPRET=1`` on a CPU) it prints one
+JSON object: per case and dtype, the worst absolute difference and the reference's largest value.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from relaygr.workers.kernels import AttentionParams, JaggedBatch
+from relaygr.workers.kernels.reference import reference_hstu_mha
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Case:
+    """Users as (cached prefix keys, new history tokens, candidates); tile sizes forced or not."""
+
+    users: tuple[tuple[int, int, int], ...]
+    heads: int = 2
+    d_qk: int = 16
+    d_v: int = 16
+    near_keys: int = 0
+    far_keys: float = 4.0
+    shuffled: bool = False  # positions in no order: the kernel must not cut keys short
+    block: int = 16  # 0: the kernel's own choice
+    splits: int = 1
+    head_group: int = 1
+    dtypes: tuple[str, ...] = ("fp32", "bf16")
+
+
+CASES: dict[str, Case] = {
+    "single_user_relay": Case(((40, 6, 5),), near_keys=8),
+    "users_full_causal": Case(((0, 37, 0), (0, 16, 0), (0, 5, 0)), heads=1),
+    "users_candidates_far": Case(((33, 4, 6), (0, 9, 3), (50, 2, 7)), near_keys=16, far_keys=3.0),
+    "relay_split_keys": Case(
+        ((90, 3, 5), (21, 2, 4)), near_keys=8, splits=3, dtypes=("fp32", "bf16", "fp16")
+    ),
+    "full_split_keys": Case(((0, 45, 0),), splits=2),
+    "odd_head_dims": Case(((19, 5, 3), (0, 7, 2)), d_qk=24, d_v=40, near_keys=4),
+    "shuffled_positions": Case(((20, 30, 4), (5, 3, 2)), shuffled=True, near_keys=8),
+    "grouped_heads": Case(((30, 5, 4), (0, 6, 3)), heads=4, head_group=4, near_keys=8),
+    "grouped_heads_split": Case(((60, 3, 4),), heads=4, d_qk=24, d_v=20, head_group=2, splits=3),
+    "own_choice_of_tiles": Case(((70, 8, 6), (0, 12, 4)), heads=4, block=0, splits=0, near_keys=16),
+}
+
+
+def _user_tokens(gen: torch.Generator, prefix: int, new: int, cands: int, shuffled: bool):
+    history = prefix + new
+    pos = torch.cat([torch.arange(history), torch.full((cands,), history)])
+    gaps = 10 ** (torch.rand(history, generator=gen, dtype=torch.float64) * 7 - 1)
+    ts = 1.7e9 + torch.cumsum(gaps, 0)
+    now = (ts[-1] if history else torch.tensor(1.7e9, dtype=torch.float64)) + 3.0
+    ts = torch.cat([ts, now.expand(cands)])
+    if shuffled:
+        pos = torch.randint(0, 2 * (history + 1), (history + cands,), generator=gen)
+        ts = ts[torch.randperm(history + cands, generator=gen)]
+    return pos, ts
+
+
+def make_case(case: Case, dtype: torch.dtype, device: str, seed: int = 0):
+    """(q, k, v, batch, bias_table, params) of a case on ``device``."""
+    gen = torch.Generator().manual_seed(seed)
+    pos_k, ts_k, pos_q, ts_q, nq, nk = [], [], [], [], [], []
+    for prefix, new, cands in case.users:
+        pos, ts = _user_tokens(gen, prefix, new, cands, case.shuffled)
+        n_q = new + cands
+        pos_k.append(pos)
+        ts_k.append(ts)
+        pos_q.append(pos[len(pos) - n_q :])
+        ts_q.append(ts[len(ts) - n_q :])
+        nq.append(n_q)
+        nk.append(len(pos))
+    batch = JaggedBatch.build(nq, nk, *(torch.cat(t).to(device) for t in (pos_q, ts_q, pos_k, ts_k)))
+    params = AttentionParams(num_pos=24, num_time=20, normaliser=16.0, near_keys=case.near_keys,
+                             far_keys=case.far_keys)  # fmt: skip
+
+    def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * scale).to(dtype).to(device)
+
+    q = rand(sum(nq), case.heads, case.d_qk, scale=case.d_qk**-0.5)
+    k = rand(sum(nk), case.heads, case.d_qk)
+    v = rand(sum(nk), case.heads, case.d_v)
+    bias = (torch.randn(params.num_pos * params.num_time, generator=gen) * 0.5).to(device)
+    return q, k, v, batch, bias, params
+
+
+def run_case(case: Case, dtype: torch.dtype, device: str) -> dict[str, float]:
+    """The worst absolute difference of the kernel from the reference, and the reference's scale."""
+    from relaygr.workers.kernels.triton_hstu import KernelConfig, hstu_forward
+
+    q, k, v, batch, bias, params = make_case(case, dtype, device)
+    want = reference_hstu_mha(q, k, v, batch, bias, params).to(torch.float32)
+    config = (
+        None
+        if case.block == 0
+        else KernelConfig(case.block, case.block, splits=case.splits, head_group=case.head_group)
+    )
+    got = hstu_forward(q, k, v, batch, bias, params, config)
+    if got.dtype != q.dtype or got.shape != want.shape:
+        raise AssertionError(f"got {got.dtype} {tuple(got.shape)}, want {q.dtype} {tuple(want.shape)}")
+    return {
+        "worst": float((got.to(torch.float32) - want).abs().max()),
+        "scale": float(want.abs().max()),
+    }
+
+
+def run_all(device: str) -> dict[str, dict[str, dict[str, float]]]:
+    return {
+        name: {dt: run_case(case, DTYPES[dt], device) for dt in case.dtypes} for name, case in CASES.items()
+    }
+
+
+if __name__ == "__main__":
+    json.dump(run_all(sys.argv[1] if len(sys.argv) > 1 else "cpu"), sys.stdout)

@@ -1,0 +1,152 @@
+"""The Triton HSTU kernel matches the PyTorch reference (``kernel_parity.CASES``).
+
+On every machine the cases run through Triton's interpreter on the CPU, in a subprocess:
+``TRITON_INTERPRET=1`` must be set before Triton is imported, and this process stays as it was.
+Where CUDA is present the same cases run on the GPU too. Also: bad input is a clear error, the
+causal skip is refused for users whose positions do not allow it, and the split choice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from kernel_parity import CASES, DTYPES, make_case, run_case
+
+pytest.importorskip("triton")
+
+from relaygr.workers.kernels.triton_hstu import (
+    KernelConfig,
+    causal_limits,
+    choose_config,
+    hstu_forward,
+)
+
+# Worst absolute difference allowed, relative to the reference's largest output: float32 sums the
+# same terms in another order; 16-bit outputs are rounded once more (and the scores fed to the
+# second product too), a few units in the last place.
+TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2, "fp16": 4e-3}
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> dict:
+    path = os.pathsep.join(p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
+    done = subprocess.run(
+        [sys.executable, str(Path(__file__).parent / "kernel_parity.py"), "cpu"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout)
+
+
+def _within(name: str, diffs: dict) -> None:
+    for dtype, d in diffs.items():
+        bound = TOLERANCE[dtype] * (1.0 if dtype == "fp32" else max(d["scale"], 1.0))
+        assert d["worst"] <= bound, f"{name} {dtype}: worst difference {d['worst']:.3g} over {bound:.3g}"
+        assert d["scale"] > 0.1, f"{name} {dtype}: the reference is near zero, the case checks nothing"
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_interpreted_kernel_matches_the_reference(interpreted: dict, name: str) -> None:
+    assert set(interpreted[name]) == set(CASES[name].dtypes)
+    _within(name, interpreted[name])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_cuda_kernel_matches_the_reference(name: str) -> None:
+    case = CASES[name]
+    _within(name, {dt: run_case(case, DTYPES[dt], "cuda") for dt in case.dtypes})
+
+
+def test_causal_skip_only_where_positions_allow_it() -> None:
+    sorted_case = CASES["users_candidates_far"]
+    *_, batch, _, _ = make_case(sorted_case, torch.float32, "cpu")
+    assert causal_limits(batch).tolist() == [1, 1, 1]
+    *_, batch, _, _ = make_case(CASES["shuffled_positions"], torch.float32, "cpu")
+    assert causal_limits(batch).tolist() == [0, 0]
+    assert ("triton", "causal_limits") in batch.scratch
+
+
+def test_bad_input_is_a_clear_error() -> None:
+    q, k, v, batch, bias, params = make_case(CASES["single_user_relay"], torch.float32, "cpu")
+    with pytest.raises(ValueError, match="share one dtype"):
+        hstu_forward(q, k.double(), v, batch, bias, params)
+    with pytest.raises(ValueError, match="share one dtype"):
+        hstu_forward(q.double(), k.double(), v.double(), batch, bias, params)
+    with pytest.raises(ValueError, match="bias table of"):
+        hstu_forward(q, k, v, batch, bias[:-1], params)
+    with pytest.raises(ValueError, match="head dims up to 256"):
+        wide_v = torch.zeros(k.shape[0], k.shape[1], 512)
+        hstu_forward(q, k, wide_v, batch, bias, params)
+    with pytest.raises(ValueError, match="queries and"):
+        hstu_forward(q[1:], k, v, batch, bias, params)
+    with pytest.raises(ValueError, match="power of two"):
+        KernelConfig(block_m=48)
+    with pytest.raises(ValueError, match="does not divide"):
+        hstu_forward(q, k, v, batch, bias, params, KernelConfig(head_group=4))
+
+
+def test_keys_are_split_only_when_the_grid_is_small() -> None:
+    relay = choose_config(torch.bfloat16, 64, 64, 192, 8192, users=1, heads=4, sm_count=132)
+    assert relay.splits > 1 and 8192 // relay.splits >= relay.block_n
+    full = choose_config(torch.bfloat16, 128, 128, 32768, 32768, users=1, heads=8, sm_count=132)
+    assert full.splits == 1
+    short_full = choose_config(torch.bfloat16, 64, 64, 2048, 2048, users=1, heads=4, sm_count=132)
+    assert short_full.splits > 1
+    many_users = choose_config(torch.bfloat16, 128, 128, 192, 2048, users=64, heads=8, sm_count=132)
+    assert many_users.splits == 1
+
+
+def test_bench_runs_the_reference_on_a_cpu(capsys: pytest.CaptureFixture[str]) -> None:
+    from relaygr.cli import main
+
+    assert main(["bench", "kernels", "--device", "cpu", "--presets", "tiny", "--lengths", "200",
+                 "--repeats", "1", "--dtype", "fp32"]) == 0  # fmt: skip
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["bench"] == "kernels" and not report["interpreted"]
+    assert [r["kind"] for r in report["rows"]] == ["relay_1", "relay_batch", "full"]
+    for row in report["rows"]:
+        assert row["reference_ms"] > 0 and row["reference_tflops"] > 0 and row["triton_ms"] is None
+
+
+def test_bench_compares_the_interpreted_kernel_with_the_reference() -> None:
+    path = os.pathsep.join(p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p)
+    done = subprocess.run(
+        [sys.executable, "-m", "relaygr.bench.kernels", "--device", "cpu", "--presets", "tiny",
+         "--lengths", "192", "--kinds", "relay_1,full", "--repeats", "1", "--dtype", "fp32"],
+        env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path},
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["interpreted"]
+    for row in report["rows"]:
+        assert row["triton_ms"] > 0 and row["worst_diff"] <= TOLERANCE["fp32"], row
+
+
+def test_bench_refuses_a_relay_shorter_than_its_queries() -> None:
+    from relaygr.bench.kernels import make_call
+
+    with pytest.raises(ValueError, match="under the 192 queries"):
+        make_call("tiny", "relay_1", 100, 1, torch.float32, "cpu", 0)
+
+
+def test_the_chosen_configs_compile_for_hopper_without_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    # The interpreter runs no GPU lowering: this builds the sm_90 code of the large preset's relay.
+    from relaygr.cli import main
+
+    assert main(["bench", "kernels", "--build", "sm_90", "--presets", "large", "--lengths", "2048",
+                 "--kinds", "relay_1", "--dtype", "bf16"]) == 0  # fmt: skip
+    (row,) = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
+    assert row["config"]["head_group"] == 2 and row["config"]["splits"] > 1
+    assert row["shared_bytes"] > 0
