@@ -20,7 +20,8 @@ its own key. Positions are absolute within the user's history; timestamps are se
 
 Backends: ``reference`` (PyTorch; CPU, NPU, and the oracle) and ``triton`` (CUDA, or CPU under
 ``TRITON_INTERPRET=1``). ``hstu_mha`` picks Triton for CUDA tensors where it imports, else the
-reference; ``use_backend`` forces one.
+reference; ``use_backend`` forces one, and so does ``RELAYGR_ATTENTION_BACKEND`` (an operator's
+fallback where a kernel misbehaves).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -110,6 +112,9 @@ class JaggedBatch:
         )
 
 
+BACKEND_ENV = "RELAYGR_ATTENTION_BACKEND"
+"""Names the backend every call runs (``reference`` or ``triton``); unset or empty: by device."""
+
 _forced: str | None = None
 
 
@@ -140,6 +145,10 @@ def backend_for(q: torch.Tensor) -> str:
     """The implementation ``hstu_mha`` runs for a query tensor."""
     if _forced is not None:
         return _forced
+    if chosen := os.environ.get(BACKEND_ENV):
+        if chosen not in available_backends():
+            raise ValueError(f"{BACKEND_ENV}={chosen!r}: not one of {available_backends()}")
+        return chosen
     return "triton" if q.is_cuda and _triton_imports() else "reference"
 
 
