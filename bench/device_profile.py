@@ -222,16 +222,17 @@ def profile_rows(args: argparse.Namespace) -> tuple[list[dict], int]:
         device=model.device, dtype=resolve_dtype(args.dtype)
     )
     gen = torch.Generator().manual_seed(args.seed)
-    rows = []
+    rows, failed = [], 0
     for n in [int(x) for x in args.lengths.split(",")]:
         try:
             rows += _profile_length(model, floor.eval(), n, gen, args)
         except (RuntimeError, ValueError) as e:  # out of memory, a kernel that failed: the others still run
+            failed += 1
             print(
                 json.dumps({"bench": "profile", "length": n, "error": f"{type(e).__name__}: {e}"[:500]}),
                 flush=True,
             )
-    return rows
+    return rows, failed
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -76,23 +76,14 @@ def run(args: argparse.Namespace) -> int:
         lognormal_lengths,
     )
     from relaygr.workers.engine.latency_model import LatencyModel
-    from relaygr.workers.model.model import HSTUConfig
 
     if args.history_p99 < args.history_p50:
         raise SystemExit("plan: --history-p99 must be at least --history-p50")
     settings = PipelineSettings()
     model_dir = args.model or settings.model_dir
-    if args.preset:
-        config = _preset_config(args.preset, args.dtype)
-        if args.calibration is None:
-            return _print_bytes(bytes_per_user(config, args), args)
-    else:
-        config_file = Path(model_dir) / "config.json"
-        if not config_file.exists():
-            raise SystemExit(
-                f"plan: no model in {model_dir} (train one with `relaygr train --out {model_dir}`)"
-            )
-        config = HSTUConfig.model_validate(json.loads(config_file.read_text()))
+    config = _preset_config(args.preset, args.dtype) if args.preset else _model_config(Path(model_dir))
+    if args.preset and args.calibration is None:
+        return _print_bytes(bytes_per_user(config, args), args)
     calibration = args.calibration or settings.calibration_file or Path(model_dir) / "calibration.json"
     if not Path(calibration).exists():
         raise SystemExit(f"plan: no latency model at {calibration} (write one with `relaygr calibrate`)")
@@ -146,6 +137,15 @@ def run(args: argparse.Namespace) -> int:
         return 0
     _print_table(out)
     return 0
+
+
+def _model_config(model_dir: Path):
+    from relaygr.workers.model.model import HSTUConfig
+
+    config_file = model_dir / "config.json"
+    if not config_file.exists():
+        raise SystemExit(f"plan: no model in {model_dir} (train one with `relaygr train --out {model_dir}`)")
+    return HSTUConfig.model_validate(json.loads(config_file.read_text()))
 
 
 def _preset_config(name: str, dtype: str):
