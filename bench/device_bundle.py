@@ -97,9 +97,23 @@ def native_for_other_platform(name: str) -> bool:
     return not ("linux" in parts and ("amd64" in parts or "x86_64" in parts))
 
 
-def rezip_stored(src: Path, dst: Path, keep: Callable[[str], bool] = lambda _: True) -> int:
+def _stripped(data: bytes, strip: str) -> bytes:
+    """A shared library without its symbol tables and debug sections (``strip --strip-unneeded``
+    keeps what the dynamic linker needs)."""
+    with tempfile.NamedTemporaryFile(suffix=".so") as f:
+        f.write(data)
+        f.flush()
+        if subprocess.run([strip, "--strip-unneeded", f.name], capture_output=True).returncode != 0:
+            return data  # not an ELF file strip knows: kept as it is
+        return Path(f.name).read_bytes()
+
+
+def rezip_stored(
+    src: Path, dst: Path, keep: Callable[[str], bool] = lambda _: True, *, strip: str | None = None
+) -> int:
     """``src`` rewritten to ``dst`` with every member stored uncompressed (members for which
-    ``keep`` is false left out); returns how many were left out."""
+    ``keep`` is false left out; with ``strip``, the path of ``strip``, shared libraries stripped);
+    returns how many were left out."""
     dropped = 0
     with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w", zipfile.ZIP_STORED) as zout:
         for info in zin.infolist():
@@ -107,6 +121,8 @@ def rezip_stored(src: Path, dst: Path, keep: Callable[[str], bool] = lambda _: T
                 dropped += 1
                 continue
             data = zin.read(info)  # before the member's info is changed to stored
+            if strip and info.filename.endswith(".so"):
+                data = _stripped(data, strip)
             info.compress_type = zipfile.ZIP_STORED
             zout.writestr(info, data)
     return dropped
@@ -147,7 +163,9 @@ def build_wheels(stage: Path) -> dict:
         data_only = {r.split("==")[0] for r in DATA_ONLY_WHEELS}
         for name in names:
             keep = _data_only_member if name.split("-")[0] in data_only else (lambda _: True)
-            rezip_stored(got / name, stage / name, keep)
+            # The extensions' symbol tables (Cython's: 13 MB of 48) go; a wheel's RECORD hashes are
+            # not checked by the installer here.
+            rezip_stored(got / name, stage / name, keep, strip=shutil.which("strip"))
     return {"wheels": names, **{k: v for k, v in WHEEL_TARGET.items() if k != "platforms"}}
 
 
