@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.metadata
+import itertools
 import json
 import lzma
 import os
@@ -53,9 +54,10 @@ DATA_ONLY_WHEELS = ("recbole==1.2.1",)
 """Only MovieLens-100K's files are read from it (``workers.training.movielens``): the rest of the
 wheel is left out (``DATA_ONLY_KEEP``), and its dependencies are never fetched."""
 DATA_ONLY_KEEP = ("recbole/__init__.py", "recbole/dataset_example/ml-100k/", ".dist-info/")
-ON_THE_DEVICE = ("packaging", "typing_extensions", "six", "python_dateutil", "attrs", "sortedcontainers")
+ON_THE_DEVICE = ("packaging", "six", "python_dateutil", "attrs", "sortedcontainers")
 """Dependencies the device has already, as hard dependencies of what it has (pytest, matplotlib,
-hypothesis, torch): left out of the bundle."""
+hypothesis): left out of the bundle. typing_extensions stays: torch's may be older than the one
+pydantic-core needs (``Sentinel``), and a newer one is installed over it."""
 WHEEL_TARGET = {
     "python_version": "3.12",
     "implementation": "cp",
@@ -287,16 +289,30 @@ def _dist_name(wheel: str) -> str:
     return wheel.split("-", 1)[0].lower().replace("_", "-").replace(".", "-")
 
 
-def installed_here(dist: str) -> bool:
+def _version_key(version: str) -> tuple[int, ...]:
+    """The leading numbers of a version (``4.16.0`` -> ``(4, 16, 0)``; ``2.0rc1`` -> ``(2, 0)``)."""
+    out = []
+    for part in version.split("."):
+        digits = "".join(itertools.takewhile(str.isdigit, part))
+        if not digits:
+            break
+        out.append(int(digits))
+        if digits != part:
+            break
+    return tuple(out)
+
+
+def installed_here(dist: str, at_least: str = "0") -> bool:
+    """Whether this Python has ``dist`` at version ``at_least`` or newer."""
     try:
-        importlib.metadata.version(dist)
+        have = importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
         return False
-    return True
+    return _version_key(have) >= _version_key(at_least)
 
 
 def install_wheels(wheels: Path, target: Path) -> list[str]:
-    """Every wheel in ``wheels`` whose distribution this Python lacks, unpacked into ``target``
+    """Every wheel in ``wheels`` whose distribution this Python lacks (or has older), unpacked into ``target``
     (what ``pip install --target --no-deps`` does for these wheels, without needing pip: a wheel's
     ``.data/purelib`` and ``.data/platlib`` go to the top, its scripts and headers are left out).
     Returns the distributions installed."""
@@ -304,7 +320,7 @@ def install_wheels(wheels: Path, target: Path) -> list[str]:
     done = []
     for wheel in sorted(wheels.glob("*.whl")):
         dist = _dist_name(wheel.name)
-        if installed_here(dist):
+        if installed_here(dist, wheel.name.split("-")[1]):
             continue
         with zipfile.ZipFile(wheel) as zf:
             for info in zf.infolist():
