@@ -152,7 +152,12 @@ def floor_times(
         run()
         out = {"floor_eager_ms": _median_ms(run, device, repeats)}
         out["floor_kernels"] = profile_call(run, device)["kernels"]
-        out["floor_graph_ms"] = _graph_ms(run, device, repeats) if device.type == "cuda" else None
+        out["floor_graph_ms"] = None
+        if device.type == "cuda":
+            try:
+                out["floor_graph_ms"] = _graph_ms(run, device, repeats)
+            except RuntimeError as e:  # a capture that fails leaves the eager floor and the profile
+                out["floor_graph_error"] = f"{type(e).__name__}: {e}"[:300]
     return out
 
 

@@ -176,7 +176,12 @@ def _profile(rows: list[dict]) -> dict:
         "top_kernels": {
             f"{r['path']} @ {r['length']}": r.get("top_kernels", []) for r in prof if "error" not in r
         },
-        "errors": [r["error"] for r in prof if "error" in r],
+        "errors": [r["error"] for r in prof if "error" in r]
+        + [
+            f"{r['path']} @ {r['length']}: the floor's CUDA graph: {r['floor_graph_error']}"
+            for r in prof
+            if r.get("floor_graph_error")
+        ],
     }
 
 

@@ -128,11 +128,11 @@ def test_the_full_check_fits_its_budget_and_measures_the_issues_lengths(tmp_path
     assert (
         "--lengths 4096,16384" in exact and "--dtype float32,bfloat16" in exact and "--preset large" in exact
     )
-    model = " ".join(steps["model"].commands[0])
+    model = " ".join(steps["model"].commands[1])
     assert (
         "--lengths 4096,8192,16384,32768" in model and "--budget-ms 50" in model and "--device cuda" in model
     )
-    xl_model = " ".join(steps["model"].commands[1])
+    xl_model = " ".join(steps["model"].commands[0])
     assert "--preset xl" in xl_model and "--lengths 2048,8192" in xl_model and steps["model"].independent
     store, xl_store = (" ".join(c) for c in steps["store"].commands)
     assert "--preset large" in store and "--preset xl" in xl_store and "--lengths 4096" in xl_store
