@@ -63,13 +63,13 @@ STOP_GRACE_S = 15.0
 
 BUDGETS_S = {
     "environment": 25.0,
-    "exactness": 45.0,
+    "exactness": 35.0,
     "model": 85.0,
-    "store": 45.0,
-    "profile": 50.0,
-    "pipeline": 230.0,
+    "store": 40.0,
+    "profile": 45.0,
+    "pipeline": 250.0,
 }
-PIPELINE_SENDING_S = 140.0
+PIPELINE_SENDING_S = 170.0
 """Of the pipeline step's budget, the time its points may take to send (``device_points``); the
 rest trains the model, calibrates it twice and starts the two pipelines."""
 XL_PRESET = "xl"
