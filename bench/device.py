@@ -2,9 +2,10 @@
 
 One command; every result is written to files as it goes.
 
-``relaygr bench device --out DIR [--device cuda|npu|cpu] [--quick] [--preset large]`` runs five
+``relaygr bench device --out DIR [--device cuda|npu|cpu] [--quick] [--preset large]`` runs six
 steps, each a child process of its own with a time budget (a step past its budget is stopped and
-reported as ``cut``; the whole check stays within ``TOTAL_BUDGET_S``):
+reported as ``cut``; one that fails is reported ``failed`` and the next still runs; the whole check
+stays within ``TOTAL_BUDGET_S``, and with what comes before it within 9 minutes):
 
 1. ``environment``: Python, torch, the device (name, memory), a pinned host-to-device copy, the
    project's dependencies (``bench.device_probe``). If the device is unusable, nothing else runs.
@@ -12,11 +13,16 @@ reported as ``cut``; the whole check stays within ``TOTAL_BUDGET_S``):
    the worst absolute score difference and the top-10 agreement.
 3. ``model``: ``bench model`` cached vs full at 4k, 8k, 16k and 32k events: milliseconds,
    tokens/s, the speed-up against its FLOP bound, KV bytes per layer, and the largest history
-   each path ranks within the 50 ms budget.
-4. ``store``: ``bench store`` device -> host (pinned) -> disk tiers: promotion times vs recompute.
-5. ``pipeline``: a model trained for a few steps (``relaygr train``), then ``relaygr experiment
-   seq-len throughput`` with a few points on the real broker, one ranking worker on the device and
-   a core of its own per stage where the machine has them (``workers.cores``).
+   each path ranks within the 50 ms budget; before it, the ``xl`` preset at 2k and 8k in bf16.
+4. ``store``: ``bench store`` device -> host (pinned) -> disk tiers: promotion times vs recompute
+   (the preset at 4k and 16k, ``xl`` at 4k).
+5. ``profile``: ``bench.device_profile``: relay and full ranking at 2k and 8k under the profiler
+   (kernels per ranking, device busy against wall time, top kernels) next to a fused-attention
+   transformer of the same shape, eager and replayed from a CUDA graph.
+6. ``pipeline``: a model trained for a few steps (``relaygr train``), then ``relaygr experiment
+   seq-len throughput`` on the real broker at points sized from the device's calibration with the
+   requests the stopping rule needs (``bench.device_points``), one ranking worker on the device
+   and a core of its own per stage where the machine has them (``workers.cores``).
 
 ``--quick`` runs the same steps at tiny sizes (the dry run on a CPU, in the test suite), with
 ``QUICK_BUDGET_SCALE`` times the budgets.
@@ -44,13 +50,30 @@ from pathlib import Path
 
 from relaygr.bench.device_report import parse_json_lines, summarise, write_report
 
-TOTAL_BUDGET_S = 455.0
-"""Every step's budget together, with the grace a cut step gets to stop, stays under 8 minutes."""
+TOTAL_BUDGET_S = 480.0
+"""Every step's budget together. With the grace a cut step gets to stop and ``RUN_MARGIN_S`` for
+what comes before the first step (the bundle unpacked, Python started), the check stays within
+``RUN_LIMIT_S``."""
+RUN_LIMIT_S = 540.0
+"""What the device run allows the whole check: 9 minutes."""
+RUN_MARGIN_S = 40.0
 
 STOP_GRACE_S = 15.0
 """A step past its budget gets SIGTERM, then this long to stop what it started, then SIGKILL."""
 
-BUDGETS_S = {"environment": 40.0, "exactness": 70.0, "model": 120.0, "store": 55.0, "pipeline": 170.0}
+BUDGETS_S = {
+    "environment": 25.0,
+    "exactness": 35.0,
+    "model": 85.0,
+    "store": 40.0,
+    "profile": 45.0,
+    "pipeline": 250.0,
+}
+PIPELINE_SENDING_S = 170.0
+"""Of the pipeline step's budget, the time its points may take to send (``device_points``); the
+rest trains the model, calibrates it twice and starts the two pipelines."""
+XL_PRESET = "xl"
+"""Measured besides ``--preset`` by the model and store steps, at fewer lengths."""
 
 QUICK_BUDGET_SCALE = 2.0
 """The dry run's budgets are twice the check's: it measures nothing, its budgets only stop a hang,
@@ -68,8 +91,12 @@ def budget_s(step: str, args: argparse.Namespace) -> float:
 FULL_SIZES = {
     "exactness_lengths": "4096,16384",
     "model_lengths": "4096,8192,16384,32768",
+    "xl_model_lengths": "2048,8192",
     "store_lengths": "4096,16384",
-    "repeats": "10",
+    "xl_store_lengths": "4096",
+    "profile_lengths": "2048,8192",
+    "repeats": "5",
+    "xl_repeats": "3",
     "store_repeats": "20",
     "hit_repeats": "200",
     "candidates": "128",
@@ -81,6 +108,7 @@ QUICK_SIZES = {
     "exactness_lengths": "48,96",
     "model_lengths": "32,64,128",
     "store_lengths": "64",
+    "profile_lengths": "64,128",
     "repeats": "2",
     "store_repeats": "2",
     "hit_repeats": "5",
@@ -97,6 +125,7 @@ class Step:
     commands: list[list[str]]
     modules: tuple[str, ...] = ()  # Python modules the step cannot run without
     needs_broker: bool = False
+    independent: bool = False  # a failing command does not stop the next (other presets)
 
 
 @dataclass
@@ -117,19 +146,21 @@ def _relaygr(*args: str) -> list[str]:
     return [sys.executable, "-m", "relaygr.cli", *args]
 
 
-def _shape(args: argparse.Namespace) -> list[str]:
+def _shape(args: argparse.Namespace, preset: str | None = None) -> list[str]:
     """The model shape of the model and store steps: the preset, or a tiny one for the dry run."""
-    return TINY_SHAPE if args.quick else ["--preset", args.preset]
+    return TINY_SHAPE if args.quick else ["--preset", preset or args.preset]
 
 
-def _bench_model(args: argparse.Namespace, sizes: dict, lengths: str, repeats: str, *extra: str) -> list[str]:
+def _bench_model(
+    args: argparse.Namespace, sizes: dict, lengths: str, repeats: str, *extra: str, preset: str | None = None
+) -> list[str]:
     return _relaygr(
         "bench",
         "model",
         "--json",
         "--device",
         args.device,
-        *_shape(args),
+        *_shape(args, preset),
         "--lengths",
         lengths,
         "--repeats",
@@ -163,7 +194,7 @@ def _pipeline_commands(args: argparse.Namespace, work: Path) -> list[list[str]]:
                 "--epochs",
                 "1",
                 "--max-steps",
-                "2" if args.quick else "300",
+                "2" if args.quick else "100",
                 "--eval-users",
                 "20" if args.quick else "200",
                 "--eval-lengths",
@@ -172,42 +203,72 @@ def _pipeline_commands(args: argparse.Namespace, work: Path) -> list[list[str]]:
                 "1" if args.quick else "4",
             )
         )
-    if args.quick:
+    common = ["--json", "--model", str(model), "--device", args.device, "--out", str(work / "experiments"),
+              "--threads", "1", "--first-point-once", "--core-per-stage"]  # fmt: skip
+    if args.quick:  # fixed tiny points: the dry run checks the wiring, not the device
         points = ["--lengths", "64", "--history", "64", "--qps", "20", "--qps-list", "20", "--slo-ms", "2000",
                   "--max-requests", "8", "--min-round", "8", "--max-round", "8", "--miss-rate", "0.5",
                   "--pipeline-warmup", "0", "--no-warmup", "--no-isolate"]  # fmt: skip
-    else:
-        # Few points and requests: 10 point runs and the set-up must fit the step's budget.
-        points = ["--lengths", "2048,8192,32768", "--history", "8192", "--qps", "20",
-                  "--qps-list", "20,60", "--slo-ms", str(args.budget_ms), "--max-requests", "60",
-                  "--min-round", "30", "--max-round", "60", "--pipeline-warmup", "20", "--patience", "1"]  # fmt: skip
-    commands.append(
-        _relaygr(
-            "experiment",
-            "seq-len",
-            "throughput",
-            "--json",
-            "--model",
-            str(model),
-            "--device",
-            args.device,
-            "--out",
-            str(work / "experiments"),
-            "--threads",
-            "1",
-            "--first-point-once",
-            "--core-per-stage",
-            *points,
-        )
-    )
+        commands.append(_relaygr("experiment", "seq-len", "throughput", *common, *points))
+        return commands
+    # The points from the device's calibration, with the requests the stopping rule needs.
+    sizing = [sys.executable, "-m", "relaygr.bench.device_points", "--model", str(model), "--device", args.device,
+              "--budget-ms", str(args.budget_ms), "--work", str(work / "points"), "--seconds", f"{PIPELINE_SENDING_S:g}"]  # fmt: skip
+    rest = ["--slo-ms", str(args.budget_ms), "--pipeline-warmup", "20", "--patience", "1"]
+    commands.append([*sizing, "--", *common, *rest])
+    return commands
+
+
+def _profile(args: argparse.Namespace, sizes: dict) -> list[str]:
+    shape = ["--preset", "small", "--layers", "2"] if args.quick else ["--preset", args.preset]
+    small = [
+        "--suffix",
+        sizes["suffix"],
+        "--candidates",
+        sizes["candidates"],
+        "--repeats",
+        "2",
+        "--warmup",
+        "1",
+    ]
+    return [sys.executable, "-m", "relaygr.bench.device_profile", "--device", args.device, *shape,
+            "--lengths", sizes["profile_lengths"], *(small if args.quick else [])]  # fmt: skip
+
+
+def _bench_store(
+    args: argparse.Namespace, sizes: dict, preset: str, lengths: str, repeats: str, hits: str, disk: Path
+) -> list[str]:
+    return _relaygr("bench", "store", "--json", "--device", args.device, "--preset", preset, "--lengths", lengths,
+                    "--repeats", repeats, "--hit-repeats", hits, "--recompute-repeats", "2", "--disk-path", str(disk))  # fmt: skip
+
+
+def _model_commands(args: argparse.Namespace, sizes: dict) -> list[list[str]]:
+    """``xl`` (not in the dry run) at fewer lengths in bf16, first: it is short, and a step cut
+    later still keeps the preset's lengths measured so far (one line each); then the preset at
+    every length in both dtypes."""
+    budget = ["--budget-ms", f"{args.budget_ms:g}"]
+    commands = [_bench_model(args, sizes, sizes["model_lengths"], sizes["repeats"], "--dtype", "bfloat16,float32",
+                             *budget)]  # fmt: skip
+    if not args.quick and args.preset != XL_PRESET:
+        xl = _bench_model(args, sizes, sizes["xl_model_lengths"], sizes["xl_repeats"], "--dtype", "bfloat16",
+                          *budget, preset=XL_PRESET)  # fmt: skip
+        commands.insert(0, xl)
+    return commands
+
+
+def _store_commands(args: argparse.Namespace, sizes: dict, disk: Path) -> list[list[str]]:
+    commands = [_bench_store(args, sizes, args.preset, sizes["store_lengths"], sizes["store_repeats"],
+                             sizes["hit_repeats"], disk)]  # fmt: skip
+    if not args.quick and args.preset != XL_PRESET:
+        commands.append(_bench_store(args, sizes, XL_PRESET, sizes["xl_store_lengths"], "3", "20", disk))
     return commands
 
 
 def plan_steps(args: argparse.Namespace, work: Path) -> list[Step]:
     sizes = QUICK_SIZES if args.quick else FULL_SIZES
-    budget = f"{args.budget_ms:g}"
     store_disk = work / "store"
     store_disk.mkdir(parents=True, exist_ok=True)
+    model_needs = ("pydantic", "safetensors")
     return [
         Step(
             "environment",
@@ -218,51 +279,17 @@ def plan_steps(args: argparse.Namespace, work: Path) -> list[Step]:
             "exactness",
             budget_s("exactness", args),
             [_bench_model(args, sizes, sizes["exactness_lengths"], "1", "--dtype", "float32,bfloat16")],
-            ("pydantic", "safetensors"),
+            model_needs,
         ),
-        Step(
-            "model",
-            budget_s("model", args),
-            [
-                _bench_model(
-                    args,
-                    sizes,
-                    sizes["model_lengths"],
-                    sizes["repeats"],
-                    "--dtype",
-                    "bfloat16,float32",
-                    "--budget-ms",
-                    budget,
-                )
-            ],
-            ("pydantic", "safetensors"),
-        ),
+        Step("model", budget_s("model", args), _model_commands(args, sizes), model_needs, independent=True),
         Step(
             "store",
             budget_s("store", args),
-            [
-                _relaygr(
-                    "bench",
-                    "store",
-                    "--json",
-                    "--device",
-                    args.device,
-                    "--preset",
-                    args.preset,
-                    "--lengths",
-                    sizes["store_lengths"],
-                    "--repeats",
-                    sizes["store_repeats"],
-                    "--hit-repeats",
-                    sizes["hit_repeats"],
-                    "--recompute-repeats",
-                    "2",
-                    "--disk-path",
-                    str(store_disk),
-                )
-            ],
-            ("pydantic", "safetensors", "rocksdict"),
+            _store_commands(args, sizes, store_disk),
+            (*model_needs, "rocksdict"),
+            independent=True,
         ),
+        Step("profile", budget_s("profile", args), [_profile(args, sizes)], model_needs),
         Step(
             "pipeline",
             budget_s("pipeline", args),
@@ -342,8 +369,10 @@ def run_step(step: Step, budget_s: float, log: Path, env: dict[str, str], env_ok
                 )
                 break
             if rc != 0:
-                res.status, res.reason = "failed", f"exit status {rc} of: {' '.join(cmd[2:5])}"
-                break
+                failed = f"exit status {rc} of: {' '.join(cmd[2:6])}"
+                res.status, res.reason = "failed", "; ".join(r for r in (res.reason, failed) if r)
+                if not step.independent:
+                    break
     res.seconds = round(time.monotonic() - t0, 1)
     res.cpu_s = round(_children_cpu_s() - cpu0, 1)
     res.load_avg_1m = round(os.getloadavg()[0], 2)

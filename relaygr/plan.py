@@ -40,6 +40,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--history-p50", type=int_at_least(1), required=True, help="median history events")
     parser.add_argument("--history-p99", type=int_at_least(1), required=True, help="99th percentile events")
     parser.add_argument("--model", type=Path, help="checkpoint folder (default: RELAYGR_MODEL_DIR)")
+    parser.add_argument(
+        "--preset",
+        help="a model shape of workers.presets (small, large, xl) instead of a trained model's; without a "
+        "latency model (--calibration) only the bytes per cached user are printed",
+    )
+    parser.add_argument(
+        "--dtype", default="bfloat16", help="the device tier's dtype with --preset (default bfloat16)"
+    )
     parser.add_argument("--calibration", type=Path, help="latency model JSON (default: the model's)")
     parser.add_argument(
         "--format",
@@ -68,16 +76,14 @@ def run(args: argparse.Namespace) -> int:
         lognormal_lengths,
     )
     from relaygr.workers.engine.latency_model import LatencyModel
-    from relaygr.workers.model.model import HSTUConfig
 
     if args.history_p99 < args.history_p50:
         raise SystemExit("plan: --history-p99 must be at least --history-p50")
     settings = PipelineSettings()
     model_dir = args.model or settings.model_dir
-    config_file = Path(model_dir) / "config.json"
-    if not config_file.exists():
-        raise SystemExit(f"plan: no model in {model_dir} (train one with `relaygr train --out {model_dir}`)")
-    config = HSTUConfig.model_validate(json.loads(config_file.read_text()))
+    config = _preset_config(args.preset, args.dtype) if args.preset else _model_config(Path(model_dir))
+    if args.preset and args.calibration is None:
+        return _print_bytes(bytes_per_user(config, args), args)
     calibration = args.calibration or settings.calibration_file or Path(model_dir) / "calibration.json"
     if not Path(calibration).exists():
         raise SystemExit(f"plan: no latency model at {calibration} (write one with `relaygr calibrate`)")
@@ -130,6 +136,70 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(out))
         return 0
     _print_table(out)
+    return 0
+
+
+def _model_config(model_dir: Path):
+    from relaygr.workers.model.model import HSTUConfig
+
+    config_file = model_dir / "config.json"
+    if not config_file.exists():
+        raise SystemExit(f"plan: no model in {model_dir} (train one with `relaygr train --out {model_dir}`)")
+    return HSTUConfig.model_validate(json.loads(config_file.read_text()))
+
+
+def _preset_config(name: str, dtype: str):
+    from relaygr.workers.model.presets import preset
+
+    try:
+        return preset(name).config(dtype=dtype)
+    except ValueError as e:
+        raise SystemExit(f"plan: {e}") from None
+
+
+def bytes_per_user(config, args: argparse.Namespace) -> dict:
+    """Bytes of one cached user at the median, 99th percentile and serving cap history, per cold
+    format, on each tier (what ``capacity_plan`` counts, without a latency model). The disk blob's
+    overhead grows linearly with the length (positions, timestamps): measured at two short lengths
+    and extended, so that no full-size blob is built."""
+    from relaygr.workers.engine.capacity import ModelShape, disk_overhead_bytes
+
+    shape = ModelShape.of(config)
+    formats = ("exact", "bf16", "int8") if args.format == "all" else (args.format,)
+    lengths = {"p50": min(args.history_p50, shape.max_seq_len), "p99": min(args.history_p99, shape.max_seq_len),
+               "cap": shape.max_seq_len}  # fmt: skip
+    out: dict = {"shape": {k: getattr(shape, k) for k in ("layers", "heads", "attn_dim", "linear_dim", "max_seq_len")},
+                 "device_dtype": str(shape.dtype).removeprefix("torch."), "lengths": lengths, "formats": {}}  # fmt: skip
+    for fmt in formats:
+        o64, o128 = disk_overhead_bytes(shape, 64, fmt), disk_overhead_bytes(shape, 128, fmt)
+        out["formats"][fmt] = {
+            name: {
+                "device": shape.token_bytes("exact") * n,
+                "host": shape.token_bytes(fmt) * n,
+                "disk": shape.token_bytes(fmt) * n + o64 + (o128 - o64) * (n - 64) // 64,
+            }
+            for name, n in lengths.items()
+        }
+    return out
+
+
+def _print_bytes(out: dict, args: argparse.Namespace) -> int:
+    if args.json:
+        print(json.dumps({"bytes_per_cached_user": out}))
+        return 0
+    s, n = out["shape"], out["lengths"]
+    print(
+        f"{args.preset}: {s['layers']} layers, {s['heads']} heads of {s['attn_dim']}/{s['linear_dim']}, serving cap "
+        f"{s['max_seq_len']}; device tier in {out['device_dtype']} (no latency model: bytes only)"
+    )
+    print(
+        f"{'format':7s} {'history':>8s} {'events':>7s} {'device MB/user':>15s} {'host MB/user':>13s} {'disk MB/user':>13s}"
+    )
+    for fmt, by_len in out["formats"].items():
+        for name, b in by_len.items():
+            print(
+                f"{fmt:7s} {name:>8s} {n[name]:7d} {b['device'] / 1e6:15.1f} {b['host'] / 1e6:13.1f} {b['disk'] / 1e6:13.1f}"
+            )
     return 0
 
 

@@ -1,5 +1,7 @@
-"""Named model shapes: ``small`` (the default ranker, sized for a CPU) and ``large`` (sized for an
-accelerator: a 150k-parameter ranker cannot load a GPU).
+"""Named model shapes: ``small`` (the default ranker, sized for a CPU), ``large`` (sized for an
+accelerator: a 150k-parameter ranker cannot load a GPU) and ``xl`` (HSTU's largest published
+configuration, 24 layers of d=1024 over 8,192 events: there arithmetic, not launches, decides the
+cost, and relay's saving is the paper's).
 
 Primitives:
 - ``ModelPreset``: layers, heads, model dimension and serving cap (``max_seq_len``) of a shape;
@@ -49,6 +51,7 @@ PRESETS: dict[str, ModelPreset] = {
     for p in (
         ModelPreset("small", 2, 2, 64, 8192, "the default ranker, about 150k parameters"),
         ModelPreset("large", 8, 4, 256, 32768, "for an accelerator, about 3.1M parameters"),
+        ModelPreset("xl", 24, 8, 1024, 8192, "HSTU's largest published shape, about 128M parameters"),
     )
 }
 
