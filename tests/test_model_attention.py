@@ -145,8 +145,8 @@ def test_the_position_table_is_the_bucket_function(num_pos: int) -> None:
     """The reference reads position buckets from a table up to where they saturate."""
     table = _position_table(num_pos, 5, torch.device("cpu"))
     top = saturation(num_pos)
-    assert top + 2 <= LUT_LIMIT and table is not None and table.shape == (top + 2,)
-    d = torch.arange(-1, top + 1)
+    assert top + 1 <= LUT_LIMIT and table is not None and table.shape == (top + 1,)
+    d = torch.arange(0, top + 1)
     assert torch.equal(table.long(), position_bucket(d, num_pos).long() * 5 - 254)
     assert (
         position_bucket(torch.tensor([top - 1, top, 10 * top + 7]), num_pos).tolist()[1:] == [num_pos - 1] * 2

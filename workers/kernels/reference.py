@@ -57,13 +57,14 @@ def saturation(num_pos: int) -> int:
 
 @functools.cache
 def _position_table(num_pos: int, num_time: int, device: torch.device) -> torch.Tensor | None:
-    """``table[d + 1]`` = ``position_bucket(d) * num_time - code(1 s)`` for ``d`` in
-    ``-1 .. saturation``; ``None`` when that is over ``LUT_LIMIT`` entries. Built from numpy, so
-    it is a real tensor whatever mode the first call runs under."""
+    """``table[d]`` = ``position_bucket(d) * num_time - code(1 s)`` for ``d`` in ``0 ..
+    saturation`` (a negative difference has bucket 0, as 0 has); ``None`` when that is over
+    ``LUT_LIMIT`` entries. Built from numpy, so it is a real tensor whatever mode the first call
+    runs under."""
     top = saturation(num_pos)
-    if top + 2 > LUT_LIMIT:
+    if top + 1 > LUT_LIMIT:
         return None
-    d = np.arange(-1, top + 1, dtype=np.int64).clip(min=0).astype(np.int32)
+    d = np.arange(0, top + 1, dtype=np.int32)
     # ``buckets.position_bucket`` in numpy (the same float32 bits; tests hold them equal).
     log_part = (d.astype(np.float32).view(np.int32) >> 21) - (((F32_EXP_BIAS + 4) << 2) - EXACT_POSITIONS)
     bucket = np.where(d < EXACT_POSITIONS, d, log_part).clip(0, num_pos - 1)
@@ -89,36 +90,35 @@ def _slots(offsets: torch.Tensor, total: int, rows: int, users: int) -> torch.Te
     return torch.arange(total, device=offsets.device) + per_token
 
 
-def _index(d1: torch.Tensor, dt: torch.Tensor, params: AttentionParams) -> torch.Tensor:
-    """Bias index (int32) of pairs ``d1`` (position difference plus one, int32) apart with time
-    gaps ``dt`` (float64): ``buckets.position_bucket`` and ``buckets.time_bucket`` combined."""
+def _index(d: torch.Tensor, dt: torch.Tensor, params: AttentionParams) -> torch.Tensor:
+    """Bias index (int32) of pairs ``d`` (int32) positions apart with time gaps ``dt`` (float64):
+    ``buckets.position_bucket`` and ``buckets.time_bucket`` combined."""
     gap = dt.to(torch.float32).view(torch.int32) >> _TIME_SHIFT
     # A gap under 1.5 s (negative, -0 and NaN's sign included) is code 254; the top code repeats.
     gap = gap.clamp_(_TIME_CODE0, _TIME_CODE0 + params.num_time - 1)
-    table = _position_table(params.num_pos, params.num_time, d1.device)
+    table = _position_table(params.num_pos, params.num_time, d.device)
     if table is None:
-        pos = position_bucket(d1 - 1, params.num_pos) * params.num_time - _TIME_CODE0
-        return gap.add_(pos)
-    return gap.add_(table[d1.clamp(0, table.shape[0] - 1)])
+        return gap.add_(position_bucket(d, params.num_pos) * params.num_time - _TIME_CODE0)
+    return gap.add_(table[d.clamp(0, table.shape[0] - 1)])
 
 
 def _weight(
-    d1: torch.Tensor, q_pos1: torch.Tensor, shift: int, params: AttentionParams, dtype: torch.dtype
+    d: torch.Tensor, q_pos: torch.Tensor, shift: int, params: AttentionParams, dtype: torch.dtype
 ) -> torch.Tensor:
     """Each pair's weight: ``1 / N`` for a visible near pair, the query's far factor over ``N`` for
     a far one, 0 for a hidden one. ``shift``: the column of row 0's own key."""
-    visible = d1 > 1
+    visible = d > 0
     near = (
         visible * (1.0 / params.normaliser)
         if dtype == torch.float32
         else visible.to(dtype).mul_(1.0 / params.normaliser)
     )
     if params.near_keys > 0:
-        # min(1, far_keys / (pos - near_keys + 1)) / N per query, positions plus one in q_pos1.
-        # In float32 whatever the scores' dtype, as training computes it (``far_scale``).
-        count = (q_pos1 - params.near_keys).clamp_(min=1).to(torch.float32)
+        # min(1, far_keys / (pos - near_keys + 1)) / N per query, the factor in float32 whatever
+        # the scores' dtype, rounded as training rounds it (``hstu_attention.far_scale``).
+        count = (q_pos - (params.near_keys - 1)).to(torch.float32).clamp_(min=1.0)
         factor = count.reciprocal_().mul_(params.far_keys).clamp_(max=1.0).to(dtype).div_(params.normaliser)
-        near = torch.where(d1 > params.near_keys, factor.unsqueeze(-1), near)
+        near = torch.where(d >= params.near_keys, factor.unsqueeze(-1), near)
     near.diagonal(shift, dim1=-2, dim2=-1).fill_(1.0 / params.normaliser)  # a query's own key
     return near
 
@@ -136,14 +136,13 @@ def pair_layout(
     if users > 1:
         q_slots = _slots(batch.q_offsets, int(batch.q_pos.shape[0]), lq, users)
         k_slots = _slots(batch.k_offsets, int(batch.k_pos.shape[0]), lk, users)
-    # Positions plus one, so that a difference of -1 or less is table row 0.
-    q_pos1 = _dense((batch.q_pos + 1).to(torch.int32), q_slots, users, lq, 0)
+    q_pos = _dense(batch.q_pos.to(torch.int32), q_slots, users, lq, 0)
     k_pos = _dense(batch.k_pos.to(torch.int32), k_slots, users, lk, PAD_POSITION)
     q_ts = _dense(batch.q_ts, q_slots, users, lq, 0.0)
     k_ts = _dense(batch.k_ts, k_slots, users, lk, 0.0)
-    d1 = q_pos1[:, :, None] - k_pos[:, None, :]  # [B, lq, lk]: i - j + 1
-    index = _index(d1, q_ts[:, :, None] - k_ts[:, None, :], params)
-    layout = PairLayout(q_slots, k_slots, index, _weight(d1, q_pos1, lk - lq, params, dtype))
+    d = q_pos[:, :, None] - k_pos[:, None, :]  # [B, lq, lk]: i - j
+    index = _index(d, q_ts[:, :, None] - k_ts[:, None, :], params)
+    layout = PairLayout(q_slots, k_slots, index, _weight(d, q_pos, lk - lq, params, dtype))
     batch.scratch[key] = layout
     return layout
 
@@ -157,7 +156,7 @@ def reference_hstu_mha(
     params: AttentionParams,
 ) -> torch.Tensor:
     """``hstu_mha`` in PyTorch (see ``interface``)."""
-    f32 = torch.promote_types(q.dtype, torch.float32)  # float64 stays float64
+    f32 = torch.float64 if q.dtype == torch.float64 else torch.float32  # sums in float32 at least
     layout = pair_layout(batch, params, f32)
     users, lq, lk = batch.users, batch.max_q, batch.max_k
     heads = q.shape[1]

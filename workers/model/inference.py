@@ -108,10 +108,11 @@ class _Pass:
         """Runs the layers, yielding after each; then fills ``scores``."""
         model, plan = self.model, self.plan
         device = model.device
-        items = torch.from_numpy(plan.items).to(device, non_blocking=True)
-        actions = torch.from_numpy(plan.actions).to(device, non_blocking=True)
-        e = F.embedding(items, model.item_emb.weight)
-        x = x0 = e + F.embedding(actions, model.action_emb.weight)
+        # A token: its item's row plus its action's (after the items) of one table, one bag each.
+        bags = np.stack([plan.items, plan.actions + model.config.num_items + 1], axis=1).reshape(-1)
+        bags_t = torch.from_numpy(bags).to(device, non_blocking=True)
+        starts = torch.from_numpy(np.arange(0, len(bags), 2)).to(device, non_blocking=True)
+        x = x0 = F.embedding_bag(bags_t, self.sv.tokens, starts, mode="sum")
         hv = self.sv.splits[0]
         # The gated attention output, then a column of ones: the output projection's bias row.
         gate_buf = x.new_empty(plan.rows, hv + 1)
@@ -124,9 +125,11 @@ class _Pass:
             return
         if x.shape[0] != plan.candidates:
             x = self._candidate_rows(x)
-        x0, e = self._candidate_rows(x0), self._candidate_rows(e)
+        x0 = self._candidate_rows(x0)
+        cand_items = torch.from_numpy(plan.items[plan.candidate_rows()]).to(device, non_blocking=True)
+        e = F.embedding(cand_items, model.item_emb.weight)
         norm = model.final_norm
-        out = (F.layer_norm(x - x0, x.shape[-1:], norm.weight, norm.bias, norm.eps) * e).sum(-1)
+        out = torch.linalg.vecdot(F.layer_norm(x - x0, x.shape[-1:], norm.weight, norm.bias, norm.eps), e)
         out = out.float()
         at = 0
         for a, b in plan.cand_rows:

@@ -7,7 +7,8 @@ Primitives:
   operation), the output projection with its bias as one more input row (so that the residual
   add, the projection and its bias are one ``addmm`` over the gated output and a column of ones),
   the norms, and the flattened bias table.
-- ``Serving``: those of every layer, the attention constants (``kernels.AttentionParams``) and the
+- ``Serving``: those of every layer, the item and action embeddings as one table (a token's
+  embedding is one ``embedding_bag`` sum), the attention constants (``kernels.AttentionParams``) and the
   shapes; ``serving_state(modules, cached)`` builds it, or returns ``cached`` while no parameter
   has changed (its storage or version), so that a ranking does not rebuild it.
 
@@ -30,6 +31,8 @@ class RankerModules(Protocol):
     """The parts of the ranker the serving state reads."""
 
     layers: nn.ModuleList
+    item_emb: nn.Embedding
+    action_emb: nn.Embedding
     config: object
     _params: list[nn.Parameter]  # every parameter, listed once
 
@@ -52,6 +55,7 @@ class Serving:
 
     key: tuple
     layers: list[LayerWeights]
+    tokens: torch.Tensor  # item embeddings, then action embeddings: a token is one row of each
     params: AttentionParams
     splits: tuple[int, int, int, int]  # u, q, k, v columns of the projection
 
@@ -87,6 +91,7 @@ def serving_state(modules: RankerModules, cached: Serving | None) -> Serving:
         return Serving(
             key=key,
             layers=[_layer_weights(layer, cfg.heads) for layer in modules.layers],
+            tokens=torch.cat([modules.item_emb.weight.detach(), modules.action_emb.weight.detach()]),
             params=AttentionParams(
                 num_pos=cfg.position_buckets,
                 num_time=cfg.time_buckets,

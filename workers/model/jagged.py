@@ -24,6 +24,12 @@ import torch
 from relaygr.workers.kernels import JaggedBatch
 from relaygr.workers.prefix_kv import Events, PrefixKV
 
+SHARED_LAST_LAYER_ROWS = 256
+"""With at most this many new events in a forward (a ranking's suffix, a burst's new events), the
+last layer computes their outputs too, unused, so that one batch (one set of bias indices and
+weights) serves every layer; with more (a full ranking, pre-inference), the last layer's queries
+are the candidates alone."""
+
 
 def host_ids(values: torch.Tensor | np.ndarray | list, count: int) -> np.ndarray:
     """Raw ids as an int64 host array with every id outside ``1 .. count`` as 0 (the unknown row)."""
@@ -60,7 +66,7 @@ class ForwardPlan:
     items: np.ndarray  # [T] item embedding ids
     actions: np.ndarray  # [T] action embedding ids
     batch: JaggedBatch | None  # queries: every row (None: no rows)
-    last: JaggedBatch | None  # the last layer's queries: candidate rows (None: no candidates)
+    last: JaggedBatch | None  # the last layer's queries: candidate rows, or ``batch`` (None: no candidates)
     cand_index: torch.Tensor | None  # candidate rows, when they are not the last rows of one user
 
     @property
@@ -70,6 +76,10 @@ class ForwardPlan:
     @property
     def candidates(self) -> int:
         return sum(b - a for a, b in self.cand_rows)
+
+    def candidate_rows(self) -> np.ndarray:
+        """The candidates' rows, user after user."""
+        return np.concatenate([np.arange(a, b) for a, b in self.cand_rows] or [np.empty(0, np.int64)])
 
     @classmethod
     def build(cls, slots: list[UserSlot], vocab: tuple[int, int], device: torch.device) -> ForwardPlan:
@@ -112,7 +122,9 @@ class ForwardPlan:
             )
         cand = np.concatenate([np.arange(a, b) for a, b in cand_rows])
         cand_index = None
-        if len(cand):
+        if len(cand) and row - len(cand) <= SHARED_LAST_LAYER_ROWS:
+            last = batch
+        elif len(cand):
             last = JaggedBatch.build(
                 [b - a for a, b in cand_rows],
                 k_lengths,
@@ -121,8 +133,8 @@ class ForwardPlan:
                 k_pos_t,
                 k_ts,
             )
-            if len(slots) > 1 and not np.array_equal(cand, np.arange(row - len(cand), row)):
-                cand_index = _device(cand, device)
+        if len(cand) and len(slots) > 1 and not np.array_equal(cand, np.arange(row - len(cand), row)):
+            cand_index = _device(cand, device)
         return cls(slots, event_rows, cand_rows, pieces, *plan_ids, batch, last, cand_index)
 
 
