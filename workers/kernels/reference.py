@@ -99,7 +99,8 @@ def _index(d: torch.Tensor, dt: torch.Tensor, params: AttentionParams) -> torch.
     table = _position_table(params.num_pos, params.num_time, d.device)
     if table is None:
         return gap.add_(position_bucket(d, params.num_pos) * params.num_time - _TIME_CODE0)
-    return gap.add_(table[d.clamp(0, table.shape[0] - 1)])
+    near = d.clamp(0, table.shape[0] - 1)
+    return gap.add_(torch.index_select(table, 0, near.view(-1)).view(near.shape))
 
 
 def _weight(
@@ -163,7 +164,8 @@ def reference_hstu_mha(
     qd = _dense(q.to(f32), layout.q_slots, users, lq, 0.0).transpose(1, 2)  # [B, H, lq, d]
     kd = _dense(k.to(f32), layout.k_slots, users, lk, 0.0).permute(0, 2, 3, 1)  # [B, H, d, lk]
     vd = _dense(v.to(f32), layout.k_slots, users, lk, 0.0).transpose(1, 2)  # [B, H, lk, dv]
-    bias = bias_table.to(f32)[layout.index]  # [B, lq, lk]
+    # index_select, not advanced indexing: several times faster on a CPU for int32 indices.
+    bias = torch.index_select(bias_table.to(f32), 0, layout.index.view(-1)).view(layout.index.shape)
     if users == 1 or heads == 1:  # the bias broadcasts over the flattened (user, head) batch
         flat = users * heads
         scores = torch.baddbmm(bias, qd.reshape(flat, lq, -1), kd.reshape(flat, -1, lk))
