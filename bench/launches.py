@@ -58,13 +58,17 @@ class DispatchCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func.overloadpacket in (_aten._to_copy, _aten.to) and _transfer(args, kwargs):
+        copy = func.overloadpacket in (_aten._to_copy, _aten.to)
+        if copy and _transfer(args, kwargs):
             if args[0].device.type == "meta":  # the scores out: nothing to copy
                 return torch.zeros(args[0].shape, dtype=kwargs.get("dtype") or args[0].dtype)
             return func(*args, **kwargs)
-        if not func.is_view and func not in METADATA_OPS:
+        out = func(*args, **kwargs)
+        # ``to`` is an alias when it changes nothing (not counted), a conversion kernel otherwise.
+        converts = func.overloadpacket is _aten.to and out is not args[0]
+        if converts or (not func.is_view and func not in METADATA_OPS):
             self.counts[str(func.overloadpacket.__name__)] += 1
-        return func(*args, **kwargs)
+        return out
 
     @property
     def total(self) -> int:

@@ -26,9 +26,8 @@ import torch.nn.functional as F
 from relaygr.workers.kernels.buckets import EXACT_POSITIONS, F32_EXP_BIAS, position_bucket
 from relaygr.workers.kernels.interface import AttentionParams, JaggedBatch
 
-PAD_POSITION = 1 << 30
-"""Position of a padding key: after every real query, so no one sees it (positions are int32 in
-the layout: a user's history is shorter than this)."""
+PAD_POSITION = 1 << 40
+"""Position of a padding key: after every real query, so no one sees it."""
 LUT_LIMIT = 1 << 21
 """Largest position table; beyond it (over ~80 position buckets) buckets are computed per pair."""
 _TIME_SHIFT = 22  # a float32 gap's exponent and first mantissa bit: two time codes per doubling
@@ -91,7 +90,7 @@ def _slots(offsets: torch.Tensor, total: int, rows: int, users: int) -> torch.Te
 
 
 def _index(d: torch.Tensor, dt: torch.Tensor, params: AttentionParams) -> torch.Tensor:
-    """Bias index (int32) of pairs ``d`` (int32) positions apart with time gaps ``dt`` (float64):
+    """Bias index (int32) of pairs ``d`` (int64) positions apart with time gaps ``dt`` (float64):
     ``buckets.position_bucket`` and ``buckets.time_bucket`` combined."""
     gap = dt.to(torch.float32).view(torch.int32) >> _TIME_SHIFT
     # A gap under 1.5 s (negative, -0 and NaN's sign included) is code 254; the top code repeats.
@@ -117,8 +116,10 @@ def _weight(
     if params.near_keys > 0:
         # min(1, far_keys / (pos - near_keys + 1)) / N per query, the factor in float32 whatever
         # the scores' dtype, rounded as training rounds it (``hstu_attention.far_scale``).
-        count = (q_pos - (params.near_keys - 1)).to(torch.float32).clamp_(min=1.0)
-        factor = count.reciprocal_().mul_(params.far_keys).clamp_(max=1.0).to(dtype).div_(params.normaliser)
+        count = (q_pos - (params.near_keys - 1)).clamp_(min=1)
+        factor = (
+            torch.reciprocal(count).mul_(params.far_keys).clamp_(max=1.0).to(dtype).div_(params.normaliser)
+        )
         near = torch.where(d >= params.near_keys, factor.unsqueeze(-1), near)
     near.diagonal(shift, dim1=-2, dim2=-1).fill_(1.0 / params.normaliser)  # a query's own key
     return near
@@ -137,8 +138,8 @@ def pair_layout(
     if users > 1:
         q_slots = _slots(batch.q_offsets, int(batch.q_pos.shape[0]), lq, users)
         k_slots = _slots(batch.k_offsets, int(batch.k_pos.shape[0]), lk, users)
-    q_pos = _dense(batch.q_pos.to(torch.int32), q_slots, users, lq, 0)
-    k_pos = _dense(batch.k_pos.to(torch.int32), k_slots, users, lk, PAD_POSITION)
+    q_pos = _dense(batch.q_pos, q_slots, users, lq, 0)
+    k_pos = _dense(batch.k_pos, k_slots, users, lk, PAD_POSITION)
     q_ts = _dense(batch.q_ts, q_slots, users, lq, 0.0)
     k_ts = _dense(batch.k_ts, k_slots, users, lk, 0.0)
     d = q_pos[:, :, None] - k_pos[:, None, :]  # [B, lq, lk]: i - j
