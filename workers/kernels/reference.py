@@ -89,10 +89,10 @@ def _slots(offsets: torch.Tensor, total: int, rows: int, users: int) -> torch.Te
     return torch.arange(total, device=offsets.device) + per_token
 
 
-def _index(d: torch.Tensor, dt: torch.Tensor, params: AttentionParams) -> torch.Tensor:
-    """Bias index (int32) of pairs ``d`` (int64) positions apart with time gaps ``dt`` (float64):
-    ``buckets.position_bucket`` and ``buckets.time_bucket`` combined."""
-    gap = dt.to(torch.float32).view(torch.int32) >> _TIME_SHIFT
+def _index(d: torch.Tensor, gaps: torch.Tensor, params: AttentionParams) -> torch.Tensor:
+    """Bias index (int32) of pairs ``d`` (int64) positions apart with time gaps ``gaps`` (float32,
+    overwritten): ``buckets.position_bucket`` and ``buckets.time_bucket`` combined."""
+    gap = gaps.view(torch.int32).bitwise_right_shift_(_TIME_SHIFT)
     # A gap under 1.5 s (negative, -0 and NaN's sign included) is code 254; the top code repeats.
     gap = gap.clamp_(_TIME_CODE0, _TIME_CODE0 + params.num_time - 1)
     table = _position_table(params.num_pos, params.num_time, d.device)
@@ -143,7 +143,9 @@ def pair_layout(
     q_ts = _dense(batch.q_ts, q_slots, users, lq, 0.0)
     k_ts = _dense(batch.k_ts, k_slots, users, lk, 0.0)
     d = q_pos[:, :, None] - k_pos[:, None, :]  # [B, lq, lk]: i - j
-    index = _index(d, q_ts[:, :, None] - k_ts[:, None, :], params)
+    # The gaps straight into float32 (computed in float64, rounded once: as ``.to(float32)``).
+    gaps = torch.empty(d.shape, dtype=torch.float32, device=d.device)
+    index = _index(d, torch.sub(q_ts[:, :, None], k_ts[:, None, :], out=gaps), params)
     layout = PairLayout(q_slots, k_slots, index, _weight(d, q_pos, lk - lq, params, dtype))
     batch.scratch[key] = layout
     return layout
