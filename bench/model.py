@@ -4,7 +4,7 @@ For each prefix length the benchmark builds one synthetic history (prefix + shor
 pre-infers the prefix, then times, interleaved so that both see the same machine:
 
 - ``rank``: the suffix and the candidates against the cached prefix (the relay path),
-- ``rank_full``: the whole history and the candidates, no cache (the baseline, same blockwise code),
+- ``rank_full``: the whole history and the candidates, no cache (the baseline, the same forward),
 
 and separately ``prefill`` of the prefix and ``extend`` of the prefix by the suffix. Every line
 reports the achieved GFLOP/s of each path (projections and attention, ``HSTURanker.flops``) next to
@@ -69,7 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="attention heads, head dim = dim / heads (same FLOPs for any count; fewer heads, fewer scores)",
     )
-    parser.add_argument("--block", type=int, default=512, help="attention block size")
+    parser.add_argument(
+        "--block", type=int, default=512, help="most events of one pre-inference forward (attn_block)"
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument(
         "--dtype",

@@ -70,6 +70,10 @@ GROUPS: dict[str, tuple[str, dict[str, tuple[str, str]]]] = {
                 "relaygr.bench.model",
                 "rank with a cached prefix vs full inference, per prefix length",
             ),
+            "launches": (
+                "relaygr.bench.launches",
+                "device operations one relay and one full ranking dispatch, per history length (counted on CPU)",
+            ),
             "store": ("relaygr.bench.store", "prefix store tiers vs recompute, per prefix length"),
             "kernels": (
                 "relaygr.bench.kernels",

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import pytest
@@ -11,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from relaygr.workers.model.dense import dense_rank_full
-from relaygr.workers.model.inference import reference_path
+from relaygr.workers.model.inference import UserRanking
 from relaygr.workers.model.model import HSTUConfig, HSTURanker
 from relaygr.workers.model.presets import PRESETS, preset
 from relaygr.workers.prefix_kv import Events, PrefixKV, history_fingerprint
@@ -170,11 +169,10 @@ def test_rank_and_extend_scores_like_rank_and_returns_the_whole_prefix(n, split,
     cut=st.floats(0, 1),
     ends=st.lists(st.floats(0, 1), min_size=1, max_size=5),
     c=st.integers(1, 9),
-    fused=st.booleans(),
     seed=st.integers(0, 10_000),
 )
 @settings(max_examples=50, deadline=None)
-def test_rank_many_ranks_a_burst_like_one_request_at_a_time(n, cut, ends, c, fused, seed) -> None:
+def test_rank_many_ranks_a_burst_like_one_request_at_a_time(n, cut, ends, c, seed) -> None:
     """A burst of one user's requests: nested histories, each with its own candidates and time."""
     h = history(n, seed)
     start = int(cut * n)
@@ -186,8 +184,7 @@ def test_rank_many_ranks_a_burst_like_one_request_at_a_time(n, cut, ends, c, fus
     ]
     for model, rtol, atol in ((model32(), RTOL32, ATOL32), (model64(), 1e-12, 1e-12)):
         prefix = model.prefill(h.slice(0, start))
-        with contextlib.nullcontext() if fused else reference_path(model):
-            scores, grow = model.rank_many(prefix, requests)
+        scores, grow = model.rank_many(prefix, requests)
         assert len(scores) == len(requests)
         for got, (hi, ci, ti) in zip(scores, requests, strict=True):
             torch.testing.assert_close(got, model.rank_full(hi, ci, ti), rtol=max(rtol, 1e-6), atol=atol)
@@ -207,26 +204,41 @@ def test_rank_many_rejects_histories_that_do_not_nest() -> None:
 
 
 @given(
-    n=st.integers(0, 60),
-    split=st.floats(0, 1),
-    c=st.integers(1, 13),
-    mb=st.integers(1, 6),
+    users=st.lists(
+        st.tuples(st.integers(0, 40), st.floats(0, 1), st.integers(0, 9), st.booleans()),
+        min_size=1,
+        max_size=4,
+    ),
     seed=st.integers(0, 10_000),
 )
-@settings(max_examples=60, deadline=None)
-def test_fused_paths_equal_the_python_path(n, split, c, mb, seed) -> None:
-    """Fused candidate scoring and fused short history chunks against the op-by-op reference."""
-    h, cands = history(n, seed), candidates(c, seed)
-    ts = request_time(h, 37.0)
-    cut = int(split * n)
+@settings(max_examples=50, deadline=None)
+def test_rank_users_scores_each_user_as_ranking_it_alone(users, seed) -> None:
+    """Several users in one forward (one jagged batch): each one's scores and grown prefix equal
+    ranking that user alone, with or without a cached prefix, with or without candidates."""
     for model, rtol, atol in ((model32(), RTOL32, ATOL32), (model64(), 1e-12, 1e-12)):
-        with reference_path(model):
-            ref_prefix = model.prefill(h.slice(0, cut), chunk_size=mb * 3)
-            want = model.rank(ref_prefix, h.slice(cut), cands, ts, micro_batch=mb)
-        prefix = model.prefill(h.slice(0, cut), chunk_size=mb * 3)
-        _assert_prefix_close(prefix, ref_prefix, rtol, atol)
-        got = model.rank(prefix, h.slice(cut), cands, ts, micro_batch=mb)
-        torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
+        requests = []
+        for i, (n, split, c, cached) in enumerate(users):
+            h = history(n, seed + i)
+            prefix = model.prefill(h.slice(0, int(split * n))) if cached else None
+            requests.append(UserRanking(prefix, h, candidates(c, seed + i), request_time(h, 30.0 + i)))
+        together = model.rank_users(requests)
+        assert len(together) == len(requests)
+        for (scores, grow), r in zip(together, requests, strict=True):
+            alone, grow_alone = model.rank_and_extend(r.prefix, r.history, r.candidates, r.request_ts)
+            assert scores.shape == alone.shape == (len(r.candidates),)
+            torch.testing.assert_close(scores, alone, rtol=rtol, atol=atol)
+            _assert_prefix_close(grow(), grow_alone(), rtol, atol)
+
+
+def test_rank_users_rejects_a_prefix_of_another_history() -> None:
+    model = model32()
+    h = history(20, 1)
+    good = UserRanking(model.prefill(h.slice(0, 5)), h, candidates(3, 1), 2e9)
+    bad = UserRanking(model.prefill(history(10, 2)), h, candidates(3, 1), 2e9)
+    with pytest.raises(ValueError, match="not the start"):
+        model.rank_users([good, bad])
+    with pytest.raises(ValueError, match="no requests"):
+        model.rank_users([])
 
 
 @given(
@@ -237,8 +249,9 @@ def test_fused_paths_equal_the_python_path(n, split, c, mb, seed) -> None:
 )
 @settings(max_examples=60, deadline=None)
 def test_scoring_in_steps_of_keys_equals_one_pass(n, c, step, seed) -> None:
-    """Candidates against a cached prefix in steps of keys (a heavy user's time slices) score
-    exactly as one pass; every key of every layer is visited once per micro-batch."""
+    """Candidates against a cached prefix in steps of whole layers (a heavy user's time slices)
+    score exactly as one pass; the steps report every key of every layer once per
+    ``candidate_batch`` of candidates (the unit the engine's pacing counts in)."""
     h, cands = history(n, seed), candidates(c, seed)
     ts = request_time(h, 37.0)
     for model in (model32(), model64()):
@@ -247,12 +260,11 @@ def test_scoring_in_steps_of_keys_equals_one_pass(n, c, step, seed) -> None:
         steps = list(model.score_steps(prefix, cands, ts, lambda: step))
         *visits, got = steps
         assert torch.equal(got, want)
-        micro_batches = -(-c // model.config.candidate_batch)
-        block = 8 * max(1, 8 // min(c, model.config.candidate_batch))  # key_block_size
+        per_layer = max(1, n * -(-c // model.config.candidate_batch))
         # Each step reports its keys; what the last step visited goes with the scores.
-        left = n * len(model.layers) * micro_batches - sum(visits)
-        assert 0 <= left < max(block, step)
-        assert all(v >= max(block, step) for v in visits)
+        left = per_layer * len(model.layers) - sum(visits)
+        assert 0 <= left < max(per_layer, step)
+        assert all(v >= step and v % per_layer == 0 for v in visits)
 
 
 def test_serving_state_follows_weight_changes() -> None:

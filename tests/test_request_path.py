@@ -1,6 +1,6 @@
 """bench/request_path.py counts the files one rank request runs through (no broker): the files of
-the handler and the engine are among them, TorchScript calls are seen, and the hook it installs
-is gone afterwards."""
+the handler, the engine, the model's forward and the attention kernel are among them, and the
+hook it installs is gone afterwards."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import argparse
 import sys
 
 from relaygr.bench import request_path
-from relaygr.workers.model import fused_scoring, inference
 
 
 def _args(path: str) -> argparse.Namespace:
@@ -17,7 +16,7 @@ def _args(path: str) -> argparse.Namespace:
     return parser.parse_args(["--path", path, "--history", "64", "--candidates", "8", "--short-term", "8"])
 
 
-def test_one_relay_request_runs_through_the_handler_the_engine_and_the_scripted_ranking() -> None:
+def test_one_relay_request_runs_through_the_handler_the_engine_and_the_kernel() -> None:
     record = request_path.trace_request(_args("relay"))
     assert record["path"] == "relay" and record["prefix_len"] == 56 and record["history_len"] == 64
     files = record["by_file"]
@@ -25,19 +24,18 @@ def test_one_relay_request_runs_through_the_handler_the_engine_and_the_scripted_
         "streams/rank_handler.py",
         "streams/history.py",
         "workers/engine/ranker.py",
-        "workers/model/fused_scoring.py",
+        "workers/model/inference.py",
+        "workers/kernels/reference.py",
     ):
         assert f"relaygr/{name}" in files, sorted(files)
     assert "relaygr/bench/request_path.py" not in files  # the harness is not the path
     assert record["files"] == len(files)
     assert record["file_lines"] == sum(f["lines"] for f in files.values())
     assert 0 < record["function_lines"] <= record["file_lines"]
-    # Put back as they were: the scripted functions and no profile hook.
-    assert isinstance(inference.rank_relay, type(fused_scoring.rank_relay))
-    assert sys.getprofile() is None
+    assert sys.getprofile() is None  # the hook is gone
 
 
 def test_a_full_ranking_takes_the_full_path_without_a_prefix() -> None:
     record = request_path.trace_request(_args("full"))
     assert record["path"] == "full" and record["prefix_len"] == 0
-    assert "relaygr/workers/model/hstu_attention.py" in record["by_file"]
+    assert "relaygr/workers/kernels/reference.py" in record["by_file"]

@@ -4,7 +4,7 @@ Primitives:
 - ``train_scores(model, items, actions, timestamps, lengths, cuts, cut_ts, candidates)``:
   differentiable candidate scores at many cut points of a padded batch, with the dense reference
   attention (``hstu_attention.dense_attention``): every pair's bias and visibility materialised.
-  It is the function serving computes blockwise; tests hold them equal.
+  It is the function serving computes through ``kernels.hstu_mha``; tests hold them equal.
 - ``dense_rank_full(model, history, candidates, request_ts)``: ``rank_full`` computed this way (one
   row, one cut): the oracle the serving paths are tested against.
 """
@@ -100,7 +100,7 @@ def dense_rank_full(
     model: HSTURanker, history: Events, candidates: torch.Tensor, request_ts: float
 ) -> torch.Tensor:
     """``rank_full`` computed by the dense training path (one row, one cut): the oracle the
-    blockwise serving path is tested against."""
+    serving path is tested against."""
     was_training = model.training
     model.eval()
     try:

@@ -6,56 +6,140 @@ Primitives (methods of ``HSTURanker``, through ``RelayInference``; all under
   is free for other work between two chunks);
 - ``extend``: ``PrefixKV`` + longer history -> ``PrefixKV``;
 - ``rank``: cached prefix + suffix + candidates -> scores; ``score_steps``: candidates against a
-  cached prefix in steps of keys (time slices); ``rank_and_extend``: the same as ``rank``, plus the
-  prefix grown by the suffix; ``rank_many``: a burst of one user's requests against one prefix,
-  the new events computed once; ``rank_full``: the no-cache baseline, the same code.
-- ``reference_path(model)``: a debug surface: inside it the model runs op by op in Python, the
-  reference that the fused TorchScript paths (``fused_scoring``) are tested against.
+  cached prefix, a layer at a time (time slices); ``rank_and_extend``: the same as ``rank``, plus
+  the prefix grown by the suffix; ``rank_many``: a burst of one user's requests against one
+  prefix, the new events computed once; ``rank_users``: several users' rankings in one forward;
+  ``rank_full``: the no-cache baseline, the same code.
+- ``UserRanking``: one user's request to ``rank_users``.
 
-How a call runs: keys and values the new tokens attend to are a ``Context`` of segments (the
-cached prefix, then the tokens being computed); history tokens go through the layers in query
-chunks planned by ``hstu_attention.plan_attention``; candidates attend to the whole context and to
-themselves. Candidate scoring and history chunks of at most ``FUSED_MAX_ROWS`` tokens (a ranking's
-new events) run as single TorchScript calls; longer chunks (pre-inference) run layer by layer.
-What the calls derive from the weights (bias tables, the fused functions' weights) is built once
-per set of weights (``Serving``).
+How a call runs: the users, their cached prefixes, new events and candidates are planned into one
+jagged batch (``jagged.ForwardPlan``); the forward then loops over the layers only, and each
+layer is a fixed handful of operations (a norm and one projection with SiLU, the keys and values
+of every user in one tensor, one ``kernels.hstu_mha`` call, a norm, the gate and the output
+projection with the residual), whatever the number of users or the history length.
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from relaygr.workers.model.fused_scoring import (
-    advance_tokens,
-    candidate_index,
-    rank_relay,
-    score_candidates,
-    score_final,
-    score_key_range,
-    score_layer_begin,
-    score_layer_end,
-    unspecialised,
-)
-from relaygr.workers.model.hstu_attention import (
-    SELF_BIAS_INDEX,
-    Segment,
-    candidate_far,
-    far_queries,
-    key_block_size,
-    plan_attention,
-    run_attention,
-)
-from relaygr.workers.model.inference_state import Context, Pending, Serving, serving_state
+from relaygr.workers.kernels import hstu_mha
+from relaygr.workers.model.inference_state import LayerWeights, Serving, serving_state
+from relaygr.workers.model.jagged import ForwardPlan, UserSlot
 from relaygr.workers.prefix_kv import Events, PrefixKV, history_fingerprint
 
-FUSED_MAX_ROWS = 256
-"""History chunks up to this many tokens run fused: a ranking's short-term suffix and the events
-new since its prefix. Pre-inference chunks are longer, run off the ranking path and are
-matmul-bound anyway."""
+
+@dataclass(frozen=True)
+class UserRanking:
+    """One user's ranking for ``rank_users``: ``history`` starts with ``prefix`` (``None``: no
+    cached prefix); only the events after it and the candidates are computed."""
+
+    prefix: PrefixKV | None
+    history: Events
+    candidates: torch.Tensor
+    request_ts: float
+
+
+class _Pass:
+    """One forward over a plan, a layer per step (``steps``); then ``scores`` per user and
+    ``new_kv`` (per layer, the keys and values ``[rows, H, d]`` of every new row)."""
+
+    def __init__(self, model: RelayInference, plan: ForwardPlan, sv: Serving) -> None:
+        self.model, self.plan, self.sv = model, plan, sv
+        self.new_kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.scores: list[torch.Tensor] = []
+
+    def _kv(self, li: int, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every user's keys and values, packed: its prefix's, then the rows it sees."""
+        pieces = [p for user in self.plan.key_pieces for p in user]
+        if len(pieces) == 1:
+            a, b = pieces[0]
+            return k_new[a:b], v_new[a:b]
+        ks, vs, users = [], [], iter(self.plan.slots)
+        for user_pieces in self.plan.key_pieces:
+            slot = next(users)
+            for piece in user_pieces:
+                if piece is None:
+                    ks.append(slot.prefix.keys[li].transpose(0, 1))
+                    vs.append(slot.prefix.values[li].transpose(0, 1))
+                else:
+                    ks.append(k_new[piece[0] : piece[1]])
+                    vs.append(v_new[piece[0] : piece[1]])
+        return torch.cat(ks), torch.cat(vs)
+
+    def _layer(self, li: int, x: torch.Tensor, gate_buf: torch.Tensor) -> torch.Tensor:
+        """Layer ``li`` on the activations ``x`` of every row; returns the next activations (of
+        the candidate rows only, on the last layer)."""
+        w: LayerWeights = self.sv.layers[li]
+        hv, hq, hk, _ = self.sv.splits
+        cfg = self.model.config
+        heads, dqk, dv = cfg.heads, cfg.attn_dim, cfg.linear_dim
+        rows = x.shape[0]
+        h = F.layer_norm(x, x.shape[-1:], *w.norm[:2], eps=w.norm[2])
+        p = F.glu(F.linear(h, w.proj_weight, w.proj_bias), dim=-1)  # SiLU, the query scale on q
+        u, q = p[:, :hv], p[:, hv : hv + hq].view(rows, heads, dqk)
+        k_new = p[:, hv + hq : hv + hq + hk].view(rows, heads, dqk)
+        v_new = p[:, hv + hq + hk :].view(rows, heads, dv)
+        self.new_kv.append((k_new, v_new))
+        last = li == len(self.sv.layers) - 1
+        batch = self.plan.last if last else self.plan.batch
+        if batch is None:  # a prefill's last layer: keys and values only
+            return x
+        if last and batch is not self.plan.batch:
+            u, q, x = self._candidate_rows(u), self._candidate_rows(q), self._candidate_rows(x)
+        k, v = self._kv(li, k_new, v_new)
+        attn = hstu_mha(q, k, v, batch, w.bias_table, self.sv.params)  # [rows', H, dv]
+        a = F.layer_norm(attn, attn.shape[-2:], *w.attn_norm[:2], eps=w.attn_norm[2])
+        gated = gate_buf[: a.shape[0]]
+        torch.mul(a, u.view(a.shape), out=gated[:, :hv].view(a.shape))
+        return torch.addmm(x, gated, w.out_weight)
+
+    def _candidate_rows(self, t: torch.Tensor) -> torch.Tensor:
+        if self.plan.cand_index is not None:
+            return t.index_select(0, self.plan.cand_index)
+        return t[t.shape[0] - self.plan.candidates :]
+
+    def steps(self) -> Iterator[None]:
+        """Runs the layers, yielding after each; then fills ``scores``."""
+        model, plan = self.model, self.plan
+        device = model.device
+        # A token: its item's row plus its action's (after the items) of one table, one bag each.
+        bags = np.stack([plan.items, plan.actions + model.config.num_items + 1], axis=1).reshape(-1)
+        bags_t = torch.from_numpy(bags).to(device, non_blocking=True)
+        starts = torch.from_numpy(np.arange(0, len(bags), 2)).to(device, non_blocking=True)
+        x = x0 = F.embedding_bag(bags_t, self.sv.tokens, starts, mode="sum")
+        hv = self.sv.splits[0]
+        # The gated attention output, then a column of ones: the output projection's bias row.
+        gate_buf = x.new_empty(plan.rows, hv + 1)
+        gate_buf[:, hv].fill_(1.0)
+        for li in range(len(self.sv.layers)):
+            x = self._layer(li, x, gate_buf)
+            yield
+        if plan.last is None:
+            self.scores = [torch.empty(0, dtype=torch.float32, device=device) for _ in plan.slots]
+            return
+        if x.shape[0] != plan.candidates:
+            x = self._candidate_rows(x)
+        x0 = self._candidate_rows(x0)
+        cand_items = torch.from_numpy(plan.items[plan.candidate_rows()]).to(device, non_blocking=True)
+        e = F.embedding(cand_items, model.item_emb.weight)
+        norm = model.final_norm
+        out = torch.linalg.vecdot(F.layer_norm(x - x0, x.shape[-1:], norm.weight, norm.bias, norm.eps), e)
+        out = out.float()
+        at = 0
+        for a, b in plan.cand_rows:
+            self.scores.append(out[at : at + b - a])
+            at += b - a
+
+    def run(self) -> _Pass:
+        for _ in self.steps():
+            pass
+        return self
 
 
 class RelayInference:
@@ -63,208 +147,25 @@ class RelayInference:
     modules (``config``, ``layers``, ``item_emb``, ``action_emb``, ``final_norm``) and calls
     ``_init_inference`` once its parameters are in place."""
 
-    # The reference path instead of the fused calls (``reference_path``); never set when serving.
-    _op_by_op = False
-
     def _init_inference(self) -> None:
         self._params = list(self.parameters())
         self._serving_cache: Serving | None = None
 
-    def _fused(self, history_rows: int = 0) -> bool:
-        """Whether candidate scoring (``history_rows`` = 0), or a history chunk of that many
-        tokens, runs as one TorchScript call."""
-        return not self._op_by_op and history_rows <= FUSED_MAX_ROWS
-
-    def _open(self, ctx: Context, events: Events) -> Pending:
-        """Append a segment for ``events`` (positions ``ctx.length`` on) with empty K/V buffers."""
-        cfg, n, dev = self.config, len(events), self.device
-        pending = Pending(
-            start=ctx.length,
-            items=self.vocab_items(events.item_ids),
-            actions=self.vocab_actions(events.action_ids),
-            timestamps=events.timestamps.to(dev, torch.float64),
-        )
-        ctx.segments.append(Segment(pending.start, pending.timestamps))
-        for layer_kv in ctx.kv:
-            kbuf = torch.empty(cfg.heads, n, cfg.attn_dim, device=dev, dtype=self.dtype)
-            vbuf = torch.empty(cfg.heads, n, cfg.linear_dim, device=dev, dtype=self.dtype)
-            layer_kv.append((kbuf, vbuf))
-            pending.kv.append((kbuf, vbuf))
-        return pending
-
-    def _advance(self, ctx: Context, pending: Pending, c0: int, c1: int, step: int, sv: Serving) -> None:
-        """Run the pending segment's events ``[c0, c1)`` through every layer in query chunks of at
-        most ``step`` tokens, filling their keys and values (earlier ones must be filled)."""
-        cfg = self.config
-        last = len(self.layers) - 1
-        no_mask = torch.empty(0, dtype=torch.bool, device=self.device)
-        for q0 in range(c0, c1, step):
-            q1 = min(c1, q0 + step)
-            x = self.item_emb(pending.items[q0:q1]) + self.action_emb(pending.actions[q0:q1])
-            tasks = plan_attention(
-                pending.start + q0,
-                pending.timestamps[q0:q1],
-                ctx.segments,
-                rows=q1 - q0,
-                causal=True,
-                block=cfg.attn_block,
-                num_pos=cfg.position_buckets,
-                near_keys=cfg.near_keys,
-                cache=pending.plan_cache,
-            )
-            far_scale = far_queries(pending.start + q0, q1 - q0, sv.far, self.device)
-            if self._fused(q1 - q0):
-                with unspecialised():
-                    advance_tokens(
-                        x,
-                        [kv[0] for layer_kv in ctx.kv for kv in layer_kv],
-                        [kv[1] for layer_kv in ctx.kv for kv in layer_kv],
-                        [t.segment for t in tasks],
-                        [t.k0 for t in tasks],
-                        [t.k1 for t in tasks],
-                        [t.index for t in tasks],
-                        [no_mask if t.hidden is None else t.hidden for t in tasks],
-                        [t.far for t in tasks],
-                        sv.tables,
-                        sv.weights,
-                        [kv[0] for kv in pending.kv],
-                        [kv[1] for kv in pending.kv],
-                        q0,
-                        sv.far[0],
-                        far_scale,
-                        sv.dims,
-                        sv.consts,
-                    )
-                continue
-            for li, layer in enumerate(self.layers):
-                kbuf, vbuf = pending.kv[li]
-                if li == last:
-                    k, v = layer.project_kv(x)
-                    kbuf[:, q0:q1], vbuf[:, q0:q1] = k, v
-                    break
-                u, q, k, v = layer.project(x)
-                kbuf[:, q0:q1], vbuf[:, q0:q1] = k, v
-                far = (far_scale, sv.far[0]) if far_scale.numel() else None
-                attn = run_attention(q, tasks, ctx.kv[li], sv.tables[li], cfg.linear_dim, far)
-                x = layer.finish(x, u, attn.div_(cfg.attn_normaliser))
-
-    def _score(
-        self,
-        ctx: Context,
-        candidates: torch.Tensor,
-        request_ts: float,
-        micro_batch: int | None,
-        sv: Serving,
-    ) -> torch.Tensor:
-        """Scores of candidate tokens at position ``ctx.length`` and time ``request_ts``."""
-        cfg = self.config
-        ids = self.vocab_items(torch.as_tensor(candidates).reshape(-1))
-        out = torch.empty(ids.shape[0], dtype=torch.float32, device=self.device)
-        mb = micro_batch or cfg.candidate_batch
-        when = torch.tensor([float(request_ts)], dtype=torch.float64, device=self.device)
-        cand_action = sv.cand_action
-        if self._fused():
-            seg_index = candidate_index(ctx.length, when, ctx.segments, num_pos=cfg.position_buckets)
-            seg_far, far_factor = self._candidate_far(ctx, sv)
-            for c0 in range(0, ids.shape[0], mb):
-                e = self.item_emb(ids[c0 : c0 + mb])
-                with unspecialised():
-                    out[c0 : c0 + mb] = score_candidates(
-                        e + cand_action,
-                        e,
-                        [kv[0] for layer_kv in ctx.kv for kv in layer_kv],
-                        [kv[1] for layer_kv in ctx.kv for kv in layer_kv],
-                        seg_index,
-                        seg_far,
-                        far_factor,
-                        sv.tables,
-                        sv.weights,
-                        self.final_norm.weight,
-                        self.final_norm.bias,
-                        sv.dims,
-                        sv.consts,
-                        key_block_size(cfg.attn_block, min(mb, max(1, ids.shape[0]))),
-                    )
-            return out.cpu()
-        tasks = plan_attention(
-            ctx.length,
-            when,
-            ctx.segments,
-            rows=min(mb, max(1, ids.shape[0])),
-            causal=False,
-            block=cfg.attn_block,
-            num_pos=cfg.position_buckets,
-            near_keys=cfg.near_keys,
-        )
-        far_scale = far_queries(ctx.length, 1, sv.far, self.device)
-        far = (far_scale, sv.far[0]) if far_scale.numel() else None
-        for c0 in range(0, ids.shape[0], mb):
-            e = self.item_emb(ids[c0 : c0 + mb])
-            x = x0 = e + cand_action
-            for li, layer in enumerate(self.layers):
-                u, q, k, v = layer.project(x)
-                attn = run_attention(q, tasks, ctx.kv[li], sv.tables[li], cfg.linear_dim, far)
-                own = F.silu((q * k).sum(-1, keepdim=True) + sv.tables[li][SELF_BIAS_INDEX])
-                x = layer.finish(x, u, attn.add_(own * v).div_(cfg.attn_normaliser))
-            out[c0 : c0 + mb] = (self.final_norm(x - x0) * e).sum(-1).float()
-        return out.cpu()
-
-    def _rank_fused(
-        self,
-        ctx: Context,
-        events: Events,
-        requests: Sequence[tuple[torch.Tensor, float, int]],
-        micro_batch: int | None,
-        sv: Serving,
-    ) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
-        """``events`` after the context's segments, then each request's candidates, in one
-        scripted call (``fused_scoring.rank_relay``); a request ``(candidates, request_ts, m)``
-        sees the first ``m`` events. Returns each request's scores (float32, CPU) and the events'
-        keys and values per layer."""
-        cfg = self.config
-        with unspecialised():
-            scores, keys, values = rank_relay(
-                events.item_ids,
-                events.action_ids,
-                events.timestamps,
-                [torch.as_tensor(c).reshape(-1) for c, _, _ in requests],
-                [float(ts) for _, ts, _ in requests],
-                [m for _, _, m in requests],
-                [kv[0] for layer_kv in ctx.kv for kv in layer_kv],
-                [kv[1] for layer_kv in ctx.kv for kv in layer_kv],
-                [seg.start for seg in ctx.segments],
-                [seg.timestamps for seg in ctx.segments],
-                sv.embeddings,
-                sv.tables,
-                sv.weights,
-                sv.dims,
-                sv.consts,
-                (cfg.num_items, cfg.num_actions, self.candidate_action),
-                (cfg.position_buckets, cfg.attn_block, micro_batch or cfg.candidate_batch),
-                sv.far,
-            )
-        return [x.cpu() for x in scores], list(zip(keys, values, strict=True))
-
     def _serving(self) -> Serving:
-        """Bias tables, fused weights and shapes for the current weights (``serving_state``)."""
+        """Derived weights for the current weights (``serving_state``)."""
         built = serving_state(self, self._serving_cache)
         self._serving_cache = built
         return built
-
-    def _candidate_far(self, ctx: Context, sv: Serving) -> tuple[list[int], float]:
-        """``fused_scoring.candidate_far`` of candidates after the context's keys."""
-        starts = [seg.start for seg in ctx.segments]
-        return candidate_far(starts, [seg.stop - seg.start for seg in ctx.segments], ctx.length, sv.far)
 
     def _for_serving(self) -> None:
         """Serving runs in eval mode; switching walks every module, so only when needed."""
         if self.training:
             self.eval()
 
-    def _context(self, prefix: PrefixKV | None) -> Context:
-        ctx = Context(kv=[[] for _ in self.layers])
+    def _checked(self, prefix: PrefixKV | None) -> PrefixKV | None:
+        """``prefix`` on the model's device, or ``ValueError`` if another model computed it."""
         if prefix is None:
-            return ctx
+            return None
         if prefix.model_version != self.model_version:
             raise ValueError(
                 f"prefix was computed by model {prefix.model_version!r}, this is {self.model_version!r}"
@@ -273,10 +174,49 @@ class RelayInference:
             raise ValueError("prefix does not match this model's layers or dtype")
         if prefix.length and prefix.device != self.device:
             prefix = prefix.to(self.device)
-        ctx.segments.append(Segment(0, prefix.timestamps.to(self.device, torch.float64)))
-        for li in range(len(self.layers)):
-            ctx.kv[li].append((prefix.keys[li], prefix.values[li]))
-        return ctx
+        return prefix if prefix.length else None
+
+    def _pass(self, slots: list[UserSlot]) -> _Pass:
+        self._for_serving()
+        plan = ForwardPlan.build(slots, (self.config.num_items, self.config.num_actions), self.device)
+        return _Pass(self, plan, self._serving())
+
+    def _slot(self, prefix: PrefixKV | None, events: Events, candidates, request_ts: float) -> UserSlot:
+        return UserSlot(self._checked(prefix), events, _raw_ids(candidates), float(request_ts))
+
+    def _prefix_kv(
+        self,
+        prefix: PrefixKV | None,
+        new_kv: list[tuple[torch.Tensor, torch.Tensor]],
+        history: Events,
+        final: bool = True,
+    ) -> PrefixKV:
+        """The ``PrefixKV`` of all of ``history``: ``prefix``'s keys and values, then ``new_kv``
+        (per layer, ``[m, H, d]``: the events after the prefix). Not ``final``: a chunk of a
+        pre-inference, which no one else sees (its fingerprint is left out)."""
+        keys, values = [], []
+        for li, (k, v) in enumerate(new_kv):
+            k, v = k.transpose(0, 1), v.transpose(0, 1)
+            if prefix is not None and prefix.length:
+                pk, pv = prefix.keys[li], prefix.values[li]
+                k, v = (torch.cat([pk, k], dim=1), torch.cat([pv, v], dim=1)) if k.shape[1] else (pk, pv)
+            keys.append(k.contiguous())
+            values.append(v.contiguous())
+        return PrefixKV(
+            keys=keys,
+            values=values,
+            positions=torch.arange(len(history), device=self.device),
+            timestamps=history.timestamps.to(self.device, torch.float64).clone(),
+            length=len(history),
+            fingerprint=history_fingerprint(history) if final else b"",
+            model_version=self.model_version,
+            # A grown prefix keeps who computed it (the worker that grows it is the same one).
+            meta=dict(prefix.meta) if prefix is not None else {},
+        )
+
+    def _events_kv(self, done: _Pass, user: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        a, b = done.plan.event_rows[user]
+        return [(k[a:b], v[a:b]) for k, v in done.new_kv]
 
     def _step(self, chunk_size: int | None) -> int:
         if chunk_size is not None and chunk_size < 1:
@@ -292,8 +232,8 @@ class RelayInference:
         the device is free for other work (a ranking job waits at most one chunk). A callable
         ``chunk_size(cached)`` sizes each chunk by the keys already computed (chunks sliced by
         device time: later chunks attend to more keys). With ``prefix``, it extends that prefix
-        (see ``extend``). Results equal one-shot ``prefill``."""
-        self._for_serving()
+        (see ``extend``). Chunks are at most ``attn_block`` events (one chunk's scores are
+        ``chunk x history``). Results equal one-shot ``prefill``."""
         start = 0
         if prefix is not None:
             if not prefix.matches(history):
@@ -302,51 +242,22 @@ class RelayInference:
                     "(different fingerprint) or the history is shorter"
                 )
             start = prefix.length
-        ctx = self._context(prefix)
-        sv = self._serving()
-        n = len(history)
-        pending = self._open(ctx, history.slice(start))
         if not callable(chunk_size):
             self._step(chunk_size)  # rejects a size below 1
         size_at = chunk_size if callable(chunk_size) else (lambda _cached: chunk_size)
-        c0 = 0
-        while c0 < n - start:
-            size = max(1, int(size_at(start + c0)))
-            c1 = min(n - start, c0 + size)
-            self._advance(ctx, pending, c0, c1, self._step(size), sv)
+        current, n, block = prefix, len(history), self.config.attn_block
+        c0 = start
+        while True:
+            c1 = min(n, c0 + max(1, int(size_at(c0))))
+            for s0 in range(c0, max(c1, c0 + 1), block):  # one pass for an empty history
+                s1 = min(c1, s0 + block)
+                done = self._pass([self._slot(current, history.slice(s0, s1), [], 0.0)]).run()
+                current = self._prefix_kv(current, self._events_kv(done, 0), history.slice(0, s1), s1 >= n)
             c0 = c1
-            if c1 < n - start:
-                yield None
-        yield self._prefix_kv(ctx, pending.kv, prefix, history)
-
-    def _prefix_kv(
-        self,
-        ctx: Context,
-        new_kv: list[tuple[torch.Tensor, torch.Tensor]],
-        prefix: PrefixKV | None,
-        history: Events,
-    ) -> PrefixKV:
-        """The ``PrefixKV`` of all of ``history``: ``prefix``'s keys and values, then the pending
-        segment's (which must hold ``history``'s events after the prefix, all computed)."""
-        keys, values = [], []
-        for li, (k, v) in enumerate(new_kv):
-            if prefix is not None:
-                pk, pv = ctx.kv[li][0]
-                grown = len(history) > prefix.length  # else nothing new: no copy
-                k, v = (torch.cat([pk, k], dim=1), torch.cat([pv, v], dim=1)) if grown else (pk, pv)
-            keys.append(k)
-            values.append(v)
-        return PrefixKV(
-            keys=keys,
-            values=values,
-            positions=torch.arange(len(history), device=self.device),
-            timestamps=history.timestamps.to(self.device, torch.float64).clone(),
-            length=len(history),
-            fingerprint=history_fingerprint(history),
-            model_version=self.model_version,
-            # A grown prefix keeps who computed it (the worker that grows it is the same one).
-            meta=dict(prefix.meta) if prefix is not None else {},
-        )
+            if c1 >= n:
+                break
+            yield None
+        yield current
 
     def prefill(self, history: Events, chunk_size: int | None = None) -> PrefixKV:
         """Per-layer K/V of ``history`` (positions 0..n-1). ``chunk_size`` computes it
@@ -380,19 +291,11 @@ class RelayInference:
         """Scores (float32, CPU, one per candidate) of raw item ids ``candidates`` for the history
         ``prefix events + suffix`` at time ``request_ts``. Only the suffix and the candidates are
         computed; ``prefix=None`` means the suffix is the whole history. A prefix on another
-        device is moved to the model's."""
-        self._for_serving()
-        ctx = self._context(prefix)
-        sv = self._serving()
-        if self._fused(len(suffix)):
-            scores, _ = self._rank_fused(
-                ctx, suffix, [(candidates, request_ts, len(suffix))], micro_batch, sv
-            )
-            return scores[0]
-        if len(suffix):
-            pending = self._open(ctx, suffix)
-            self._advance(ctx, pending, 0, len(suffix), self.config.attn_block, sv)
-        return self._score(ctx, candidates, request_ts, micro_batch, sv)
+        device is moved to the model's. ``micro_batch`` is accepted for compatibility: the
+        candidates are scored together (each sees the history and itself only, so the grouping
+        never changed a score)."""
+        done = self._pass([self._slot(prefix, suffix, candidates, request_ts)]).run()
+        return done.scores[0].cpu()
 
     @torch.inference_mode()
     def score_steps(
@@ -403,53 +306,21 @@ class RelayInference:
         keys_per_step: Callable[[], int],
     ) -> Iterator[int | torch.Tensor]:
         """Scores of raw item ids ``candidates`` against the cached ``prefix`` alone (no new
-        events), in steps: each step adds the candidates' attention to about ``keys_per_step()``
-        keys of one layer (whole key blocks, at least one), and yields how many keys it visited;
-        the last yields the scores (float32, CPU). Slicing by keys, not by candidates, reads each
-        key once per layer and micro-batch however many steps there are (a heavy user's cached
-        keys do not fit a core's cache: a pass over them per slice of candidates costs more than
-        the scoring). Equal to ``rank(prefix, <no events>, candidates, request_ts)`` (tested)."""
-        self._for_serving()
-        cfg, sv = self.config, self._serving()
-        ctx = self._context(prefix)
-        ids = self.vocab_items(torch.as_tensor(candidates).reshape(-1))
-        c = ids.shape[0]
-        mb = cfg.candidate_batch
-        block = key_block_size(cfg.attn_block, min(mb, max(1, c)))
-        when = torch.tensor([float(request_ts)], dtype=torch.float64, device=self.device)
-        seg_index = candidate_index(ctx.length, when, ctx.segments, num_pos=cfg.position_buckets)
-        seg_far, far_factor = self._candidate_far(ctx, sv)
-        ranges = [
-            (si, k0) for si, seg in enumerate(ctx.segments) for k0 in range(0, seg.stop - seg.start, block)
-        ]
-        out = torch.empty(c, dtype=torch.float32, device=self.device)
+        events), in steps of whole layers: a step ends after the layer with which its keys (the
+        prefix's, per layer) reach ``keys_per_step()``, and yields how many keys it visited; the
+        last yields the scores (float32, CPU). Equal to ``rank(prefix, <no events>, candidates,
+        request_ts)`` (tested). Keys are counted once per layer and ``candidate_batch`` of
+        candidates, the unit the engine's pacing spreads a scoring's cost over."""
+        done = self._pass([self._slot(prefix, Events.empty(), candidates, request_ts)])
+        groups = -(-len(done.plan.slots[0].candidates) // self.config.candidate_batch)
+        per_layer = max(1, prefix.length * max(1, groups))
         visited = 0
-        with unspecialised():
-            for c0 in range(0, c, mb):
-                e = self.item_emb(ids[c0 : c0 + mb])
-                x = x0 = e + sv.cand_action
-                for li in range(len(self.layers)):
-                    w = sv.weights[8 * li : 8 * li + 8]
-                    u, q, k, v = score_layer_begin(x, w, sv.dims, sv.consts)
-                    acc = torch.zeros(sv.dims[0], x.shape[0], sv.dims[2], dtype=x.dtype, device=x.device)
-                    far_acc = torch.zeros_like(acc) if seg_far else acc
-                    bias = [sv.tables[li].index_select(0, idx) for idx in seg_index]
-                    for si, k0 in ranges:
-                        keys, values = ctx.kv[li][si]
-                        k1 = min(keys.shape[1], k0 + block)
-                        far_until = seg_far[si] if seg_far else 0
-                        score_key_range(acc, far_acc, q, keys, values, bias[si], far_until, k0, k1, block)
-                        visited += k1 - k0
-                        if visited >= max(block, keys_per_step()):
-                            yield visited
-                            visited = 0
-                    if seg_far:
-                        acc.add_(far_acc, alpha=far_factor)
-                    x = score_layer_end(x, acc, u, q, k, v, sv.tables[li], w, sv.consts)
-                out[c0 : c0 + mb] = score_final(
-                    x, x0, e, self.final_norm.weight, self.final_norm.bias, sv.consts
-                )
-        yield out.cpu()
+        for _ in done.steps():
+            visited += per_layer
+            if visited >= keys_per_step():
+                yield visited
+                visited = 0
+        yield done.scores[0].cpu()
 
     @torch.inference_mode()
     def rank_and_extend(
@@ -466,30 +337,33 @@ class RelayInference:
         and keeping them lets the user's next request compute only what is new. ``grown`` copies
         the prefix's keys and values, so a caller runs it after the scores are out. ``prefix`` must
         be a prefix of ``history`` (``ValueError`` otherwise)."""
-        self._for_serving()
-        start = 0
-        if prefix is not None:
-            if not prefix.matches(history):
-                raise ValueError("rank_and_extend: the prefix is not the start of this history")
-            start = prefix.length
-        ctx = self._context(prefix)
-        sv = self._serving()
-        suffix = history.slice(start)
-        if self._fused(len(suffix)):
-            (scores,), kv = self._rank_fused(
-                ctx, suffix, [(candidates, request_ts, len(suffix))], micro_batch, sv
-            )
-        else:
-            pending = self._open(ctx, suffix)
-            if len(suffix):
-                self._advance(ctx, pending, 0, len(suffix), self.config.attn_block, sv)
-            scores, kv = self._score(ctx, candidates, request_ts, micro_batch, sv), pending.kv
-
-        def grown() -> PrefixKV:
-            with torch.inference_mode():
-                return self._prefix_kv(ctx, kv, prefix, history)
-
+        ((scores, grown),) = self.rank_users([UserRanking(prefix, history, candidates, request_ts)])
         return scores, grown
+
+    @torch.inference_mode()
+    def rank_users(
+        self, requests: Sequence[UserRanking]
+    ) -> list[tuple[torch.Tensor, Callable[[], PrefixKV]]]:
+        """Several users' relay rankings in one forward, as one jagged batch: each request
+        ``(prefix, history, candidates, request_ts)`` scores its candidates against its own cached
+        prefix and the events after it, exactly as ``rank_and_extend`` of that request alone.
+        Returns, in request order, its scores (float32, CPU) and ``grown()``."""
+        if not requests:
+            raise ValueError("rank_users: no requests")
+        slots = []
+        for r in requests:
+            start = 0
+            if r.prefix is not None:
+                if not r.prefix.matches(r.history):
+                    raise ValueError("rank_and_extend: the prefix is not the start of this history")
+                start = r.prefix.length
+            slots.append(self._slot(r.prefix, r.history.slice(start), r.candidates, r.request_ts))
+        done = self._pass(slots).run()
+        out = []
+        for user, r in enumerate(requests):
+            kv = self._events_kv(done, user)
+            out.append((done.scores[user].cpu(), _grower(self, r.prefix, kv, r.history)))
+        return out
 
     @torch.inference_mode()
     def rank_many(
@@ -507,53 +381,67 @@ class RelayInference:
         and ``grown()`` for the longest history."""
         if not requests:
             raise ValueError("rank_many: no requests")
-        longest = max((h for h, _, _ in requests), key=len)
+        widest = max(range(len(requests)), key=lambda k: len(requests[k][0]))
+        longest = requests[widest][0]
         start = prefix.length
         if not prefix.matches(longest):
             raise ValueError("rank_many: the prefix is not the start of the histories")
-        for h, _, _ in requests:
-            n = len(h)
-            if n < start or not all(
-                torch.equal(a[start:], b[start:n])
-                for a, b in (
-                    (h.item_ids, longest.item_ids),
-                    (h.action_ids, longest.action_ids),
-                    (h.timestamps, longest.timestamps),
+        _check_nested(requests, longest, start)
+        order = [widest] + [i for i in range(len(requests)) if i != widest]
+        slots = []
+        for i in order:
+            h, c, ts = requests[i]
+            if i == widest:
+                slots.append(self._slot(prefix, longest.slice(start), c, ts))
+            else:
+                slot = self._slot(prefix, Events.empty(), c, ts)
+                slots.append(
+                    UserSlot(slot.prefix, slot.events, slot.candidates, slot.request_ts, (0, len(h) - start))
                 )
-            ):
-                raise ValueError("rank_many: the histories do not nest (one is not a prefix of the longest)")
-        suffix = longest.slice(start)
-        if not self._fused(len(suffix)):
-            # Long suffixes: one request at a time (each computes its own events).
-            done = [self.rank_and_extend(prefix, h, c, ts, micro_batch=micro_batch) for h, c, ts in requests]
-            widest = max(range(len(requests)), key=lambda k: len(requests[k][0]))
-            return [scores for scores, _ in done], done[widest][1]
-        self._for_serving()
-        ctx = self._context(prefix)
-        sv = self._serving()
-        todo = [(c, ts, len(h) - start) for h, c, ts in requests]
-        scores, kv = self._rank_fused(ctx, suffix, todo, micro_batch, sv)
-
-        def grown() -> PrefixKV:
-            with torch.inference_mode():
-                return self._prefix_kv(ctx, kv, prefix, longest)
-
-        return scores, grown
+        done = self._pass(slots).run()
+        scores = [torch.empty(0)] * len(requests)
+        for user, i in enumerate(order):
+            scores[i] = done.scores[user].cpu()
+        return scores, _grower(self, prefix, self._events_kv(done, 0), longest)
 
     def rank_full(
         self, history: Events, candidates: torch.Tensor, request_ts: float, *, micro_batch: int | None = None
     ) -> torch.Tensor:
         """The no-cache baseline: the whole history and the candidates in one inference (the same
-        blockwise code as ``rank``)."""
-        return self.rank(None, history, candidates, request_ts, micro_batch=micro_batch)
+        code as ``rank``)."""
+        return self.rank(None, history, candidates, request_ts)
 
 
-@contextlib.contextmanager
-def reference_path(model: RelayInference) -> Iterator[None]:
-    """Debug: within this block ``model`` runs every inference op by op in Python (no TorchScript
-    call), the reference the fused paths are tested against. Never used when serving."""
-    model._op_by_op = True
-    try:
-        yield
-    finally:
-        del model._op_by_op  # back to the class default
+def _raw_ids(candidates) -> np.ndarray:
+    if isinstance(candidates, torch.Tensor):
+        candidates = candidates.numpy() if candidates.device.type == "cpu" else candidates.cpu().numpy()
+    return np.asarray(candidates, dtype=np.int64).reshape(-1)
+
+
+def _grower(
+    model: RelayInference,
+    prefix: PrefixKV | None,
+    kv: list[tuple[torch.Tensor, torch.Tensor]],
+    history: Events,
+) -> Callable[[], PrefixKV]:
+    def grown() -> PrefixKV:
+        with torch.inference_mode():
+            return model._prefix_kv(prefix, kv, history)
+
+    return grown
+
+
+def _check_nested(
+    requests: Sequence[tuple[Events, torch.Tensor, float]], longest: Events, start: int
+) -> None:
+    for h, _, _ in requests:
+        n = len(h)
+        if n < start or not all(
+            torch.equal(a[start:], b[start:n])
+            for a, b in (
+                (h.item_ids, longest.item_ids),
+                (h.action_ids, longest.action_ids),
+                (h.timestamps, longest.timestamps),
+            )
+        ):
+            raise ValueError("rank_many: the histories do not nest (one is not a prefix of the longest)")

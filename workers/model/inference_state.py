@@ -1,91 +1,103 @@
-"""What one inference call works on, apart from the calls themselves (``inference``).
+"""What the serving forward derives from the weights, built once per set of weights.
 
 Primitives:
-- ``Context``: the keys and values the next tokens attend to, as segments of consecutive
-  positions from 0 (a cached prefix, then the tokens being computed), per layer.
-- ``Pending``: a segment being computed: its events (vocabulary ids), key/value buffers and the
-  plan cache its query chunks share.
-- ``Serving``: what the serving paths derive from the weights (wide bias tables, the fused
-  functions' weights, shapes, the far-key settings); ``serving_state(model, cached)`` builds it,
-  or returns ``cached`` while no parameter has changed (its storage or version), so a ranking
-  does not rebuild it.
+- ``LayerWeights``: one layer's tensors in the form the forward reads them: the U/Q/K/V projection
+  doubled for one ``glu`` (``glu([a, b]) = a * sigmoid(b)``: with ``a`` the projection, its query
+  rows scaled by ``1 / sqrt(d)``, and ``b`` the projection, that is SiLU with the query scale in one
+  operation), the output projection with its bias as one more input row (so that the residual
+  add, the projection and its bias are one ``addmm`` over the gated output and a column of ones),
+  the norms, and the flattened bias table.
+- ``Serving``: those of every layer, the item and action embeddings as one table (a token's
+  embedding is one ``embedding_bag`` sum), the attention constants (``kernels.AttentionParams``) and the
+  shapes; ``serving_state(modules, cached)`` builds it, or returns ``cached`` while no parameter
+  has changed (its storage or version), so that a ranking does not rebuild it.
+
+It reads the modules through ``RankerModules`` (what ``HSTURanker`` has), and imports nothing of
+the model module.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
+from torch import nn
 
-from relaygr.workers.model.fused_scoring import layer_weights
-from relaygr.workers.model.hstu_attention import Segment, wide_far_index
-
-if TYPE_CHECKING:
-    from relaygr.workers.model.model import HSTURanker
+from relaygr.workers.kernels import AttentionParams
 
 
-@dataclass
-class Context:
-    """Keys/values the next tokens attend to: segments of consecutive positions from 0."""
+class RankerModules(Protocol):
+    """The parts of the ranker the serving state reads."""
 
-    segments: list[Segment] = field(default_factory=list)
-    kv: list[list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=list)  # [layer][segment]
-
-    @property
-    def length(self) -> int:
-        return self.segments[-1].stop if self.segments else 0
+    layers: nn.ModuleList
+    item_emb: nn.Embedding
+    action_emb: nn.Embedding
+    config: object
+    _params: list[nn.Parameter]  # every parameter, listed once
 
 
-@dataclass
-class Pending:
-    """A segment being computed: its events (vocabulary ids), K/V buffers and index cache."""
+@dataclass(frozen=True)
+class LayerWeights:
+    """One layer, as the serving forward reads it."""
 
-    start: int
-    items: torch.Tensor
-    actions: torch.Tensor
-    timestamps: torch.Tensor
-    kv: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # per layer
-    plan_cache: dict = field(default_factory=dict)
+    norm: tuple[torch.Tensor, torch.Tensor, float]  # weight, bias, eps
+    proj_weight: torch.Tensor  # [2 * out, dim]: scaled projection, then the projection
+    proj_bias: torch.Tensor  # [2 * out]
+    attn_norm: tuple[torch.Tensor, torch.Tensor, float]  # weight, bias (as [H, dv]), eps
+    out_weight: torch.Tensor  # [H * dv + 1, dim]: the output projection transposed, then its bias
+    bias_table: torch.Tensor  # [num_pos * num_time]
 
 
 @dataclass(frozen=True)
 class Serving:
-    """What the serving paths derive from the weights, built once per set of weights."""
+    """What the serving forward derives from the weights."""
 
     key: tuple
-    tables: list[torch.Tensor]  # per layer: wide_bias_table
-    weights: list[torch.Tensor]  # the fused functions' layer weights
-    dims: tuple[int, int, int]
-    consts: tuple[float, float, float]
-    far: tuple[int, int, float]  # first far index of the tables, near keys (0: none), far keys
-    cand_action: torch.Tensor  # the candidate action's embedding
-    embeddings: list[torch.Tensor]  # item and action tables, final norm weight and bias
+    layers: list[LayerWeights]
+    tokens: torch.Tensor  # item embeddings, then action embeddings: a token is one row of each
+    params: AttentionParams
+    splits: tuple[int, int, int, int]  # u, q, k, v columns of the projection
 
 
-def serving_state(model: HSTURanker, cached: Serving | None) -> Serving:
-    """``model``'s ``Serving``: ``cached`` if it was built from these very weights, else a new one."""
-    key = tuple((p.data_ptr(), p._version) for p in model._params)
+def _layer_weights(layer: nn.Module, heads: int) -> LayerWeights:
+    hv, hq = layer.splits[0], layer.splits[1]
+    weight, bias = layer.uqkv.weight.detach(), layer.uqkv.bias.detach()
+    scale = torch.ones(weight.shape[0], dtype=weight.dtype, device=weight.device)
+    scale[hv : hv + hq] = layer.scale
+    out = layer.out.weight.detach()
+    return LayerWeights(
+        norm=(layer.norm.weight.detach(), layer.norm.bias.detach(), layer.norm.eps),
+        proj_weight=torch.cat([weight * scale[:, None], weight]),
+        proj_bias=torch.cat([bias * scale, bias]),
+        attn_norm=(
+            layer.attn_norm.weight.detach().view(heads, -1),
+            layer.attn_norm.bias.detach().view(heads, -1),
+            layer.attn_norm.eps,
+        ),
+        out_weight=torch.cat([out.t(), layer.out.bias.detach()[None, :]]).contiguous(),
+        bias_table=layer.bias_table().detach().contiguous(),
+    )
+
+
+def serving_state(modules: RankerModules, cached: Serving | None) -> Serving:
+    """``modules``' ``Serving``: ``cached`` if it was built from these very weights, else a new one."""
+    key = tuple((p.data_ptr(), p._version) for p in modules._params)
     if cached is not None and cached.key == key:
         return cached
-    cfg, first = model.config, model.layers[0]
+    cfg = modules.config
+    first = modules.layers[0]
     with torch.inference_mode():
         return Serving(
             key=key,
-            tables=[layer.wide_bias_table() for layer in model.layers],
-            weights=[w.detach() for layer in model.layers for w in layer_weights(layer)],
-            dims=(cfg.heads, cfg.attn_dim, cfg.linear_dim),
-            consts=(first.scale, cfg.attn_normaliser, first.norm.eps),
-            far=(
-                wide_far_index(cfg.near_keys, cfg.position_buckets) if cfg.near_keys else 0,
-                cfg.near_keys,
-                cfg.far_keys,
+            layers=[_layer_weights(layer, cfg.heads) for layer in modules.layers],
+            tokens=torch.cat([modules.item_emb.weight.detach(), modules.action_emb.weight.detach()]),
+            params=AttentionParams(
+                num_pos=cfg.position_buckets,
+                num_time=cfg.time_buckets,
+                normaliser=cfg.attn_normaliser,
+                near_keys=cfg.near_keys,
+                far_keys=cfg.far_keys,
             ),
-            cand_action=model.action_emb.weight[model.candidate_action].detach(),
-            embeddings=[
-                model.item_emb.weight.detach(),
-                model.action_emb.weight.detach(),
-                model.final_norm.weight.detach(),
-                model.final_norm.bias.detach(),
-            ],
+            splits=tuple(first.splits),
         )

@@ -14,7 +14,8 @@ Primitives:
   dotted with its item embedding. Leaving the input out keeps the item's own embedding norm
   from swamping the history's contribution.
   Its inference (``prefill``, ``extend``, ``rank``, ``rank_and_extend``, ``rank_many``,
-  ``rank_full``) lives in ``inference`` (``RelayInference``); the dense path that training
+  ``rank_users``, ``rank_full``) lives in ``inference`` (``RelayInference``, over the one
+  attention interface ``kernels.hstu_mha``); the dense path that training
   differentiates, and the oracle of serving, in ``dense``. Here: the modules, ``model_version``,
   ``item_embeddings``, ``flops`` (what one call computes) and the checkpoint, ``save`` / ``load``.
 
@@ -43,7 +44,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from relaygr.workers.model.devices import resolve_device, resolve_dtype
-from relaygr.workers.model.hstu_attention import is_bucket_boundary, wide_bias_table
+from relaygr.workers.model.hstu_attention import is_bucket_boundary
 from relaygr.workers.model.inference import RelayInference
 from relaygr.workers.model.vocab import ItemVocab
 
@@ -100,10 +101,11 @@ class HSTUConfig(BaseModel):
     device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?|npu(:\d+)?)$")
     """Device the model runs on: cpu, cuda[:N] or npu[:N] (npu needs torch_npu)."""
     attn_block: int = Field(512, ge=8)
-    """Block size of the blockwise attention: history is computed in query chunks of at most
-    this many tokens, against key blocks of this size (wider for skinny query chunks)."""
+    """Most events of one pre-inference forward (``prefill``/``extend`` run longer histories in
+    chunks of this many: a chunk's scores are ``chunk x history``). Rankings are one forward."""
     candidate_batch: int = Field(128, ge=1)
-    """Candidates scored together in one micro-batch."""
+    """Candidates a ranking usually scores: the unit the engine's pacing spreads a scoring's
+    cost over. A ranking scores all its candidates in one forward whatever their number."""
     near_keys: int = Field(0, ge=0)
     """Keys at least this many positions before a query are far (``hstu_attention``): their terms
     are scaled so that together they weigh at most ``far_keys`` keys. 0: no key is far (every
@@ -144,10 +146,6 @@ class HSTULayer(nn.Module):
     def bias_table(self) -> torch.Tensor:
         """Flattened ``[position_buckets * time_buckets]`` relative bias."""
         return (self.pos_bias[:, None] + self.time_bias[None, :]).reshape(-1)
-
-    def wide_bias_table(self) -> torch.Tensor:
-        """The same biases laid out for the blockwise path (``hstu_attention.wide_bias_table``)."""
-        return wide_bias_table(self.pos_bias, self.time_bias)
 
     def _heads(self, t: torch.Tensor) -> torch.Tensor:  # [..., T, H*d] -> [..., H, T, d]
         return t.unflatten(-1, (self.heads, -1)).transpose(-2, -3)

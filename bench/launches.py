@@ -1,0 +1,197 @@
+"""Device operations per ranking, relay and full side by side, counted on any machine.
+
+A ranking's cost on an accelerator is set as much by how many operations it dispatches (each one a
+kernel launch) as by its arithmetic. This benchmark counts the aten operations one ranking
+dispatches, views and metadata aside, with the model on the meta device: the model's very code
+runs, dispatching the same operations as on a CPU, but no tensor is computed or allocated, so a
+32k-event full ranking counts on a laptop. Copies between the host and the device (the request's
+ids, positions and timestamps in, the scores out) are transfers, not kernels, and are not counted. One JSON line per model shape and history length: ``relay_ops`` (a
+cached prefix of ``events - suffix`` events, the suffix and the candidates) and ``full_ops`` (the
+whole history and the candidates), their limits, and the counts per layer.
+
+Primitives:
+- ``DispatchCounter``: a ``TorchDispatchMode`` that counts operations by name (``counts``, ``total``);
+  the scores' copy off the meta device comes back as an empty host tensor.
+- ``count_ranking(model, events, suffix, candidates, path)``: the counter after one ranking of a
+  synthetic history (``path`` ``relay`` or ``full``).
+- ``relay_limit(layers)``, ``full_limit(layers)``: the bounds the suite holds the counts to.
+- ``add_arguments`` / ``run``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from relaygr.workers.model.model import HSTURanker
+from relaygr.workers.model.presets import PRESETS, preset
+from relaygr.workers.prefix_kv import Events, PrefixKV
+
+DEFAULT_LENGTHS = "1024,8192,32768"
+DEFAULT_PRESETS = "small,large"
+_aten = torch.ops.aten
+METADATA_OPS = frozenset(
+    {
+        _aten._unsafe_view.default,
+        _aten.lift_fresh.default,
+        _aten.detach_.default,
+        _aten.sym_size.int,
+        _aten.sym_stride.int,
+        _aten.sym_numel.default,
+        _aten.sym_storage_offset.default,
+        _aten.is_contiguous.default,
+    }
+)
+"""Operations that only read or relabel a tensor's metadata (shape, strides, autograd flag)."""
+
+
+class DispatchCounter(TorchDispatchMode):
+    """Counts the aten operations dispatched inside it, views and ``METADATA_OPS`` aside."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        copy = func.overloadpacket in (_aten._to_copy, _aten.to)
+        if copy and _transfer(args, kwargs):
+            if args[0].device.type == "meta":  # the scores out: nothing to copy
+                return torch.zeros(args[0].shape, dtype=kwargs.get("dtype") or args[0].dtype)
+            return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        # ``to`` is an alias when it changes nothing (not counted), a conversion kernel otherwise.
+        converts = func.overloadpacket is _aten.to and out is not args[0]
+        if converts or (not func.is_view and func not in METADATA_OPS):
+            self.counts[str(func.overloadpacket.__name__)] += 1
+        return out
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+
+def _transfer(args: tuple, kwargs: dict) -> bool:
+    """Whether a copy (``to``, ``_to_copy``) moves its tensor between the host and the device."""
+    targets = [a for a in (*args[1:], kwargs.get("device")) if isinstance(a, torch.device | str)]
+    return any(torch.device(t).type != args[0].device.type for t in targets)
+
+
+def relay_limit(layers: int) -> int:
+    """The most operations a relay ranking may dispatch: 12 per layer and 40."""
+    return 12 * layers + 40
+
+
+def full_limit(layers: int) -> int:
+    """The most operations a full ranking may dispatch: 16 per layer and 60."""
+    return 16 * layers + 60
+
+
+def _history(n: int, num_items: int) -> Events:
+    gen = torch.Generator().manual_seed(n)
+    return Events(
+        item_ids=torch.randint(1, num_items + 1, (n,), generator=gen),
+        action_ids=torch.randint(1, 6, (n,), generator=gen),
+        timestamps=8.8e8 + torch.cumsum(torch.randint(0, 4000, (n,), generator=gen).double(), 0),
+    )
+
+
+def _meta_prefix(model: HSTURanker, history: Events) -> PrefixKV:
+    """A prefix of ``history``'s shape on the meta device: nothing is computed or allocated."""
+    cfg, n, meta = model.config, len(history), torch.device("meta")
+    return PrefixKV(
+        keys=[torch.empty(cfg.heads, n, cfg.attn_dim, dtype=model.dtype, device=meta) for _ in model.layers],
+        values=[
+            torch.empty(cfg.heads, n, cfg.linear_dim, dtype=model.dtype, device=meta) for _ in model.layers
+        ],
+        positions=torch.empty(n, dtype=torch.int64, device=meta),
+        timestamps=torch.empty(n, dtype=torch.float64, device=meta),
+        length=n,
+        fingerprint=b"",
+        model_version=model.model_version,
+    )
+
+
+def count_ranking(model: HSTURanker, events: int, suffix: int, candidates: int, path: str) -> DispatchCounter:
+    """The operations one ranking of an ``events``-event history dispatches (``path``: ``relay``,
+    the last ``suffix`` events after a cached prefix; ``full``: no cache), ``model`` on the meta
+    device (``on_meta``)."""
+    if path not in ("relay", "full"):
+        raise ValueError(f"path must be relay or full, got {path!r}")
+    if not 0 <= suffix <= events:
+        raise ValueError(f"suffix {suffix} must be within the {events} events")
+    history = _history(events, model.config.num_items)
+    cands = torch.randint(1, model.config.num_items + 1, (candidates,), generator=torch.Generator())
+    when = float(history.timestamps[-1]) + 30.0
+    if model.device.type != "meta":
+        raise ValueError("count_ranking needs a model on the meta device (on_meta)")
+    cut = events - suffix
+    prefix = _meta_prefix(model, history.slice(0, cut))
+
+    def rank() -> None:
+        if path == "relay":
+            model.rank(prefix, history.slice(cut), cands, when)
+        else:
+            model.rank_full(history, cands, when)
+
+    with DispatchCounter():
+        rank()  # once first: the weights' derived form and the position table are built and kept
+    counter = DispatchCounter()
+    with counter:
+        rank()
+    return counter
+
+
+def on_meta(model: HSTURanker) -> HSTURanker:
+    """``model`` moved to the meta device (its version kept: prefixes are checked against it)."""
+    return model.to("meta")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--lengths", default=DEFAULT_LENGTHS, help="history lengths, comma separated")
+    parser.add_argument(
+        "--presets",
+        default=DEFAULT_PRESETS,
+        help=f"model shapes ({', '.join(sorted(PRESETS))}), comma separated",
+    )
+    parser.add_argument("--suffix", type=int, default=64, help="events after the cached prefix (relay)")
+    parser.add_argument("--candidates", type=int, default=128)
+    parser.add_argument("--by-op", action="store_true", help="also the count of each operation")
+
+
+def run(args: argparse.Namespace) -> int:
+    lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
+    names = [x.strip() for x in args.presets.split(",") if x.strip()]
+    shapes = [preset(name) for name in names]  # an unknown name fails before anything is counted
+    if any(n < args.suffix or n < 1 for n in lengths):
+        raise SystemExit(f"--lengths: every length must be at least --suffix ({args.suffix}) and 1")
+    for shape in shapes:
+        torch.manual_seed(0)
+        model = on_meta(HSTURanker(shape.config(dropout=0.0)).eval())
+        layers = model.config.layers
+        for n in lengths:
+            relay = count_ranking(model, n, args.suffix, args.candidates, "relay")
+            full = count_ranking(model, n, args.suffix, args.candidates, "full")
+            row = {
+                "bench": "launches",
+                "preset": shape.name,
+                "layers": layers,
+                "events": n,
+                "suffix": args.suffix,
+                "candidates": args.candidates,
+                "relay_ops": relay.total,
+                "full_ops": full.total,
+                "relay_limit": relay_limit(layers),
+                "full_limit": full_limit(layers),
+                "relay_ops_per_layer": round(relay.total / layers, 2),
+                "full_ops_per_layer": round(full.total / layers, 2),
+            }
+            if args.by_op:
+                row["relay_by_op"] = dict(relay.counts.most_common())
+                row["full_by_op"] = dict(full.counts.most_common())
+            print(json.dumps(row), flush=True)
+    return 0

@@ -1,0 +1,51 @@
+"""A ranking dispatches a bounded number of device operations, whatever the history length:
+``bench/launches.py`` counts them on the meta device (the model's own code, nothing computed)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from relaygr.bench.launches import DispatchCounter, count_ranking, full_limit, on_meta, relay_limit
+from relaygr.workers.model.model import HSTURanker
+from relaygr.workers.model.presets import preset
+
+LENGTHS = (1024, 8192, 32768)
+
+
+@functools.cache
+def _model(name: str) -> HSTURanker:
+    torch.manual_seed(0)
+    return on_meta(HSTURanker(preset(name).config(dropout=0.0)).eval())
+
+
+@pytest.mark.parametrize("name", ["small", "large"])
+def test_a_ranking_dispatches_a_bounded_count_the_same_at_every_length(name: str) -> None:
+    model = _model(name)
+    layers = model.config.layers
+    relay = [count_ranking(model, n, 64, 128, "relay").total for n in LENGTHS]
+    full = [count_ranking(model, n, 64, 128, "full").total for n in LENGTHS]
+    assert len(set(relay)) == 1 and len(set(full)) == 1, (relay, full)
+    assert relay[0] <= relay_limit(layers), relay
+    assert full[0] <= full_limit(layers), full
+
+
+def test_the_counter_counts_operations_not_views() -> None:
+    t = torch.ones(4, 6)
+    counter = DispatchCounter()
+    with counter:
+        u = t.view(6, 4).transpose(0, 1)[1:]
+        (u * 2).sum()
+    assert dict(counter.counts) == {"mul": 1, "sum": 1}
+
+
+def test_count_ranking_refuses_what_it_cannot_count() -> None:
+    model = _model("small")
+    with pytest.raises(ValueError, match="relay or full"):
+        count_ranking(model, 100, 10, 4, "half")
+    with pytest.raises(ValueError, match="suffix"):
+        count_ranking(model, 10, 20, 4, "relay")
+    with pytest.raises(ValueError, match="meta"):
+        count_ranking(HSTURanker(preset("small").config(dropout=0.0)), 100, 10, 4, "relay")
