@@ -50,7 +50,10 @@ from pathlib import Path
 
 from relaygr.bench.device_report import parse_json_lines, summarise, write_report
 
-TOTAL_BUDGET_S = 480.0
+BACKEND_ENV = "RELAYGR_ATTENTION_BACKEND"
+"""``relaygr.workers.kernels.interface.BACKEND_ENV``, named here so that the check starts without torch."""
+
+TOTAL_BUDGET_S = 490.0
 """Every step's budget together. With the grace a cut step gets to stop and ``RUN_MARGIN_S`` for
 what comes before the first step (the bundle unpacked, Python started), the check stays within
 ``RUN_LIMIT_S``."""
@@ -63,13 +66,14 @@ STOP_GRACE_S = 15.0
 
 BUDGETS_S = {
     "environment": 25.0,
+    "kernels": 60.0,
     "exactness": 35.0,
     "model": 85.0,
     "store": 40.0,
     "profile": 45.0,
-    "pipeline": 250.0,
+    "pipeline": 200.0,
 }
-PIPELINE_SENDING_S = 170.0
+PIPELINE_SENDING_S = 135.0
 """Of the pipeline step's budget, the time its points may take to send (``device_points``); the
 rest trains the model, calibrates it twice and starts the two pipelines."""
 XL_PRESET = "xl"
@@ -81,7 +85,8 @@ and on a shared 2-core machine its pipeline step alone took 160 s at a load of 1
 
 
 def budget_scale(args: argparse.Namespace) -> float:
-    return QUICK_BUDGET_SCALE if args.quick else 1.0
+    """Every budget's factor: the dry run's, times ``--budget-scale`` (a shorter lease)."""
+    return (QUICK_BUDGET_SCALE if args.quick else 1.0) * getattr(args, "budget_scale", 1.0)
 
 
 def budget_s(step: str, args: argparse.Namespace) -> float:
@@ -213,10 +218,22 @@ def _pipeline_commands(args: argparse.Namespace, work: Path) -> list[list[str]]:
         return commands
     # The points from the device's calibration, with the requests the stopping rule needs.
     sizing = [sys.executable, "-m", "relaygr.bench.device_points", "--model", str(model), "--device", args.device,
-              "--budget-ms", str(args.budget_ms), "--work", str(work / "points"), "--seconds", f"{PIPELINE_SENDING_S:g}"]  # fmt: skip
+              "--budget-ms", str(args.budget_ms), "--work", str(work / "points"), "--seconds", f"{PIPELINE_SENDING_S * getattr(args, 'budget_scale', 1.0):g}"]  # fmt: skip
     rest = ["--slo-ms", str(args.budget_ms), "--pipeline-warmup", "20", "--patience", "1"]
     commands.append([*sizing, "--", *common, *rest])
     return commands
+
+
+def _kernel_commands(args: argparse.Namespace) -> list[list[str]]:
+    """The attention kernel against its reference: the parity tests on this device, then one
+    layer's call timed per shape (``bench kernels``). The dry run times a tiny shape only."""
+    bench = [sys.executable, "-m", "relaygr.bench.kernels", "--device", args.device]
+    if args.quick:
+        return [bench]
+    tests = Path(__file__).resolve().parents[1] / "tests" / "test_kernels.py"
+    parity = [sys.executable, "-m", "pytest", "--noconftest", "-q", "-p", "no:cacheprovider", str(tests),
+              "-k", "cuda_kernel_matches or causal_skip or bad_input"]  # fmt: skip
+    return [*([parity] if tests.exists() else []), [*bench, "--repeats", "10"]]
 
 
 def _profile(args: argparse.Namespace, sizes: dict) -> list[str]:
@@ -275,6 +292,7 @@ def plan_steps(args: argparse.Namespace, work: Path) -> list[Step]:
             budget_s("environment", args),
             [[sys.executable, "-m", "relaygr.bench.device_probe", "--device", args.device]],
         ),
+        Step("kernels", budget_s("kernels", args), _kernel_commands(args), ("torch",), independent=True),
         Step(
             "exactness",
             budget_s("exactness", args),
@@ -406,6 +424,7 @@ def run_check(args: argparse.Namespace) -> dict:
         "out": str(out),
         "work": str(work),
         "steps": [],
+        "attention_backend": env.get(BACKEND_ENV) or "by device (the Triton kernel on CUDA)",
     }
     wanted = set(args.steps.split(",")) if args.steps else None
     t0 = time.monotonic()
@@ -423,6 +442,10 @@ def run_check(args: argparse.Namespace) -> dict:
             res.summary = summarise(step.name, rows, args)
         if step.name == "environment":
             env_ok = res.status == "ok"
+        if step.name == "kernels" and res.status in ("failed", "cut") and not args.quick:
+            # The model's steps run on the reference rather than on a kernel that failed its parity.
+            env[BACKEND_ENV] = "reference"
+            doc["attention_backend"] = f"reference: the kernels step {res.status} ({res.reason})"
         print(f"   {res.name}: {res.status} in {res.seconds:.1f} s {res.reason}", file=sys.stderr, flush=True)
         doc["steps"].append(res.__dict__)
         doc["seconds"] = round(time.monotonic() - t0, 1)
@@ -455,6 +478,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--quick", action="store_true", help="tiny sizes: the dry run (any machine; minutes on a CPU)"
     )
     parser.add_argument("--preset", default="large", help="model shape of workers.presets (default large)")
+    parser.add_argument(
+        "--budget-scale",
+        type=float,
+        default=1.0,
+        help="multiply every step's budget (and the points' sending time): below 1 for a lease shorter than 9 minutes",
+    )
     parser.add_argument("--budget-ms", type=int, default=50, help="the ranking budget (default 50 ms)")
     parser.add_argument("--model", type=Path, help="checkpoint for the pipeline step (default: trained here)")
     parser.add_argument("--work", type=Path, help="scratch folder (default: beside --out)")

@@ -198,6 +198,7 @@ def summarise(step: str, rows: list[dict], args: argparse.Namespace) -> dict:
     if step == "environment":
         return next((r for r in rows if r.get("bench") == "device-probe"), {})
     steps = {
+        "kernels": _kernels,
         "exactness": _exactness,
         "model": _model,
         "store": _store,
@@ -223,11 +224,35 @@ def _environment_md(s: dict) -> list[str]:
     ]
 
 
+def _kernels(rows: list[dict]) -> dict:
+    bench = next((r for r in rows if r.get("bench") == "kernels"), None)
+    return {"rows": bench["rows"], "dtype": bench.get("dtype")} if bench else {}
+
+
+KERNEL_FIELDS = (
+    "preset",
+    "kind",
+    "keys",
+    "reference_ms",
+    "triton_ms",
+    "triton_tflops",
+    "speedup",
+    "worst_diff",
+)
+
+
+def _kernels_md(s: dict) -> list[str]:
+    rows = [[r.get(k) for k in KERNEL_FIELDS] for r in s["rows"]]
+    return [f"one layer's attention call, {s.get('dtype')}:", table(list(KERNEL_FIELDS), rows, digits=4)]
+
+
 def _step_md(step: dict) -> list[str]:
     s = step.get("summary") or {}
     name = step["name"]
     if name == "environment":
         return _environment_md(s)
+    if name == "kernels" and s.get("rows"):
+        return _kernels_md(s)
     if name == "exactness" and s.get("rows"):
         rows = [
             [r["dtype"], r["history"], f"{r['max_abs_diff']:.2e}", r["top10_agreement"]] for r in s["rows"]
