@@ -62,6 +62,7 @@ from relaygr.workers.store.placement import (
     same_device,
 )
 from relaygr.workers.store.single_flight import FlightAbandoned, SingleFlight
+from relaygr.workers.store.staging import PinnedStaging, staging_for
 from relaygr.workers.store.tiers import DiskMeta, StoreKey
 
 log = logging.getLogger(__name__)
@@ -170,8 +171,10 @@ class PrefixStore:
         self._computes: SingleFlight[StoreKey, tuple[PrefixKV, Source]] = SingleFlight()
         self._loads: SingleFlight[StoreKey, Lookup] = SingleFlight()
         self._reader: ThreadPoolExecutor | None = None
+        self._staging: PinnedStaging | None = None
         if self.placement.disk is not None:
             self._reader = ThreadPoolExecutor(1, thread_name_prefix="prefix-store-disk-read")
+            self._staging = staging_for(dev)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -305,18 +308,26 @@ class PrefixStore:
         return Lookup(loaded, "disk", plan.invalidated)
 
     def _read_disk(self, key: StoreKey, meta: DiskMeta) -> PrefixKV | None:
+        """One sequential read of the blob file (into the pinned staging buffer on CUDA, else a
+        fresh buffer that becomes the prefix's memory), checked, decoded without a copy, and on
+        CUDA copied to the device layer by layer (``staging``)."""
         disk = self.placement.disk
         assert disk is not None
-        got = disk.read(key)
+        staging = self._staging
+        got = disk.read_into(key, None if staging is None else staging.alloc)
         if got is None:
             return None
-        blob, seq = got
-        prefix = decode(blob, expected_model_version=self.model_version)
+        read, seq = got
+        prefix = decode(
+            read.blob, expected_model_version=self.model_version, body_crc=read.body_crc, owned=True
+        )
         if prefix.length != meta.length or prefix.fingerprint != meta.fingerprint:
             if seq == meta.seq:
                 raise CodecError("bad_header", "blob does not match its index record")
             return None  # rewritten since the plan with another history: not what was validated
-        if self.device.type == "cpu":  # decoded here: no hop to the device executor for it
+        if staging is not None:
+            prefix = staging.to_device(prefix)
+        elif self.device.type == "cpu":  # decoded here: no hop to the device executor for it
             prefix = to_warm(prefix, self.device)
         return prefix
 
