@@ -51,6 +51,7 @@ from relaygr.workers.store.disk_writer import DiskWriter
 from relaygr.workers.store.kv_formats import check_format, cold_nbytes, to_warm
 from relaygr.workers.store.leases import LeaseTable
 from relaygr.workers.store.store_counters import StoreCounters
+from relaygr.workers.store.tier_costs import TierChoice
 from relaygr.workers.store.tiers import DiskMeta, DiskTier, MemoryTier, StoreKey
 
 log = logging.getLogger(__name__)
@@ -113,8 +114,10 @@ class PrefixPlacement:
         device: torch.device,
         clock: Callable[[], float],
         on_host: Callable[[StoreKey, Entry], None] | None = None,
+        tier_choice: TierChoice | None = None,
     ) -> None:
         self.config = config
+        self.tier_choice = tier_choice  # None: every tier is served
         self.model_version = model_version
         self.device = device
         self.clock = clock
@@ -291,10 +294,30 @@ class PrefixPlacement:
             if self._disk_has(key, entry):
                 self.counters["demotions_to_disk"] += 1
                 return
-            if self.writer.enqueue(key, entry.gen, entry.prefix):
+            if self._disk_worth(entry.prefix) and self.writer.enqueue(key, entry.gen, entry.prefix):
                 self.counters["demotions_to_disk"] += 1
                 return
         self.counters["evictions"] += 1
+
+    def _worth(self, tier: str, nbytes: int, length: int, from_length: int = 0) -> bool:
+        """The tier choice's verdict (True without one); a refusal is counted."""
+        choice = self.tier_choice
+        if choice is None or choice.worth(tier, nbytes, length, from_length):
+            return True
+        self.counters[f"skips_{tier}_slower"] += 1
+        return False
+
+    def _disk_worth(self, prefix: PrefixKV) -> bool:
+        """Whether reading ``prefix`` back from disk is predicted faster than recomputing it:
+        if not, it is not written (counted)."""
+        choice = self.tier_choice
+        if choice is None:
+            return True
+        nbytes = cold_nbytes(prefix, self.cold_format)
+        if choice.worth("disk", nbytes, prefix.length):
+            return True
+        self.counters["disk_writes_skipped_slower"] += 1
+        return False
 
     def _remove(self, key: StoreKey) -> Entry | None:
         entry = self._entries.pop(key, None)
@@ -359,6 +382,7 @@ class PrefixPlacement:
                 self.config.disk_write_policy == "write_through"
                 and tier in ("device", "host")
                 and self.writer is not None
+                and self._disk_worth(prefix)
             ):
                 self.writer.enqueue(key, gen, prefix)
             return tier
@@ -382,47 +406,46 @@ class PrefixPlacement:
 
     def plan(self, key: StoreKey, history: Events) -> Plan:
         """What a lookup of ``history`` must do: the longest valid prefix's place. Entries whose
-        history changed are dropped (memory) or hidden and deleted (disk), and counted."""
+        history changed are dropped (memory) or hidden and deleted (disk), and counted. A valid
+        entry in a tier the tier choice predicts slower than recomputing is not served (counted
+        in ``skips_<tier>_slower``); it stays where it is."""
         n = len(history)
         fps: dict[int, bytes] = {}
 
-        def fp(length: int) -> bytes:
+        def valid(length: int, fingerprint: bytes) -> bool:
             if length not in fps:
                 fps[length] = history_fingerprint(history, length)
-            return fps[length]
+            return fps[length] == fingerprint
 
         with self.lock:
             self._maybe_expire()
             invalidated = 0
-            best_len = -1
-            plan = Plan("done")
+            best_len, plan = -1, Plan("done")
             entry = self._entries.get(key)
-            if entry is not None:
+            if entry is not None and entry.prefix.length <= n:
                 length = entry.prefix.length
-                if length <= n:
-                    if fp(length) == entry.prefix.fingerprint:
-                        best_len = length
-                        plan = Plan("device" if entry.tier == "device" else "host", entry=entry)
-                    else:
-                        # The history changed under this prefix: useless now and later.
-                        self._remove(key)
-                        invalidated += 1
+                if not valid(length, entry.prefix.fingerprint):
+                    self._remove(key)  # the history changed under it: useless now and later
+                    invalidated += 1
+                elif entry.tier == "device":
+                    best_len, plan = length, Plan("device", entry=entry)
+                elif self._worth("host", entry.nbytes, length):
+                    best_len, plan = length, Plan("host", entry=entry)
             if self.writer is not None and self.disk is not None:
                 pend = self.writer.pending_prefix(key)
-                if (
-                    pend is not None
-                    and best_len < pend[1].length <= n
-                    and fp(pend[1].length) == pend[1].fingerprint
-                ):
-                    best_len = pend[1].length
-                    plan = Plan("pending", pending=pend)
+                if pend is not None and best_len < pend[1].length <= n:
+                    p = pend[1]
+                    if valid(p.length, p.fingerprint) and self._worth(
+                        "host", p.nbytes(), p.length, max(best_len, 0)
+                    ):
+                        best_len, plan = p.length, Plan("pending", pending=pend)
                 meta = self.disk.meta(key)
                 if meta is not None and best_len < meta.length <= n:
-                    if fp(meta.length) == meta.fingerprint:
-                        plan = Plan("disk", disk_meta=meta)
-                    else:
+                    if not valid(meta.length, meta.fingerprint):
                         self._discard_disk(key, meta.seq)
                         invalidated += 1
+                    elif self._worth("disk", meta.nbytes, meta.length, max(best_len, 0)):
+                        plan = Plan("disk", disk_meta=meta)
             plan.invalidated = invalidated
             if invalidated:
                 self.counters["invalidations"] += invalidated

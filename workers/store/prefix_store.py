@@ -19,6 +19,8 @@ Primitives:
   - ``forget(user_ids)``: drop these users' prefixes from every tier, leases included (the
     histories they were computed from are gone).
   - ``persist(timeout_s)``: write what the disk lacks and wait for it (for a successor to adopt).
+  - ``set_tier_choice(choice)``: the expander's choice (``tier_costs``): a tier predicted slower
+    than recomputing serves no lookup and (disk) takes no write; counted.
   - ``put``, ``cached_length``, ``in_flight``, ``wait_in_flight``, ``where``, ``expire_leases``, ``metrics``,
     ``flush``, ``close``.
 - ``Lookup``: a lookup's result; ``LeaseResult`` (from ``placement``): a lease's.
@@ -63,6 +65,7 @@ from relaygr.workers.store.placement import (
 )
 from relaygr.workers.store.single_flight import FlightAbandoned, SingleFlight
 from relaygr.workers.store.staging import PinnedStaging, staging_for
+from relaygr.workers.store.tier_costs import TierChoice
 from relaygr.workers.store.tiers import DiskMeta, StoreKey
 
 log = logging.getLogger(__name__)
@@ -144,7 +147,9 @@ class PrefixStore:
     """Tiered prefix store of one ranking worker. See the module docstring.
 
     ``executor`` runs host/device copies (pass the worker's device executor so copies queue with
-    model work); ``clock`` is the monotonic clock leases expire on (tests inject one).
+    model work); ``clock`` is the monotonic clock leases expire on (tests inject one);
+    ``tier_choice`` (``tier_costs``; also ``set_tier_choice``) keeps lookups and disk writes off a
+    tier predicted slower than recomputing (None: every tier serves).
     """
 
     def __init__(
@@ -154,6 +159,7 @@ class PrefixStore:
         *,
         executor: Executor | None = None,
         clock: Callable[[], float] = time.monotonic,
+        tier_choice: TierChoice | None = None,
     ) -> None:
         self.config = config
         self.model_version = model_version
@@ -166,7 +172,12 @@ class PrefixStore:
         self._own_executor = executor is None
         self._executor = executor or ThreadPoolExecutor(1, thread_name_prefix="prefix-store-copy")
         self.placement = PrefixPlacement(
-            config, model_version, device=dev, clock=clock, on_host=self._schedule_host_copy
+            config,
+            model_version,
+            device=dev,
+            clock=clock,
+            on_host=self._schedule_host_copy,
+            tier_choice=tier_choice,
         )
         self._computes: SingleFlight[StoreKey, tuple[PrefixKV, Source]] = SingleFlight()
         self._loads: SingleFlight[StoreKey, Lookup] = SingleFlight()
@@ -175,6 +186,11 @@ class PrefixStore:
         if self.placement.disk is not None:
             self._reader = ThreadPoolExecutor(1, thread_name_prefix="prefix-store-disk-read")
             self._staging = staging_for(dev)
+
+    def set_tier_choice(self, choice: TierChoice | None) -> None:
+        """Use ``choice`` from now on (the worker sets it once its latency model is known)."""
+        with self.placement.lock:
+            self.placement.tier_choice = choice
 
     def _check_open(self) -> None:
         if self._closed:
