@@ -14,7 +14,8 @@ Primitives:
     from a pending disk write, read the disk, or miss), dropping entries whose history changed.
   - ``promoted(key, plan, moved)`` / ``loaded(key, prefix)`` / ``corrupt(key, seq)``: the
     outcome of the copy or read a plan asked for.
-  - ``forget(user_ids)``, ``cached_length``, ``where``, ``metrics``, ``layout``, ``persist_unwritten``.
+  - ``forget(user_ids)``, ``cached_length``, ``where``, ``entry_device``, ``metrics``, ``layout``,
+    ``persist_unwritten``.
 - ``Entry``, ``Plan``, ``LeaseResult``: its records.
 
 The device tier holds prefixes as computed, host and disk in the cold format (``kv_formats``);
@@ -581,6 +582,13 @@ class PrefixPlacement:
         if self.disk is not None and self.disk.meta(key) is not None:
             return "disk"
         return None
+
+    def entry_device(self, user_id: UserId) -> torch.device | None:
+        """The device the tensors of ``user_id``'s memory entry are on (a host entry keeps its
+        device tensors until its copy to host lands), or None without one."""
+        with self.lock:
+            entry = self._entries.get(self.key(user_id))
+            return None if entry is None else entry.prefix.device
 
     def layout(self) -> dict[str, Any]:
         """Keys per tier (device and host in LRU order), keys on their way to disk, and the

@@ -22,7 +22,7 @@ Primitives:
   - ``set_tier_choice(choice)``: the expander's choice (``tier_costs``): a tier predicted slower
     than recomputing serves no lookup and (disk) takes no write; counted.
   - ``put``, ``cached_length``, ``in_flight``, ``wait_in_flight``, ``where``, ``expire_leases``, ``metrics``,
-    ``flush``, ``close``.
+    ``flush``, ``settle`` (host copies too), ``close``.
 - ``Lookup``: a lookup's result; ``LeaseResult`` (from ``placement``): a lease's.
 
 The parts beside it: the placement core (``placement``), the tiers (``tiers``: byte-budgeted LRU
@@ -438,6 +438,12 @@ class PrefixStore:
         return self.placement.metrics()
 
     # ------------------------------------------------------------------ shutdown
+
+    def settle(self, timeout_s: float | None = None) -> None:
+        """Block until every copy to host queued so far has landed (and every disk write)."""
+        if not self._closed:
+            self._executor.submit(lambda: None).result(timeout_s)
+        self.flush(timeout_s)
 
     def flush(self, timeout_s: float | None = None) -> None:
         """Block until every disk write queued so far has landed."""
