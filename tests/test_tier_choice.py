@@ -23,7 +23,7 @@ from test_prefix_store import MV, NB10, history, make_store, prefix_for, same
 from relaygr.workers.model.model import HSTURanker
 from relaygr.workers.prefix_kv import Events
 from relaygr.workers.store import blob_files
-from relaygr.workers.store.blob_files import BlobFiles, aligned_buffer
+from relaygr.workers.store.blob_files import BlobFiles, RecyclingBuffers, aligned_buffer
 from relaygr.workers.store.kv_codec import CodecError, decode, encode
 from relaygr.workers.store.prefix_store import PrefixStore, PrefixStoreConfig
 from relaygr.workers.store.tier_costs import (
@@ -269,3 +269,14 @@ def test_the_default_costs_never_skip_a_large_prefix_on_this_path() -> None:
     choice = TierChoice(DEFAULT_TIER_COSTS, lambda n: 100.0 * n / 4096)
     assert choice.worth("disk", 64 << 20, 4096)
     assert not choice.worth("disk", 64 << 20, 2048)
+
+
+def test_a_read_buffer_is_reused_only_once_nothing_views_it() -> None:
+    pool = RecyclingBuffers(keep=2)
+    first = torch.frombuffer(pool.alloc(10_000), dtype=torch.uint8)  # as a decoded prefix holds it
+    second = torch.frombuffer(pool.alloc(10_000), dtype=torch.uint8)
+    assert first.data_ptr() != second.data_ptr()  # the first is still viewed
+    address = first.data_ptr()
+    del first
+    assert torch.frombuffer(pool.alloc(8_000), dtype=torch.uint8).data_ptr() == address
+    assert torch.frombuffer(pool.alloc(10_000), dtype=torch.uint8).data_ptr() != second.data_ptr()

@@ -51,6 +51,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from relaygr.workers.prefix_kv import Events, PrefixKV, history_fingerprint
+from relaygr.workers.store.blob_files import RecyclingBuffers
 from relaygr.workers.store.kv_codec import CodecError, decode
 from relaygr.workers.store.kv_formats import ColdFormat, to_cold, to_warm
 from relaygr.workers.store.leases import DEFAULT_LEASE_TTL_S
@@ -183,9 +184,11 @@ class PrefixStore:
         self._loads: SingleFlight[StoreKey, Lookup] = SingleFlight()
         self._reader: ThreadPoolExecutor | None = None
         self._staging: PinnedStaging | None = None
+        self._read_buffers: RecyclingBuffers | None = None
         if self.placement.disk is not None:
             self._reader = ThreadPoolExecutor(1, thread_name_prefix="prefix-store-disk-read")
             self._staging = staging_for(dev)
+            self._read_buffers = RecyclingBuffers()
 
     def set_tier_choice(self, choice: TierChoice | None) -> None:
         """Use ``choice`` from now on (the worker sets it once its latency model is known)."""
@@ -325,12 +328,12 @@ class PrefixStore:
 
     def _read_disk(self, key: StoreKey, meta: DiskMeta) -> PrefixKV | None:
         """One sequential read of the blob file (into the pinned staging buffer on CUDA, else a
-        fresh buffer that becomes the prefix's memory), checked, decoded without a copy, and on
+        recycled buffer that becomes the prefix's memory), checked, decoded without a copy, and on
         CUDA copied to the device layer by layer (``staging``)."""
         disk = self.placement.disk
         assert disk is not None
-        staging = self._staging
-        got = disk.read_into(key, None if staging is None else staging.alloc)
+        staging, buffers = self._staging, self._read_buffers
+        got = disk.read_into(key, staging.alloc if staging is not None else buffers and buffers.alloc)
         if got is None:
             return None
         read, seq = got
