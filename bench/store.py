@@ -320,8 +320,7 @@ async def _host_to_device(pa: PrefixKV, pb: PrefixKV, ha: Events, hb: Events, re
         s.put("b", pb)
 
         def in_host_memory(user: str) -> bool:
-            on = s.placement.entry_device(user)
-            return s.where(user) == "host" and on is not None and on.type == "cpu"
+            return s.placement.key(user) in s.placement.layout()["host_in_memory"]
 
         samples, unexpected = await _promotions(s, [("a", ha), ("b", hb)], "host", repeats, in_host_memory)
         promotions = s.metrics()["promotions_host_to_device"]

@@ -280,3 +280,17 @@ def test_a_read_buffer_is_reused_only_once_nothing_views_it() -> None:
     del first
     assert torch.frombuffer(pool.alloc(8_000), dtype=torch.uint8).data_ptr() == address
     assert torch.frombuffer(pool.alloc(10_000), dtype=torch.uint8).data_ptr() != second.data_ptr()
+
+
+def test_a_calibration_with_tier_costs_is_read_back(tmp_path) -> None:
+    from relaygr.workers.engine.calibration import calibrate_and_save
+
+    model = HSTURanker(_config()).eval()
+    out = tmp_path / "calibration.json"
+    calibrate_and_save(
+        model, out, lengths=(16, 32, 64), candidates=4, repeats=1, tier_costs_dir=tmp_path / "d"
+    )
+    costs = TierCosts.from_calibration(out)
+    assert costs is not None and costs.source == "measured" and costs.disk_bytes_per_s > 0
+    calibrate_and_save(model, out, lengths=(16, 32, 64), candidates=4, repeats=1)
+    assert TierCosts.from_calibration(out) is None  # not asked for: not measured

@@ -14,6 +14,7 @@ Primitives:
   tensors are moved first, then decoded there: fewer bytes cross the bus). int8 blocks that lie
   back to back (as ``to_cold`` and the disk codec lay them out) move in one copy and decode in one
   multiplication for all layers.
+- ``same_device(a, b)``: one device (``cuda`` and ``cuda:0`` alike).
 - ``cold_nbytes(prefix, fmt)``: the bytes of ``to_cold(prefix, fmt)`` without building it.
 - ``token_bytes(layers, heads, attn_dim, linear_dim, dtype, fmt)``: bytes one cached token takes in
   a format (what ``relaygr plan`` multiplies by history lengths).
@@ -35,6 +36,10 @@ _INT8_MAX = 127
 _SCALE_DTYPE = torch.float16
 _MIN_SCALE = 2.0**-24  # the smallest float16 subnormal: an all-zero block stays exactly zero
 _SMALL_POSITIONS = torch.int32
+
+
+def same_device(a: torch.device, b: torch.device) -> bool:
+    return a.type == b.type and (a.index or 0) == (b.index or 0)
 
 
 def check_format(fmt: str) -> ColdFormat:

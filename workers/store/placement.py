@@ -1,11 +1,10 @@
 """The prefix store's placement core: which tier holds each user's prefix, decided synchronously.
 
 Primitives:
-- ``PrefixPlacement(config, model_version, device=..., clock=..., on_host=...)``: one entry per key
-  ``(user_id, model_version)`` in at most one memory tier (device or host) plus, optionally, a copy
-  on disk (the RocksDB tier and its write-back queue, ``disk_writer``). Every method takes
-  ``lock`` (reentrant: the orchestration above holds it around decisions of several steps) and
-  returns without waiting for anything but the lock; no asyncio here.
+- ``PrefixPlacement(config, model_version, device=, clock=, on_host=, tier_choice=)``: one entry
+  per key ``(user_id, model_version)`` in at most one memory tier (device or host) plus, optionally,
+  a copy on disk (``tiers.DiskTier`` and its write-back queue, ``disk_writer``). Every method takes
+  ``lock`` (reentrant) and returns without waiting for anything but the lock; no asyncio here.
   - ``lease(user_id, ttl_s, expected_bytes) -> LeaseResult`` / ``release(user_id)`` /
     ``expire(now)``: pins and their device-byte reservations.
   - ``put(user_id, prefix, keep_longer=False) -> tier`` and ``put_computed(user_id, prefix,
@@ -14,15 +13,15 @@ Primitives:
     from a pending disk write, read the disk, or miss), dropping entries whose history changed.
   - ``promoted(key, plan, moved)`` / ``loaded(key, prefix)`` / ``corrupt(key, seq)``: the
     outcome of the copy or read a plan asked for.
-  - ``forget(user_ids)``, ``cached_length``, ``where``, ``entry_device``, ``metrics``, ``layout``,
-    ``persist_unwritten``.
-- ``Entry``, ``Plan``, ``LeaseResult``: its records.
+  - ``forget(user_ids)``, ``cached_length``, ``where``, ``metrics``, ``layout``, ``persist_unwritten``.
+- ``Entry``, ``Plan``: its records (``LeaseResult``: ``leases``').
 
 The device tier holds prefixes as computed, host and disk in the cold format (``kv_formats``);
 every tier's byte counts (budgets, room-making, metrics) are the bytes it stores.
 
 Placement and eviction policy (LRU per tier, pins respected): an entry goes to the highest tier
-whose budget can take it. Making room on the device demotes the least recently used *unpinned*
+whose budget can take it; a tier the tier choice (``tier_costs``) predicts slower than recomputing
+serves no lookup and (disk) takes no write. Making room on the device demotes the least recently used *unpinned*
 device entry to host; making room on host demotes the least recently used *unleased* host entry
 to disk (an asynchronous write, skipped when the disk already holds that exact prefix); the disk
 tier deletes its own least recently used entries. Any use promotes an entry back to the device.
@@ -49,8 +48,8 @@ import torch
 
 from relaygr.workers.prefix_kv import Events, PrefixKV, history_fingerprint
 from relaygr.workers.store.disk_writer import DiskWriter
-from relaygr.workers.store.kv_formats import check_format, cold_nbytes, to_warm
-from relaygr.workers.store.leases import LeaseTable
+from relaygr.workers.store.kv_formats import check_format, cold_nbytes, same_device, to_warm
+from relaygr.workers.store.leases import LeaseResult, LeaseTable
 from relaygr.workers.store.store_counters import StoreCounters
 from relaygr.workers.store.tier_costs import TierChoice
 from relaygr.workers.store.tiers import DiskMeta, DiskTier, MemoryTier, StoreKey
@@ -59,21 +58,6 @@ log = logging.getLogger(__name__)
 
 UserId = int | str
 Tier = Literal["device", "host", "disk"]
-
-
-@dataclass(frozen=True)
-class LeaseResult:
-    """Outcome of ``lease``. ``reason``: admitted, renewed or pinned_budget_exceeded."""
-
-    admitted: bool
-    reason: str
-    expires_at: float | None
-    reserved_bytes: int
-    pinned_bytes: int
-    budget_bytes: int
-
-    def __bool__(self) -> bool:
-        return self.admitted
 
 
 @dataclass
@@ -96,10 +80,6 @@ class Plan:
     pending: tuple[int, PrefixKV] | None = None
     disk_meta: DiskMeta | None = None
     invalidated: int = 0
-
-
-def same_device(a: torch.device, b: torch.device) -> bool:
-    return a.type == b.type and (a.index or 0) == (b.index or 0)
 
 
 class PrefixPlacement:
@@ -295,29 +275,22 @@ class PrefixPlacement:
             if self._disk_has(key, entry):
                 self.counters["demotions_to_disk"] += 1
                 return
-            if self._disk_worth(entry.prefix) and self.writer.enqueue(key, entry.gen, entry.prefix):
+            if self._worth(
+                "disk", self.host_bytes(entry.prefix), entry.prefix.length, write=True
+            ) and self.writer.enqueue(key, entry.gen, entry.prefix):
                 self.counters["demotions_to_disk"] += 1
                 return
         self.counters["evictions"] += 1
 
-    def _worth(self, tier: str, nbytes: int, length: int, from_length: int = 0) -> bool:
-        """The tier choice's verdict (True without one); a refusal is counted."""
+    def _worth(
+        self, tier: str, nbytes: int, length: int, from_length: int = 0, *, write: bool = False
+    ) -> bool:
+        """The tier choice's verdict on serving (``write``: storing) ``length`` events in ``nbytes``
+        from ``tier`` (True without a choice); a refusal is counted."""
         choice = self.tier_choice
         if choice is None or choice.worth(tier, nbytes, length, from_length):
             return True
-        self.counters[f"skips_{tier}_slower"] += 1
-        return False
-
-    def _disk_worth(self, prefix: PrefixKV) -> bool:
-        """Whether reading ``prefix`` back from disk is predicted faster than recomputing it:
-        if not, it is not written (counted)."""
-        choice = self.tier_choice
-        if choice is None:
-            return True
-        nbytes = cold_nbytes(prefix, self.cold_format)
-        if choice.worth("disk", nbytes, prefix.length):
-            return True
-        self.counters["disk_writes_skipped_slower"] += 1
+        self.counters["disk_writes_skipped_slower" if write else f"skips_{tier}_slower"] += 1
         return False
 
     def _remove(self, key: StoreKey) -> Entry | None:
@@ -383,7 +356,7 @@ class PrefixPlacement:
                 self.config.disk_write_policy == "write_through"
                 and tier in ("device", "host")
                 and self.writer is not None
-                and self._disk_worth(prefix)
+                and self._worth("disk", self.host_bytes(prefix), prefix.length, write=True)
             ):
                 self.writer.enqueue(key, gen, prefix)
             return tier
@@ -583,20 +556,16 @@ class PrefixPlacement:
             return "disk"
         return None
 
-    def entry_device(self, user_id: UserId) -> torch.device | None:
-        """The device the tensors of ``user_id``'s memory entry are on (a host entry keeps its
-        device tensors until its copy to host lands), or None without one."""
-        with self.lock:
-            entry = self._entries.get(self.key(user_id))
-            return None if entry is None else entry.prefix.device
-
     def layout(self) -> dict[str, Any]:
-        """Keys per tier (device and host in LRU order), keys on their way to disk, and the
-        leases as ``{key: (expires_at, reserved_bytes)}``: for tests and debugging."""
+        """Keys per tier (device and host in LRU order; ``host_in_memory``: those whose tensors
+        left the device), keys on their way to disk, leases as ``{key: (expires_at, reserved)}``."""
         with self.lock:
             return {
                 "device": self._device_tier.keys(),
                 "host": self._host_tier.keys(),
+                "host_in_memory": [
+                    k for k in self._host_tier.lru_keys() if self._entries[k].prefix.device.type == "cpu"
+                ],
                 "pending": self.writer.pending_keys() if self.writer is not None else [],
                 "disk": self.disk.list_keys() if self.disk is not None else [],
                 "leases": {k: (v.expires_at, v.reserved) for k, v in self._leases.items()},
