@@ -50,6 +50,7 @@ from relaygr.workers.model.presets import PRESETS, resolve_shape
 from relaygr.workers.prefix_kv import Events, PrefixKV, history_fingerprint
 from relaygr.workers.store import prefix_store as prefix_store_module
 from relaygr.workers.store.prefix_store import PrefixStore, PrefixStoreConfig
+from relaygr.workers.store.tier_costs import TierCosts, measure_tier_costs
 
 STORE_SHAPE = {"layers": 4, "dim": 128, "heads": 2}  # without --preset
 
@@ -220,7 +221,9 @@ def disk_link(folder: str, nbytes: int, repeats: int = 3) -> dict[str, float | N
 
 
 def measure_links(device: torch.device, folder: str, nbytes: int) -> dict[str, Any]:
+    """The links, and the store's tier costs as ``relaygr calibrate --tier-costs`` measures them."""
     return {
+        "tier_costs": measure_tier_costs(folder, device, min(nbytes, 64 << 20)).to_dict(),
         "host_to_device_bytes_per_s": host_to_device_link(device, nbytes),
         "disk": disk_link(folder, nbytes),
         "bytes": nbytes,
@@ -440,6 +443,12 @@ def _judge(row: dict[str, Any], tolerance: float) -> None:
             )
         if not row[tier]["n"]:
             errors.append(f"{tier}: no promotion was served from the tier measured")
+    row["expander_choice"] = expander_choice(row, TierCosts.from_dict(links["tier_costs"]))
+    errors += [
+        f"expander: serves {t} although it is slower"
+        for t, c in row["expander_choice"].items()
+        if not c["matches"]
+    ]
     row["errors"] = errors
     fraction = {k: c["fraction_of_link"] for k, c in row["link_check"].items()}
     row["meets"] = {
@@ -451,6 +460,26 @@ def _judge(row: dict[str, Any], tolerance: float) -> None:
         f"{copy}_ge_0.7_of_link": fraction.get(copy, 0.0) >= TARGETS["host_to_device_fraction_of_link"],
         "no_figure_faster_than_its_link": not any(not c["accepted"] for c in row["link_check"].values()),
     }
+
+
+def expander_choice(row: dict[str, Any], costs: TierCosts) -> dict[str, dict[str, Any]]:
+    """Per cold tier measured: the promotion time the tier costs predict, whether the expander
+    would serve from it (predicted faster than the measured recompute), whether it is faster, and
+    whether the two agree."""
+    rec = row["recompute"]["median_ms"]
+    out = {}
+    for tier, nbytes in (("host_to_device", row["prefix_bytes"]), ("disk", row["disk_blob_bytes"])):
+        if not row[tier]["n"] or (tier == "host_to_device" and not row["host_to_device_moves_bytes"]):
+            continue
+        predicted = costs.promote_ms("host" if tier == "host_to_device" else "disk", nbytes)
+        serves, faster = predicted < rec, row[tier]["median_ms"] < rec
+        out[tier] = {
+            "predicted_ms": predicted,
+            "serves": serves,
+            "faster": faster,
+            "matches": serves == faster,
+        }
+    return out
 
 
 def _print_table(rows: list[dict[str, Any]]) -> None:
