@@ -11,7 +11,8 @@ Primitives:
   at about 0.8 GB/s; docs/store.md).
 - ``measure_tier_costs(folder, device, nbytes=64 MiB, repeats=3) -> TierCosts``: this machine's
   figures: a large buffer copied to ``device`` (pinned on CUDA), and a blob file of ``nbytes`` in
-  ``folder`` read cold (its pages dropped first) the way the disk tier reads it, checksum included.
+  ``folder`` read cold (its pages dropped first) the way the disk tier reads it (staging buffer,
+  checksum and copy to the device included).
 - ``TierChoice(costs, recompute_ms)``: ``worth(tier, nbytes, length, from_length=0)`` is True when
   promoting ``nbytes`` from ``tier`` is predicted faster than computing the prefix's ``length``
   events from a valid ``from_length``-event prefix (``recompute_ms(length) -
@@ -25,7 +26,6 @@ import os
 import statistics
 import tempfile
 import time
-import zlib
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -33,7 +33,9 @@ from typing import Any
 
 import torch
 
-from relaygr.workers.store.blob_files import BlobFiles
+from relaygr.workers.store.blob_files import BlobFiles, RecyclingBuffers
+from relaygr.workers.store.kv_codec import crc32
+from relaygr.workers.store.staging import staging_for
 
 COLD_TIERS = ("host", "disk")
 
@@ -102,22 +104,28 @@ def _host_speed(device: torch.device, nbytes: int, repeats: int) -> float:
 
 
 def _disk_speed(folder: str, device: torch.device, nbytes: int, repeats: int) -> float:
+    """A cold read as the store's disk reader does it: into the pinned staging buffer and on to
+    the device on CUDA, else into a recycled buffer (its pages touched by an untimed first read)."""
+    staging = staging_for(device)
+    alloc = staging.alloc if staging is not None else RecyclingBuffers(keep=1).alloc
     with tempfile.TemporaryDirectory(prefix="tier-costs-", dir=folder) as tmp:
         files = BlobFiles(tmp)
         try:
             body = os.urandom(nbytes - 4)
-            files.write(1, body + zlib.crc32(body).to_bytes(4, "little"))
+            files.write(1, body + crc32(body).to_bytes(4, "little"))
             times = []
-            for _ in range(repeats):
+            for i in range(repeats + 1):
                 files.drop_cached(1)
                 _sync(device)
                 t0 = time.perf_counter()
-                got = files.read(1, nbytes)
+                got = files.read(1, nbytes, alloc)
                 assert got is not None
                 if device.type != "cpu":  # on a CPU the read buffer becomes the prefix
-                    torch.frombuffer(got.blob, dtype=torch.uint8).to(device, copy=True)
+                    torch.frombuffer(got.blob, dtype=torch.uint8).to(device, non_blocking=True)
                 _sync(device)
-                times.append(time.perf_counter() - t0)
+                if i:  # the first one touches the buffer's pages
+                    times.append(time.perf_counter() - t0)
+                del got
         finally:
             files.close()
     return nbytes / statistics.median(times)
