@@ -68,3 +68,29 @@ def test_disk_promotions_through_the_staging_buffer_are_exact(tmp_path, fmt: str
             assert store._staging is not None and store._staging.capacity > 0
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("fmt", ["exact", "int8"])
+def test_host_promotions_from_pinned_memory_are_exact(fmt: str) -> None:
+    hs = [_history(u, 2000) for u in range(2)]
+    ps = [_prefix(h, u) for u, h in enumerate(hs)]
+    nbytes = ps[0].nbytes()
+    config = PrefixStoreConfig(
+        device="cuda", device_budget_bytes=nbytes, host_budget_bytes=4 * nbytes, cold_kv_format=fmt
+    )
+
+    async def run() -> None:
+        with PrefixStore(config, "m1") as store:
+            store.put(0, ps[0])
+            store.put(1, ps[1])  # 0 goes to pinned host memory
+            for u in (0, 1, 0, 1):
+                store.settle()
+                got = await store.lookup(u, hs[u])
+                assert got.tier == "host" and got.prefix is not None
+                want = to_warm(to_cold(ps[u], fmt), torch.device("cuda"))
+                for a, b in zip(
+                    [*got.prefix.keys, *got.prefix.values], [*want.keys, *want.values], strict=True
+                ):
+                    assert torch.equal(a, b)  # on the default stream: ordered after the copies
+
+    asyncio.run(run())

@@ -45,6 +45,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Literal
 
 import torch
@@ -305,7 +306,10 @@ class PrefixStore:
                 src = plan.pending[1]
             moved = src
             if src.kv_format != "exact" or not same_device(src.device, self.device):
-                moved = await loop.run_in_executor(self._executor, to_warm, src, self.device)
+                # From pinned memory the copies queue on the stream without a wait for each; the
+                # model's work queued after them on that stream reads their result.
+                warm = partial(to_warm, non_blocking=self._pin and src.device.type == "cpu")
+                moved = await loop.run_in_executor(self._executor, warm, src, self.device)
             self.placement.promoted(key, plan, moved)
             return Lookup(moved, "host", plan.invalidated)
 
