@@ -26,7 +26,8 @@ Primitives:
 - ``Lookup``: a lookup's result; ``LeaseResult`` (from ``placement``): a lease's.
 
 The parts beside it: the placement core (``placement``), the tiers (``tiers``: byte-budgeted LRU
-maps and the RocksDB folder), the leases and their reservations (``leases``), the disk write-back
+maps and the disk tier's blob files with their RocksDB index; ``staging``: its CUDA read path;
+``tier_costs``: the tier choice), the leases and their reservations (``leases``), the disk write-back
 queue (``disk_writer``), single-flight (``single_flight``) and the counters (``store_counters``).
 
 Threading: placement state lives behind the core's lock; call the store from one asyncio loop
@@ -108,7 +109,7 @@ class PrefixStoreConfig(BaseModel):
     )
     host_budget_bytes: int = Field(4 << 30, ge=0, description="Byte budget of the host-memory tier.")
     disk_path: str | None = Field(
-        None, description="Folder of the RocksDB tier; None disables the disk tier."
+        None, description="Folder of the disk tier (blob files and their index); None disables it."
     )
     disk_budget_bytes: int = Field(16 << 30, ge=0, description="Byte budget of the disk tier (stored bytes).")
     default_lease_ttl_s: float = Field(
