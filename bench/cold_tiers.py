@@ -13,10 +13,10 @@ On the trained model (``--model``, default ``RELAYGR_MODEL_DIR``; trained first 
   top-10 overlap, and NDCG@10 of the relay ranking with the full ranking as the truth (graded
   relevance ``10 - rank`` for the full ranking's top 10). ``exact`` shows the float-rounding floor.
 - **bytes**: ``--store-users`` users' prefixes put into a real ``PrefixStore`` per format, once
-  into the host tier and once onto its RocksDB tier: the bytes the store accounts per cached user,
+  into the host tier and once onto its disk tier (blob files): the bytes the store accounts per cached user,
   and users per GB (10^9 bytes) relative to exact.
-- **promote**: the same users looked up from the disk tier only (``--promote-rounds`` rounds):
-  read, checksum, decode and (for bf16 / int8) decompression on the model's device, median and
+- **promote**: the same users looked up from the disk tier only (``--promote-rounds`` rounds), cold
+  (each file's pages dropped first): read, checksum, decode and (for bf16 / int8) decompression on the model's device, median and
   P99 ms per format, and the ratio to exact; once more for prefixes of ``--long-prefix`` events
   (``promote_long``: there the bytes read, checked and copied dominate the fixed costs).
 
@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from relaygr.tools.args import int_at_least
+from relaygr.workers.model.devices import synchronize
 from relaygr.workers.prefix_kv import Events, PrefixKV
 from relaygr.workers.store.kv_codec import decode, encode
 from relaygr.workers.store.kv_formats import COLD_FORMATS, to_cold, to_warm
@@ -197,10 +198,19 @@ def host_bytes_per_user(model: Any, prefixes: list[tuple[int, Events, PrefixKV]]
     return host["bytes_host"] / max(1, host["entries_host"])
 
 
+def _drop_cached(store: Any, user: int) -> None:
+    """Drop the pages of ``user``'s blob file from the page cache."""
+    disk = store.placement.disk
+    meta = disk.meta(store.placement.key(user))
+    if meta is not None:
+        disk.files.drop_cached(meta.seq)
+
+
 async def disk_tier_figures(
     model: Any, prefixes: list[tuple[int, Events, PrefixKV]], root: str, rounds: int
 ) -> dict[str, dict[str, float]]:
-    """Per format, disk bytes per cached user and promotion from disk: one store per format, the
+    """Per format, disk bytes per cached user and promotion from disk (cold reads: each file's pages
+    dropped before its lookup; the device synchronised around it): one store per format, the
     lookups interleaved (each user in every format in turn, the order rotating), so that whatever
     else the machine does falls on every format alike."""
     from relaygr.workers.store.prefix_store import PrefixStore, PrefixStoreConfig
@@ -231,10 +241,11 @@ async def disk_tier_figures(
             for u, history, _ in prefixes:
                 turn += 1
                 for fmt in COLD_FORMATS[turn % 3 :] + COLD_FORMATS[: turn % 3]:
+                    _drop_cached(stores[fmt], u)  # a cold read, as a returning user's is
+                    synchronize(model.device)
                     t0 = time.perf_counter()
                     found = await stores[fmt].lookup(u, history)
-                    if model.device.type == "cuda":
-                        torch.cuda.synchronize(model.device)
+                    synchronize(model.device)
                     times[fmt].append((time.perf_counter() - t0) * 1e3)
                     assert found.tier == "disk", found.tier
         disk = {f: s.metrics() for f, s in stores.items()}

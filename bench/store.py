@@ -1,25 +1,31 @@
-"""Prefix store tiers vs recompute: time to get a prefix's KV onto the device, per prefix length.
+"""Prefix store tiers vs recompute: time to get a prefix's KV onto the device, per prefix length,
+each figure checked against the link it crosses, measured in the same run.
 
 For each prefix length (``--lengths``, default 1k, 4k and 8k events) the benchmark builds one
 HSTU ranker (4 layers, dim 128 by default, or a ``--preset`` shape; random weights: timing does
-not depend on training)
-and measures, in one run:
+not depend on training) and measures, in one run:
 
+- ``links`` (once per run, in the disk folder): ``host_to_device``, a large pinned buffer copied to
+  the device (on a CPU-only machine: a single-threaded memory copy); ``disk``, the sequential read
+  of a large file in the same folder, cold: the better of ``O_DIRECT`` reads and buffered reads
+  after its pages were dropped (``posix_fadvise(DONTNEED)``);
 - ``recompute``: ``HSTURanker.prefill`` of the whole history (what a miss costs);
 - ``device``: ``PrefixStore.lookup`` of an entry already in the device tier, through the full
-  lookup path (lock, lease expiry check, fingerprint validation, LRU touch, metrics);
-  ``validate`` is the history's fingerprint alone (the validity check, proportional to length),
-  and ``store_overhead`` is the same device-tier lookup with that fingerprint precomputed: the
-  store's own bookkeeping;
-- ``host_to_device``: lookup of an entry in the host tier (promotion, demoting another entry);
-  on a CPU-only machine both tiers are CPU memory and promotion moves no bytes, so
-  ``host_copy`` also reports a forced single-threaded copy of every tensor of the prefix (what
-  moving that many bytes costs on this machine's memory bus, a stand-in for a real transfer);
-- ``disk``: lookup of an entry only on disk (RocksDB read, checksum, decode, placement); the
-  file is in the OS page cache after the first read, as on a worker re-reading hot users.
+  lookup path; ``validate`` is the history's fingerprint alone, and ``store_overhead`` the same
+  lookup with that fingerprint precomputed: the store's own bookkeeping;
+- ``host_to_device``: lookup of an entry in the host tier whose tensors are verified to be in host
+  memory (pinned on CUDA) before each timed promotion; on a CPU-only machine promotion moves no
+  bytes, so ``host_copy`` also reports a single-threaded copy of every tensor of the prefix;
+- ``disk``: lookup of an entry verified to be on disk only, its file's pages dropped first: a
+  cold read (the tier reads with ``O_DIRECT`` where the filesystem allows it), checksum, decode,
+  copy to the device and placement.
 
-Median and p99 in milliseconds, and each tier's speed-up over recompute. ``--json`` prints one
-JSON line per length.
+Every timed device operation synchronises before and after. Each promotion's tier is checked
+after it ran: a sample served from another tier is left out and reported (``unexpected_tiers``),
+never timed as the tier it was meant to measure. ``link_check`` gives each figure's bytes per
+second against its link's; a figure faster than its link (beyond ``--link-tolerance``) is an
+error (``errors``), not a result. Medians and p99 in milliseconds, and each tier's speed-up over
+recompute; ``--json`` prints one JSON line per length. The machine may be shared: medians.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import mmap
 import os
 import statistics
 import sys
@@ -42,11 +49,21 @@ from relaygr.workers.model.devices import keep_host_pages, synchronize
 from relaygr.workers.model.presets import PRESETS, resolve_shape
 from relaygr.workers.prefix_kv import Events, PrefixKV, history_fingerprint
 from relaygr.workers.store import prefix_store as prefix_store_module
+from relaygr.workers.store.kv_formats import COLD_FORMATS, cold_nbytes
 from relaygr.workers.store.prefix_store import PrefixStore, PrefixStoreConfig
+from relaygr.workers.store.tier_costs import TierCosts, measure_tier_costs
 
 STORE_SHAPE = {"layers": 4, "dim": 128, "heads": 2}  # without --preset
 
-TARGETS = {"host_to_device_speedup_4k": 10.0, "disk_speedup": 3.0, "store_overhead_ms": 0.2}
+TARGETS = {
+    "host_to_device_speedup_4k": 10.0,
+    "disk_speedup": 3.0,
+    "store_overhead_ms": 0.2,
+    "disk_fraction_of_link": 0.5,
+    "host_to_device_fraction_of_link": 0.7,
+}
+LINK_CHUNK = 64 << 20  # one read request of the disk link measurement
+CPU_CACHE_BYTES = 64 << 20  # a CPU memory copy of fewer bytes may run from the caches, past DRAM
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -70,12 +87,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--repeats", type=int, default=30, help="timed promotions / disk loads per length")
     parser.add_argument("--hit-repeats", type=int, default=2000, help="timed device-tier hits per length")
-    parser.add_argument("--disk-path", default=None, help="RocksDB folder (default: a temporary folder)")
+    parser.add_argument("--disk-path", default=None, help="disk tier folder (default: a temporary folder)")
+    parser.add_argument(
+        "--link-mb", type=int, default=256, help="size of the link measurements' buffer and file (MB)"
+    )
+    parser.add_argument(
+        "--link-tolerance",
+        type=float,
+        default=0.10,
+        help="how much faster than its link a figure may be before it is an error (default 0.10)",
+    )
+    parser.add_argument(
+        "--cold-format",
+        choices=COLD_FORMATS,
+        default="exact",
+        help="the host and disk tiers' format (default exact: the model's dtype)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="one JSON line per length")
 
 
 def _stats(samples_s: list[float]) -> dict[str, float]:
+    if not samples_s:
+        return {"median_ms": float("nan"), "p99_ms": float("nan"), "n": 0}
     ms = sorted(s * 1e3 for s in samples_s)
     p99 = ms[min(len(ms) - 1, round(0.99 * (len(ms) - 1)))]
     return {"median_ms": statistics.median(ms), "p99_ms": p99, "n": len(ms)}
@@ -89,195 +123,445 @@ def _history(n: int, num_items: int, gen: torch.Generator) -> Events:
     )
 
 
-def _sync(device: torch.device) -> None:
+def _timed(fn: Callable[[], Any], device: torch.device) -> float:
     synchronize(device)
+    t0 = time.perf_counter()
+    fn()
+    synchronize(device)
+    return time.perf_counter() - t0
 
 
-async def _time_async(fn: Callable[[], Awaitable[Any]], repeats: int, device: torch.device) -> list[float]:
-    out = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        await fn()
-        _sync(device)
-        out.append(time.perf_counter() - t0)
-    return out
+async def _timed_async(fn: Callable[[], Awaitable[Any]], device: torch.device) -> float:
+    synchronize(device)
+    t0 = time.perf_counter()
+    await fn()
+    synchronize(device)
+    return time.perf_counter() - t0
 
 
 def _clone(p: PrefixKV, device: torch.device) -> PrefixKV:
-    return PrefixKV(
-        keys=[k.to(device, copy=True) for k in p.keys],
-        values=[v.to(device, copy=True) for v in p.values],
-        positions=p.positions.to(device, copy=True),
-        timestamps=p.timestamps.to(device, copy=True),
-        length=p.length,
-        fingerprint=p.fingerprint,
-        model_version=p.model_version,
+    def move(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device, copy=True)
+
+    return replace(
+        p,
+        keys=[move(k) for k in p.keys],
+        values=[move(v) for v in p.values],
+        positions=move(p.positions),
+        timestamps=move(p.timestamps),
     )
 
 
-async def _measure_length(n: int, args: argparse.Namespace, model: Any, disk_root: str) -> dict[str, Any]:
-    device = model.device
-    gen = torch.Generator().manual_seed(args.seed + n)
-    ha, hb = _history(n, model.config.num_items, gen), _history(n, model.config.num_items, gen)
+# -- links ----------------------------------------------------------------------------------------
 
-    # recompute: the first prefill warms up and yields the prefix the store will serve; the
-    # second user's prefix reuses its tensors under its own history (the store never reads them)
-    pa = model.prefill(ha)
-    pb = replace(_clone(pa, device), timestamps=hb.timestamps.to(device), fingerprint=history_fingerprint(hb))
-    _sync(device)
-    recompute = []
-    for _ in range(args.recompute_repeats):
-        t0 = time.perf_counter()
-        model.prefill(ha)
-        _sync(device)
-        recompute.append(time.perf_counter() - t0)
-    nbytes = pa.nbytes()
-    version = model.model_version
 
-    # device-tier hit through the full lookup path, and the fingerprint alone
-    with PrefixStore(
-        PrefixStoreConfig(device=str(device), device_budget_bytes=4 * nbytes, host_budget_bytes=0), version
-    ) as s:
+def _one_thread(fn: Callable[[], float]) -> float:
+    """A memory-bound copy on one thread: a busy machine's thread barriers do not dominate."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def host_to_device_link(device: torch.device, nbytes: int, repeats: int = 5) -> tuple[float, float]:
+    """Bytes per second of a large copy to ``device`` into a buffer allocated beforehand: from
+    pinned memory on CUDA; on a CPU a single-threaded memory copy (the stand-in for a transfer).
+    The median and the best of ``repeats``."""
+    src = torch.ones(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def measure() -> list[float]:
+        dst.copy_(src, non_blocking=True)  # warm-up: first touch of the destination's pages
+        return [_timed(lambda: dst.copy_(src, non_blocking=True), device) for _ in range(repeats)]
+
+    times = _one_thread(measure) if device.type == "cpu" else measure()  # type: ignore[arg-type]
+    return nbytes / statistics.median(times), nbytes / min(times)
+
+
+def _read_file(path: str, buf: memoryview, direct: bool) -> float:
+    flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
+    fd = os.open(path, flags)
+    try:
+        if not direct:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        t0, done = time.perf_counter(), 0
+        while done < len(buf):
+            n = os.preadv(fd, [buf[done : done + LINK_CHUNK]], done)
+            if n == 0:
+                break
+            done += n
+        return done / (time.perf_counter() - t0)
+    finally:
+        os.close(fd)
+
+
+def disk_link(folder: str, nbytes: int, repeats: int = 3) -> dict[str, float | None]:
+    """Cold sequential read speed of a file of ``nbytes`` in ``folder``: ``O_DIRECT`` reads (None
+    where the filesystem refuses them) and buffered reads after dropping its pages; ``bytes_per_s``
+    is the better of the two medians, ``best_bytes_per_s`` the fastest read seen."""
+    nbytes -= nbytes % mmap.PAGESIZE
+    buf = memoryview(mmap.mmap(-1, nbytes))  # page-aligned, as O_DIRECT needs
+    fd, path = tempfile.mkstemp(prefix="link-", dir=folder)
+    try:
+        block = os.urandom(1 << 20)
+        for _ in range(nbytes >> 20):
+            os.write(fd, block)
+        os.fsync(fd)  # dirty pages cannot be dropped
+        os.close(fd)
+        buffered = [_read_file(path, buf, direct=False) for _ in range(repeats)]
+        try:
+            direct = [_read_file(path, buf, direct=True) for _ in range(repeats)]
+        except OSError:
+            direct = []
+    finally:
+        os.unlink(path)
+    medians = [statistics.median(buffered), statistics.median(direct) if direct else 0.0]
+    return {
+        "direct_bytes_per_s": medians[1] or None,
+        "buffered_cold_bytes_per_s": medians[0],
+        "bytes_per_s": max(medians),
+        "best_bytes_per_s": max(buffered + direct),
+    }
+
+
+def measure_links(device: torch.device, folder: str, nbytes: int) -> dict[str, Any]:
+    """The links, and the store's tier costs as ``relaygr calibrate --tier-costs`` measures them."""
+    return {
+        "tier_costs": measure_tier_costs(folder, device, min(nbytes, 64 << 20)).to_dict(),
+        **dict(
+            zip(
+                ("host_to_device_bytes_per_s", "host_to_device_best_bytes_per_s"),
+                host_to_device_link(device, nbytes),
+                strict=True,
+            )
+        ),
+        "disk": disk_link(folder, nbytes),
+        "bytes": nbytes,
+    }
+
+
+def check_links(
+    figures: dict[str, tuple[int, float]], links: dict[str, tuple[float, float]], tolerance: float
+) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """Each figure ``name -> (bytes moved, median seconds)`` against its link ``links[name] =
+    (median, best bytes per second)``: its speed, the fraction of the link's median, and whether
+    it is accepted (at most ``1 + tolerance`` times the fastest the link was seen to go). Returns
+    the checks and an error line per refused figure."""
+    checks: dict[str, dict[str, Any]] = {}
+    errors: list[str] = []
+    for name, (nbytes, seconds) in figures.items():
+        link, best = links[name]
+        speed = nbytes / seconds if seconds > 0 else float("inf")
+        accepted = speed <= best * (1 + tolerance)
+        checks[name] = {
+            "bytes_per_s": speed,
+            "link_bytes_per_s": link,
+            "link_best_bytes_per_s": best,
+            "fraction_of_link": speed / link,
+            "accepted": accepted,
+        }
+        if not accepted:
+            errors.append(
+                f"{name}: {nbytes / 1e6:.1f} MB in {seconds * 1e3:.3f} ms is {speed / 1e9:.2f} GB/s, faster "
+                f"than its link ever went ({best / 1e9:.2f} GB/s): the timing ends before the transfer does"
+            )
+    return checks, errors
+
+
+# -- per length -----------------------------------------------------------------------------------
+
+
+def _recompute(model: Any, h: Events, repeats: int) -> list[float]:
+    return [_timed(lambda: model.prefill(h), model.device) for _ in range(repeats)]
+
+
+async def _device_hits(
+    pa: PrefixKV, ha: Events, repeats: int, device: torch.device
+) -> dict[str, list[float]]:
+    """Device-tier hits through the full lookup path; the same with the fingerprint precomputed
+    (what the store itself adds); the fingerprint alone."""
+    n, nbytes = pa.length, pa.nbytes()
+    cfg = PrefixStoreConfig(device=str(device), device_budget_bytes=4 * nbytes, host_budget_bytes=0)
+    with PrefixStore(cfg, pa.model_version) as s:
         s.put("a", pa)
-        assert (await s.lookup("a", ha)).tier == "device"
-        device_hit = await _time_async(lambda: s.lookup("a", ha), args.hit_repeats, device)
-        # the same hits with the fingerprint precomputed: what the store itself adds
+        if (await s.lookup("a", ha)).tier != "device":
+            raise RuntimeError("bench store: the device-tier entry was not found on the device")
+        hits = [await _timed_async(lambda: s.lookup("a", ha), device) for _ in range(repeats)]
         known = {n: history_fingerprint(ha, n)}
         real_fp = prefix_store_module.history_fingerprint
         prefix_store_module.history_fingerprint = lambda h, k=None: known[k]
         try:
-            overhead = await _time_async(lambda: s.lookup("a", ha), args.hit_repeats, device)
+            overhead = [await _timed_async(lambda: s.lookup("a", ha), device) for _ in range(repeats)]
         finally:
             prefix_store_module.history_fingerprint = real_fp
-    validate = []
-    for _ in range(args.hit_repeats):
-        t0 = time.perf_counter()
-        history_fingerprint(ha, n)
-        validate.append(time.perf_counter() - t0)
+    validate = [_timed(lambda: history_fingerprint(ha, n), torch.device("cpu")) for _ in range(repeats)]
+    return {"device_hit": hits, "store_overhead": overhead, "validate": validate}
 
-    # host -> device: a device tier of one entry; each lookup promotes one and demotes the other
-    cfg = PrefixStoreConfig(device=str(device), device_budget_bytes=nbytes, host_budget_bytes=2 * nbytes)
-    with PrefixStore(cfg, version) as s:
+
+async def _promotions(
+    s: PrefixStore,
+    users: list[tuple[str, Events]],
+    want: str,
+    repeats: int,
+    ready: Callable[[str], bool],
+    lease_bytes: int = 0,
+) -> tuple[list[float], dict[str, int]]:
+    """Timed lookups alternating between ``users``; each one's promotion is timed only when
+    ``ready(user)`` held before it (the set-up put it where ``want`` says) and it was served from
+    ``want`` (verified after). With ``lease_bytes`` the room is made beforehand, untimed, as
+    pre-inference does: a lease of that many bytes (released after the lookup). Returns the
+    samples and the tiers of the promotions left out."""
+    samples: list[float] = []
+    unexpected: dict[str, int] = {}
+    for i in range(repeats):
+        user, h = users[i % len(users)]
+        if lease_bytes:
+            s.lease(user, 60.0, lease_bytes)
+        s.settle()
+        placed = ready(user)
+        tier = ""
+
+        async def lookup(user: str = user, h: Events = h) -> None:
+            nonlocal tier
+            tier = (await s.lookup(user, h)).tier
+
+        t = await _timed_async(lookup, s.device)
+        if lease_bytes:
+            s.release(user)
+        if placed and tier == want:
+            samples.append(t)
+        else:
+            key = tier if placed else f"{tier} (set-up: {s.where(user)})"
+            unexpected[key] = unexpected.get(key, 0) + 1
+    return samples, unexpected
+
+
+async def _host_to_device(
+    pa: PrefixKV, pb: PrefixKV, ha: Events, hb: Events, repeats: int, fmt: str
+) -> dict[str, Any]:
+    """A device tier of one entry and a host tier of two: before each lookup a lease makes room
+    (demoting the other entry, untimed), then the lookup promotes one from host memory (its
+    tensors verified there)."""
+    device, nbytes = pa.device, pa.nbytes()
+    cfg = PrefixStoreConfig(
+        device=str(device), device_budget_bytes=nbytes, host_budget_bytes=2 * nbytes, cold_kv_format=fmt
+    )
+    with PrefixStore(cfg, pa.model_version) as s:
         s.put("a", pa)
-        s.put("b", pb)  # "a" is now in host memory
+        s.put("b", pb)
+
+        def in_host_memory(user: str) -> bool:
+            return s.placement.key(user) in s.placement.layout()["host_in_memory"]
+
         users = [("a", ha), ("b", hb)]
-        tiers: list[str] = []
-
-        async def promote() -> None:
-            user, h = users[len(tiers) % 2]
-            tiers.append((await s.lookup(user, h)).tier)
-
-        host_to_device = await _time_async(promote, args.repeats, device)
-        assert set(tiers) == {"host"}, tiers
+        samples, unexpected = await _promotions(s, users, "host", repeats, in_host_memory, nbytes)
         promotions = s.metrics()["promotions_host_to_device"]
-    # A memory-bound copy: one thread, so that a busy machine's thread barriers do not dominate.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        host_copy = []
-        for _ in range(args.repeats):
-            t0 = time.perf_counter()
-            _clone(pa, device)
-            _sync(device)
-            host_copy.append(time.perf_counter() - t0)
-    finally:
-        torch.set_num_threads(threads)
+    return {"samples": samples, "unexpected": unexpected, "promotions": promotions}
 
-    # disk: memory tiers of one device entry and no host tier; each lookup loads from RocksDB
-    path = tempfile.mkdtemp(prefix=f"store-{n}-", dir=disk_root)
+
+async def _disk(
+    pa: PrefixKV, pb: PrefixKV, ha: Events, hb: Events, repeats: int, root: str, fmt: str
+) -> dict[str, Any]:
+    """A device tier of one entry, no host tier: each lookup reads one prefix from disk (verified to
+    be there alone, its file's pages dropped: a cold read) and the other leaves for disk."""
+    device, nbytes = pa.device, pa.nbytes()
     cfg = PrefixStoreConfig(
         device=str(device),
         device_budget_bytes=nbytes,
         host_budget_bytes=0,
-        disk_path=path,
+        disk_path=tempfile.mkdtemp(prefix=f"store-{pa.length}-", dir=root),
         disk_budget_bytes=8 * nbytes + (1 << 20),
+        disk_backlog_bytes=4 * nbytes,  # both write-throughs queue at once: none is dropped
         disk_write_policy="write_through",
+        persist_on_close=False,
+        cold_kv_format=fmt,
     )
-    with PrefixStore(cfg, version) as s:
+    with PrefixStore(cfg, pa.model_version) as s:
         s.put("a", pa)
         s.put("b", pb)
-        s.flush()
-        tiers = []
+        disk = s.placement.disk
+        assert disk is not None
 
-        async def load() -> None:
-            user, h = users[len(tiers) % 2]
-            got = await s.lookup(user, h)
-            tiers.append(got.tier)
+        def cold_on_disk(user: str) -> bool:
+            meta = disk.meta((user, pa.model_version))
+            if s.where(user) != "disk" or meta is None:
+                return False
+            disk.files.drop_cached(meta.seq)
+            return True
 
-        disk = await _time_async(load, args.repeats, device)
-        assert set(tiers) == {"disk"}, tiers
+        samples, unexpected = await _promotions(s, [("a", ha), ("b", hb)], "disk", repeats, cold_on_disk)
         m = s.metrics()
-        disk_bytes = m["disk_bytes_written"] // max(1, m["disk_writes"])
+    blob_bytes = m["disk_bytes_written"] // max(1, m["disk_writes"])
+    return {
+        "samples": samples,
+        "unexpected": unexpected,
+        "blob_bytes": blob_bytes,
+        "drops": m["disk_write_drops"],
+    }
 
-    rec = _stats(recompute)
+
+def _host_copy(pa: PrefixKV, repeats: int) -> list[float]:
+    """A single-threaded copy of every tensor of the prefix: what moving its bytes costs."""
+    return _one_thread(lambda: [_timed(lambda: _clone(pa, pa.device), pa.device) for _ in range(repeats)])  # type: ignore[return-value]
+
+
+async def _measure_length(
+    n: int, args: argparse.Namespace, model: Any, root: str, links: dict[str, Any]
+) -> dict[str, Any]:
+    device = model.device
+    gen = torch.Generator().manual_seed(args.seed + n)
+    ha, hb = _history(n, model.config.num_items, gen), _history(n, model.config.num_items, gen)
+    # The first prefill warms up and yields the prefix the store serves; the second user's reuses
+    # its tensors under its own history (the store never reads them).
+    pa = model.prefill(ha)
+    pb = replace(_clone(pa, device), timestamps=hb.timestamps.to(device), fingerprint=history_fingerprint(hb))
+    recompute = _recompute(model, ha, args.recompute_repeats)
+    hits = await _device_hits(pa, ha, args.hit_repeats, device)
+    host = await _host_to_device(pa, pb, ha, hb, args.repeats, args.cold_format)
+    host_copy = _host_copy(pa, args.repeats)
+    disk = await _disk(pa, pb, ha, hb, args.repeats, root, args.cold_format)
+    stats = {
+        "recompute": _stats(recompute),
+        **{k: _stats(v) for k, v in hits.items()},
+        "host_to_device": _stats(host["samples"]),
+        "host_copy": _stats(host_copy),
+        "disk": _stats(disk["samples"]),
+    }
     row: dict[str, Any] = {
         "bench": "store",
         "length": n,
-        "prefix_bytes": nbytes,
-        "disk_blob_bytes": disk_bytes,
+        "prefix_bytes": pa.nbytes(),
+        "disk_blob_bytes": disk["blob_bytes"],
+        "cold_format": args.cold_format,
+        "host_bytes": cold_nbytes(pa, args.cold_format),
         "device": str(device),
         "model": {"layers": model.config.layers, "dim": model.config.dim, "heads": model.config.heads},
-        "recompute": rec,
-        "device_hit": _stats(device_hit),
-        "validate": _stats(validate),
-        "store_overhead": _stats(overhead),
-        "host_to_device": _stats(host_to_device),
+        **stats,
         "host_to_device_moves_bytes": device.type != "cpu",
         # The host tier pins its tensors on CUDA (the store's default), so promotion is a DMA copy.
         "host_pinned": device.type == "cuda",
-        "host_copy": _stats(host_copy),
-        "disk": _stats(disk),
-        "promotions_counted": promotions,
+        "disk_reads": "cold (pages dropped before each read; the tier reads with O_DIRECT where it can)",
+        "unexpected_tiers": {"host_to_device": host["unexpected"], "disk": disk["unexpected"]},
+        "disk_write_drops": disk["drops"],
+        "promotions_counted": host["promotions"],
         "torch_threads": torch.get_num_threads(),
         "load_avg_1m": os.getloadavg()[0],
+        "links": links,
     }
-    row["store_overhead_ms"] = row["store_overhead"]["median_ms"]
+    _judge(row, args.link_tolerance)
+    return row
+
+
+def _judge(row: dict[str, Any], tolerance: float) -> None:
+    """Speed-ups over recompute, the link check, the errors and the targets met, into ``row``."""
+    rec = row["recompute"]["median_ms"]
     for tier in ("device_hit", "host_to_device", "host_copy", "disk"):
-        row[f"speedup_{tier}"] = rec["median_ms"] / max(row[tier]["median_ms"], 1e-9)
+        row[f"speedup_{tier}"] = rec / max(row[tier]["median_ms"], 1e-9)
+    row["store_overhead_ms"] = row["store_overhead"]["median_ms"]
+    links = row["links"]
+    figures = {"disk": (row["disk_blob_bytes"], row["disk"]["median_ms"] / 1e3)}
+    link_of = {"disk": (links["disk"]["bytes_per_s"], links["disk"]["best_bytes_per_s"])}
+    copy = "host_to_device" if row["host_to_device_moves_bytes"] else "host_copy"
+    moved = row["host_bytes"] if copy == "host_to_device" else row["prefix_bytes"]
+    figures[copy] = (moved, row[copy]["median_ms"] / 1e3)
+    link_of[copy] = (links["host_to_device_bytes_per_s"], links["host_to_device_best_bytes_per_s"])
+    # A CPU copy small enough for the caches is not held to the DRAM link.
+    cached = copy == "host_copy" and row["prefix_bytes"] < CPU_CACHE_BYTES
+    figures = {k: v for k, v in figures.items() if row[k]["n"] and not (k == copy and cached)}
+    row["link_check"], errors = check_links(figures, link_of, tolerance)
+    for tier, left_out in row["unexpected_tiers"].items():
+        if left_out:
+            errors.append(
+                f"{tier}: {sum(left_out.values())} promotion(s) served otherwise, left out: {left_out}"
+            )
+        if not row[tier]["n"]:
+            errors.append(f"{tier}: no promotion was served from the tier measured")
+    row["expander_choice"] = expander_choice(row, TierCosts.from_dict(links["tier_costs"]))
+    errors += [
+        f"expander: serves {t} although it is slower"
+        for t, c in row["expander_choice"].items()
+        if not c["matches"]
+    ]
+    row["errors"] = errors
+    fraction = {k: c["fraction_of_link"] for k, c in row["link_check"].items()}
     row["meets"] = {
         "store_overhead_le_0.2ms": row["store_overhead_ms"] <= TARGETS["store_overhead_ms"],
         "disk_ge_3x": row["speedup_disk"] >= TARGETS["disk_speedup"],
         "host_to_device_ge_10x": row["speedup_host_to_device"] >= TARGETS["host_to_device_speedup_4k"],
         "host_copy_ge_10x": row["speedup_host_copy"] >= TARGETS["host_to_device_speedup_4k"],
+        "disk_ge_half_of_link": fraction.get("disk", 0.0) >= TARGETS["disk_fraction_of_link"],
+        f"{copy}_ge_0.7_of_link": fraction.get(copy, 0.0) >= TARGETS["host_to_device_fraction_of_link"],
+        "no_figure_faster_than_its_link": not any(not c["accepted"] for c in row["link_check"].values()),
     }
-    return row
+
+
+def expander_choice(row: dict[str, Any], costs: TierCosts) -> dict[str, dict[str, Any]]:
+    """Per cold tier measured: the promotion time the tier costs predict, whether the expander
+    would serve from it (predicted faster than the measured recompute), whether it is faster, and
+    whether the two agree."""
+    rec = row["recompute"]["median_ms"]
+    out = {}
+    for tier, nbytes in (("host_to_device", row["host_bytes"]), ("disk", row["disk_blob_bytes"])):
+        if not row[tier]["n"] or (tier == "host_to_device" and not row["host_to_device_moves_bytes"]):
+            continue
+        predicted = costs.promote_ms("host" if tier == "host_to_device" else "disk", nbytes)
+        serves, faster = predicted < rec, row[tier]["median_ms"] < rec
+        out[tier] = {
+            "predicted_ms": predicted,
+            "serves": serves,
+            "faster": faster,
+            "matches": serves == faster,
+        }
+    return out
 
 
 def _print_table(rows: list[dict[str, Any]]) -> None:
-    head = (
+    print(
         f"{'length':>6} {'MB':>6} {'recompute':>10} {'device hit':>11} {'overhead':>9} "
-        f"{'host->dev':>10} {'host copy':>10} {'disk':>8}   speed-up vs recompute (host, copy, disk)"
+        f"{'host->dev':>10} {'host copy':>10} {'disk':>8} {'disk/link':>9}   speed-up (host, copy, disk)"
     )
-    print(head)
     for r in rows:
+        disk_fraction = r["link_check"].get("disk", {}).get("fraction_of_link", float("nan"))
         print(
             f"{r['length']:>6} {r['prefix_bytes'] / 1e6:>6.1f} {r['recompute']['median_ms']:>8.1f}ms "
             f"{r['device_hit']['median_ms']:>9.3f}ms {r['store_overhead_ms']:>7.3f}ms "
             f"{r['host_to_device']['median_ms']:>8.3f}ms {r['host_copy']['median_ms']:>8.2f}ms "
-            f"{r['disk']['median_ms']:>6.2f}ms   "
-            f"{r['speedup_host_to_device']:.0f}x, {r['speedup_host_copy']:.0f}x, {r['speedup_disk']:.0f}x"
+            f"{r['disk']['median_ms']:>6.2f}ms {disk_fraction:>9.2f}   "
+            f"{r['speedup_host_to_device']:.0f}x, {r['speedup_host_copy']:.0f}x, {r['speedup_disk']:.1f}x"
         )
-    print("(medians; p99 and fingerprint-validation time in --json)")
+        for e in r["errors"]:
+            print(f"  ERROR {e}")
+    print("(medians; disk reads are cold; p99, links and fingerprint-validation time in --json)")
 
 
-def run(args: argparse.Namespace) -> int:
+def _model(args: argparse.Namespace) -> Any:
     from relaygr.workers.model.model import HSTUConfig, HSTURanker  # only the recompute baseline needs it
 
-    lengths = [int(x) for x in str(args.lengths).split(",") if x.strip()]
-    keep_host_pages()  # as a serving worker runs
-    torch.manual_seed(args.seed)
     shape = resolve_shape(
         args.preset, fallback=STORE_SHAPE, layers=args.layers, heads=args.heads, dim=args.dim
     )
     head = shape["dim"] // shape["heads"]
     # A preset's heads split its width; without one, the config's own head dimensions (as before).
     dims = {"attn_dim": head, "linear_dim": head} if args.preset else {}
-    cfg = HSTUConfig(**shape, **dims, dropout=0.0, device=args.device)
-    model = HSTURanker(cfg).eval()
+    return HSTURanker(HSTUConfig(**shape, **dims, dropout=0.0, device=args.device)).eval()
+
+
+def run(args: argparse.Namespace) -> int:
+    lengths = [int(x) for x in str(args.lengths).split(",") if x.strip()]
+    if not lengths or min(lengths) < 1:
+        raise SystemExit(f"bench store: --lengths needs positive lengths, got {args.lengths!r}")
+    if args.repeats < 1 or args.link_mb < 1 or args.link_tolerance < 0:
+        raise SystemExit("bench store: --repeats and --link-mb must be >= 1, --link-tolerance >= 0")
+    keep_host_pages()  # as a serving worker runs
+    torch.manual_seed(args.seed)
+    model = _model(args)
     rows = []
     with tempfile.TemporaryDirectory(prefix="relaygr-bench-store-", dir=args.disk_path) as root:
+        links = measure_links(model.device, root, args.link_mb << 20)
         for n in lengths:
-            row = asyncio.run(_measure_length(n, args, model, root))
+            row = asyncio.run(_measure_length(n, args, model, root, links))
             rows.append(row)
             if args.json:
                 print(json.dumps(row), flush=True)
@@ -285,4 +569,4 @@ def run(args: argparse.Namespace) -> int:
                 print(f"length {n}: done", file=sys.stderr, flush=True)
     if not args.json:
         _print_table(rows)
-    return 0
+    return 1 if any(r["errors"] for r in rows) else 0

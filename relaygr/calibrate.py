@@ -29,6 +29,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="torch CPU threads to time with, 0 = torch's default (default: RELAYGR_TORCH_THREADS)",
     )
     parser.add_argument(
+        "--tier-costs",
+        type=Path,
+        metavar="DIR",
+        help="also measure the prefix store's promotion speeds (host copy, cold disk read) with a "
+        "file in DIR, the disk tier's filesystem; workers then never serve from a slower tier",
+    )
+    parser.add_argument(
         "--no-paces",
         action="store_true",
         help="skip timing sliced pre-inference and relay ranking (the paces `relaygr plan` uses)",
@@ -50,13 +57,19 @@ def run(args: argparse.Namespace) -> int:
     if not args.no_paces:
         paces = settings.pace_settings()
     lat, samples = calibrate_and_save(
-        model, out, lengths=lengths, candidates=args.candidates, threads=threads, paces=paces
+        model,
+        out,
+        lengths=lengths,
+        candidates=args.candidates,
+        threads=threads,
+        paces=paces,
+        tier_costs_dir=args.tier_costs,
     )
     written = json.loads(out.read_text())
     print(
         json.dumps(
             {"calibration": str(out), "coeffs": lat.coeffs(), "samples": samples}
-            | {k: written[k] for k in ("prefill_pace", "relay_pace") if k in written}
+            | {k: written[k] for k in ("prefill_pace", "relay_pace", "tier_costs") if k in written}
         )
     )
     return 0

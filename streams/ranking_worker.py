@@ -92,6 +92,7 @@ from relaygr.workers.model.devices import keep_host_pages
 from relaygr.workers.model.model import HSTURanker
 from relaygr.workers.prefix_kv import window_step
 from relaygr.workers.store.prefix_store import PrefixStore, PrefixStoreConfig
+from relaygr.workers.store.tier_costs import TierChoice, TierCosts
 
 log = logging.getLogger(__name__)
 
@@ -200,6 +201,8 @@ class RankingWorker:
                 clock=time.time,
             )
         latency = self._latency_model(model)
+        if store is not None:
+            store.set_tier_choice(self._tier_choice(latency))
         return RankingEngine(model, store, scheduler, engine_config(pipeline), latency)
 
     def _latency_model(self, model: HSTURanker) -> LatencyModel:
@@ -209,6 +212,15 @@ class RankingWorker:
         fitted, samples = calibrate(model, repeats=2)
         log.info("calibrated full ranking on this machine: %s -> %s", samples, fitted)
         return fitted
+
+    def _tier_choice(self, latency: LatencyModel) -> TierChoice | None:
+        """The store's tier choice when the calibration file holds measured tier costs
+        (``relaygr calibrate --tier-costs``): recomputing n events costs ``predict(n) - predict(0)``."""
+        calibration = self.pipeline.calibration_file
+        costs = TierCosts.from_calibration(calibration) if calibration and calibration.exists() else None
+        if costs is None:
+            return None
+        return TierChoice(costs, lambda n: latency.predict_ms(n) - latency.predict_ms(0))
 
     def note(self, **fields: object) -> None:
         """One JSON line per signal handled / result produced (the worker's own audit trail); a

@@ -15,8 +15,9 @@ from rocksdict import Options, Rdict
 from store_probe import is_leased, keys_by_tier
 
 from relaygr.workers.prefix_kv import Events, PrefixKV, history_fingerprint
+from relaygr.workers.store.blob_files import BlobFiles
 from relaygr.workers.store.prefix_store import PrefixStore, PrefixStoreConfig
-from relaygr.workers.store.tiers import VALUE_PREFIX, DiskTier, encode_key
+from relaygr.workers.store.tiers import BLOB_DIR, INDEX_PREFIX, DiskTier, encode_key
 
 MV = "m1"
 
@@ -262,15 +263,19 @@ async def test_entries_of_another_model_version_are_purged(tmp_path) -> None:
 
 
 def _mutate_stored(path, key, how: str) -> None:
-    db = Rdict(str(path), Options(raw_mode=True))
-    vk = VALUE_PREFIX + encode_key(key)
-    raw = bytearray(db[vk])
+    disk = DiskTier(path, 1 << 30)
+    meta = disk.meta(key)
+    disk.close()
+    assert meta is not None
+    blob_file = BlobFiles(path / BLOB_DIR).path(meta.seq)
+    with open(blob_file, "rb") as f:
+        raw = bytearray(f.read())
     if how == "flip":
         raw[len(raw) // 2] ^= 0xFF
     else:
         raw = raw[: len(raw) // 2]
-    db[vk] = bytes(raw)
-    db.close()
+    with open(blob_file, "wb") as f:
+        f.write(raw)
 
 
 @pytest.mark.parametrize("how", ["flip", "truncate"])
@@ -293,8 +298,9 @@ async def test_corrupt_disk_entry_is_a_counted_deleted_miss(tmp_path, caplog, ho
     assert (await store.lookup(2, history(2, 10))).tier == "disk"  # the neighbour is intact
     store.close()
     db = Rdict(str(tmp_path / "kv"), Options(raw_mode=True))
-    assert db.get(VALUE_PREFIX + encode_key((1, MV))) is None
+    assert db.get(INDEX_PREFIX + encode_key((1, MV))) is None
     db.close()
+    assert len(BlobFiles(tmp_path / "kv" / BLOB_DIR).seqs()) == 1  # the neighbour's file alone
 
 
 async def test_pending_disk_write_is_served_from_memory(tmp_path, monkeypatch) -> None:
@@ -492,14 +498,14 @@ async def test_concurrent_promotions_share_one_disk_load(tmp_path, monkeypatch) 
     store.close()
     store = make_store(tmp_path, disk=10)
     reads = 0
-    real = DiskTier.read
+    real = DiskTier.read_into
 
-    def counting_read(self, key):
+    def counting_read(self, key, alloc=None):
         nonlocal reads
         reads += 1
-        return real(self, key)
+        return real(self, key, alloc)
 
-    monkeypatch.setattr(DiskTier, "read", counting_read)
+    monkeypatch.setattr(DiskTier, "read_into", counting_read)
     got = await asyncio.gather(*[store.lookup(8, h) for _ in range(8)])
     assert reads == 1 and all(g.tier == "disk" and same(g.prefix, p) for g in got)
     m = store.metrics()

@@ -7,9 +7,11 @@ Primitives:
 - ``measure_paces(model, latency, slice_ms=..., chunk=...)``: how much slower than the latency
   model's marginal times a sliced pre-inference and a relay ranking run (``prefill_pace``,
   ``relay_pace``; what ``relaygr plan`` multiplies its device time by).
-- ``calibrate_and_save(model, out, ..., paces=None)``: the same, written as a calibration file
-  (JSON: the coefficients, the samples, the model version, device and thread count, and the
-  paces when asked for) that workers load through ``RELAYGR_CALIBRATION_FILE``.
+- ``calibrate_and_save(model, out, ..., paces=None, tier_costs_dir=None)``: the same, written as
+  a calibration file (JSON: the coefficients, the samples, the model version, device and thread
+  count, the paces when asked for, and with ``tier_costs_dir`` the prefix store's promotion
+  speeds measured there: ``tier_costs``, from ``workers.store.tier_costs.measure_tier_costs``)
+  that workers load through ``RELAYGR_CALIBRATION_FILE``.
 """
 
 from __future__ import annotations
@@ -133,9 +135,12 @@ def calibrate_and_save(
     repeats: int = 3,
     threads: int = 0,
     paces: dict[str, Any] | None = None,
+    tier_costs_dir: Path | None = None,
 ) -> tuple[LatencyModel, list[tuple[int, float]]]:
     """``calibrate`` and write the result to ``out`` (with ``paces`` when given: ``paces(...)``
-    of ``measure_paces``' keyword arguments); returns what ``calibrate`` returns."""
+    of ``measure_paces``' keyword arguments; with ``tier_costs_dir``, the tier costs measured
+    in that folder, the disk tier's filesystem, on the model's device); returns what
+    ``calibrate`` returns."""
     lat, samples = calibrate(model, lengths, candidates, repeats, threads)
     extra: dict[str, object] = {}
     if paces is not None:
@@ -146,6 +151,11 @@ def calibrate_and_save(
             extra = dict(measure_paces(model, lat, candidates=candidates, **paces))
         finally:
             torch.set_num_threads(old)
+    if tier_costs_dir is not None:
+        from relaygr.workers.store.tier_costs import measure_tier_costs
+
+        Path(tier_costs_dir).mkdir(parents=True, exist_ok=True)
+        extra["tier_costs"] = measure_tier_costs(tier_costs_dir, model.device).to_dict()
     lat.save(
         Path(out),
         samples=samples,

@@ -55,7 +55,6 @@ from relaygr.workers.store.kv_codec import encode
 from relaygr.workers.store.kv_formats import COLD_FORMATS, to_cold, token_bytes
 
 GB = 1e9
-DISK_SEQ_BYTES = 8  # the disk tier's write sequence stored before each blob (``tiers.DiskTier``)
 
 
 @dataclass(frozen=True)
@@ -128,7 +127,7 @@ def _dummy_prefix(shape: ModelShape, length: int) -> PrefixKV:
 def disk_overhead_bytes(shape: ModelShape, length: int, fmt: str) -> int:
     """Bytes a disk entry of ``length`` events holds beyond its tensors in ``fmt``."""
     blob = encode(to_cold(_dummy_prefix(shape, length), fmt))
-    return len(blob) + DISK_SEQ_BYTES - shape.token_bytes(fmt) * length
+    return len(blob) - shape.token_bytes(fmt) * length  # a blob file holds the blob alone
 
 
 def _at_risk(latency: LatencyModel, served: np.ndarray, w: Workload) -> np.ndarray:

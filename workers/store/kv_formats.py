@@ -14,6 +14,7 @@ Primitives:
   tensors are moved first, then decoded there: fewer bytes cross the bus). int8 blocks that lie
   back to back (as ``to_cold`` and the disk codec lay them out) move in one copy and decode in one
   multiplication for all layers.
+- ``same_device(a, b)``: one device (``cuda`` and ``cuda:0`` alike).
 - ``cold_nbytes(prefix, fmt)``: the bytes of ``to_cold(prefix, fmt)`` without building it.
 - ``token_bytes(layers, heads, attn_dim, linear_dim, dtype, fmt)``: bytes one cached token takes in
   a format (what ``relaygr plan`` multiplies by history lengths).
@@ -35,6 +36,10 @@ _INT8_MAX = 127
 _SCALE_DTYPE = torch.float16
 _MIN_SCALE = 2.0**-24  # the smallest float16 subnormal: an all-zero block stays exactly zero
 _SMALL_POSITIONS = torch.int32
+
+
+def same_device(a: torch.device, b: torch.device) -> bool:
+    return a.type == b.type and (a.index or 0) == (b.index or 0)
 
 
 def check_format(fmt: str) -> ColdFormat:
@@ -80,10 +85,6 @@ def cold_nbytes(prefix: PrefixKV, fmt: str) -> int:
             total += (t.numel() // max(1, t.shape[-1])) * _elem(_SCALE_DTYPE)
     total += prefix.positions.numel() * _elem(_positions_dtype(prefix.positions))
     return total + prefix.timestamps.numel() * prefix.timestamps.element_size()
-
-
-def _same_device(a: torch.device, b: torch.device) -> bool:
-    return a.type == b.type and (a.index or 0) == (b.index or 0)
 
 
 def _positions_dtype(positions: torch.Tensor) -> torch.dtype:
@@ -163,8 +164,10 @@ def to_cold(prefix: PrefixKV, fmt: str) -> PrefixKV:
     )
 
 
-def to_warm(prefix: PrefixKV, device: torch.device | str) -> PrefixKV:
-    """``prefix`` in its exact dtype on ``device`` (decoded there when it is a cold form)."""
+def to_warm(prefix: PrefixKV, device: torch.device | str, *, non_blocking: bool = False) -> PrefixKV:
+    """``prefix`` in its exact dtype on ``device`` (decoded there when it is a cold form).
+    ``non_blocking``: the copies from pinned host memory are queued on the current stream without
+    waiting for each (work queued after them on that stream sees their result)."""
     device = torch.device(device)
     dtype = prefix.exact_dtype or torch.float32
     n = len(prefix.keys)
@@ -174,13 +177,14 @@ def to_warm(prefix: PrefixKV, device: torch.device | str) -> PrefixKV:
         blocks, scales = _back_to_back([*prefix.keys, *prefix.values]), _back_to_back(prefix.scales)
         if blocks is not None and scales is not None:
             # Every layer in one copy and one multiplication (float16 scales are exact in float32).
-            if not _same_device(blocks.device, device):
-                blocks, scales = blocks.to(device), scales.to(device)
+            if not same_device(blocks.device, device):
+                blocks = blocks.to(device, non_blocking=non_blocking)
+                scales = scales.to(device, non_blocking=non_blocking)
             warm = blocks.to(torch.float32).mul_(scales)
             return _exact_form(
                 prefix, list((warm if dtype == torch.float32 else warm.to(dtype)).unbind(0)), device
             )
-    moved = prefix if _same_device(prefix.device, device) else prefix.to(device)
+    moved = prefix if same_device(prefix.device, device) else prefix.to(device, non_blocking=non_blocking)
     if moved.kv_format == "exact":
         return moved
     if moved.kv_format == "int8":
@@ -202,7 +206,7 @@ def _exact_form(prefix: PrefixKV, tensors: list[torch.Tensor], device: torch.dev
         values=tensors[n:],
         positions=prefix.positions.to(device, torch.int64),
         timestamps=prefix.timestamps
-        if _same_device(prefix.timestamps.device, device)
+        if same_device(prefix.timestamps.device, device)
         else prefix.timestamps.to(device),
         kv_format="exact",
         scales=[],

@@ -5,6 +5,7 @@ Primitives:
 - ``DEFAULT_LEASE_TTL_S``: how long a pre-inferred prefix stays pinned unless told otherwise
   (every other default of the lease reads this one).
 - ``Lease``: expiry, the bytes expected once computed, the bytes reserved.
+- ``LeaseResult``: what the store's ``lease`` answers (admitted or not, why, the reservations).
 - ``LeaseTable(budget_bytes)``: leases by key and the sum of their reservations, which never
   exceeds ``budget_bytes``. ``reserve`` admits or renews a lease (refused when the reservations
   would exceed the budget), ``resize`` changes a reservation within the budget, ``drop`` ends a
@@ -32,6 +33,21 @@ class Lease:
     expires_at: float
     expected_bytes: int
     reserved: int
+
+
+@dataclass(frozen=True)
+class LeaseResult:
+    """Outcome of ``lease``. ``reason``: admitted, renewed or pinned_budget_exceeded."""
+
+    admitted: bool
+    reason: str
+    expires_at: float | None
+    reserved_bytes: int
+    pinned_bytes: int
+    budget_bytes: int
+
+    def __bool__(self) -> bool:
+        return self.admitted
 
 
 class LeaseTable(Generic[K]):

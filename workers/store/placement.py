@@ -1,11 +1,10 @@
 """The prefix store's placement core: which tier holds each user's prefix, decided synchronously.
 
 Primitives:
-- ``PrefixPlacement(config, model_version, device=..., clock=..., on_host=...)``: one entry per key
-  ``(user_id, model_version)`` in at most one memory tier (device or host) plus, optionally, a copy
-  on disk (the RocksDB tier and its write-back queue, ``disk_writer``). Every method takes
-  ``lock`` (reentrant: the orchestration above holds it around decisions of several steps) and
-  returns without waiting for anything but the lock; no asyncio here.
+- ``PrefixPlacement(config, model_version, device=, clock=, on_host=, tier_choice=)``: one entry
+  per key ``(user_id, model_version)`` in at most one memory tier (device or host) plus, optionally,
+  a copy on disk (``tiers.DiskTier`` and its write-back queue, ``disk_writer``). Every method takes
+  ``lock`` (reentrant) and returns without waiting for anything but the lock; no asyncio here.
   - ``lease(user_id, ttl_s, expected_bytes) -> LeaseResult`` / ``release(user_id)`` /
     ``expire(now)``: pins and their device-byte reservations.
   - ``put(user_id, prefix, keep_longer=False) -> tier`` and ``put_computed(user_id, prefix,
@@ -15,13 +14,14 @@ Primitives:
   - ``promoted(key, plan, moved)`` / ``loaded(key, prefix)`` / ``corrupt(key, seq)``: the
     outcome of the copy or read a plan asked for.
   - ``forget(user_ids)``, ``cached_length``, ``where``, ``metrics``, ``layout``, ``persist_unwritten``.
-- ``Entry``, ``Plan``, ``LeaseResult``: its records.
+- ``Entry``, ``Plan``: its records (``LeaseResult``: ``leases``').
 
 The device tier holds prefixes as computed, host and disk in the cold format (``kv_formats``);
 every tier's byte counts (budgets, room-making, metrics) are the bytes it stores.
 
 Placement and eviction policy (LRU per tier, pins respected): an entry goes to the highest tier
-whose budget can take it. Making room on the device demotes the least recently used *unpinned*
+whose budget can take it; a tier the tier choice (``tier_costs``) predicts slower than recomputing
+serves no lookup and (disk) takes no write. Making room on the device demotes the least recently used *unpinned*
 device entry to host; making room on host demotes the least recently used *unleased* host entry
 to disk (an asynchronous write, skipped when the disk already holds that exact prefix); the disk
 tier deletes its own least recently used entries. Any use promotes an entry back to the device.
@@ -48,30 +48,16 @@ import torch
 
 from relaygr.workers.prefix_kv import Events, PrefixKV, history_fingerprint
 from relaygr.workers.store.disk_writer import DiskWriter
-from relaygr.workers.store.kv_formats import check_format, cold_nbytes, to_warm
-from relaygr.workers.store.leases import LeaseTable
+from relaygr.workers.store.kv_formats import check_format, cold_nbytes, same_device, to_warm
+from relaygr.workers.store.leases import LeaseResult, LeaseTable
 from relaygr.workers.store.store_counters import StoreCounters
+from relaygr.workers.store.tier_costs import TierChoice
 from relaygr.workers.store.tiers import DiskMeta, DiskTier, MemoryTier, StoreKey
 
 log = logging.getLogger(__name__)
 
 UserId = int | str
 Tier = Literal["device", "host", "disk"]
-
-
-@dataclass(frozen=True)
-class LeaseResult:
-    """Outcome of ``lease``. ``reason``: admitted, renewed or pinned_budget_exceeded."""
-
-    admitted: bool
-    reason: str
-    expires_at: float | None
-    reserved_bytes: int
-    pinned_bytes: int
-    budget_bytes: int
-
-    def __bool__(self) -> bool:
-        return self.admitted
 
 
 @dataclass
@@ -96,10 +82,6 @@ class Plan:
     invalidated: int = 0
 
 
-def same_device(a: torch.device, b: torch.device) -> bool:
-    return a.type == b.type and (a.index or 0) == (b.index or 0)
-
-
 class PrefixPlacement:
     """Tiers, entries, leases and the disk tier of one prefix store. See the module docstring.
 
@@ -113,8 +95,10 @@ class PrefixPlacement:
         device: torch.device,
         clock: Callable[[], float],
         on_host: Callable[[StoreKey, Entry], None] | None = None,
+        tier_choice: TierChoice | None = None,
     ) -> None:
         self.config = config
+        self.tier_choice = tier_choice  # None: every tier is served
         self.model_version = model_version
         self.device = device
         self.clock = clock
@@ -291,10 +275,23 @@ class PrefixPlacement:
             if self._disk_has(key, entry):
                 self.counters["demotions_to_disk"] += 1
                 return
-            if self.writer.enqueue(key, entry.gen, entry.prefix):
+            if self._worth(
+                "disk", self.host_bytes(entry.prefix), entry.prefix.length, write=True
+            ) and self.writer.enqueue(key, entry.gen, entry.prefix):
                 self.counters["demotions_to_disk"] += 1
                 return
         self.counters["evictions"] += 1
+
+    def _worth(
+        self, tier: str, nbytes: int, length: int, from_length: int = 0, *, write: bool = False
+    ) -> bool:
+        """The tier choice's verdict on serving (``write``: storing) ``length`` events in ``nbytes``
+        from ``tier`` (True without a choice); a refusal is counted."""
+        choice = self.tier_choice
+        if choice is None or choice.worth(tier, nbytes, length, from_length):
+            return True
+        self.counters["disk_writes_skipped_slower" if write else f"skips_{tier}_slower"] += 1
+        return False
 
     def _remove(self, key: StoreKey) -> Entry | None:
         entry = self._entries.pop(key, None)
@@ -359,6 +356,7 @@ class PrefixPlacement:
                 self.config.disk_write_policy == "write_through"
                 and tier in ("device", "host")
                 and self.writer is not None
+                and self._worth("disk", self.host_bytes(prefix), prefix.length, write=True)
             ):
                 self.writer.enqueue(key, gen, prefix)
             return tier
@@ -382,47 +380,46 @@ class PrefixPlacement:
 
     def plan(self, key: StoreKey, history: Events) -> Plan:
         """What a lookup of ``history`` must do: the longest valid prefix's place. Entries whose
-        history changed are dropped (memory) or hidden and deleted (disk), and counted."""
+        history changed are dropped (memory) or hidden and deleted (disk), and counted. A valid
+        entry in a tier the tier choice predicts slower than recomputing is not served (counted
+        in ``skips_<tier>_slower``); it stays where it is."""
         n = len(history)
         fps: dict[int, bytes] = {}
 
-        def fp(length: int) -> bytes:
+        def valid(length: int, fingerprint: bytes) -> bool:
             if length not in fps:
                 fps[length] = history_fingerprint(history, length)
-            return fps[length]
+            return fps[length] == fingerprint
 
         with self.lock:
             self._maybe_expire()
             invalidated = 0
-            best_len = -1
-            plan = Plan("done")
+            best_len, plan = -1, Plan("done")
             entry = self._entries.get(key)
-            if entry is not None:
+            if entry is not None and entry.prefix.length <= n:
                 length = entry.prefix.length
-                if length <= n:
-                    if fp(length) == entry.prefix.fingerprint:
-                        best_len = length
-                        plan = Plan("device" if entry.tier == "device" else "host", entry=entry)
-                    else:
-                        # The history changed under this prefix: useless now and later.
-                        self._remove(key)
-                        invalidated += 1
+                if not valid(length, entry.prefix.fingerprint):
+                    self._remove(key)  # the history changed under it: useless now and later
+                    invalidated += 1
+                elif entry.tier == "device":
+                    best_len, plan = length, Plan("device", entry=entry)
+                elif self._worth("host", entry.nbytes, length):
+                    best_len, plan = length, Plan("host", entry=entry)
             if self.writer is not None and self.disk is not None:
                 pend = self.writer.pending_prefix(key)
-                if (
-                    pend is not None
-                    and best_len < pend[1].length <= n
-                    and fp(pend[1].length) == pend[1].fingerprint
-                ):
-                    best_len = pend[1].length
-                    plan = Plan("pending", pending=pend)
+                if pend is not None and best_len < pend[1].length <= n:
+                    p = pend[1]
+                    if valid(p.length, p.fingerprint) and self._worth(
+                        "host", p.nbytes(), p.length, max(best_len, 0)
+                    ):
+                        best_len, plan = p.length, Plan("pending", pending=pend)
                 meta = self.disk.meta(key)
                 if meta is not None and best_len < meta.length <= n:
-                    if fp(meta.length) == meta.fingerprint:
-                        plan = Plan("disk", disk_meta=meta)
-                    else:
+                    if not valid(meta.length, meta.fingerprint):
                         self._discard_disk(key, meta.seq)
                         invalidated += 1
+                    elif self._worth("disk", meta.nbytes, meta.length, max(best_len, 0)):
+                        plan = Plan("disk", disk_meta=meta)
             plan.invalidated = invalidated
             if invalidated:
                 self.counters["invalidations"] += invalidated
@@ -560,12 +557,15 @@ class PrefixPlacement:
         return None
 
     def layout(self) -> dict[str, Any]:
-        """Keys per tier (device and host in LRU order), keys on their way to disk, and the
-        leases as ``{key: (expires_at, reserved_bytes)}``: for tests and debugging."""
+        """Keys per tier (device and host in LRU order; ``host_in_memory``: those whose tensors
+        left the device), keys on their way to disk, leases as ``{key: (expires_at, reserved)}``."""
         with self.lock:
             return {
                 "device": self._device_tier.keys(),
                 "host": self._host_tier.keys(),
+                "host_in_memory": [
+                    k for k in self._host_tier.lru_keys() if self._entries[k].prefix.device.type == "cpu"
+                ],
                 "pending": self.writer.pending_keys() if self.writer is not None else [],
                 "disk": self.disk.list_keys() if self.disk is not None else [],
                 "leases": {k: (v.expires_at, v.reserved) for k, v in self._leases.items()},

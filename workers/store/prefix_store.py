@@ -19,12 +19,15 @@ Primitives:
   - ``forget(user_ids)``: drop these users' prefixes from every tier, leases included (the
     histories they were computed from are gone).
   - ``persist(timeout_s)``: write what the disk lacks and wait for it (for a successor to adopt).
+  - ``set_tier_choice(choice)``: the expander's choice (``tier_costs``): a tier predicted slower
+    than recomputing serves no lookup and (disk) takes no write; counted.
   - ``put``, ``cached_length``, ``in_flight``, ``wait_in_flight``, ``where``, ``expire_leases``, ``metrics``,
-    ``flush``, ``close``.
+    ``flush``, ``settle`` (host copies too), ``close``.
 - ``Lookup``: a lookup's result; ``LeaseResult`` (from ``placement``): a lease's.
 
 The parts beside it: the placement core (``placement``), the tiers (``tiers``: byte-budgeted LRU
-maps and the RocksDB folder), the leases and their reservations (``leases``), the disk write-back
+maps and the disk tier's blob files with their RocksDB index; ``staging``: its CUDA read path;
+``tier_costs``: the tier choice), the leases and their reservations (``leases``), the disk write-back
 queue (``disk_writer``), single-flight (``single_flight``) and the counters (``store_counters``).
 
 Threading: placement state lives behind the core's lock; call the store from one asyncio loop
@@ -43,12 +46,14 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from relaygr.workers.prefix_kv import Events, PrefixKV, history_fingerprint
+from relaygr.workers.store.blob_files import RecyclingBuffers
 from relaygr.workers.store.kv_codec import CodecError, decode
 from relaygr.workers.store.kv_formats import ColdFormat, to_cold, to_warm
 from relaygr.workers.store.leases import DEFAULT_LEASE_TTL_S
@@ -62,6 +67,8 @@ from relaygr.workers.store.placement import (
     same_device,
 )
 from relaygr.workers.store.single_flight import FlightAbandoned, SingleFlight
+from relaygr.workers.store.staging import PinnedStaging, staging_for
+from relaygr.workers.store.tier_costs import TierChoice
 from relaygr.workers.store.tiers import DiskMeta, StoreKey
 
 log = logging.getLogger(__name__)
@@ -102,7 +109,7 @@ class PrefixStoreConfig(BaseModel):
     )
     host_budget_bytes: int = Field(4 << 30, ge=0, description="Byte budget of the host-memory tier.")
     disk_path: str | None = Field(
-        None, description="Folder of the RocksDB tier; None disables the disk tier."
+        None, description="Folder of the disk tier (blob files and their index); None disables it."
     )
     disk_budget_bytes: int = Field(16 << 30, ge=0, description="Byte budget of the disk tier (stored bytes).")
     default_lease_ttl_s: float = Field(
@@ -143,7 +150,9 @@ class PrefixStore:
     """Tiered prefix store of one ranking worker. See the module docstring.
 
     ``executor`` runs host/device copies (pass the worker's device executor so copies queue with
-    model work); ``clock`` is the monotonic clock leases expire on (tests inject one).
+    model work); ``clock`` is the monotonic clock leases expire on (tests inject one);
+    ``tier_choice`` (``tier_costs``; also ``set_tier_choice``) keeps lookups and disk writes off a
+    tier predicted slower than recomputing (None: every tier serves).
     """
 
     def __init__(
@@ -153,6 +162,7 @@ class PrefixStore:
         *,
         executor: Executor | None = None,
         clock: Callable[[], float] = time.monotonic,
+        tier_choice: TierChoice | None = None,
     ) -> None:
         self.config = config
         self.model_version = model_version
@@ -165,13 +175,27 @@ class PrefixStore:
         self._own_executor = executor is None
         self._executor = executor or ThreadPoolExecutor(1, thread_name_prefix="prefix-store-copy")
         self.placement = PrefixPlacement(
-            config, model_version, device=dev, clock=clock, on_host=self._schedule_host_copy
+            config,
+            model_version,
+            device=dev,
+            clock=clock,
+            on_host=self._schedule_host_copy,
+            tier_choice=tier_choice,
         )
         self._computes: SingleFlight[StoreKey, tuple[PrefixKV, Source]] = SingleFlight()
         self._loads: SingleFlight[StoreKey, Lookup] = SingleFlight()
         self._reader: ThreadPoolExecutor | None = None
+        self._staging: PinnedStaging | None = None
+        self._read_buffers: RecyclingBuffers | None = None
         if self.placement.disk is not None:
             self._reader = ThreadPoolExecutor(1, thread_name_prefix="prefix-store-disk-read")
+            self._staging = staging_for(dev)
+            self._read_buffers = RecyclingBuffers()
+
+    def set_tier_choice(self, choice: TierChoice | None) -> None:
+        """Use ``choice`` from now on (the worker sets it once its latency model is known)."""
+        with self.placement.lock:
+            self.placement.tier_choice = choice
 
     def _check_open(self) -> None:
         if self._closed:
@@ -283,7 +307,10 @@ class PrefixStore:
                 src = plan.pending[1]
             moved = src
             if src.kv_format != "exact" or not same_device(src.device, self.device):
-                moved = await loop.run_in_executor(self._executor, to_warm, src, self.device)
+                # From pinned memory the copies queue on the stream without a wait for each; the
+                # model's work queued after them on that stream reads their result.
+                warm = partial(to_warm, non_blocking=self._pin and src.device.type == "cpu")
+                moved = await loop.run_in_executor(self._executor, warm, src, self.device)
             self.placement.promoted(key, plan, moved)
             return Lookup(moved, "host", plan.invalidated)
 
@@ -305,18 +332,26 @@ class PrefixStore:
         return Lookup(loaded, "disk", plan.invalidated)
 
     def _read_disk(self, key: StoreKey, meta: DiskMeta) -> PrefixKV | None:
+        """One sequential read of the blob file (into the pinned staging buffer on CUDA, else a
+        recycled buffer that becomes the prefix's memory), checked, decoded without a copy, and on
+        CUDA copied to the device layer by layer (``staging``)."""
         disk = self.placement.disk
         assert disk is not None
-        got = disk.read(key)
+        staging, buffers = self._staging, self._read_buffers
+        got = disk.read_into(key, staging.alloc if staging is not None else buffers and buffers.alloc)
         if got is None:
             return None
-        blob, seq = got
-        prefix = decode(blob, expected_model_version=self.model_version)
+        read, seq = got
+        prefix = decode(
+            read.blob, expected_model_version=self.model_version, body_crc=read.body_crc, owned=True
+        )
         if prefix.length != meta.length or prefix.fingerprint != meta.fingerprint:
             if seq == meta.seq:
                 raise CodecError("bad_header", "blob does not match its index record")
             return None  # rewritten since the plan with another history: not what was validated
-        if self.device.type == "cpu":  # decoded here: no hop to the device executor for it
+        if staging is not None:
+            prefix = staging.to_device(prefix)
+        elif self.device.type == "cpu":  # decoded here: no hop to the device executor for it
             prefix = to_warm(prefix, self.device)
         return prefix
 
@@ -411,6 +446,12 @@ class PrefixStore:
         return self.placement.metrics()
 
     # ------------------------------------------------------------------ shutdown
+
+    def settle(self, timeout_s: float | None = None) -> None:
+        """Block until every copy to host queued so far has landed (and every disk write)."""
+        if not self._closed:
+            self._executor.submit(lambda: None).result(timeout_s)
+        self.flush(timeout_s)
 
     def flush(self, timeout_s: float | None = None) -> None:
         """Block until every disk write queued so far has landed."""

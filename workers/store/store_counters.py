@@ -22,6 +22,10 @@ COUNTERS = (
     "misses_disk",
     "misses",
     "invalidations",  # entries whose history changed under them, dropped
+    # the expander's choice (``tier_costs``): a tier predicted slower than recomputing
+    "skips_host_slower",  # a valid host entry not served: recomputing was predicted faster
+    "skips_disk_slower",  # the same for a valid disk entry
+    "disk_writes_skipped_slower",  # a prefix not written to disk: reading it back would lose
     # moves between tiers
     "promotions_host_to_device",
     "promotions_disk_to_device",
