@@ -12,7 +12,15 @@ Primitives:
   long a ranking may still wait for the user's pre-inference (None: not at all); ``prefill_eta_ms``
   the device time that pre-inference has left. ``expedite_prefill`` / ``yield_prefill``: a
   waiting ranking lends it its priority and deadline; ``abandon_prefill``: the ranking went
-  ahead without it, so its chunks not yet run are dropped (outcome ``abandoned``).
+  ahead without it. Admitted work is not thrown away for being late: it finishes at
+  pre-inference priority, with its minimum device share (``EngineConfig.prefill_share``), and
+  serves the user's next visits. (``EngineConfig.abandon_backlog``, off by default, restores
+  the shedding policy that dropped late work while pre-inference was backed up; outcome
+  ``abandoned``.)
+- ``prefill_counts``: pre-inferences admitted (leased), ``finished`` (computed or extended),
+  ``cached`` (a tier already held them), ``late`` (their ranking went ahead), ``refused`` and
+  ``dropped:<reason>``; ``prefill_backlog_ms()``: predicted device time of the pre-inferences
+  this engine has not finished; ``device_share()``: the device time each priority got.
 - ``RankingEngine.rank(user_id, history, candidates, request_ts, deadline)``: a ``RankOutcome``
   by one of these paths:
 
@@ -39,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -101,12 +110,16 @@ class RankingEngine:
         self.config = config
         self.clock = clock or EngineClock()  # a test's simulated one: see ``EngineClock``
         self.pacing = DevicePacing(config, latency, self.clock)
+        scheduler.reserve(config.prefill_share if config.mode == "relay" else 0.0)
         self.bytes_per_token = kv_bytes_per_token(model)
         # Users whose in-flight pre-inference a waiting ranking job has promoted: (priority, deadline).
         self._urgent: dict[str, tuple[Priority, float]] = {}
         self._waiters: dict[str, int] = {}  # rankings waiting for a user's pre-inference
         # Users whose pre-inference is no longer wanted: its next chunk stops it (device thread reads).
         self._abandoned: set[str] = set()
+        self.prefill_counts: Counter[str] = Counter()  # see the module docstring
+        # Predicted device ms of each user's pre-inference not finished yet (leased, queued or running).
+        self._pending_ms: dict[str, float] = {}
         # Background tasks storing the prefixes that rankings grew (``retain_suffix``).
         self._keeping: set[asyncio.Task] = set()
         self.batched_rankings = 0  # rankings that shared their device job with others of a burst
@@ -173,8 +186,11 @@ class RankingEngine:
         t0 = self.clock.timer()
         lease = self.store.lease(user_id, ttl_s or self.config.lease_ttl_s, n * self.bytes_per_token)
         if not lease:
+            self.prefill_counts["refused"] += 1
             return PrefillOutcome(f"refused:{lease.reason}", n)
         self._abandoned.discard(user_id)
+        self.prefill_counts["admitted"] += 1
+        self._pending_ms[user_id] = self._pending_ms.get(user_id, 0.0) + self.latency.predict_ms(n)
 
         async def compute(best: PrefixKV | None) -> PrefixKV:
             start = best.length if best is not None else 0
@@ -199,11 +215,17 @@ class RankingEngine:
             got, source = await self.store.get_or_compute(user_id, history, compute, at_least=n)
         except PrefillAbandoned:
             self.store.release(user_id)
+            self.prefill_counts["dropped:backlog"] += 1
             return PrefillOutcome("abandoned", n, (self.clock.timer() - t0) * 1000)
+        except Exception:
+            self.prefill_counts["dropped:failed"] += 1
+            raise
         finally:
             self._urgent.pop(user_id, None)
             self._abandoned.discard(user_id)
             self._computing.pop(user_id, None)
+            self._pending_ms.pop(user_id, None)
+        self.prefill_counts["finished" if source in ("computed", "extended") else "cached"] += 1
         if got.length < len(history) and self.pacing.suffix_costs_a_slice(got.length, len(history)):
             self._extend_later(user_id, got, history)
         return PrefillOutcome(source, got.length, (self.clock.timer() - t0) * 1000)
@@ -257,15 +279,38 @@ class RankingEngine:
             yield out
 
     def abandon_prefill(self, user_id: str) -> None:
-        """``user_id``'s ranking went ahead without its pre-inference: drop the chunks not run yet
-        (a prefix of a later request is ordered by that request's own signal) when pre-inference
-        is backed up (more than ``abandon_backlog`` queued): late ones would make the next ones
-        late too. Otherwise it finishes at pre-inference priority: the user's next requests (a
-        heavy user's capped prefix) find it cached."""
-        if self.scheduler.queue_depth(Priority.PREFILL) <= self.config.abandon_backlog:
+        """``user_id``'s ranking went ahead without its pre-inference. The pre-inference finishes
+        at pre-inference priority (its minimum device share keeps it moving): the work admitted
+        is not thrown away, and the user's next visits find the prefix cached. Admission, not
+        dropping, bounds how much there is (the trigger's rate and backlog bounds).
+
+        Only with ``abandon_backlog`` set (the shedding policy, kept to compare against) are its
+        chunks not run yet dropped while more than that many pre-inference jobs are queued."""
+        if self.store is None or not self.store.in_flight(user_id):
             return
-        if self.store is not None and self.store.in_flight(user_id):
+        self.prefill_counts["late"] += 1
+        backlog = self.config.abandon_backlog
+        if backlog is not None and self.scheduler.queue_depth(Priority.PREFILL) > backlog:
             self._abandoned.add(user_id)
+
+    def prefill_backlog_ms(self) -> float:
+        """Predicted device time (ms) of the pre-inferences admitted here and not finished: what
+        a computing one has left, the whole of a queued one."""
+        total = 0.0
+        for user, whole_ms in self._pending_ms.items():
+            left = self.prefill_eta_ms(user)
+            total += whole_ms if left is None else left
+        return total
+
+    def device_share(self) -> dict[str, float]:
+        """Device seconds each priority got since start (``rank``, ``prefill``), and pre-inference's
+        share of the recent device time."""
+        busy = self.scheduler.busy_s
+        return {
+            "rank_s": busy[Priority.RANK],
+            "prefill_s": busy[Priority.PREFILL],
+            "prefill_recent_share": self.scheduler.recent_share(Priority.PREFILL),
+        }
 
     async def warm_up(self, history_len: int = 1024, num_candidates: int = 128, rounds: int = 2) -> float:
         """A full ranking, a pre-inference and a relay ranking of a synthetic user, ``rounds``
