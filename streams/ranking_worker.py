@@ -489,6 +489,9 @@ class RankingWorker:
             pinned_bytes=int(m.get("bytes_reserved", 0)),
             queue_depth=self.engine.queue_depth(),
             prefill_inflight=self.engine.queue_depth(Priority.PREFILL),
+            prefill_counts=dict(self.engine.prefill_counts),
+            prefill_backlog_ms=round(self.engine.prefill_backlog_ms(), 3),
+            device_share={k: round(v, 4) for k, v in self.engine.device_share().items()},
             latency_coeffs=latency.coeffs(),
             mode=self.pipeline.mode,
         )
