@@ -493,6 +493,7 @@ class RankingWorker:
             prefill_backlog_ms=round(self.engine.prefill_backlog_ms(), 3),
             device_share={k: round(v, 4) for k, v in self.engine.device_share().items()},
             latency_coeffs=latency.coeffs(),
+            full_pace=min(1000.0, max(1e-3, pacing.full.factor)),
             mode=self.pipeline.mode,
         )
 
