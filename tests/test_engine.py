@@ -13,6 +13,7 @@ from synthetic import history, tiny_model
 
 from relaygr.workers.engine.engine_config import EngineConfig
 from relaygr.workers.engine.latency_model import LatencyModel
+from relaygr.workers.engine.prefill_ledger import device_share
 from relaygr.workers.engine.ranker import RankingEngine, kv_bytes_per_token
 from relaygr.workers.engine.scheduler import DeviceScheduler, Priority
 from relaygr.workers.model.model import HSTURanker
@@ -435,10 +436,10 @@ async def test_a_late_prefill_finishes_even_behind_a_backlog_and_is_counted(mode
     out = await pre
     await asyncio.gather(*queued)
     assert out.status == "computed" and e.store.cached_length("u", h) == 600
-    assert e.prefill_counts == {"admitted": 5, "finished": 5, "late": 1}
+    assert e.prefills.counts == {"admitted": 5, "finished": 5, "late": 1}
     assert e.prefill_backlog_ms() == 0
     res = await e.rank("u", h, torch.arange(1, 9), float(h.timestamps[-1]) + 60, FAR)
     assert res.path == "relay" and res.prefix_len == 600
-    share = e.device_share()
+    share = device_share(e.scheduler)
     assert share["prefill_s"] > 0 and share["rank_s"] > 0
     e.scheduler.close()

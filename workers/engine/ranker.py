@@ -17,10 +17,7 @@ Primitives:
   serves the user's next visits. (``EngineConfig.abandon_backlog``, off by default, restores
   the shedding policy that dropped late work while pre-inference was backed up; outcome
   ``abandoned``.)
-- ``prefill_counts``: pre-inferences admitted (leased), ``finished`` (computed or extended),
-  ``cached`` (a tier already held them), ``late`` (their ranking went ahead), ``refused`` and
-  ``dropped:<reason>``; ``prefill_backlog_ms()``: predicted device time of the pre-inferences
-  this engine has not finished; ``device_share()``: the device time each priority got.
+- ``prefills`` (a ``PrefillLedger``): what became of the pre-inferences; ``prefill_backlog_ms()``.
 - ``RankingEngine.rank(user_id, history, candidates, request_ts, deadline)``: a ``RankOutcome``
   by one of these paths:
 
@@ -47,7 +44,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -57,6 +53,7 @@ from relaygr.workers.engine.device_jobs import run_in_burst, run_job, run_steps
 from relaygr.workers.engine.engine_config import EngineConfig
 from relaygr.workers.engine.latency_model import EngineClock, LatencyModel
 from relaygr.workers.engine.pacing import DevicePacing, Slicer
+from relaygr.workers.engine.prefill_ledger import PrefillLedger
 from relaygr.workers.engine.scheduler import DeviceScheduler, Priority, SchedulerClosed
 from relaygr.workers.model.model import HSTURanker
 from relaygr.workers.prefix_kv import Events, PrefixKV
@@ -117,9 +114,7 @@ class RankingEngine:
         self._waiters: dict[str, int] = {}  # rankings waiting for a user's pre-inference
         # Users whose pre-inference is no longer wanted: its next chunk stops it (device thread reads).
         self._abandoned: set[str] = set()
-        self.prefill_counts: Counter[str] = Counter()  # see the module docstring
-        # Predicted device ms of each user's pre-inference not finished yet (leased, queued or running).
-        self._pending_ms: dict[str, float] = {}
+        self.prefills = PrefillLedger()
         # Background tasks storing the prefixes that rankings grew (``retain_suffix``).
         self._keeping: set[asyncio.Task] = set()
         self.batched_rankings = 0  # rankings that shared their device job with others of a burst
@@ -186,11 +181,10 @@ class RankingEngine:
         t0 = self.clock.timer()
         lease = self.store.lease(user_id, ttl_s or self.config.lease_ttl_s, n * self.bytes_per_token)
         if not lease:
-            self.prefill_counts["refused"] += 1
+            self.prefills.counts["refused"] += 1
             return PrefillOutcome(f"refused:{lease.reason}", n)
         self._abandoned.discard(user_id)
-        self.prefill_counts["admitted"] += 1
-        self._pending_ms[user_id] = self._pending_ms.get(user_id, 0.0) + self.latency.predict_ms(n)
+        self.prefills.admit(user_id, self.latency.predict_ms(n))
 
         async def compute(best: PrefixKV | None) -> PrefixKV:
             start = best.length if best is not None else 0
@@ -215,17 +209,17 @@ class RankingEngine:
             got, source = await self.store.get_or_compute(user_id, history, compute, at_least=n)
         except PrefillAbandoned:
             self.store.release(user_id)
-            self.prefill_counts["dropped:backlog"] += 1
+            self.prefills.counts["dropped:backlog"] += 1
             return PrefillOutcome("abandoned", n, (self.clock.timer() - t0) * 1000)
         except Exception:
-            self.prefill_counts["dropped:failed"] += 1
+            self.prefills.counts["dropped:failed"] += 1
             raise
         finally:
             self._urgent.pop(user_id, None)
             self._abandoned.discard(user_id)
             self._computing.pop(user_id, None)
-            self._pending_ms.pop(user_id, None)
-        self.prefill_counts["finished" if source in ("computed", "extended") else "cached"] += 1
+            self.prefills.end(user_id)
+        self.prefills.outcome(source)
         if got.length < len(history) and self.pacing.suffix_costs_a_slice(got.length, len(history)):
             self._extend_later(user_id, got, history)
         return PrefillOutcome(source, got.length, (self.clock.timer() - t0) * 1000)
@@ -279,38 +273,20 @@ class RankingEngine:
             yield out
 
     def abandon_prefill(self, user_id: str) -> None:
-        """``user_id``'s ranking went ahead without its pre-inference. The pre-inference finishes
-        at pre-inference priority (its minimum device share keeps it moving): the work admitted
-        is not thrown away, and the user's next visits find the prefix cached. Admission, not
-        dropping, bounds how much there is (the trigger's rate and backlog bounds).
-
-        Only with ``abandon_backlog`` set (the shedding policy, kept to compare against) are its
-        chunks not run yet dropped while more than that many pre-inference jobs are queued."""
+        """``user_id``'s ranking went ahead without its pre-inference, which finishes at
+        pre-inference priority (with its device share) for the user's next visits: admission
+        bounds the work, late work is not thrown away. With ``abandon_backlog`` set (the shedding
+        policy) its chunks are dropped while more than that many pre-inference jobs are queued."""
         if self.store is None or not self.store.in_flight(user_id):
             return
-        self.prefill_counts["late"] += 1
+        self.prefills.counts["late"] += 1
         backlog = self.config.abandon_backlog
         if backlog is not None and self.scheduler.queue_depth(Priority.PREFILL) > backlog:
             self._abandoned.add(user_id)
 
     def prefill_backlog_ms(self) -> float:
-        """Predicted device time (ms) of the pre-inferences admitted here and not finished: what
-        a computing one has left, the whole of a queued one."""
-        total = 0.0
-        for user, whole_ms in self._pending_ms.items():
-            left = self.prefill_eta_ms(user)
-            total += whole_ms if left is None else left
-        return total
-
-    def device_share(self) -> dict[str, float]:
-        """Device seconds each priority got since start (``rank``, ``prefill``), and pre-inference's
-        share of the recent device time."""
-        busy = self.scheduler.busy_s
-        return {
-            "rank_s": busy[Priority.RANK],
-            "prefill_s": busy[Priority.PREFILL],
-            "prefill_recent_share": self.scheduler.recent_share(Priority.PREFILL),
-        }
+        """Predicted device ms of the pre-inferences admitted here and not finished."""
+        return self.prefills.backlog_ms(self.prefill_eta_ms)
 
     async def warm_up(self, history_len: int = 1024, num_candidates: int = 128, rounds: int = 2) -> float:
         """A full ranking, a pre-inference and a relay ranking of a synthetic user, ``rounds``
