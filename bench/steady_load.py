@@ -76,6 +76,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="shed,converge",
         help=f"comma-separated pre-inference policies, each on a pipeline of its own ({', '.join(POLICIES)})",
     )
+    parser.add_argument(
+        "--results", type=Path, default=None, metavar="DIR", help="also write each run's results here"
+    )
 
 
 def parse_rates(text: str) -> list[float | None]:
@@ -220,8 +223,10 @@ async def run_visits(
     visits: int,
     qps: float | None,
     tag: str,
+    out: Path | None = None,
 ) -> dict:
-    """Send the users' visits at ``qps`` and gather the figures (``visit_figures``)."""
+    """Send the users' visits at ``qps`` and gather the figures (``visit_figures``); with ``out``,
+    write the results to ``<out>/<tag>.jsonl``."""
     from relaygr.tools.report.inputs import read_admitted_ids
 
     plan = visit_plan(requests, visits, tag)
@@ -230,6 +235,9 @@ async def run_visits(
     results, counts = await count_results(settings, reg, ids, timeout_s=180.0)
     admitted = await read_admitted_ids(settings, reg.name("prefill"), ids, progress=False)
     prefills = await await_prefills(Path(settings.home), admitted)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{tag}.jsonl").write_text("".join(r.model_dump_json() + "\n" for r in results.values()))
     return visit_figures(sent, results, counts, admitted, prefills, PipelineSettings().budget_ms)
 
 
@@ -250,7 +258,7 @@ async def _measure(settings: Settings, reg: TopicRegistry, ml, args, policy: str
         ]
         say(f"{policy}, {rate} req/s: {len(requests)} users x {args.events} events published")
         await publish(settings, reg, behaviours, [], wait_for_ingest=True, settle_s=0)
-        row = await run_visits(settings, reg, requests, args.visits, qps, f"{policy}{i}")
+        row = await run_visits(settings, reg, requests, args.visits, qps, f"{policy}{i}", args.results)
         say(f"{policy}, {rate} req/s: relay by visit {_relay_row(row)}; prefill {row['prefill']}")
         rows.append(
             {
