@@ -8,7 +8,9 @@ Primitives:
   ``LatencyModel`` of the worker that owns the partition, ``report_latency``; of at most the
   ``max_seq_len`` served events), at the pace that worker's full rankings keep now
   (``report_latency(..., pace)``: the ranking plans its truncation at that pace, so a request
-  the trigger finds not at risk is not one the ranking then truncates), to exceed ``budget × θ``
+  the trigger finds not at risk is not one the ranking then truncates), and never below the
+  calibration's prediction (a refit from truncated rankings knows short histories only), to
+  exceed ``budget × θ``
   AND its pre-inference is predicted to end within the lease and a multiple of the upstream
   window (else ``too_long``) AND the bytes of live prefixes on that partition stay under the
   footprint bound AND the owner's pre-inference backlog stays under ``backlog_bound_ms`` AND
@@ -128,6 +130,10 @@ class SequenceAwareTrigger:
     def __init__(self, config: TriggerConfig, latency: LatencyModel) -> None:
         self.config = config
         self.latency = latency  # for a partition whose owner has not reported (the latest report)
+        # The calibration's model: a worker's refit comes from its full rankings, truncated under
+        # load to short histories, and may predict far less than this for the long ones it never
+        # ranked whole. The trigger never judges a history less at risk than calibration does.
+        self.calibrated = latency
         self._latency_of: dict[int, LatencyModel] = {}  # partition -> its owner's latest model
         self.bucket = TokenBucket(config.prefill_rate_per_s, config.prefill_burst)
         self.counts: Counter[str] = Counter()
@@ -218,7 +224,10 @@ class SequenceAwareTrigger:
         if history_len == 0 or prefix_len < c.min_prefix:
             return Decision(TriggerReason.NO_HISTORY if history_len == 0 else TriggerReason.NOT_AT_RISK)
         latency = self.latency_for(partition)
-        predicted = latency.predict_ms(history_len) * self._pace_of.get(partition, 1.0)
+        predicted = max(
+            latency.predict_ms(history_len) * self._pace_of.get(partition, 1.0),
+            self.calibrated.predict_ms(history_len),
+        )
         if predicted <= c.budget_ms * c.theta:
             return Decision(TriggerReason.NOT_AT_RISK, prefix_len, predicted)
         # A pre-inference that outlives its lease, or the request by far, cannot pay off.

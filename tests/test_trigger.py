@@ -183,3 +183,11 @@ def test_a_slow_pace_puts_a_history_at_risk_as_the_ranking_would_truncate_it() -
     assert t.decide(0, 1000, 0.0).admitted
     with pytest.raises(ValueError, match="pace"):
         t.report_latency(LAT, [0], pace=0.0)
+
+
+def test_a_refit_from_short_rankings_never_makes_a_long_history_look_safe() -> None:
+    # Under load a worker ranks truncated histories only; its refit (nearly flat here) would put
+    # 4000 events at 3 ms. The calibration's 42 ms still counts: the request stays at risk.
+    t = trig()
+    t.report_latency(LatencyModel(a=2.0, b=0.0002, c=0.0), [0])
+    assert t.decide(0, 4000, 0.0).admitted
