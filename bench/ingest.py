@@ -221,10 +221,13 @@ async def _measure(settings: Settings, reg: TopicRegistry, pipe, args, ml, say) 
     }
 
 
-def on_fresh_pipeline(tag: str, ranking_workers: int, measure, say, *, metrics: bool = False) -> dict:
+def on_fresh_pipeline(
+    tag: str, ranking_workers: int, measure, say, *, metrics: bool = False, env: dict[str, str] | None = None
+) -> dict:
     """Run ``await measure(settings, registry, pipeline, movielens)`` against a relay pipeline on
     topics and a home of its own (broker, model and calibration set up if missing), then remove
-    them; returns what ``measure`` returned, with the core layout under ``cores``."""
+    them; returns what ``measure`` returned, with the core layout under ``cores``. ``env``: more
+    ``RELAYGR_*`` settings for its stages."""
     from relaygr.infra.cluster import ensure_broker
     from relaygr.streams.config import PipelineSettings
     from relaygr.tools.prepare import ensure_calibration, ensure_model
@@ -237,7 +240,7 @@ def on_fresh_pipeline(tag: str, ranking_workers: int, measure, say, *, metrics: 
         pipeline = PipelineSettings()
         ensure_model(pipeline.model_dir)
         calib = ensure_calibration(pipeline.model_dir)
-    env = pipeline.to_env(model_dir=pipeline.model_dir, calibration_file=calib)
+    env = {**pipeline.to_env(model_dir=pipeline.model_dir, calibration_file=calib), **(env or {})}
     ml = load_movielens("ml-100k")
     run_id = f"{tag}-{uuid.uuid4().hex[:6]}"
     s = settings.model_copy(

@@ -80,7 +80,12 @@ async def _measure(model: Any, latency: Any, histories: list[tuple[int, Any]], r
     tcfg = trigger_config(settings, kv_bytes_per_token(model), model.config.max_seq_len)
     trigger = SequenceAwareTrigger(
         tcfg.model_copy(
-            update={"footprint_bound_bytes": 4 * total, "prefill_rate_per_s": 1e9, "prefill_burst": 1e9}
+            update={
+                "footprint_bound_bytes": 4 * total,
+                "prefill_rate_per_s": 1e9,
+                "prefill_burst": 1e9,
+                "backlog_bound_ms": 1e12,
+            }
         ),
         latency,
     )

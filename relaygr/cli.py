@@ -108,6 +108,11 @@ GROUPS: dict[str, tuple[str, dict[str, tuple[str, str]]]] = {
                 "relaygr.bench.request_path",
                 "the project files and lines one rank request runs through (relay or full path)",
             ),
+            "steady-load": (
+                "relaygr.bench.steady_load",
+                "returning users at steady rates and in a burst: relay share by visit, pre-inferences "
+                "finished and dropped, timeouts and ranking P99, per pre-inference policy",
+            ),
             "rolling-restart": (
                 "relaygr.bench.rolling_restart",
                 "every ranking worker replaced by a warm standby in turn at a steady load: lost, "

@@ -362,6 +362,15 @@ class WorkerStats(Event):
     pinned_bytes: Bytes = 0
     queue_depth: Count = 0
     prefill_inflight: Count = 0
+    # Pre-inferences since the worker started: admitted, finished, cached, late, refused,
+    # dropped:<reason> (``RankingEngine.prefill_counts``).
+    prefill_counts: dict[str, Count] = Field(default_factory=dict, max_length=32)
+    # Predicted device ms of the admitted pre-inferences not finished yet (the trigger's backlog bound).
+    prefill_backlog_ms: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+    # Device seconds per priority since start (rank_s, prefill_s) and pre-inference's recent share.
+    device_share: dict[str, float] = Field(default_factory=dict, max_length=8)
+    # Full rankings' measured time over the latency model's (their truncation plans with it).
+    full_pace: float = Field(default=1.0, gt=0, le=1000, allow_inf_nan=False)
     # Latency model of full ranking: ms ≈ a + b·n + c·n² for a history of n tokens.
     latency_coeffs: list[float] = Field(default_factory=list, max_length=4)
     mode: Literal["relay", "baseline"] = "relay"

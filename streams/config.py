@@ -105,6 +105,23 @@ class PipelineSettings(BaseSettings):
         gt=0,
         description="Trigger bound on pre-inference rate.",
     )
+    prefill_backlog_bound_ms: float = Field(
+        default=_default(TriggerConfig, "backlog_bound_ms"),
+        gt=0,
+        description="Trigger bound on a worker's unfinished pre-inference (predicted device ms).",
+    )
+    prefill_share: float = Field(
+        default=_default(EngineConfig, "prefill_share"),
+        ge=0,
+        lt=1,
+        description="Relay: the least share of device time pre-inference gets while it has work queued.",
+    )
+    abandon_backlog: int | None = Field(
+        default=_default(EngineConfig, "abandon_backlog"),
+        ge=0,
+        description="Relay: unset, a late pre-inference finishes; a number, the shedding policy (to "
+        "compare against): it is dropped while more than this many pre-inference jobs are queued.",
+    )
     lease_ttl_s: float = Field(
         default=_default(EngineConfig, "lease_ttl_s"), gt=0, description="Lease of a pre-inferred prefix."
     )
@@ -299,6 +316,7 @@ def trigger_config(
         footprint_bound_bytes=int(pipeline.footprint_bound_mb * MiB),
         bytes_per_token=bytes_per_token,
         prefill_rate_per_s=pipeline.prefill_rate_per_s,
+        backlog_bound_ms=pipeline.prefill_backlog_bound_ms,
         lease_ttl_s=pipeline.lease_ttl_s,
     )
 
@@ -317,4 +335,6 @@ def engine_config(pipeline: PipelineSettings) -> EngineConfig:
         ingest_slowdown=pipeline.ingest_slowdown,
         ingest_burst_events=pipeline.ingest_burst_events,
         ingest_window_s=pipeline.ingest_window_s,
+        prefill_share=pipeline.prefill_share,
+        abandon_backlog=pipeline.abandon_backlog,
     )

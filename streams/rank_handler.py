@@ -271,7 +271,7 @@ class RankHandler:
                 self.engine.yield_prefill(r.user_id)  # waited enough: rank now, not behind it
         if meeting.done.is_set():
             return None
-        # Late for its request: finishing it would only delay the pre-inferences still on time.
+        # Late for its request: it finishes at pre-inference priority for the user's next visits.
         self.engine.abandon_prefill(r.user_id)
         return "prefill_not_ready"
 

@@ -86,6 +86,7 @@ from relaygr.streams.worker_files import WorkerFiles
 from relaygr.workers.engine.calibration import calibrate
 from relaygr.workers.engine.cores import pin_this_thread
 from relaygr.workers.engine.latency_model import LatencyModel
+from relaygr.workers.engine.prefill_ledger import device_share
 from relaygr.workers.engine.ranker import RankingEngine
 from relaygr.workers.engine.scheduler import DeviceScheduler, Priority
 from relaygr.workers.model.devices import keep_host_pages
@@ -518,7 +519,11 @@ class RankingWorker:
             pinned_bytes=int(m.get("bytes_reserved", 0)),
             queue_depth=self.engine.queue_depth(),
             prefill_inflight=self.engine.queue_depth(Priority.PREFILL),
+            prefill_counts=dict(self.engine.prefills.counts),
+            prefill_backlog_ms=round(self.engine.prefill_backlog_ms(), 3),
+            device_share={k: round(v, 4) for k, v in device_share(self.engine.scheduler).items()},
             latency_coeffs=latency.coeffs(),
+            full_pace=min(1000.0, max(1e-3, pacing.full.factor)),
             mode=self.pipeline.mode,
         )
 

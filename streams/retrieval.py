@@ -221,7 +221,8 @@ async def follow_worker_stats(
     settings: Settings, topic: str, trigger: SequenceAwareTrigger, max_bytes: int
 ) -> None:
     """Calibrate the trigger from the ranking workers' reports (a plain reader, no group): their
-    latency model of full ranking and the prefix bytes pinned per partition."""
+    latency model of full ranking (and the pace their full rankings keep), the prefix bytes pinned
+    per partition and their pre-inference backlog."""
     from relaygr.infra.kafka import consumer
 
     cons = consumer(settings, topic, group_id=None)
@@ -235,10 +236,12 @@ async def follow_worker_stats(
                 continue
             if st.mode == "relay" and len(st.latency_coeffs) == 3:
                 try:
-                    trigger.report_latency(LatencyModel.from_coeffs(st.latency_coeffs), st.partitions)
+                    pace = st.full_pace if st.full_pace > 0 else 1.0
+                    trigger.report_latency(LatencyModel.from_coeffs(st.latency_coeffs), st.partitions, pace)
                 except ValueError as e:
                     log.warning("worker %s sent an unusable latency model: %s", st.worker_id, e)
             if st.partitions:
+                trigger.report_backlog(st.partitions, st.prefill_backlog_ms, as_of=st.ts)
                 for part in st.partitions:
                     trigger.report_footprint(part, st.pinned_bytes // len(st.partitions), as_of=st.ts)
     finally:

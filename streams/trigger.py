@@ -2,14 +2,24 @@
 
 Primitives:
 - ``TriggerConfig``: the ranking budget, the risk threshold θ and the two bounds.
-- ``TokenBucket``: the pre-inference rate bound.
+- ``TokenBucket``: the pre-inference rate bound (with the owner's backlog, ``backlog_bound_ms``).
 - ``SequenceAwareTrigger.decide(user_id, partition, history_len, now)``: a ``Decision`` with its
   ``TriggerReason``. Admit iff full ranking of this history is predicted (by the calibrated
   ``LatencyModel`` of the worker that owns the partition, ``report_latency``; of at most the
-  ``max_seq_len`` served events) to exceed ``budget × θ`` AND its pre-inference is predicted to
-  end within the lease and a multiple of the upstream window (else ``too_long``) AND the bytes of
-  live prefixes on that partition stay under the footprint bound AND the token bucket has a
-  token. Every decision is counted.
+  ``max_seq_len`` served events), at the pace that worker's full rankings keep now
+  (``report_latency(..., pace)``: the ranking plans its truncation at that pace, so a request
+  the trigger finds not at risk is not one the ranking then truncates), and never below the
+  calibration's prediction (a refit from truncated rankings knows short histories only), to
+  exceed ``budget × θ``
+  AND its pre-inference is predicted to end within the lease and a multiple of the upstream
+  window (else ``too_long``) AND the bytes of live prefixes on that partition stay under the
+  footprint bound AND the owner's pre-inference backlog stays under ``backlog_bound_ms`` AND
+  the token bucket has a token (else ``rate_bound``). Every decision is counted.
+
+Admission is where pre-inference is shed: an admitted one finishes (the worker does not drop it
+for being late), so under overload the trigger admits fewer. The backlog is the owner's report
+(``report_backlog``: predicted device ms of its admitted pre-inferences not finished) plus the
+predicted time of the admissions made since.
 
 The footprint bound counts device bytes only. It is estimated here from admitted signals (bytes
 per token × prefix length, alive for the lease TTL); a ranking worker's report (``WorkerStats``:
@@ -20,6 +30,7 @@ prefix that was ranked and released, or spilled to the host or disk tier, stops 
 from __future__ import annotations
 
 import heapq
+import math
 from collections import Counter
 from dataclasses import dataclass
 
@@ -73,6 +84,13 @@ class TriggerConfig(BaseModel):
         description="A worker's footprint report replaces the estimates of admissions at least this "
         "much older than the report (younger signals may not have reached the worker yet).",
     )
+    backlog_bound_ms: float = Field(
+        default=4000.0,
+        gt=0,
+        description="Refuse (rate_bound) while the owning worker's pre-inference not yet finished "
+        "is predicted to take more device time than this: with pre-inference's minimum device "
+        "share (0.2) it still finishes within the lease under a saturating load of rankings.",
+    )
     too_long_window_factor: float = Field(
         default=100.0,
         ge=0,
@@ -112,6 +130,10 @@ class SequenceAwareTrigger:
     def __init__(self, config: TriggerConfig, latency: LatencyModel) -> None:
         self.config = config
         self.latency = latency  # for a partition whose owner has not reported (the latest report)
+        # The calibration's model: a worker's refit comes from its full rankings, truncated under
+        # load to short histories, and may predict far less than this for the long ones it never
+        # ranked whole. The trigger never judges a history less at risk than calibration does.
+        self.calibrated = latency
         self._latency_of: dict[int, LatencyModel] = {}  # partition -> its owner's latest model
         self.bucket = TokenBucket(config.prefill_rate_per_s, config.prefill_burst)
         self.counts: Counter[str] = Counter()
@@ -120,13 +142,45 @@ class SequenceAwareTrigger:
         self._live: dict[int, list[tuple[float, float, int]]] = {}
         self._live_bytes: dict[int, int] = {}
         self._reported: dict[int, int] = {}
+        self._pace_of: dict[int, float] = {}  # partition -> its owner's full-ranking pace
+        # Pre-inference backlog per owner (its partitions, as a tuple): the reported ms, when,
+        # and the admissions since (admitted at, predicted ms).
+        self._owner_of: dict[int, tuple[int, ...]] = {}
+        self._backlog: dict[tuple[int, ...], tuple[float, float, list[tuple[float, float]]]] = {}
 
-    def report_latency(self, latency: LatencyModel, partitions: list[int]) -> None:
+    def report_latency(self, latency: LatencyModel, partitions: list[int], pace: float = 1.0) -> None:
         """A worker's latency model of full ranking, for the partitions it owns: their requests
-        are ranked there (workers differ: a device, a fresh process, a loaded host)."""
+        are ranked there (workers differ: a device, a fresh process, a loaded host); ``pace``: its
+        full rankings' measured time over that model's, which its truncation plans with."""
+        if not (math.isfinite(pace) and pace > 0):
+            raise ValueError(f"a full-ranking pace must be positive and finite, not {pace}")
         for p in partitions:
             self._latency_of[p] = latency
+            self._pace_of[p] = pace
         self.latency = latency
+
+    def report_backlog(self, partitions: list[int], backlog_ms: float, as_of: float) -> None:
+        """A worker's predicted device ms of admitted pre-inference not finished, at ``as_of``,
+        for the partitions it owns: it replaces the estimates of admissions made more than
+        ``report_grace_s`` before."""
+        owner = tuple(sorted(partitions))
+        for p in owner:
+            self._owner_of[p] = owner
+        since = self._backlog.get(owner, (0.0, 0.0, []))[2]
+        cut = as_of - self.config.report_grace_s
+        self._backlog[owner] = (max(0.0, backlog_ms), as_of, [e for e in since if e[0] > cut])
+
+    def backlog_ms(self, partition: int) -> float:
+        """The pre-inference backlog (predicted device ms) of ``partition``'s owner."""
+        owner = self._owner_of.get(partition, (partition,))
+        reported, _, since = self._backlog.get(owner, (0.0, 0.0, []))
+        return reported + sum(ms for _, ms in since)
+
+    def _note_admitted(self, partition: int, now: float, prefill_ms: float) -> None:
+        owner = self._owner_of.get(partition, (partition,))
+        reported, as_of, since = self._backlog.get(owner, (0.0, 0.0, []))
+        since.append((now, prefill_ms))
+        self._backlog[owner] = (reported, as_of, since)
 
     def latency_for(self, partition: int) -> LatencyModel:
         return self._latency_of.get(partition, self.latency)
@@ -170,7 +224,10 @@ class SequenceAwareTrigger:
         if history_len == 0 or prefix_len < c.min_prefix:
             return Decision(TriggerReason.NO_HISTORY if history_len == 0 else TriggerReason.NOT_AT_RISK)
         latency = self.latency_for(partition)
-        predicted = latency.predict_ms(history_len)
+        predicted = max(
+            latency.predict_ms(history_len) * self._pace_of.get(partition, 1.0),
+            self.calibrated.predict_ms(history_len),
+        )
         if predicted <= c.budget_ms * c.theta:
             return Decision(TriggerReason.NOT_AT_RISK, prefix_len, predicted)
         # A pre-inference that outlives its lease, or the request by far, cannot pay off.
@@ -182,8 +239,9 @@ class SequenceAwareTrigger:
         est = prefix_len * c.bytes_per_token
         if self.live_bytes(partition, now) + est > c.footprint_bound_bytes:
             return Decision(TriggerReason.FOOTPRINT_BOUND, prefix_len, predicted, est)
-        if not self.bucket.take(now):
+        if self.backlog_ms(partition) + prefill_ms > c.backlog_bound_ms or not self.bucket.take(now):
             return Decision(TriggerReason.RATE_BOUND, prefix_len, predicted, est)
+        self._note_admitted(partition, now, prefill_ms)
         heapq.heappush(self._live.setdefault(partition, []), (now + c.lease_ttl_s, now, est))
         self._live_bytes[partition] = self._live_bytes.get(partition, 0) + est
         return Decision(TriggerReason.ADMITTED, prefix_len, predicted, est)

@@ -13,6 +13,7 @@ from synthetic import history, tiny_model
 
 from relaygr.workers.engine.engine_config import EngineConfig
 from relaygr.workers.engine.latency_model import LatencyModel
+from relaygr.workers.engine.prefill_ledger import device_share
 from relaygr.workers.engine.ranker import RankingEngine, kv_bytes_per_token
 from relaygr.workers.engine.scheduler import DeviceScheduler, Priority
 from relaygr.workers.model.model import HSTURanker
@@ -414,3 +415,31 @@ def test_a_successor_plans_with_its_predecessors_timings(model) -> None:
     assert got.predict_ms(4096) == pytest.approx(fitted.predict_ms(4096))
     old.close()
     new.close()
+
+
+async def test_a_late_prefill_finishes_even_behind_a_backlog_and_is_counted(model) -> None:
+    # The default policy: a ranking that went ahead without its pre-inference does not drop it,
+    # however many pre-inferences are queued. It finishes and serves the user's next visit.
+    e = engine(model, prefill_chunk=16, latency=LatencyModel(1.0, 0.01, 0.0))
+    h = history(600, seed=4)
+    others = [history(200, seed=10 + i) for i in range(4)]
+    blocker = threading.Event()
+    gate = e.scheduler.submit(blocker.wait, priority=Priority.RANK, deadline=0.0)
+    pre = asyncio.create_task(e.prefill("u", h))
+    queued = [asyncio.create_task(e.prefill(f"o{i}", o)) for i, o in enumerate(others)]
+    while e.scheduler.queue_depth(Priority.PREFILL) < 5:
+        await asyncio.sleep(0.001)
+    assert e.prefill_backlog_ms() > 0
+    e.abandon_prefill("u")  # five pre-inferences queued: a backlog
+    blocker.set()
+    await gate
+    out = await pre
+    await asyncio.gather(*queued)
+    assert out.status == "computed" and e.store.cached_length("u", h) == 600
+    assert e.prefills.counts == {"admitted": 5, "finished": 5, "late": 1}
+    assert e.prefill_backlog_ms() == 0
+    res = await e.rank("u", h, torch.arange(1, 9), float(h.timestamps[-1]) + 60, FAR)
+    assert res.path == "relay" and res.prefix_len == 600
+    share = device_share(e.scheduler)
+    assert share["prefill_s"] > 0 and share["rank_s"] > 0
+    e.scheduler.close()

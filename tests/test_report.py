@@ -198,3 +198,26 @@ def test_prefill_outcomes_keeps_the_last_outcome_of_each_request(tmp_path):
     (worker / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in lines) + "{torn")
     assert prefill_outcomes(tmp_path, {"a", "b", "d"}) == {"a": "device", "b": "computed"}
     assert sorted(prefill_statuses(tmp_path, {"a", "c"})) == ["abandoned", "abandoned", "device"]
+
+
+def test_pre_inference_counts_sum_the_workers_reports() -> None:
+    from relaygr.schemas import WorkerStats
+    from relaygr.tools.report.inputs import pre_inference_counts
+
+    a = WorkerStats(
+        worker_id="w0",
+        ts=1.0,
+        prefill_counts={"admitted": 5, "finished": 4, "late": 2, "dropped:backlog": 1},
+        device_share={"rank_s": 3.0, "prefill_s": 1.0},
+    )
+    b = WorkerStats(
+        worker_id="w1",
+        ts=1.0,
+        prefill_counts={"admitted": 3, "finished": 1, "cached": 2},
+        device_share={"rank_s": 1.0, "prefill_s": 1.0},
+    )
+    got = pre_inference_counts({"w0": a, "w1": b})
+    assert got["admitted"] == 8 and got["finished"] == 5 and got["cached"] == 2
+    assert got["dropped"] == 1 and got["dropped:backlog"] == 1 and got["late"] == 2
+    assert got["prefill_device_share"] == pytest.approx(2 / 6, abs=1e-4)
+    assert pre_inference_counts([])["prefill_device_share"] == 0.0

@@ -313,3 +313,46 @@ async def test_paced_pre_inference_rests_until_a_ranking_comes_or_the_pace_ends(
             s.pace(-1)
     finally:
         s.close()
+
+
+@pytest.mark.parametrize("share", [0.0, 0.3])
+async def test_reserve_gives_queued_pre_inference_its_share_ahead_of_rankings(share: float) -> None:
+    # Ten rankings and three pre-inference jobs of the same size queue behind a ranking. Without a
+    # reserved share every ranking goes first; with 30 %, pre-inference runs among them (the
+    # first as soon as the device is free: it has had none of the recent time) and never more
+    # than its share ahead of them.
+    s = DeviceScheduler("t")
+    s.reserve(share)
+    gate = threading.Event()
+    order: list[str] = []
+
+    def job(name: str) -> None:
+        order.append(name)
+        time.sleep(0.002)
+
+    try:
+        blocker = s.submit(lambda: gate.wait(5), priority=Priority.RANK, deadline=0.0)
+        jobs = [
+            s.submit(lambda i=i: job(f"rank{i}"), priority=Priority.RANK, deadline=1.0) for i in range(10)
+        ]
+        jobs += [s.submit(lambda i=i: job(f"prefill{i}"), priority=Priority.PREFILL) for i in range(3)]
+        gate.set()
+        await asyncio.gather(blocker, *jobs)
+        prefills = [i for i, name in enumerate(order) if name.startswith("prefill")]
+        if share == 0:
+            assert prefills == [10, 11, 12] and s.share_picks == 0
+        else:
+            assert prefills[0] == 0 and prefills[-1] < 10, order
+            assert s.share_picks == 3
+            assert 0 < s.recent_share(Priority.PREFILL) < 1
+    finally:
+        s.close()
+
+
+def test_reserve_rejects_a_share_outside_zero_to_one() -> None:
+    s = DeviceScheduler("t")
+    try:
+        with pytest.raises(ValueError, match="prefill_share"):
+            s.reserve(1.0)
+    finally:
+        s.close()

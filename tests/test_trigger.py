@@ -155,3 +155,39 @@ def test_every_lease_default_is_the_one_of_the_lease_table() -> None:
         PipelineSettings.model_fields["lease_ttl_s"].default,
     }
     assert defaults == {DEFAULT_LEASE_TTL_S}
+
+
+def test_backlog_bound_admits_fewer_under_overload_and_a_report_frees_it() -> None:
+    # Each 4000-event pre-inference is predicted at 41 ms; the owner of partitions 0 and 1 may
+    # hold 100 ms of them unfinished. Admissions on either of its partitions add up; another
+    # worker's partition has its own backlog; the owner's report replaces the estimates.
+    t = trig(backlog_bound_ms=100.0, report_grace_s=1.0)
+    t.report_backlog([0, 1], 0.0, as_of=0.0)
+    assert t.decide(0, 4000, 2.0).admitted
+    assert t.decide(1, 4000, 2.0).admitted
+    assert t.decide(0, 4000, 2.0).reason is TriggerReason.RATE_BOUND  # 3 x 41 ms > 100 ms
+    assert t.backlog_ms(1) == pytest.approx(2 * LAT.predict_ms(4000 - 64))
+    assert t.decide(2, 4000, 2.0).admitted  # not that worker's
+    t.report_backlog([0, 1], 10.0, as_of=4.0)  # both finished; 10 ms left of another
+    assert t.backlog_ms(0) == pytest.approx(10.0)
+    assert t.decide(0, 4000, 4.0).admitted
+    assert t.counts["rate_bound"] == 1
+
+
+def test_a_slow_pace_puts_a_history_at_risk_as_the_ranking_would_truncate_it() -> None:
+    # 1000 events: 12 ms by the model, under budget x theta (20 ms); the worker's full rankings
+    # run 2x the model now, so its ranking would plan 24 ms and truncate: the trigger admits.
+    t = trig()
+    assert t.decide(0, 1000, 0.0).reason is TriggerReason.NOT_AT_RISK
+    t.report_latency(LAT, [0], pace=2.0)
+    assert t.decide(0, 1000, 0.0).admitted
+    with pytest.raises(ValueError, match="pace"):
+        t.report_latency(LAT, [0], pace=0.0)
+
+
+def test_a_refit_from_short_rankings_never_makes_a_long_history_look_safe() -> None:
+    # Under load a worker ranks truncated histories only; its refit (nearly flat here) would put
+    # 4000 events at 3 ms. The calibration's 42 ms still counts: the request stays at risk.
+    t = trig()
+    t.report_latency(LatencyModel(a=2.0, b=0.0002, c=0.0), [0])
+    assert t.decide(0, 4000, 0.0).admitted

@@ -27,7 +27,7 @@ from relaygr.tools.experiment.report import say
 from relaygr.tools.experiment.stopping import StopRule
 from relaygr.tools.replay import Replayer, plan_replay
 from relaygr.tools.report.figures import meets_slo, percentile, ranking_ms
-from relaygr.tools.report.inputs import prefill_outcomes, prefill_statuses, read_admitted_ids
+from relaygr.tools.report.inputs import prefill_statuses, read_admitted_ids
 from relaygr.tools.report.summary import RunSummary
 from relaygr.tools.trace import TraceTopics, build_trace, eligible_interactions, load_trace, publish_trace
 from relaygr.tools.traffic import collect_results
@@ -149,32 +149,14 @@ async def run_point(
 async def _previous_visits(dep: Deployment, rp: Replayer, warm: list, qps: float, seed: int) -> None:
     """The window's users' previous visits, unmeasured, so that the window meets returning users.
     Their histories are preloaded; the window's interactions must not go out ahead of time
-    (retrieval's history summary assumes ordered input), so no behaviours go with them.
-
-    A visit whose pre-inference was dropped (its ranking went ahead while pre-inference was backed
-    up, as a burst of previous visits can make it) leaves its user with no cached prefix: that user
-    would enter the window cold. Such a visit is sent once more, alone, after the worker is idle
-    (nothing queued then, so its pre-inference finishes)."""
+    (retrieval's history summary assumes ordered input), so no behaviours go with them. Each
+    admitted pre-inference finishes, even behind a backlog, so waiting until the workers are idle
+    is all it takes: no visit is sent again."""
     s, reg = dep.settings, dep.reg
     plan = plan_replay(warm, qps=qps, seed=seed + 1)
     sent = await rp.run(plan, behaviours=False)
     await collect_results(s, reg, {r.request_id for r in sent}, timeout_s=120)
     await dep.wait_idle()
-    outcomes = prefill_outcomes(Path(s.home) / "workers", {r.request_id for r in sent})
-    dropped = [
-        orig for orig, r in zip(plan.requests, sent, strict=True) if outcomes.get(r.request_id) == "abandoned"
-    ]
-    if dropped:
-        say(
-            f"{len(dropped)} previous visit(s) lost their pre-inference to a backlog: sent again, one at a time"
-        )
-    for r in dropped:
-        again = await rp.run(
-            plan_replay([r.model_copy(update={"request_id": f"{r.request_id}-again"})], qps=qps),
-            behaviours=False,
-        )
-        await collect_results(s, reg, {a.request_id for a in again}, timeout_s=60)
-        await dep.wait_idle()
 
 
 async def _rounds(rp: Replayer, s, reg, window: list, rule: StopRule, qps: float, seed: int, slo_ms: float):

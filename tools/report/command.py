@@ -21,6 +21,9 @@ Definitions (the figure computations are pure functions of a list of ``RankedRes
   of the requests' send times times n / (n - 1));
 - trigger admission rate = prefill signals / requests; cache hit rates per tier: where the rank
   lookup found the prefix (``prefix_tier``) and how pre-inference got it (worker logs);
+- pre-inference: the ranking workers' last reports (worker-stats topic), summed: admitted,
+  finished, cached, late (their ranking went ahead), refused, dropped (and why), and the share
+  of device time pre-inference got (since each worker started);
 - HR@10 / NDCG@10: the true next item among the ranked top 10 (a label missing from the
   candidates is a miss).
 
@@ -38,7 +41,14 @@ from pathlib import Path
 
 from relaygr.schemas import RankedResult
 from relaygr.tools.report.figures import headline, json_safe
-from relaygr.tools.report.inputs import prefill_statuses, read_admitted_ids, read_labels, read_results
+from relaygr.tools.report.inputs import (
+    pre_inference_counts,
+    prefill_statuses,
+    read_admitted_ids,
+    read_labels,
+    read_results,
+    read_worker_stats,
+)
 from relaygr.tools.report.markdown import summary_markdown
 from relaygr.tools.report.plots import run_plots
 from relaygr.tools.report.summary import RunSummary
@@ -124,9 +134,13 @@ def run(args: argparse.Namespace) -> int:
                     admitted = await read_admitted_ids(settings, reg.name("prefill"), mine)
                 except LookupError:
                     admitted = None
-            return res, labels, admitted
+            try:
+                workers = await read_worker_stats(settings, reg.name("worker_stats"))
+            except LookupError:
+                workers = {}
+            return res, labels, admitted, workers
 
-        res, labels, admitted = asyncio.run(gather_inputs())
+        res, labels, admitted, workers = asyncio.run(gather_inputs())
     except (BrokerError, LookupError, ValueError) as e:
         print(f"relaygr report: {e}", file=sys.stderr)
         return 1
@@ -147,6 +161,8 @@ def run(args: argparse.Namespace) -> int:
         allow_truncated=args.allow_truncated,
     )
     inputs = {"results": topic, "trace": args.trace_topic, "slo_ms": slo_ms, "results_read": len(results)}
+    if workers:
+        summary.pre_inference = pre_inference_counts(workers)
     doc = summary.to_dict()
     write_run_report(args.out, results, doc, slo_ms=slo_ms, inputs=inputs)
     print(f"report written to {args.out / 'report.md'} ({len(results)} results)", file=sys.stderr)

@@ -3,7 +3,8 @@ ranking workers' event logs.
 
 Primitives: ``read_results`` (the last result per request id), ``read_labels``,
 ``read_admitted``, ``read_admitted_ids``, ``prefill_statuses``, ``prefill_outcomes`` (the last
-pre-inference outcome per request id).
+pre-inference outcome per request id), ``read_worker_stats`` (each worker's last report) and
+``pre_inference_counts`` (the workers' pre-inference counts and device time, summed).
 """
 
 from __future__ import annotations
@@ -71,3 +72,30 @@ def prefill_statuses(workers_dir: Path, request_ids: set[str] | None = None) -> 
 def prefill_outcomes(workers_dir: Path, request_ids: set[str]) -> dict[str, str]:
     """The last pre-inference outcome of each of ``request_ids`` that has one."""
     return {str(e["request_id"]): str(e.get("status")) for e in _prefill_events(workers_dir, request_ids)}
+
+
+async def read_worker_stats(settings, topic: str) -> dict:
+    """Each ranking worker's last ``WorkerStats`` (by worker id) on the worker-stats topic."""
+    from relaygr.schemas import WorkerStats
+
+    got = await read_topic(settings, topic, WorkerStats, progress=False)
+    return {r.value.worker_id: r.value for r in got.records}
+
+
+def pre_inference_counts(stats) -> dict[str, float]:
+    """What the workers' reports (``WorkerStats``, as ``read_worker_stats`` returns them, or a
+    list) say of pre-inference: admitted, finished, cached, late, refused and dropped (in all
+    and ``dropped:<reason>``), summed; ``prefill_s`` / ``rank_s`` device seconds and
+    ``prefill_device_share``, pre-inference's share of them."""
+    out: dict[str, float] = {k: 0 for k in ("admitted", "finished", "cached", "late", "refused", "dropped")}
+    rank_s = prefill_s = 0.0
+    for st in stats.values() if isinstance(stats, dict) else stats:
+        for k, v in st.prefill_counts.items():
+            out[k] = out.get(k, 0) + v
+            if k.startswith("dropped:"):
+                out["dropped"] += v
+        rank_s += st.device_share.get("rank_s", 0.0)
+        prefill_s += st.device_share.get("prefill_s", 0.0)
+    out["rank_s"], out["prefill_s"] = round(rank_s, 3), round(prefill_s, 3)
+    out["prefill_device_share"] = round(prefill_s / (rank_s + prefill_s), 4) if rank_s + prefill_s else 0.0
+    return out

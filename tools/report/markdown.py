@@ -102,6 +102,10 @@ def summary_markdown(s: dict, *, title: str = "Run") -> str:
         )
     if s.get("path_reasons"):
         parts.append(table(["not relay because", "count"], list(s["path_reasons"].items())))
+    if s.get("pre_inference"):
+        parts.append(
+            table(["pre-inference (workers' reports)", "count"], list(s["pre_inference"].items()), 3)
+        )
     for src, rates in s["hit_rates"].items():
         parts.append(
             table([f"{src} tier/outcome", "share"], [[k, v] for k, v in rates.items() if k != "n"], 3)

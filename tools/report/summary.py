@@ -90,6 +90,11 @@ class RunSummary(_Figures):
     prefix_tiers: dict[str, int] = Field(default_factory=dict)
     prefill: dict[str, int] = Field(default_factory=dict, description="pre-inference outcomes")
     workers: dict[str, int] = Field(default_factory=dict, description="results per ranking worker")
+    pre_inference: dict[str, float] = Field(
+        default_factory=dict,
+        description="the workers' pre-inferences admitted, finished, cached, late, refused and dropped "
+        "(with reasons), and the device time they got (``inputs.pre_inference_counts``)",
+    )
 
     @classmethod
     def of(

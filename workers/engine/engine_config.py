@@ -2,7 +2,7 @@
 defaults (the trigger, the pipeline settings) without loading the model.
 
 Primitives: ``EngineConfig``: mode, ranking budget, pre-inference chunk, lease, truncation,
-suffix retention and burst batching.
+suffix retention, burst batching, and pre-inference's device share (``prefill_share``).
 """
 
 from __future__ import annotations
@@ -76,13 +76,24 @@ class EngineConfig(BaseModel):
             "computed once. 1 = never."
         ),
     )
-    abandon_backlog: int = Field(
-        default=2,
+    abandon_backlog: int | None = Field(
+        default=None,
         ge=0,
         description=(
-            "A pre-inference whose ranking went ahead without it is dropped only while more than "
-            "this many pre-inference jobs are queued (a backlog that would make the next ones late "
-            "too); otherwise it finishes and serves the user's next requests."
+            "None (the default): a pre-inference whose ranking went ahead without it finishes at "
+            "pre-inference priority and serves the user's next visits. A number: the shedding "
+            "policy, kept to compare against (``bench steady-load --policy shed``): such a "
+            "pre-inference is dropped while more than this many pre-inference jobs are queued."
+        ),
+    )
+    prefill_share: float = Field(
+        default=0.2,
+        ge=0,
+        lt=1,
+        description=(
+            "While pre-inference has work queued, it gets at least this share of the recent device "
+            "time, ahead of queued rankings (one chunk at a time): under a steady load of rankings "
+            "pre-inference still progresses, and returning users reach the relay path."
         ),
     )
     slice_ms: float = Field(

@@ -12,7 +12,12 @@ Primitives:
   long a ranking may still wait for the user's pre-inference (None: not at all); ``prefill_eta_ms``
   the device time that pre-inference has left. ``expedite_prefill`` / ``yield_prefill``: a
   waiting ranking lends it its priority and deadline; ``abandon_prefill``: the ranking went
-  ahead without it, so its chunks not yet run are dropped (outcome ``abandoned``).
+  ahead without it. Admitted work is not thrown away for being late: it finishes at
+  pre-inference priority, with its minimum device share (``EngineConfig.prefill_share``), and
+  serves the user's next visits. (``EngineConfig.abandon_backlog``, off by default, restores
+  the shedding policy that dropped late work while pre-inference was backed up; outcome
+  ``abandoned``.)
+- ``prefills`` (a ``PrefillLedger``): what became of the pre-inferences; ``prefill_backlog_ms()``.
 - ``RankingEngine.rank(user_id, history, candidates, request_ts, deadline)``: a ``RankOutcome``
   by one of these paths:
 
@@ -48,6 +53,7 @@ from relaygr.workers.engine.device_jobs import run_in_burst, run_job, run_steps
 from relaygr.workers.engine.engine_config import EngineConfig
 from relaygr.workers.engine.latency_model import EngineClock, LatencyModel
 from relaygr.workers.engine.pacing import DevicePacing, Slicer
+from relaygr.workers.engine.prefill_ledger import PrefillLedger
 from relaygr.workers.engine.scheduler import DeviceScheduler, Priority, SchedulerClosed
 from relaygr.workers.model.model import HSTURanker
 from relaygr.workers.prefix_kv import Events, PrefixKV
@@ -101,12 +107,14 @@ class RankingEngine:
         self.config = config
         self.clock = clock or EngineClock()  # a test's simulated one: see ``EngineClock``
         self.pacing = DevicePacing(config, latency, self.clock)
+        scheduler.reserve(config.prefill_share if config.mode == "relay" else 0.0)
         self.bytes_per_token = kv_bytes_per_token(model)
         # Users whose in-flight pre-inference a waiting ranking job has promoted: (priority, deadline).
         self._urgent: dict[str, tuple[Priority, float]] = {}
         self._waiters: dict[str, int] = {}  # rankings waiting for a user's pre-inference
         # Users whose pre-inference is no longer wanted: its next chunk stops it (device thread reads).
         self._abandoned: set[str] = set()
+        self.prefills = PrefillLedger()
         # Background tasks storing the prefixes that rankings grew (``retain_suffix``).
         self._keeping: set[asyncio.Task] = set()
         self.batched_rankings = 0  # rankings that shared their device job with others of a burst
@@ -173,8 +181,10 @@ class RankingEngine:
         t0 = self.clock.timer()
         lease = self.store.lease(user_id, ttl_s or self.config.lease_ttl_s, n * self.bytes_per_token)
         if not lease:
+            self.prefills.counts["refused"] += 1
             return PrefillOutcome(f"refused:{lease.reason}", n)
         self._abandoned.discard(user_id)
+        self.prefills.admit(user_id, self.latency.predict_ms(n))
 
         async def compute(best: PrefixKV | None) -> PrefixKV:
             start = best.length if best is not None else 0
@@ -199,11 +209,17 @@ class RankingEngine:
             got, source = await self.store.get_or_compute(user_id, history, compute, at_least=n)
         except PrefillAbandoned:
             self.store.release(user_id)
+            self.prefills.counts["dropped:backlog"] += 1
             return PrefillOutcome("abandoned", n, (self.clock.timer() - t0) * 1000)
+        except Exception:
+            self.prefills.counts["dropped:failed"] += 1
+            raise
         finally:
             self._urgent.pop(user_id, None)
             self._abandoned.discard(user_id)
             self._computing.pop(user_id, None)
+            self.prefills.end(user_id)
+        self.prefills.outcome(source)
         if got.length < len(history) and self.pacing.suffix_costs_a_slice(got.length, len(history)):
             self._extend_later(user_id, got, history)
         return PrefillOutcome(source, got.length, (self.clock.timer() - t0) * 1000)
@@ -257,15 +273,20 @@ class RankingEngine:
             yield out
 
     def abandon_prefill(self, user_id: str) -> None:
-        """``user_id``'s ranking went ahead without its pre-inference: drop the chunks not run yet
-        (a prefix of a later request is ordered by that request's own signal) when pre-inference
-        is backed up (more than ``abandon_backlog`` queued): late ones would make the next ones
-        late too. Otherwise it finishes at pre-inference priority: the user's next requests (a
-        heavy user's capped prefix) find it cached."""
-        if self.scheduler.queue_depth(Priority.PREFILL) <= self.config.abandon_backlog:
+        """``user_id``'s ranking went ahead without its pre-inference, which finishes at
+        pre-inference priority (with its device share) for the user's next visits: admission
+        bounds the work, late work is not thrown away. With ``abandon_backlog`` set (the shedding
+        policy) its chunks are dropped while more than that many pre-inference jobs are queued."""
+        if self.store is None or not self.store.in_flight(user_id):
             return
-        if self.store is not None and self.store.in_flight(user_id):
+        self.prefills.counts["late"] += 1
+        backlog = self.config.abandon_backlog
+        if backlog is not None and self.scheduler.queue_depth(Priority.PREFILL) > backlog:
             self._abandoned.add(user_id)
+
+    def prefill_backlog_ms(self) -> float:
+        """Predicted device ms of the pre-inferences admitted here and not finished."""
+        return self.prefills.backlog_ms(self.prefill_eta_ms)
 
     async def warm_up(self, history_len: int = 1024, num_candidates: int = 128, rounds: int = 2) -> float:
         """A full ranking, a pre-inference and a relay ranking of a synthetic user, ``rounds``

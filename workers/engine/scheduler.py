@@ -32,6 +32,11 @@ Primitives:
   ``rest_ratio`` times as long as the turn took, cut short as soon as a ranking job is queued
   (0, the default: no rest). Work with no deadline (a standby warming up beside serving workers
   on shared cores) leaves them the CPU that way.
+- ``DeviceScheduler.reserve(prefill_share)``: while pre-inference has work queued, it gets at
+  least this share of the device's recent time (``SHARE_WINDOW_S``), whatever rankings are queued:
+  under a steady load of rankings at least one pre-inference progresses, and its user's next
+  visits find the prefix cached. A ranking waits for at most one chunk of it.
+  ``recent_share(priority)``: that measured share.
 """
 
 from __future__ import annotations
@@ -48,6 +53,8 @@ from enum import IntEnum
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+# The window (time constant, seconds) over which ``reserve`` measures each priority's device share.
+SHARE_WINDOW_S = 1.0
 
 
 class Priority(IntEnum):
@@ -98,6 +105,11 @@ class DeviceScheduler:
         self.batches_run = 0  # turns that ran more than one batched job
         self.rest_ratio = 0.0  # see pace()
         self._rest_until = 0.0  # monotonic end of the rest owed (device thread only)
+        self.prefill_share = 0.0  # see reserve()
+        self.share_picks = 0  # pre-inference turns taken ahead of queued rankings by reserve()
+        # Device seconds per priority, decayed over SHARE_WINDOW_S (device thread writes).
+        self._recent = {Priority.RANK: 0.0, Priority.PREFILL: 0.0}
+        self._recent_at = time.monotonic()
         self._thread = threading.Thread(target=self._run, name=f"relaygr-{name}", daemon=True)
         self._thread.start()
 
@@ -222,6 +234,46 @@ class DeviceScheduler:
             self.rest_ratio = rest_ratio
             self._cv.notify_all()
 
+    def reserve(self, prefill_share: float) -> None:
+        """Give pre-inference at least ``prefill_share`` of the recent device time while it has
+        work queued (0: rankings always first)."""
+        if not 0 <= prefill_share < 1:
+            raise ValueError(f"prefill_share must be in [0, 1), got {prefill_share}")
+        with self._cv:
+            self.prefill_share = prefill_share
+
+    def recent_share(self, priority: Priority) -> float:
+        """The share of the device's recent busy time (``SHARE_WINDOW_S``) that ``priority`` got."""
+        total = sum(self._recent.values())
+        return self._recent[priority] / total if total > 0 else 0.0
+
+    def _account(self, prio: Priority, took: float) -> None:
+        """Add ``took`` device seconds to ``prio``'s decayed recent time (device thread only)."""
+        now = time.monotonic()
+        decay = math.exp(-(now - self._recent_at) / SHARE_WINDOW_S)
+        self._recent_at = now
+        for p in self._recent:
+            self._recent[p] *= decay
+        self._recent[prio] += took
+
+    def _pop(self) -> _Job:
+        """The next job: the most urgent, unless pre-inference is owed its share (``reserve``) and
+        has work queued, then its most urgent job. Called with the lock held."""
+        top = self._heap[0][3]
+        owed = (
+            top.priority != Priority.PREFILL
+            and self.prefill_share > 0
+            and self.recent_share(Priority.PREFILL) < self.prefill_share
+        )
+        waiting = [e for e in self._heap if e[0] == Priority.PREFILL] if owed else []
+        if not waiting:
+            return heapq.heappop(self._heap)[3]
+        pick = min(waiting)
+        self._heap.remove(pick)
+        heapq.heapify(self._heap)
+        self.share_picks += 1
+        return pick[3]
+
     def _rest(self) -> None:
         """The rest ``pace`` asked for after the last pre-inference turn, before the next job is
         picked. A ranking job queued (or a queued step promoted to one) runs meanwhile, and the
@@ -245,7 +297,7 @@ class DeviceScheduler:
                     self._cv.wait()
                 if not self._heap:
                     return
-                *_, job = heapq.heappop(self._heap)
+                job = self._pop()
                 self._running = job
                 mates = self._take_batch(job) if job.batch_key is not None else []
                 self._unpark({job.seq, *(m.seq for m in mates)})
@@ -263,6 +315,7 @@ class DeviceScheduler:
             took = time.perf_counter() - t0
             self.busy_s[prio] += took
             self.cpu_s[prio] += time.thread_time() - c0
+            self._account(prio, took)
             if prio == Priority.PREFILL:  # rested after its result is out, before the next turn
                 self._rest_until = time.monotonic() + took * self.rest_ratio
             with self._cv:
@@ -326,8 +379,10 @@ class DeviceScheduler:
                 raise RuntimeError(f"run_batch returned {len(results)} results for {len(jobs)} items")
         except BaseException as e:
             results, exc = [None] * len(jobs), e
-        self.busy_s[prio] += time.perf_counter() - t0
+        took = time.perf_counter() - t0
+        self.busy_s[prio] += took
         self.cpu_s[prio] += time.thread_time() - c0
+        self._account(prio, took)
         with self._cv:
             self._running = None
         self.jobs_done[prio] += len(jobs)
