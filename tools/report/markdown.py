@@ -94,6 +94,14 @@ def summary_markdown(s: dict, *, title: str = "Run") -> str:
         ),
         table(["path", "count", "share"], [[p, v["count"], v["share"]] for p, v in s["paths"].items()], 3),
     ]
+    parts += _why_and_where(s)
+    return "\n\n".join(parts)
+
+
+def _why_and_where(s: dict) -> list[str]:
+    """What the trigger admitted, why results left the relay path, the pre-inferences the
+    workers reported, and the cache tiers that served."""
+    parts: list[str] = []
     trig = s["trigger"]
     if trig.get("relay_of_admitted") is not None:
         parts.append(
@@ -111,4 +119,4 @@ def summary_markdown(s: dict, *, title: str = "Run") -> str:
             table([f"{src} tier/outcome", "share"], [[k, v] for k, v in rates.items() if k != "n"], 3)
             + f"\n\n({src}: n = {int(rates['n'])})"
         )
-    return "\n\n".join(parts)
+    return parts

@@ -31,85 +31,22 @@ import functools
 import importlib.util
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
+from relaygr.workers.kernels.batch import AttentionParams, JaggedBatch
+
 BACKENDS = ("reference", "triton")
-
-
-@dataclass(frozen=True)
-class AttentionParams:
-    """The model's attention constants (the same for every layer and every call)."""
-
-    num_pos: int
-    num_time: int
-    normaliser: float
-    near_keys: int = 0
-    far_keys: float = 128.0
-
-
-@dataclass(frozen=True, eq=False)
-class JaggedBatch:
-    """Where each user's tokens lie in the packed tensors of one forward, layer independent.
-
-    ``q_offsets``/``k_offsets`` ``[B + 1]`` (int64) delimit user ``b``'s queries and keys;
-    ``q_pos``/``k_pos`` (int64) and ``q_ts``/``k_ts`` (float64) are per token; ``max_q``/``max_k``
-    are host integers (grid sizes, padded layouts). ``scratch`` keeps what an implementation
-    derives from the batch once for all layers (bias indices, masks); it never leaves the batch.
-    """
-
-    q_offsets: torch.Tensor
-    k_offsets: torch.Tensor
-    q_pos: torch.Tensor
-    q_ts: torch.Tensor
-    k_pos: torch.Tensor
-    k_ts: torch.Tensor
-    max_q: int
-    max_k: int
-    scratch: dict[Any, Any] = field(default_factory=dict, repr=False)
-
-    @property
-    def users(self) -> int:
-        return int(self.q_offsets.shape[0]) - 1
-
-    @classmethod
-    def build(
-        cls,
-        q_lengths: list[int],
-        k_lengths: list[int],
-        q_pos: torch.Tensor,
-        q_ts: torch.Tensor,
-        k_pos: torch.Tensor,
-        k_ts: torch.Tensor,
-    ) -> JaggedBatch:
-        """A batch from per-user query and key counts (host lists) and the packed per-token
-        positions and timestamps (on the device the attention runs on)."""
-        if len(q_lengths) != len(k_lengths) or not q_lengths:
-            raise ValueError(f"{len(q_lengths)} query lengths for {len(k_lengths)} key lengths")
-        if any(nq > nk for nq, nk in zip(q_lengths, k_lengths, strict=True)):
-            raise ValueError("a user has more queries than keys: its queries' own keys must be among them")
-        if int(q_pos.shape[0]) != sum(q_lengths) or int(k_pos.shape[0]) != sum(k_lengths):
-            raise ValueError("positions do not match the lengths")
-        device = q_pos.device
-        offsets = [0, 0]
-        qo, ko = [0], [0]
-        for nq, nk in zip(q_lengths, k_lengths, strict=True):
-            offsets[0] += nq
-            offsets[1] += nk
-            qo.append(offsets[0])
-            ko.append(offsets[1])
-        return cls(
-            q_offsets=torch.tensor(qo, dtype=torch.int64, device=device),
-            k_offsets=torch.tensor(ko, dtype=torch.int64, device=device),
-            q_pos=q_pos.to(torch.int64),
-            q_ts=q_ts.to(torch.float64),
-            k_pos=k_pos.to(torch.int64),
-            k_ts=k_ts.to(torch.float64),
-            max_q=max(q_lengths),
-            max_k=max(k_lengths),
-        )
+__all__ = [
+    "BACKENDS",
+    "BACKEND_ENV",
+    "AttentionParams",
+    "JaggedBatch",
+    "available_backends",
+    "backend_for",
+    "hstu_mha",
+    "use_backend",
+]
 
 
 BACKEND_ENV = "RELAYGR_ATTENTION_BACKEND"

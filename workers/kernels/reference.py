@@ -23,8 +23,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from relaygr.workers.kernels.batch import AttentionParams, JaggedBatch
 from relaygr.workers.kernels.buckets import EXACT_POSITIONS, F32_EXP_BIAS, position_bucket
-from relaygr.workers.kernels.interface import AttentionParams, JaggedBatch
 
 PAD_POSITION = 1 << 40
 """Position of a padding key: after every real query, so no one sees it."""

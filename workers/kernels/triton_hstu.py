@@ -32,8 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from relaygr.workers.kernels.batch import AttentionParams, JaggedBatch
 from relaygr.workers.kernels.buckets import EXACT_POSITIONS, F32_EXP_BIAS
-from relaygr.workers.kernels.interface import AttentionParams, JaggedBatch
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_HEAD_DIM = 256
