@@ -323,7 +323,7 @@ def broker_missing() -> str:
     java and the broker's jars, or Maven to fetch them)."""
     if os.environ.get("RELAYGR_BOOTSTRAP"):
         return ""
-    from relaygr.infra import broker
+    from relaygr.infra.local import broker
     from relaygr.infra.settings import get_settings
 
     settings = get_settings()

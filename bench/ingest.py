@@ -228,7 +228,7 @@ def on_fresh_pipeline(
     topics and a home of its own (broker, model and calibration set up if missing), then remove
     them; returns what ``measure`` returned, with the core layout under ``cores``. ``env``: more
     ``RELAYGR_*`` settings for its stages."""
-    from relaygr.infra.cluster import ensure_broker
+    from relaygr.infra.local.cluster import ensure_broker
     from relaygr.streams.config import PipelineSettings
     from relaygr.tools.prepare import ensure_calibration, ensure_model
     from relaygr.tools.up import Pipeline

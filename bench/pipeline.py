@@ -135,7 +135,7 @@ def _phase(
 
 def _broker_pids(broker_settings: Settings) -> list[int]:
     """The pids of every node of the local broker or cluster recorded under ``broker_settings``."""
-    from relaygr.infra.broker import status
+    from relaygr.infra.local.broker import status
 
     alive, state = status(broker_settings)
     return [n.pid for n in state.nodes] if alive and state is not None else []
@@ -166,7 +166,7 @@ def _unpin(broker_settings: Settings, cores) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from relaygr.infra.cluster import ensure_broker
+    from relaygr.infra.local.cluster import ensure_broker
     from relaygr.streams.config import PipelineSettings
     from relaygr.tools.prepare import ensure_calibration, ensure_model
 
@@ -191,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
 def _own_cluster(base: Settings, brokers: int, say):
     """A local cluster of ``brokers`` nodes in a folder of its own under RELAYGR_HOME, for one run:
     the clients' settings, and those its nodes are recorded under."""
-    from relaygr.infra import broker
+    from relaygr.infra.local import broker
 
     own = base.model_copy(update={"home": Path(base.home) / f"bench-cluster-{uuid.uuid4().hex[:6]}"})
     t0 = time.monotonic()

@@ -44,6 +44,7 @@ PACKAGES = (
     "relaygr",
     "relaygr.schemas",
     "relaygr.streams",
+    "relaygr.streams.ranking",
     "relaygr.workers",
     "relaygr.workers.kernels",
     "relaygr.workers.model",
@@ -51,6 +52,7 @@ PACKAGES = (
     "relaygr.workers.engine",
     "relaygr.workers.training",
     "relaygr.infra",
+    "relaygr.infra.local",
     "relaygr.tools",
     "relaygr.bench",
 )
@@ -136,7 +138,7 @@ def _scripted_code(fn: Any) -> types.CodeType | None:
 
 
 def summarise(recorder: CallRecorder, folders: dict[Path, str]) -> dict[str, dict[str, Any]]:
-    """Per project file (``relaygr/streams/rank_handler.py``): its lines, the functions that ran
+    """Per project file (``relaygr/streams/ranking/rank_handler.py``): its lines, the functions that ran
     and their lines."""
     codes = set(recorder.codes) | {c for f in recorder.scripted if (c := _scripted_code(f)) is not None}
     files: dict[str, dict[str, Any]] = {}
@@ -155,7 +157,7 @@ async def _one_request(args: argparse.Namespace, recorder: CallRecorder, workdir
     from relaygr.schemas import PrefillSignal, RankRequest, TriggerReason
     from relaygr.streams.config import PipelineSettings
     from relaygr.streams.history import HistoryAlignment, HistoryTable
-    from relaygr.streams.rank_handler import RankHandler
+    from relaygr.streams.ranking.rank_handler import RankHandler
     from relaygr.workers.engine.engine_config import EngineConfig
     from relaygr.workers.engine.latency_model import LatencyModel
     from relaygr.workers.engine.ranker import RankingEngine

@@ -39,7 +39,7 @@ from aiokafka.protocol.types import (
     TaggedFields,
 )
 
-from relaygr.infra.broker import resolve_bootstrap
+from relaygr.infra.local.broker import resolve_bootstrap
 from relaygr.infra.settings import Settings, kafka_client_kwargs
 
 LATEST = -1  # ListOffsets timestamp meaning "the log end offset"

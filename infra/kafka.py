@@ -40,7 +40,7 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.client import AIOKafkaClient
 from aiokafka.partitioner import murmur2
 
-from relaygr.infra.broker_files import replication_for, resolve_bootstrap
+from relaygr.infra.local.broker_files import replication_for, resolve_bootstrap
 from relaygr.infra.settings import Settings, kafka_client_kwargs
 from relaygr.schemas.topics import TopicRegistry
 

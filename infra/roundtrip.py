@@ -12,8 +12,8 @@ import sys
 import time
 import uuid
 
-from relaygr.infra.broker import BrokerError, resolve_bootstrap
 from relaygr.infra.kafka import admin, consumer, ensure_topics, producer
+from relaygr.infra.local.broker import BrokerError, resolve_bootstrap
 from relaygr.infra.settings import Settings, get_settings
 from relaygr.schemas import TopicRegistry, decode, encode
 from relaygr.schemas.examples import examples

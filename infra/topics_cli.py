@@ -10,8 +10,8 @@ import argparse
 import asyncio
 import sys
 
-from relaygr.infra.broker import BrokerError
 from relaygr.infra.kafka import TopicError, ensure_topics
+from relaygr.infra.local.broker import BrokerError
 from relaygr.infra.settings import get_settings
 from relaygr.schemas.topics import TopicRegistry
 

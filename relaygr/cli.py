@@ -15,12 +15,12 @@ import threading
 
 # name -> (module, one-line help). Groups map to nested commands.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "broker": ("relaygr.infra.broker_cli", "start, stop or inspect the local Kafka broker or cluster"),
+    "broker": ("relaygr.infra.local.broker_cli", "start, stop or inspect the local Kafka broker or cluster"),
     "topics": ("relaygr.infra.topics_cli", "create (idempotently) or list RelayGR's topics"),
     "schemas": ("relaygr.schemas_cli", "export the public events as JSON Schema files for other stacks"),
     "settings": ("relaygr.tools.settings_doc", "every RELAYGR_* setting as the Markdown configuration page"),
     "results": ("relaygr.results_cli", "look up one request's result, or tail the results as they come"),
-    "acl": ("relaygr.infra.acls_cli", "show, grant or list the Kafka ACLs of RelayGR's access roles"),
+    "acl": ("relaygr.infra.local.acls_cli", "show, grant or list the Kafka ACLs of RelayGR's access roles"),
     "roundtrip": (
         "relaygr.infra.roundtrip",
         "send one event of every schema through the broker and read it back",

@@ -35,9 +35,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from relaygr.infra import broker
-from relaygr.infra.cluster import ensure_broker
 from relaygr.infra.kafka import TopicError, delete_topics_with_prefix
+from relaygr.infra.local import broker
+from relaygr.infra.local.cluster import ensure_broker
 from relaygr.infra.settings import Settings, get_settings
 from relaygr.tools.args import float_above, int_at_least
 from relaygr.tools.prepare import ensure_calibration, ensure_model

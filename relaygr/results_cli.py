@@ -32,7 +32,7 @@ from relaygr.client import (
     read_results,
     seek_results,
 )
-from relaygr.infra.broker import BrokerError
+from relaygr.infra.local.broker import BrokerError
 from relaygr.infra.settings import Settings, get_settings
 from relaygr.schemas import TopicRegistry, encode
 from relaygr.tools.args import int_at_least

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from relaygr.infra.broker import resolve_bootstrap
+from relaygr.infra.local.broker import resolve_bootstrap
 from relaygr.infra.settings import Settings, kafka_client_kwargs
 from relaygr.streams.state_lineage import deployment_dir
 

@@ -14,7 +14,7 @@ import os
 import signal
 import sys
 
-from relaygr.infra.broker import BrokerError
+from relaygr.infra.local.broker import BrokerError
 from relaygr.infra.settings import get_settings
 from relaygr.infra.stop_guard import StopDeadline, watch_supervisor_from_env
 
@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     try:
         if args.stage == "ranking":
-            from relaygr.streams.ranking_worker import main
+            from relaygr.streams.ranking.ranking_worker import main
 
             return main(
                 settings,

@@ -1,6 +1,6 @@
 """Shared fixtures: one real Kafka broker per test session, isolated topics per test.
 
-The broker is the project's own (``relaygr.infra.broker``): an already running one is reused
+The broker is the project's own (``relaygr.infra.local.broker``): an already running one is reused
 (as `.ci/run` starts it through the CLI), ``RELAYGR_BOOTSTRAP`` points at an external cluster,
 and otherwise the session starts a fresh broker in a temporary folder and stops it at the end.
 """
@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
-from relaygr.infra import broker
+from relaygr.infra.local import broker
 from relaygr.infra.settings import Settings, get_settings
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from relaygr.infra import broker
+from relaygr.infra.local import broker
 from relaygr.infra.settings import Settings
 
 pytestmark = pytest.mark.broker

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from aiokafka.client import AIOKafkaClient
 
-from relaygr.infra import broker
 from relaygr.infra.kafka import RepeatedClientErrors, ensure_topics, stop_clients
+from relaygr.infra.local import broker
 from relaygr.infra.settings import Settings
 from relaygr.infra.stop_guard import STOP_OVERDUE_EXIT
 from relaygr.schemas import TopicRegistry

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from relaygr.infra import broker, broker_files
+from relaygr.infra.local import broker, broker_files
 from relaygr.infra.settings import Settings
 
 

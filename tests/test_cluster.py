@@ -27,8 +27,8 @@ from pathlib import Path
 import pytest
 from fault_checks import histories_by_user, read_results, worker_history
 
-from relaygr.infra import broker
 from relaygr.infra.kafka import admin, delete_topics_with_prefix, ensure_topics, partition_for, producer
+from relaygr.infra.local import broker
 from relaygr.infra.settings import Settings
 from relaygr.infra.stop_guard import process_alive
 from relaygr.schemas import RecommendationRequest, TopicRegistry, encode

@@ -25,7 +25,7 @@ ALLOWED_REACHES: dict[str, str] = {
     "relaygr/cli.py:_SubParsersAction": "argparse's type of add_subparsers(), which has no public name",
     "workers/training/train_args.py:_MutuallyExclusiveGroup": "argparse's type of a group, no public name",
     "streams/common.py:_set_current_event": "faust's stream: the event its take buffer reads is put back",
-    "infra/acls.py:_send_request": "aiokafka's admin client has no public call for ACL requests",
+    "infra/local/acls.py:_send_request": "aiokafka's admin client has no public call for ACL requests",
     "infra/kafka.py:_metadata_update": "aiokafka's metadata update, made to wait out its backoff",
     "workers/store/kv_formats.py:_base": "torch's base tensor of a view: views of one buffer, back to back",
     "workers/model/inference_state.py:_version": "torch's version counter of a parameter: weights changed",
@@ -241,7 +241,7 @@ def test_no_import_cycles() -> None:
 def test_the_cycle_check_sees_a_cycle() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"d"}}
     assert import_cycles(graph) == [("a", "b", "c")]
-    assert import_graph()["relaygr.streams.ranking_worker"] >= {"relaygr.streams.standby"}
+    assert import_graph()["relaygr.streams.ranking.ranking_worker"] >= {"relaygr.streams.ranking.standby"}
 
 
 def test_allowed_cycles_still_exist() -> None:

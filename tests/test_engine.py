@@ -222,7 +222,7 @@ async def test_without_a_backlog_a_late_prefill_finishes_for_the_next_request(mo
 
 
 def test_a_rank_request_waits_only_for_a_prefix_worth_waiting_for() -> None:
-    from relaygr.streams.rank_handler import worth_waiting
+    from relaygr.streams.ranking.rank_handler import worth_waiting
 
     assert worth_waiting(history_len=1024, cached_len=0, short_term=64)
     assert worth_waiting(history_len=1024, cached_len=895, short_term=64)  # 129 events to compute

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import socket
 
-from relaygr.infra import broker
+from relaygr.infra.local import broker
 
 
 def test_ports_are_below_the_ephemeral_range_distinct_and_bindable() -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from relaygr.streams.worker_files import WorkerFiles
+from relaygr.streams.ranking.worker_files import WorkerFiles
 from relaygr.tools.up import (
     HandOverFailed,
     RollAbandoned,

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from relaygr.schemas import RankedResult, RankPath, RankRequest, ScoredItem, TriggerReason
-from relaygr.streams.rank_handler import path_reason
+from relaygr.streams.ranking.rank_handler import path_reason
 from relaygr.tools.report.figures import path_reasons, summarize
 
 

@@ -11,8 +11,8 @@ from types import SimpleNamespace
 from aiokafka import TopicPartition
 
 from relaygr.schemas import SchemaError
-from relaygr.streams.offset_tracker import OffsetTracker
-from relaygr.streams.ranking_worker import RankingWorker
+from relaygr.streams.ranking.offset_tracker import OffsetTracker
+from relaygr.streams.ranking.ranking_worker import RankingWorker
 
 TP = TopicPartition("p.rank-requests", 0)
 

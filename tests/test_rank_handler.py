@@ -12,7 +12,7 @@ import torch
 
 from relaygr.schemas import RankRequest, TriggerReason
 from relaygr.streams.config import PipelineSettings
-from relaygr.streams.rank_handler import PrefillRendezvous, RankHandler
+from relaygr.streams.ranking.rank_handler import PrefillRendezvous, RankHandler
 from relaygr.workers.engine.engine_config import EngineConfig
 from relaygr.workers.engine.latency_model import LatencyModel
 from relaygr.workers.engine.pacing import DevicePacing

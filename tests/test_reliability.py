@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from fault_checks import read_results
 
-from relaygr.infra import broker
 from relaygr.infra.kafka import delete_topics_with_prefix, ensure_topics
+from relaygr.infra.local import broker
 from relaygr.infra.settings import Settings
 from relaygr.schemas import TopicRegistry
 from relaygr.tools.traffic import collect_results, leave_last_out, publish

@@ -21,7 +21,7 @@ def test_one_relay_request_runs_through_the_handler_the_engine_and_the_kernel() 
     assert record["path"] == "relay" and record["prefix_len"] == 56 and record["history_len"] == 64
     files = record["by_file"]
     for name in (
-        "streams/rank_handler.py",
+        "streams/ranking/rank_handler.py",
         "streams/history.py",
         "workers/engine/ranker.py",
         "workers/model/inference.py",

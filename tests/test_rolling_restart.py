@@ -15,8 +15,8 @@ from rolling_setup import rolling_deployment, worker_events
 from relaygr.bench.rolling_restart import LibrdkafkaRequests, count_results, lengthened_users
 from relaygr.infra.kafka import delete_topics_with_prefix
 from relaygr.schemas import RecommendationRequest
+from relaygr.streams.ranking.worker_files import WorkerFiles
 from relaygr.streams.state_lineage import deployment_dir
-from relaygr.streams.worker_files import WorkerFiles
 from relaygr.tools.traffic import publish
 from relaygr.tools.up import Pipeline
 from relaygr.workers.training.movielens import load_movielens

@@ -31,8 +31,8 @@ from relaygr.bench.rolling_restart import LibrdkafkaRequests, count_results, len
 from relaygr.infra.kafka import consumer, delete_topics_with_prefix
 from relaygr.infra.settings import Settings
 from relaygr.schemas import RankRequest, decode
+from relaygr.streams.ranking.worker_files import WorkerFiles
 from relaygr.streams.state_lineage import deployment_dir
-from relaygr.streams.worker_files import WorkerFiles
 from relaygr.tools.traffic import publish
 from relaygr.tools.up import Pipeline
 from relaygr.workers.training.movielens import load_movielens

@@ -24,10 +24,10 @@ from pathlib import Path
 import pytest
 from aiokafka.errors import GroupAuthorizationFailedError, KafkaConnectionError, TopicAuthorizationFailedError
 
-from relaygr.infra import broker
 from relaygr.infra.kafka import TopicError, consumer, ensure_topics, producer
+from relaygr.infra.local import broker
+from relaygr.infra.local.tls import issue_broker_tls, write_secret
 from relaygr.infra.settings import SECURITY_FIELDS, Settings
-from relaygr.infra.tls import issue_broker_tls, write_secret
 from relaygr.schemas import BehaviorEvent, DeadLetter, RecommendationRequest, TopicRegistry, decode, encode
 from relaygr.tools.traffic import collect_results, publish
 from relaygr.tools.up import Pipeline

@@ -8,10 +8,10 @@ import ssl
 
 import pytest
 
-from relaygr.infra.acls import Operation, PatternType, ResourceType, role_acls
-from relaygr.infra.broker_files import secure_server_properties, server_properties
+from relaygr.infra.local.acls import Operation, PatternType, ResourceType, role_acls
+from relaygr.infra.local.broker_files import secure_server_properties, server_properties
+from relaygr.infra.local.tls import BrokerTLS
 from relaygr.infra.settings import Settings, kafka_client_kwargs, security_env
-from relaygr.infra.tls import BrokerTLS
 from relaygr.schemas.topics import TopicRegistry
 from relaygr.streams.stage_app import faust_credentials
 

@@ -14,9 +14,9 @@ from types import SimpleNamespace
 import pytest
 from test_prefix_store import prefix_for
 
-from relaygr.streams import standby as standby_module
-from relaygr.streams.standby import Standby, spill_for_standby
-from relaygr.streams.worker_files import WorkerFiles
+from relaygr.streams.ranking import standby as standby_module
+from relaygr.streams.ranking.standby import Standby, spill_for_standby
+from relaygr.streams.ranking.worker_files import WorkerFiles
 from relaygr.workers.prefix_kv import Events
 from relaygr.workers.store.prefix_store import PrefixStore, PrefixStoreConfig
 

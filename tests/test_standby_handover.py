@@ -13,7 +13,7 @@ from types import SimpleNamespace
 from aiokafka import TopicPartition
 
 from relaygr.schemas import TopicRegistry
-from relaygr.streams.standby import Standby
+from relaygr.streams.ranking.standby import Standby
 
 REG = TopicRegistry("p", 2)
 TP = TopicPartition(REG.name("rank"), 1)

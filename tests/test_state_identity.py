@@ -20,7 +20,6 @@ from aiokafka.protocol.admin import DescribeGroupsRequest_v2
 from aiokafka.protocol.api import Request
 from store_probe import is_leased
 
-from relaygr.infra import broker
 from relaygr.infra.cluster_identity import ClusterFacts, ClusterProbe, ProbeError, TopicFacts
 from relaygr.infra.kafka import (
     admin,
@@ -30,6 +29,7 @@ from relaygr.infra.kafka import (
     ensure_topics,
     producer,
 )
+from relaygr.infra.local import broker
 from relaygr.infra.settings import Settings, kafka_client_kwargs
 from relaygr.schemas import BehaviorEvent, RetrievedRequest, TopicRegistry, decode, encode
 from relaygr.streams.history import HistoryTable
@@ -657,7 +657,7 @@ async def _wait_unassigned(s: Settings, groups: list[str], topics: set[str], tim
     from aiokafka.client import AIOKafkaClient
     from aiokafka.coordinator.protocol import ConsumerProtocolMemberAssignment
 
-    from relaygr.infra.broker import resolve_bootstrap
+    from relaygr.infra.local.broker import resolve_bootstrap
 
     finder = admin(s)
     client = AIOKafkaClient(bootstrap_servers=resolve_bootstrap(s), **kafka_client_kwargs(s))

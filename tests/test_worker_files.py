@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from relaygr.streams.worker_files import WorkerFiles
+from relaygr.streams.ranking.worker_files import WorkerFiles
 
 
 def test_generations(tmp_path: Path) -> None:
@@ -54,7 +54,7 @@ def test_hand_over_files(tmp_path: Path) -> None:
 _STAND_ASIDE = """
 import json, os, sys, threading
 from relaygr.infra.settings import Settings
-from relaygr.streams.standby import stand_aside
+from relaygr.streams.ranking.standby import stand_aside
 before = threading.Event(); done = threading.Event(); seen = {}
 def early():
     before.set(); done.wait()
@@ -75,7 +75,7 @@ def test_a_standby_stands_aside_at_the_lowest_priority(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    from relaygr.streams.standby import STANDBY_NICE
+    from relaygr.streams.ranking.standby import STANDBY_NICE
     from relaygr.workers.engine.cores import may_renice_to
 
     active = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])

@@ -319,9 +319,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import json
 
-    from relaygr.infra.broker import BrokerError
-    from relaygr.infra.cluster import ensure_broker
     from relaygr.infra.kafka import TopicError
+    from relaygr.infra.local.broker import BrokerError
+    from relaygr.infra.local.cluster import ensure_broker
     from relaygr.infra.settings import get_settings
     from relaygr.workers.training.movielens import load_movielens
     from relaygr.workers.training.train import load_log

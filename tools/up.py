@@ -41,13 +41,13 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from relaygr.infra.broker import BrokerError, free_port
+from relaygr.infra.local.broker import BrokerError, free_port
 from relaygr.infra.settings import SECURITY_FIELDS, Settings, cluster_env, get_settings, settings_env
 from relaygr.infra.supervisor import CrashLoop, RestartPolicy, Supervisor, end_process
 from relaygr.streams.config import PipelineSettings
-from relaygr.streams.standby import STANDBY_NICE
+from relaygr.streams.ranking.standby import STANDBY_NICE
+from relaygr.streams.ranking.worker_files import STANDBY_STATES, WorkerFiles
 from relaygr.streams.state_lineage import deployment_dir
-from relaygr.streams.worker_files import STANDBY_STATES, WorkerFiles
 from relaygr.tools.args import float_above, int_at_least
 from relaygr.workers.engine.cores import (
     CoreLayout,

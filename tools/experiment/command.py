@@ -129,7 +129,7 @@ class Run:
 def prepare(args: argparse.Namespace, kinds: list[ExperimentKind]) -> Run:
     """Broker, model, folders and the latency model of full ranking, before any pipeline (shared by
     every experiment of ``kinds``; the run's ``kind`` is the first)."""
-    from relaygr.infra.cluster import ensure_broker
+    from relaygr.infra.local.cluster import ensure_broker
     from relaygr.infra.settings import get_settings
     from relaygr.streams.config import PipelineSettings
     from relaygr.tools.experiment.deployment import calibrate_latency, window_start
@@ -184,7 +184,7 @@ def prepare(args: argparse.Namespace, kinds: list[ExperimentKind]) -> Run:
 
 def _pin_broker(settings: Settings, cores: tuple[int, ...] | set[int]) -> None:
     """The local broker's threads onto ``cores`` (a broker this RELAYGR_HOME started)."""
-    from relaygr.infra.broker import status
+    from relaygr.infra.local.broker import status
 
     alive, state = status(settings)
     if alive and state is not None:
@@ -480,8 +480,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from relaygr.infra.broker import BrokerError
     from relaygr.infra.kafka import TopicError
+    from relaygr.infra.local.broker import BrokerError
 
     kinds = [KINDS[w] for w in dict.fromkeys(args.which)]
     os.environ.setdefault("PYTHONUNBUFFERED", "1")

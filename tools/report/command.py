@@ -108,8 +108,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
-    from relaygr.infra.broker import BrokerError
-    from relaygr.infra.cluster import ensure_broker
+    from relaygr.infra.local.broker import BrokerError
+    from relaygr.infra.local.cluster import ensure_broker
     from relaygr.infra.settings import get_settings
     from relaygr.infra.topic_reader import Start
     from relaygr.schemas import TopicRegistry

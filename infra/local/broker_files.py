@@ -21,7 +21,7 @@ Primitives:
   of a user of the secure broker, as ``RELAYGR_*`` variables or as ``Settings``.
 - ``BrokerError``: what went wrong, said plainly.
 
-Starting, stopping and watching the processes is ``relaygr.infra.broker``.
+Starting, stopping and watching the processes is ``relaygr.infra.local.broker``.
 """
 
 from __future__ import annotations
@@ -36,10 +36,10 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from relaygr.infra import acls
+from relaygr.infra.local import acls
+from relaygr.infra.local.tls import BrokerTLS
 from relaygr.infra.settings import Settings
 from relaygr.infra.stop_guard import process_alive
-from relaygr.infra.tls import BrokerTLS
 
 POM = Path(__file__).with_name("pom.xml")
 JAVA_HINT = (

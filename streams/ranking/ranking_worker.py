@@ -76,13 +76,13 @@ from relaygr.schemas import (
 from relaygr.streams.common import DEAD_LETTERS, commit_existing, dead_letter, decode_keyed, deliver
 from relaygr.streams.config import PipelineSettings, engine_config
 from relaygr.streams.history import HistoryAlignment, HistoryTable
-from relaygr.streams.history_applier import BehaviourApplier, ahead_record
-from relaygr.streams.offset_tracker import OffsetTracker
-from relaygr.streams.rank_handler import RankHandler
-from relaygr.streams.rank_rebalance import STAGE, RankRebalance
-from relaygr.streams.standby import hand_over, spill_for_standby, stand_aside
+from relaygr.streams.ranking.history_applier import BehaviourApplier, ahead_record
+from relaygr.streams.ranking.offset_tracker import OffsetTracker
+from relaygr.streams.ranking.rank_handler import RankHandler
+from relaygr.streams.ranking.rank_rebalance import STAGE, RankRebalance
+from relaygr.streams.ranking.standby import hand_over, spill_for_standby, stand_aside
+from relaygr.streams.ranking.worker_files import WorkerFiles
 from relaygr.streams.state_lineage import HistoryLineage, deployment_dir
-from relaygr.streams.worker_files import WorkerFiles
 from relaygr.workers.engine.calibration import calibrate
 from relaygr.workers.engine.cores import pin_this_thread
 from relaygr.workers.engine.latency_model import LatencyModel
@@ -571,7 +571,7 @@ def main(
         if handover_asked():  # while starting up: hands over as soon as it runs
             hand_over()
         if standby:
-            from relaygr.streams.standby import Standby
+            from relaygr.streams.ranking.standby import Standby
 
             await Standby(worker, metrics_port, serve_nice).run()
         else:

@@ -23,11 +23,11 @@ from relaygr.infra.settings import Settings
 from relaygr.schemas import TopicRegistry
 from relaygr.streams.config import PipelineSettings
 from relaygr.streams.history import HistoryAlignment, HistoryTable
-from relaygr.streams.history_applier import BehaviourApplier
-from relaygr.streams.offset_tracker import OffsetTracker
-from relaygr.streams.rank_handler import RankHandler
+from relaygr.streams.ranking.history_applier import BehaviourApplier
+from relaygr.streams.ranking.offset_tracker import OffsetTracker
+from relaygr.streams.ranking.rank_handler import RankHandler
+from relaygr.streams.ranking.worker_files import WorkerFiles
 from relaygr.streams.state_lineage import HistoryLineage
-from relaygr.streams.worker_files import WorkerFiles
 from relaygr.workers.engine.ranker import RankingEngine
 
 

@@ -13,9 +13,9 @@ from typing import TypeVar
 
 from aiokafka.admin import AIOKafkaAdminClient
 
-from relaygr.infra.acls import ROLES, AclError, create_acls, describe_acls, role_acls
-from relaygr.infra.broker import BrokerError
 from relaygr.infra.kafka import started_admin
+from relaygr.infra.local.acls import ROLES, AclError, create_acls, describe_acls, role_acls
+from relaygr.infra.local.broker import BrokerError
 from relaygr.infra.settings import Settings, get_settings
 from relaygr.schemas.topics import TopicRegistry
 

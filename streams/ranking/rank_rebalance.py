@@ -16,10 +16,10 @@ import logging
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 
 from relaygr.streams.common import commit_existing
+from relaygr.streams.ranking.worker_port import WorkerPort
 from relaygr.streams.state_lineage import rewind_old_topic_offsets
-from relaygr.streams.worker_port import WorkerPort
 
-log = logging.getLogger("relaygr.streams.ranking_worker")
+log = logging.getLogger("relaygr.streams.ranking.ranking_worker")
 
 STAGE = "ranking"
 """The stage's name in offsets, lineage and dead letters."""

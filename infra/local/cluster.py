@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 
-from relaygr.infra import broker
+from relaygr.infra.local import broker
 from relaygr.infra.settings import Settings
 
 

@@ -8,7 +8,7 @@ Primitives:
   (see ``replication_for``). A cluster recorded with some nodes down is revived instead.
   ``secure=True`` (one node only): its only client listener is SASL_SSL (SCRAM-SHA-512, a throwaway
   CA), ACLs are enforced with ``admin`` as the only super user, and one SCRAM user per access role
-  exists with that role's ACLs for the deployment's topic prefix (see ``relaygr.infra.acls``).
+  exists with that role's ACLs for the deployment's topic prefix (see ``relaygr.infra.local.acls``).
 - ``stop(settings)``: SIGTERM every node, wait, SIGKILL if needed; remove the data and state file.
 - ``restart(settings)``: the same nodes (ports, data) stopped and started again.
 - ``kill_node(settings, node_id)`` / ``start_node(settings, node_id)``: one node of a cluster
@@ -19,7 +19,7 @@ Primitives:
 What a broker is made of (jars, node properties, the state record and whether its nodes are up,
 client sign-in: ``ensure_jars``, ``replication_for``, ``BrokerState``, ``read_state``,
 ``node_status``, ``port_open``, ``resolve_bootstrap``, ``client_env``, ``client_settings``,
-``BrokerError``) is ``relaygr.infra.broker_files``; those names are importable from here too.
+``BrokerError``) is ``relaygr.infra.local.broker_files``; those names are importable from here too.
 
 Secrets of the secure broker (passwords, the keystore) live in files of mode 0600 inside its data
 directory, never on a command line: the JVM reads the storage tool's arguments from an argument
@@ -43,8 +43,9 @@ from collections.abc import Coroutine, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from relaygr.infra import acls
-from relaygr.infra.broker_files import (
+from relaygr.infra.kafka import started_admin
+from relaygr.infra.local import acls
+from relaygr.infra.local.broker_files import (
     ADMIN_USER,
     DEFAULT_CLIENT_USER,
     LOG4J_PROPERTIES,
@@ -69,14 +70,13 @@ from relaygr.infra.broker_files import (
     server_properties,
     write_state,
 )
-from relaygr.infra.kafka import started_admin
+from relaygr.infra.local.tls import issue_broker_tls, write_secret
 from relaygr.infra.settings import Settings
 from relaygr.infra.stop_guard import process_alive
-from relaygr.infra.tls import issue_broker_tls, write_secret
 
 T = TypeVar("T")
 
-# The processes, and what a broker is made of (relaygr.infra.broker_files) for this module's callers.
+# The processes, and what a broker is made of (relaygr.infra.local.broker_files) for this module's callers.
 __all__ = [
     "DEFAULT_CLIENT_USER",
     "SCRAM_MECHANISM",

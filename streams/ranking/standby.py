@@ -76,9 +76,9 @@ from relaygr.infra.kafka import consumer, producer
 from relaygr.infra.settings import Settings
 from relaygr.schemas import PrefillSignal, SchemaError
 from relaygr.streams.common import decode_keyed
+from relaygr.streams.ranking.worker_files import WorkerFiles
+from relaygr.streams.ranking.worker_port import WorkerPort
 from relaygr.streams.state_lineage import deployment_dir
-from relaygr.streams.worker_files import WorkerFiles
-from relaygr.streams.worker_port import WorkerPort
 from relaygr.workers.engine.cores import may_renice_to, nice_tasks
 from relaygr.workers.prefix_kv import Events
 from relaygr.workers.store.prefix_adoption import Adoption, adopt_prefixes

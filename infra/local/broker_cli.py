@@ -18,7 +18,7 @@ import shlex
 import sys
 import time
 
-from relaygr.infra import broker
+from relaygr.infra.local import broker
 from relaygr.infra.settings import get_settings
 
 DESCRIPTION = """\
