@@ -97,8 +97,9 @@ GROUPS: dict[str, tuple[str, dict[str, tuple[str, str]]]] = {
             ),
             "device": (
                 "relaygr.bench.device",
-                "the prepared device check: environment, exactness, model, store and a short pipeline "
-                "run on an accelerator, each step within its time budget, into report.json / report.md",
+                "the prepared device check: environment, kernels, exactness, model, store, profile and "
+                "a short pipeline run on an accelerator, each step within its time budget, into "
+                "report.json / report.md",
             ),
             "ingest": (
                 "relaygr.bench.ingest",
