@@ -162,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
     )
     inputs = {"results": topic, "trace": args.trace_topic, "slo_ms": slo_ms, "results_read": len(results)}
     if workers:
-        summary.pre_inference = pre_inference_counts(workers)
+        summary = summary.model_copy(update={"pre_inference": pre_inference_counts(workers)})
     doc = summary.to_dict()
     write_run_report(args.out, results, doc, slo_ms=slo_ms, inputs=inputs)
     print(f"report written to {args.out / 'report.md'} ({len(results)} results)", file=sys.stderr)
