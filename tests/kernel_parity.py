@@ -55,9 +55,9 @@ CASES: dict[str, Case] = {
     "grouped_heads_split": Case(((60, 3, 4),), heads=4, d_qk=24, d_v=20, head_group=2, splits=3),
     "own_choice_of_tiles": Case(((70, 8, 6), (0, 12, 4)), heads=4, block=0, splits=0, near_keys=16),
     "positions_past_int32": Case(
-        ((30, 5, 4), (0, 9, 3)), heads=4, head_group=2, near_keys=8, base=1 << 40, prefix_shift=3 << 30
+        ((30, 5, 4), (0, 9, 3)), heads=4, head_group=2, near_keys=8, prefix_shift=3 << 30
     ),
-    "positions_past_int32_one_head": Case(((40, 6, 5), (0, 7, 2)), base=-(1 << 35), prefix_shift=1 << 31),
+    "positions_past_int32_one_head": Case(((40, 6, 5), (0, 7, 2)), base=-(1 << 35), prefix_shift=3 << 30),
 }
 
 

@@ -80,8 +80,8 @@ def test_causal_skip_only_where_positions_allow_it() -> None:
 
 def test_positions_past_int32_fall_back_per_user() -> None:
     # User 0's cached prefix lies 3 * 2^30 positions back: its gaps need int64. User 1 sits at
-    # 2^40 with a short history: relative to its own first position it fits in int32.
-    *_, batch, _, _ = make_case(CASES["positions_past_int32"], torch.float32, "cpu")
+    # -2^35 with a short history: relative to its own first position it fits in int32.
+    *_, batch, _, _ = make_case(CASES["positions_past_int32_one_head"], torch.float32, "cpu")
     q_rel, k_rel, fits = position_frames(batch)
     assert fits.tolist() == [0, 1]
     assert q_rel.dtype == k_rel.dtype == torch.int32
