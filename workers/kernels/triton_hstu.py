@@ -433,14 +433,17 @@ def _block_dim(d: int) -> int:
 
 def choose_config(dtype: torch.dtype, d_qk: int, d_v: int, max_q: int, max_k: int, users: int,
                   heads: int, sm_count: int) -> KernelConfig:  # fmt: skip
-    """Tiles for a call. A tile's per-pair work (bias index in int64 and float64, the gather) holds
-    many registers: 64-query blocks, 8 warps, and key blocks of 32 (16 for wide heads or two heads
-    at once), the sm_90 builds that did not spill. 16-bit heads up to 64 wide go two per program,
-    so each pair's bias serves both. Key splits when the grid holds under two programs per
-    multiprocessor (a relay's few queries; also evens out jagged users and causal blocks)."""
+    """Tiles for a call: the sm_90 builds (``bench kernels --build sm_90``) that do not spill.
+    16-bit heads up to 64 wide go two per program on 64 x 16 tiles (each pair's bias serves both);
+    a single 16-bit head up to 64 wide takes 64 x 32; wider heads and float32 (whose products run
+    on CUDA cores) take 64 x 16, and float32 heads over 64 wide 32 x 16. Key splits when the grid
+    holds under two programs per multiprocessor (a relay's few queries; also evens out jagged
+    users and causal blocks)."""
     wide = max(_block_dim(d_qk), _block_dim(d_v))
-    group = 2 if dtype != torch.float32 and wide <= 64 and heads % 2 == 0 else 1
-    block_m, block_n = 64, (32 if group == 1 and wide <= 64 else 16)
+    half = dtype != torch.float32
+    group = 2 if half and wide <= 64 and heads % 2 == 0 else 1
+    block_m = 64 if half or wide <= 64 else 32
+    block_n = 32 if half and group == 1 and wide <= 64 else 16
     programs = triton.cdiv(max_q, block_m) * users * (heads // group)
     splits = 1
     if programs < 2 * sm_count:
