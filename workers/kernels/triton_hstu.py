@@ -12,11 +12,15 @@ Primitives:
   ``kernel_constants(config, ...)``: the kernel it launches and its compile-time arguments.
 - ``causal_limits(batch)``: once per batch (kept in ``batch.scratch``), whether each user's keys
   may be cut at a query block's last own key (the causal skip).
+- ``position_frames(batch)``: once per batch (kept in ``batch.scratch``), each token's position
+  relative to its user's smallest, in int32, and per user whether they span at most 2^30 (the
+  kernel then derives every pair's gap in int32; a user that spans more is read in int64).
 
 Each program holds one block of one user's queries for its heads and loops over that user's key
 blocks inside the kernel: ``silu(q k^T + bias)`` times the pair's weight, then times ``v``, summed in
 float32; no score matrix is ever in memory. The bias index comes from positions and timestamps
-exactly as ``buckets.py`` computes it (float64 gap, float32, its bit pattern shifted). HSTU has no
+exactly as ``buckets.py`` computes it (int32 position gap from the per-user relative positions,
+float64 time gap rounded to float32, their bit patterns shifted), an int32 index. HSTU has no
 softmax, so a user's keys can be split across programs and their partial sums simply added: that
 is the split-K path, taken when the grid alone would leave multiprocessors idle (a relay ranking:
 few queries, many keys).
