@@ -93,7 +93,7 @@ def _pair_terms(
     Every index is clamped into the table, so padded rows and keys gather without a mask (their
     keys and values load as zeros, their rows are never stored)."""
     # The gap clamped to [0, 2^30] answers "dpos > 0" and "dpos >= near_keys" too (near_keys is
-    # far below 2^30). In int32 unless the query block spans over 2^30 positions.
+    # far below 2^30). In int32 unless the user's positions span over 2^30 (then int64).
     d = tl.minimum(tl.maximum(q_pos[:, None] - k_pos[None, :], 0), MAX_POSITION_GAP).to(tl.int32)
     log_part = (d.to(tl.float32).to(tl.int32, bitcast=True) >> 21) - POSITION_LOG_OFFSET
     pos_row = tl.minimum(tl.where(d < EXACT, d, log_part), num_pos - 1) * num_time
