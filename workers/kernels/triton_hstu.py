@@ -378,8 +378,7 @@ def causal_limits(batch: JaggedBatch) -> torch.Tensor:
     k_pos, q_pos = batch.k_pos, batch.q_pos
     total_k, total_q = int(k_pos.shape[0]), int(q_pos.shape[0])
     bad = torch.zeros(users, dtype=torch.int32, device=device)
-    k_user = _token_users(batch.k_offsets, total_k)
-    q_user = _token_users(batch.q_offsets, total_q)
+    q_user, k_user = _token_users(batch)
     if total_k > 1:
         drops = (k_pos[1:] < k_pos[:-1]) & (k_user[1:] == k_user[:-1])
         bad.index_add_(0, k_user[1:], drops.to(torch.int32))
@@ -391,8 +390,15 @@ def causal_limits(batch: JaggedBatch) -> torch.Tensor:
     return limits
 
 
-def _token_users(offsets: torch.Tensor, total: int) -> torch.Tensor:
-    return torch.searchsorted(offsets[1:], torch.arange(total, device=offsets.device), right=True)
+def _token_users(batch: JaggedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each query's and each key's user (``[Tq]``, ``[Tk]``), once per batch."""
+    key = ("triton", "token_users")
+    if key not in batch.scratch:
+        batch.scratch[key] = tuple(
+            torch.searchsorted(offsets[1:], torch.arange(int(pos.shape[0]), device=pos.device), right=True)
+            for offsets, pos in ((batch.q_offsets, batch.q_pos), (batch.k_offsets, batch.k_pos))
+        )
+    return batch.scratch[key]
 
 
 def position_frames(batch: JaggedBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -405,8 +411,7 @@ def position_frames(batch: JaggedBatch) -> tuple[torch.Tensor, torch.Tensor, tor
         return batch.scratch[key]
     limit = torch.iinfo(torch.int64)
     users = batch.users
-    q_user = _token_users(batch.q_offsets, int(batch.q_pos.shape[0]))
-    k_user = _token_users(batch.k_offsets, int(batch.k_pos.shape[0]))
+    q_user, k_user = _token_users(batch)
     low = batch.k_pos.new_full((users,), limit.max)
     low = low.scatter_reduce_(0, k_user, batch.k_pos, "amin").scatter_reduce_(0, q_user, batch.q_pos, "amin")
     high = batch.k_pos.new_full((users,), limit.min)
