@@ -17,7 +17,7 @@ beyond 64 positions weighing 128 keys). On a CPU the benchmark runs a tiny shape
 through Triton's interpreter where ``TRITON_INTERPRET=1`` is set, else the reference alone.
 ``--sweep`` times a grid of tile configs per shape instead (tuning ``choose_config``);
 ``--build sm_90`` only compiles the configs ``choose_config`` picks, with no GPU, and reports each
-one's registers per thread and stack bytes (spills) from the cubin.
+one's registers per thread, stack bytes (spills) and key-loop SASS instruction counts.
 """
 
 from __future__ import annotations
@@ -212,9 +212,22 @@ def sweep(preset: str, kind: str, length: int, args: argparse.Namespace) -> dict
 
 
 POINTER_ARGS = {"BIAS": "*fp32", "Q_OFFSETS": "*i64", "K_OFFSETS": "*i64", "Q_POS": "*i64", "K_POS": "*i64",
-                "Q_TS": "*fp64", "K_TS": "*fp64", "CAUSAL_OK": "*i32"}  # fmt: skip
+                "Q_TS": "*fp64", "K_TS": "*fp64", "Q_REL": "*i32", "K_REL": "*i32", "POS32_OK": "*i32",
+                "CAUSAL_OK": "*i32"}  # fmt: skip
 FLOAT_ARGS = ("normaliser", "far_keys")
 TRITON_TYPES = {"fp32": "*fp32", "bf16": "*bf16", "fp16": "*fp16"}
+
+
+def _loop_sizes(sass: str) -> list[int]:
+    """Instructions between each backward branch of a SASS listing and its target (the loops)."""
+    import re
+
+    sizes = []
+    for line in sass.splitlines():
+        found = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?P\d\s+)?BRA\s+0x([0-9a-f]+)", line)
+        if found and int(found.group(2), 16) < int(found.group(1), 16):
+            sizes.append((int(found.group(1), 16) - int(found.group(2), 16)) // 16 + 1)
+    return sizes
 
 
 def build(preset: str, kind: str, length: int, args: argparse.Namespace) -> dict:
@@ -252,7 +265,8 @@ def build(preset: str, kind: str, length: int, args: argparse.Namespace) -> dict
         options={"num_warps": config.num_warps, "num_stages": config.num_stages, "enable_fp_fusion": True},
     )
     row = {"preset": preset, "kind": kind, "length": length, "config": config.__dict__,
-           "shared_bytes": compiled.metadata.shared, "registers": None, "stack_bytes": None}  # fmt: skip
+           "shared_bytes": compiled.metadata.shared, "registers": None, "stack_bytes": None,
+           "loop_instructions": None}  # fmt: skip
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     if tool.exists():
         with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
@@ -261,9 +275,12 @@ def build(preset: str, kind: str, length: int, args: argparse.Namespace) -> dict
             usage = subprocess.run(
                 [str(tool), "--dump-resource-usage", cubin.name], capture_output=True, text=True
             )
+            sass = subprocess.run([str(tool), "-sass", cubin.name], capture_output=True, text=True)
         found = re.search(r"REG:(\d+).*?STACK:(\d+)", usage.stdout)
         if found:
             row.update(registers=int(found.group(1)), stack_bytes=int(found.group(2)))
+        # The key loops' SASS instructions (one per position path): a static proxy of a tile's work.
+        row["loop_instructions"] = _loop_sizes(sass.stdout)
     return row
 
 

@@ -33,6 +33,8 @@ class Case:
     near_keys: int = 0
     far_keys: float = 4.0
     shuffled: bool = False  # positions in no order: the kernel must not cut keys short
+    base: int = 0  # added to every position
+    prefix_shift: int = 0  # taken from the cached prefix's positions (a user spanning over 2^30)
     block: int = 16  # 0: the kernel's own choice
     splits: int = 1
     head_group: int = 1
@@ -52,17 +54,22 @@ CASES: dict[str, Case] = {
     "grouped_heads": Case(((30, 5, 4), (0, 6, 3)), heads=4, head_group=4, near_keys=8),
     "grouped_heads_split": Case(((60, 3, 4),), heads=4, d_qk=24, d_v=20, head_group=2, splits=3),
     "own_choice_of_tiles": Case(((70, 8, 6), (0, 12, 4)), heads=4, block=0, splits=0, near_keys=16),
+    "positions_past_int32": Case(
+        ((30, 5, 4), (0, 9, 3)), heads=4, head_group=2, near_keys=8, prefix_shift=3 << 30
+    ),
+    "positions_past_int32_one_head": Case(((40, 6, 5), (0, 7, 2)), base=-(1 << 35), prefix_shift=3 << 30),
 }
 
 
-def _user_tokens(gen: torch.Generator, prefix: int, new: int, cands: int, shuffled: bool):
+def _user_tokens(gen: torch.Generator, prefix: int, new: int, cands: int, case: Case):
     history = prefix + new
-    pos = torch.cat([torch.arange(history), torch.full((cands,), history)])
+    pos = torch.cat([torch.arange(history), torch.full((cands,), history)]) + case.base
+    pos[:prefix] -= case.prefix_shift
     gaps = 10 ** (torch.rand(history, generator=gen, dtype=torch.float64) * 7 - 1)
     ts = 1.7e9 + torch.cumsum(gaps, 0)
     now = (ts[-1] if history else torch.tensor(1.7e9, dtype=torch.float64)) + 3.0
     ts = torch.cat([ts, now.expand(cands)])
-    if shuffled:
+    if case.shuffled:
         pos = torch.randint(0, 2 * (history + 1), (history + cands,), generator=gen)
         ts = ts[torch.randperm(history + cands, generator=gen)]
     return pos, ts
@@ -73,7 +80,7 @@ def make_case(case: Case, dtype: torch.dtype, device: str, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
     pos_k, ts_k, pos_q, ts_q, nq, nk = [], [], [], [], [], []
     for prefix, new, cands in case.users:
-        pos, ts = _user_tokens(gen, prefix, new, cands, case.shuffled)
+        pos, ts = _user_tokens(gen, prefix, new, cands, case)
         n_q = new + cands
         pos_k.append(pos)
         ts_k.append(ts)

@@ -25,6 +25,7 @@ from relaygr.workers.kernels.triton_hstu import (
     causal_limits,
     choose_config,
     hstu_forward,
+    position_frames,
 )
 
 # Worst absolute difference allowed, relative to the reference's largest output: float32 sums the
@@ -75,6 +76,20 @@ def test_causal_skip_only_where_positions_allow_it() -> None:
     *_, batch, _, _ = make_case(CASES["shuffled_positions"], torch.float32, "cpu")
     assert causal_limits(batch).tolist() == [0, 0]
     assert ("triton", "causal_limits") in batch.scratch
+
+
+def test_positions_past_int32_fall_back_per_user() -> None:
+    # User 0's cached prefix lies 3 * 2^30 positions back: its gaps need int64. User 1 sits at
+    # -2^35 with a short history: relative to its own first position it fits in int32.
+    *_, batch, _, _ = make_case(CASES["positions_past_int32_one_head"], torch.float32, "cpu")
+    q_rel, k_rel, fits = position_frames(batch)
+    assert fits.tolist() == [0, 1]
+    assert q_rel.dtype == k_rel.dtype == torch.int32
+    start = int(batch.k_offsets[1])
+    assert k_rel[start:].tolist() == (batch.k_pos[start:] - batch.k_pos[start]).tolist()
+    assert not k_rel[:start].any()
+    *_, batch, _, _ = make_case(CASES["single_user_relay"], torch.float32, "cpu")
+    assert position_frames(batch)[2].tolist() == [1]
 
 
 def test_bad_input_is_a_clear_error() -> None:

@@ -12,11 +12,15 @@ Primitives:
   ``kernel_constants(config, ...)``: the kernel it launches and its compile-time arguments.
 - ``causal_limits(batch)``: once per batch (kept in ``batch.scratch``), whether each user's keys
   may be cut at a query block's last own key (the causal skip).
+- ``position_frames(batch)``: once per batch (kept in ``batch.scratch``), each token's position
+  relative to its user's smallest, in int32, and per user whether they span at most 2^30 (the
+  kernel then derives every pair's gap in int32; a user that spans more is read in int64).
 
 Each program holds one block of one user's queries for its heads and loops over that user's key
 blocks inside the kernel: ``silu(q k^T + bias)`` times the pair's weight, then times ``v``, summed in
 float32; no score matrix is ever in memory. The bias index comes from positions and timestamps
-exactly as ``buckets.py`` computes it (float64 gap, float32, its bit pattern shifted). HSTU has no
+exactly as ``buckets.py`` computes it (int32 position gap from the per-user relative positions,
+float64 time gap rounded to float32, their bit patterns shifted), an int32 index. HSTU has no
 softmax, so a user's keys can be split across programs and their partial sums simply added: that
 is the split-K path, taken when the grid alone would leave multiprocessors idle (a relay ranking:
 few queries, many keys).
@@ -39,7 +43,8 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_HEAD_DIM = 256
 MIN_BLOCK = 16  # tl.dot's smallest side
 # The bucket constants as the kernel sees them (buckets.py is the source of truth).
-MAX_POSITION_GAP = tl.constexpr(1 << 30)  # the reference clamps position gaps here before the int32 cast
+POSITION_SPAN = 1 << 30  # the reference clamps position gaps here before the int32 cast
+MAX_POSITION_GAP = tl.constexpr(POSITION_SPAN)
 EXACT = tl.constexpr(EXACT_POSITIONS)
 # position_bucket's log part: (bits >> 21) - POSITION_LOG_OFFSET; time_bucket's likewise (>> 22).
 POSITION_LOG_OFFSET = tl.constexpr(((F32_EXP_BIAS + 4) << 2) - EXACT_POSITIONS)
@@ -71,36 +76,139 @@ class KernelConfig:
 
 
 @triton.jit
+def _query_terms(Q_POS, Q_TS, q_tok, row_ok, near_keys, far_keys):
+    """A query block's timestamps and far-key scale ``min(1, far / (pos - near + 1))``."""
+    q_pos = tl.load(Q_POS + q_tok, mask=row_ok, other=0)
+    q_ts = tl.load(Q_TS + q_tok, mask=row_ok, other=0.0)
+    far_scale = tl.minimum(far_keys / tl.maximum(q_pos - near_keys + 1, 1).to(tl.float32), 1.0)
+    return q_ts, far_scale
+
+
+@triton.jit
 def _pair_terms(
-    q_pos, q_ts, own, far_scale, k_pos, k_ts, cols, valid, bias_ptr, num_pos, num_time, near_keys,
+    q_pos, q_ts, own, far_scale, k_pos, k_ts, cols, bias_ptr, num_pos, num_time, near_keys,
     HAS_FAR: tl.constexpr,
 ):  # fmt: skip
-    """Per (query, key) pair of a tile: the bias (float32) and the weight (visibility x far)."""
+    """Per (query, key) pair of a tile: the bias (float32) and the weight (visibility x far).
+    Every index is clamped into the table, so padded rows and keys gather without a mask (their
+    keys and values load as zeros, their rows are never stored)."""
     # The gap clamped to [0, 2^30] answers "dpos > 0" and "dpos >= near_keys" too (near_keys is
-    # far below 2^30), so the int64 tile lives only for this line.
+    # far below 2^30). In int32 unless the user's positions span over 2^30 (then int64).
     d = tl.minimum(tl.maximum(q_pos[:, None] - k_pos[None, :], 0), MAX_POSITION_GAP).to(tl.int32)
     log_part = (d.to(tl.float32).to(tl.int32, bitcast=True) >> 21) - POSITION_LOG_OFFSET
-    pos_bucket = tl.where(d < EXACT, d, log_part)
-    pos_bucket = tl.minimum(tl.maximum(pos_bucket, 0), num_pos - 1)
-    gap = (q_ts[:, None] - k_ts[None, :]).to(tl.float32)  # the gap in float64, then float32
-    gap = tl.maximum(gap, 1.0)
-    time_bucket = (gap.to(tl.int32, bitcast=True) >> 22) - TIME_LOG_OFFSET
-    time_bucket = tl.minimum(tl.maximum(time_bucket, 0), num_time - 1)
-    bias = tl.load(bias_ptr + pos_bucket * num_time + time_bucket, mask=valid, other=0.0).to(tl.float32)
-    visible = valid & ((d > 0) | (cols[None, :] == own[:, None]))
-    weight = tl.where(visible, 1.0, 0.0)
+    pos_row = tl.minimum(tl.where(d < EXACT, d, log_part), num_pos - 1) * num_time
+    # The gap in float64, then float32 (``time_bucket``); its bit pattern's code clamped as the
+    # reference clamps it (a gap under 1.5 s, negative or NaN with the sign set, is code 254).
+    gap = (q_ts[:, None] - k_ts[None, :]).to(tl.float32).to(tl.int32, bitcast=True) >> 22
+    time_code = tl.minimum(tl.maximum(gap, TIME_LOG_OFFSET), TIME_LOG_OFFSET + num_time - 1)
+    bias = tl.load(bias_ptr + (pos_row + time_code)).to(tl.float32)
+    visible = (d > 0) | (cols[None, :] == own[:, None])
     if HAS_FAR:
-        weight = tl.where(d >= near_keys, weight * far_scale[:, None], weight)
+        weight = tl.where(visible, tl.where(d >= near_keys, far_scale[:, None], 1.0), 0.0)
+    else:
+        weight = tl.where(visible, 1.0, 0.0)
     return bias, weight
 
 
 @triton.jit
-def _query_terms(Q_POS, Q_TS, q_tok, row_ok, near_keys, far_keys):
-    """A query block's positions, timestamps and far-key scale ``min(1, far / (pos - near + 1))``."""
-    q_pos = tl.load(Q_POS + q_tok, mask=row_ok, other=0)
-    q_ts = tl.load(Q_TS + q_tok, mask=row_ok, other=0.0)
-    far_scale = tl.minimum(far_keys / tl.maximum(q_pos - near_keys + 1, 1).to(tl.float32), 1.0)
-    return q_pos, q_ts, far_scale
+def _head_keys(
+    q, q_pos, q_ts, own, far_scale, K, V, BIAS, K_POS, K_TS, lo, hi,
+    stride_kt, stride_vt, num_pos, num_time, near_keys,
+    D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_FAR: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):  # fmt: skip
+    """One head's sum over key blocks ``[lo, hi)``: ``K``, ``V``, ``K_POS``, ``K_TS`` point at the
+    user's first key (and ``K``, ``V`` at the head)."""
+    d_qk = tl.arange(0, BLOCK_DQK)
+    d_v = tl.arange(0, BLOCK_DV)
+    offs = tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_DV), dtype=tl.float32)
+    # Tile pointers start at key ``lo`` (64-bit) and step by a block: 32-bit offsets in the tile.
+    k_ptrs = K + lo.to(tl.int64) * stride_kt + offs[None, :] * stride_kt + d_qk[:, None]
+    v_ptrs = V + lo.to(tl.int64) * stride_vt + offs[:, None] * stride_vt + d_v[None, :]
+    for n0 in range(lo, hi, BLOCK_N):
+        cols = n0 + offs
+        col_ok = cols < hi
+        k_t = tl.load(
+            k_ptrs,
+            mask=col_ok[None, :] & (d_qk[:, None] < D_QK),
+            other=0.0,
+        )
+        if UPCAST:
+            k_t = k_t.to(tl.float32)
+        scores = tl.dot(q, k_t, input_precision=DOT_PRECISION)
+        k_pos = tl.load(K_POS + cols, mask=col_ok, other=0)
+        k_ts = tl.load(K_TS + cols, mask=col_ok, other=0.0)
+        bias, weight = _pair_terms(
+            q_pos, q_ts, own, far_scale, k_pos, k_ts, cols, BIAS, num_pos, num_time, near_keys, HAS_FAR
+        )
+        scores = scores + bias
+        act = scores * tl.sigmoid(scores) * weight
+        v = tl.load(
+            v_ptrs,
+            mask=col_ok[:, None] & (d_v[None, :] < D_V),
+            other=0.0,
+        )
+        if UPCAST:
+            acc += tl.dot(
+                act.to(V.dtype.element_ty).to(tl.float32), v.to(tl.float32), input_precision=DOT_PRECISION
+            )
+        else:
+            acc += tl.dot(act.to(v.dtype), v, input_precision=DOT_PRECISION)
+        k_ptrs += BLOCK_N * stride_kt
+        v_ptrs += BLOCK_N * stride_vt
+    return acc
+
+
+@triton.jit
+def _group_keys(
+    q, q_pos, q_ts, own, far_scale, K, V, BIAS, K_POS, K_TS, lo, hi,
+    stride_kt, stride_kh, stride_vt, stride_vh, num_pos, num_time, near_keys,
+    D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_FAR: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, GROUP: tl.constexpr,
+):  # fmt: skip
+    """``_head_keys`` for ``GROUP`` heads at once (``K``, ``V`` at the group's first head): each
+    pair's bias and weight, the same for every head, are derived once per tile (batched products)."""
+    d_qk = tl.arange(0, BLOCK_DQK)
+    d_v = tl.arange(0, BLOCK_DV)
+    offs = tl.arange(0, BLOCK_N)
+    g = tl.arange(0, GROUP)
+    acc = tl.zeros((GROUP, BLOCK_M, BLOCK_DV), dtype=tl.float32)
+    k_ptrs = (K + lo.to(tl.int64) * stride_kt
+              + offs[None, None, :] * stride_kt + g[:, None, None] * stride_kh + d_qk[None, :, None])  # fmt: skip
+    v_ptrs = (V + lo.to(tl.int64) * stride_vt
+              + offs[None, :, None] * stride_vt + g[:, None, None] * stride_vh + d_v[None, None, :])  # fmt: skip
+    for n0 in range(lo, hi, BLOCK_N):
+        cols = n0 + offs
+        col_ok = cols < hi
+        k_pos = tl.load(K_POS + cols, mask=col_ok, other=0)
+        k_ts = tl.load(K_TS + cols, mask=col_ok, other=0.0)
+        bias, weight = _pair_terms(
+            q_pos, q_ts, own, far_scale, k_pos, k_ts, cols, BIAS, num_pos, num_time, near_keys, HAS_FAR
+        )
+        k_t = tl.load(
+            k_ptrs,
+            mask=col_ok[None, None, :] & (d_qk[None, :, None] < D_QK),
+            other=0.0,
+        )  # fmt: skip
+        v = tl.load(
+            v_ptrs,
+            mask=col_ok[None, :, None] & (d_v[None, None, :] < D_V),
+            other=0.0,
+        )  # fmt: skip
+        if UPCAST:
+            k_t = k_t.to(tl.float32)
+        scores = tl.dot(q, k_t, input_precision=DOT_PRECISION) + bias[None, :, :]
+        act = scores * tl.sigmoid(scores) * weight[None, :, :]
+        if UPCAST:
+            act = act.to(V.dtype.element_ty).to(tl.float32)
+            v = v.to(tl.float32)
+        acc += tl.dot(act.to(v.dtype), v, input_precision=DOT_PRECISION)
+        k_ptrs += BLOCK_N * stride_kt
+        v_ptrs += BLOCK_N * stride_vt
+    return acc
 
 
 @triton.jit
@@ -114,7 +222,7 @@ def _key_range(CAUSAL_OK, user, n_q, n_k, m0, split, split_keys, BLOCK_M: tl.con
 
 @triton.jit
 def _hstu_fwd_kernel(
-    Q, K, V, OUT, BIAS, Q_OFFSETS, K_OFFSETS, Q_POS, Q_TS, K_POS, K_TS, CAUSAL_OK,
+    Q, K, V, OUT, BIAS, Q_OFFSETS, K_OFFSETS, Q_POS, Q_TS, K_POS, K_TS, Q_REL, K_REL, POS32_OK, CAUSAL_OK,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_os, stride_ot, stride_oh,
     num_heads, split_keys, num_pos, num_time, normaliser, near_keys, far_keys,
     D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -127,12 +235,12 @@ def _hstu_fwd_kernel(
     head = tl.program_id(2) % num_heads
     split = tl.program_id(2) // num_heads
     q_start = tl.load(Q_OFFSETS + user)
-    n_q = tl.load(Q_OFFSETS + user + 1) - q_start
+    n_q = (tl.load(Q_OFFSETS + user + 1) - q_start).to(tl.int32)
     m0 = m_block * BLOCK_M
     if m0 >= n_q:
         return
     k_start = tl.load(K_OFFSETS + user)
-    n_k = tl.load(K_OFFSETS + user + 1) - k_start
+    n_k = (tl.load(K_OFFSETS + user + 1) - k_start).to(tl.int32)
 
     rows = m0 + tl.arange(0, BLOCK_M)
     row_ok = rows < n_q
@@ -146,43 +254,29 @@ def _hstu_fwd_kernel(
     )
     if UPCAST:
         q = q.to(tl.float32)
-    q_pos, q_ts, far_scale = _query_terms(Q_POS, Q_TS, q_tok, row_ok, near_keys, far_keys)
+    q_ts, far_scale = _query_terms(Q_POS, Q_TS, q_tok, row_ok, near_keys, far_keys)
     own = n_k - n_q + rows  # each query's own key, counted within the user's keys
     lo, hi = _key_range(CAUSAL_OK, user, n_q, n_k, m0, split, split_keys, BLOCK_M)
-    acc = tl.zeros((BLOCK_M, BLOCK_DV), dtype=tl.float32)
-    for n0 in range(lo, hi, BLOCK_N):
-        cols = n0 + tl.arange(0, BLOCK_N)
-        col_ok = cols < hi
-        k_tok = k_start + cols
-        k_t = tl.load(
-            K + k_tok[None, :] * stride_kt + head * stride_kh + d_qk[:, None],
-            mask=col_ok[None, :] & (d_qk[:, None] < D_QK),
-            other=0.0,
-        )
-        if UPCAST:
-            k_t = k_t.to(tl.float32)
-        scores = tl.dot(q, k_t, input_precision=DOT_PRECISION)
-        k_pos = tl.load(K_POS + k_tok, mask=col_ok, other=0)
-        k_ts = tl.load(K_TS + k_tok, mask=col_ok, other=0.0)
-        valid = row_ok[:, None] & col_ok[None, :]
-        bias, weight = _pair_terms(
-            q_pos, q_ts, own, far_scale, k_pos, k_ts, cols, valid, BIAS, num_pos, num_time, near_keys,
-            HAS_FAR,
+    k_user = K + k_start * stride_kt
+    v_user = V + k_start * stride_vt
+    if tl.load(POS32_OK + user) != 0:  # int32 positions relative to the user's first
+        q_rel = tl.load(Q_REL + q_tok, mask=row_ok, other=0)
+        acc = _head_keys(
+            q, q_rel, q_ts, own, far_scale,
+            k_user + head * stride_kh, v_user + head * stride_vh, BIAS - TIME_LOG_OFFSET,
+            K_REL + k_start, K_TS + k_start, lo, hi, stride_kt, stride_vt, num_pos, num_time, near_keys,
+            D_QK, D_V, BLOCK_DQK, BLOCK_DV, BLOCK_M,
+            BLOCK_N, HAS_FAR, DOT_PRECISION, UPCAST,
         )  # fmt: skip
-        scores = scores + bias
-        act = scores * tl.sigmoid(scores) * weight
-        v = tl.load(
-            V + k_tok[:, None] * stride_vt + head * stride_vh + d_v[None, :],
-            mask=col_ok[:, None] & (d_v[None, :] < D_V),
-            other=0.0,
-        )
-        if UPCAST:
-            acc += tl.dot(
-                act.to(V.dtype.element_ty).to(tl.float32), v.to(tl.float32), input_precision=DOT_PRECISION
-            )
-        else:
-            acc += tl.dot(act.to(v.dtype), v, input_precision=DOT_PRECISION)
-
+    else:  # a user spanning over 2^30 positions: the gaps in int64
+        q_pos = tl.load(Q_POS + q_tok, mask=row_ok, other=0)
+        acc = _head_keys(
+            q, q_pos, q_ts, own, far_scale,
+            k_user + head * stride_kh, v_user + head * stride_vh, BIAS - TIME_LOG_OFFSET,
+            K_POS + k_start, K_TS + k_start, lo, hi, stride_kt, stride_vt, num_pos, num_time, near_keys,
+            D_QK, D_V, BLOCK_DQK, BLOCK_DV, BLOCK_M,
+            BLOCK_N, HAS_FAR, DOT_PRECISION, UPCAST,
+        )  # fmt: skip
     acc = acc / normaliser
     out_ptrs = (
         OUT + split.to(tl.int64) * stride_os + q_tok[:, None] * stride_ot + head * stride_oh + d_v[None, :]
@@ -192,27 +286,27 @@ def _hstu_fwd_kernel(
 
 @triton.jit
 def _hstu_fwd_grouped_kernel(
-    Q, K, V, OUT, BIAS, Q_OFFSETS, K_OFFSETS, Q_POS, Q_TS, K_POS, K_TS, CAUSAL_OK,
+    Q, K, V, OUT, BIAS, Q_OFFSETS, K_OFFSETS, Q_POS, Q_TS, K_POS, K_TS, Q_REL, K_REL, POS32_OK, CAUSAL_OK,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_os, stride_ot, stride_oh,
     num_heads, split_keys, num_pos, num_time, normaliser, near_keys, far_keys,
     D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_FAR: tl.constexpr, DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, GROUP: tl.constexpr,
 ):  # fmt: skip
-    """``_hstu_fwd_kernel`` for ``GROUP`` heads at once: each pair's bias and weight, the same for
-    every head, are derived once per tile and serve the group (batched products)."""
+    """``_hstu_fwd_kernel`` for ``GROUP`` heads at once (``_group_keys``)."""
     m_block = tl.num_programs(0) - 1 - tl.program_id(0)
     user = tl.program_id(1)
     groups = num_heads // GROUP
-    heads = (tl.program_id(2) % groups) * GROUP + tl.arange(0, GROUP)
+    first_head = (tl.program_id(2) % groups) * GROUP
+    heads = first_head + tl.arange(0, GROUP)
     split = tl.program_id(2) // groups
     q_start = tl.load(Q_OFFSETS + user)
-    n_q = tl.load(Q_OFFSETS + user + 1) - q_start
+    n_q = (tl.load(Q_OFFSETS + user + 1) - q_start).to(tl.int32)
     m0 = m_block * BLOCK_M
     if m0 >= n_q:
         return
     k_start = tl.load(K_OFFSETS + user)
-    n_k = tl.load(K_OFFSETS + user + 1) - k_start
+    n_k = (tl.load(K_OFFSETS + user + 1) - k_start).to(tl.int32)
 
     rows = m0 + tl.arange(0, BLOCK_M)
     row_ok = rows < n_q
@@ -226,40 +320,31 @@ def _hstu_fwd_grouped_kernel(
     )  # [GROUP, BLOCK_M, BLOCK_DQK]
     if UPCAST:
         q = q.to(tl.float32)
-    q_pos, q_ts, far_scale = _query_terms(Q_POS, Q_TS, q_tok, row_ok, near_keys, far_keys)
+    q_ts, far_scale = _query_terms(Q_POS, Q_TS, q_tok, row_ok, near_keys, far_keys)
     own = n_k - n_q + rows  # each query's own key, counted within the user's keys
     lo, hi = _key_range(CAUSAL_OK, user, n_q, n_k, m0, split, split_keys, BLOCK_M)
-    acc = tl.zeros((GROUP, BLOCK_M, BLOCK_DV), dtype=tl.float32)
-    for n0 in range(lo, hi, BLOCK_N):
-        cols = n0 + tl.arange(0, BLOCK_N)
-        col_ok = cols < hi
-        k_tok = k_start + cols
-        k_pos = tl.load(K_POS + k_tok, mask=col_ok, other=0)
-        k_ts = tl.load(K_TS + k_tok, mask=col_ok, other=0.0)
-        valid = row_ok[:, None] & col_ok[None, :]
-        bias, weight = _pair_terms(
-            q_pos, q_ts, own, far_scale, k_pos, k_ts, cols, valid, BIAS, num_pos, num_time, near_keys,
-            HAS_FAR,
+    k_user = K + k_start * stride_kt
+    v_user = V + k_start * stride_vt
+    if tl.load(POS32_OK + user) != 0:  # int32 positions relative to the user's first
+        q_rel = tl.load(Q_REL + q_tok, mask=row_ok, other=0)
+        acc = _group_keys(
+            q, q_rel, q_ts, own, far_scale,
+            k_user + first_head * stride_kh, v_user + first_head * stride_vh,
+            BIAS - TIME_LOG_OFFSET, K_REL + k_start, K_TS + k_start, lo, hi, stride_kt, stride_kh, stride_vt,
+            stride_vh, num_pos, num_time, near_keys,
+            D_QK, D_V, BLOCK_DQK, BLOCK_DV, BLOCK_M,
+            BLOCK_N, HAS_FAR, DOT_PRECISION, UPCAST, GROUP,
         )  # fmt: skip
-        k_t = tl.load(
-            K + k_tok[None, None, :] * stride_kt + heads[:, None, None] * stride_kh + d_qk[None, :, None],
-            mask=col_ok[None, None, :] & (d_qk[None, :, None] < D_QK),
-            other=0.0,
-        )  # [GROUP, BLOCK_DQK, BLOCK_N]
-        v = tl.load(
-            V + k_tok[None, :, None] * stride_vt + heads[:, None, None] * stride_vh + d_v[None, None, :],
-            mask=col_ok[None, :, None] & (d_v[None, None, :] < D_V),
-            other=0.0,
-        )  # [GROUP, BLOCK_N, BLOCK_DV]
-        if UPCAST:
-            k_t = k_t.to(tl.float32)
-        scores = tl.dot(q, k_t, input_precision=DOT_PRECISION) + bias[None, :, :]
-        act = scores * tl.sigmoid(scores) * weight[None, :, :]
-        if UPCAST:
-            act = act.to(V.dtype.element_ty).to(tl.float32)
-            v = v.to(tl.float32)
-        acc += tl.dot(act.to(v.dtype), v, input_precision=DOT_PRECISION)
-
+    else:  # a user spanning over 2^30 positions: the gaps in int64
+        q_pos = tl.load(Q_POS + q_tok, mask=row_ok, other=0)
+        acc = _group_keys(
+            q, q_pos, q_ts, own, far_scale,
+            k_user + first_head * stride_kh, v_user + first_head * stride_vh,
+            BIAS - TIME_LOG_OFFSET, K_POS + k_start, K_TS + k_start, lo, hi, stride_kt, stride_kh, stride_vt,
+            stride_vh, num_pos, num_time, near_keys,
+            D_QK, D_V, BLOCK_DQK, BLOCK_DV, BLOCK_M,
+            BLOCK_N, HAS_FAR, DOT_PRECISION, UPCAST, GROUP,
+        )  # fmt: skip
     acc = acc / normaliser
     out_ptrs = (
         OUT + split.to(tl.int64) * stride_os + q_tok[None, :, None] * stride_ot + heads[:, None, None] * stride_oh
@@ -293,8 +378,7 @@ def causal_limits(batch: JaggedBatch) -> torch.Tensor:
     k_pos, q_pos = batch.k_pos, batch.q_pos
     total_k, total_q = int(k_pos.shape[0]), int(q_pos.shape[0])
     bad = torch.zeros(users, dtype=torch.int32, device=device)
-    k_user = torch.searchsorted(batch.k_offsets[1:], torch.arange(total_k, device=device), right=True)
-    q_user = torch.searchsorted(batch.q_offsets[1:], torch.arange(total_q, device=device), right=True)
+    q_user, k_user = _token_users(batch)
     if total_k > 1:
         drops = (k_pos[1:] < k_pos[:-1]) & (k_user[1:] == k_user[:-1])
         bad.index_add_(0, k_user[1:], drops.to(torch.int32))
@@ -304,6 +388,45 @@ def causal_limits(batch: JaggedBatch) -> torch.Tensor:
     limits = (bad == 0).to(torch.int32)
     batch.scratch[key] = limits
     return limits
+
+
+def _token_users(batch: JaggedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each query's and each key's user (``[Tq]``, ``[Tk]``), once per batch."""
+    key = ("triton", "token_users")
+    if key not in batch.scratch:
+        batch.scratch[key] = tuple(
+            torch.searchsorted(offsets[1:], torch.arange(int(pos.shape[0]), device=pos.device), right=True)
+            for offsets, pos in ((batch.q_offsets, batch.q_pos), (batch.k_offsets, batch.k_pos))
+        )
+    return batch.scratch[key]
+
+
+def position_frames(batch: JaggedBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Once per batch, on the device (no host sync): ``[Tq]`` and ``[Tk]`` int32 positions relative
+    to their user's smallest, and ``[B]`` int32 1 where the user's positions span at most 2^30 (so
+    a pair's gap is an int32 difference), 0 where they do not (that user's relative positions are 0
+    and the kernel reads the int64 ones)."""
+    key = ("triton", "position_frames")
+    if key in batch.scratch:
+        return batch.scratch[key]
+    limit = torch.iinfo(torch.int64)
+    users = batch.users
+    q_user, k_user = _token_users(batch)
+    low = batch.k_pos.new_full((users,), limit.max)
+    low = low.scatter_reduce_(0, k_user, batch.k_pos, "amin").scatter_reduce_(0, q_user, batch.q_pos, "amin")
+    high = batch.k_pos.new_full((users,), limit.min)
+    high = high.scatter_reduce_(0, k_user, batch.k_pos, "amax").scatter_reduce_(
+        0, q_user, batch.q_pos, "amax"
+    )
+    # high - low <= 2^30 without overflow (an empty user has high < low: it fits).
+    fits = high <= low.clamp(max=limit.max - POSITION_SPAN) + POSITION_SPAN
+
+    def relative(pos: torch.Tensor, owner: torch.Tensor) -> torch.Tensor:
+        return torch.where(fits[owner], pos - low[owner], 0).to(torch.int32)
+
+    frames = (relative(batch.q_pos, q_user), relative(batch.k_pos, k_user), fits.to(torch.int32))
+    batch.scratch[key] = frames
+    return frames
 
 
 @functools.cache
@@ -319,14 +442,17 @@ def _block_dim(d: int) -> int:
 
 def choose_config(dtype: torch.dtype, d_qk: int, d_v: int, max_q: int, max_k: int, users: int,
                   heads: int, sm_count: int) -> KernelConfig:  # fmt: skip
-    """Tiles for a call. A tile's per-pair work (bias index in int64 and float64, the gather) holds
-    many registers: 64-query blocks, 8 warps, and key blocks of 32 (16 for wide heads or two heads
-    at once), the sm_90 builds that did not spill. 16-bit heads up to 64 wide go two per program,
-    so each pair's bias serves both. Key splits when the grid holds under two programs per
-    multiprocessor (a relay's few queries; also evens out jagged users and causal blocks)."""
+    """Tiles for a call: the sm_90 builds (``bench kernels --build sm_90``) that do not spill.
+    16-bit heads up to 64 wide go two per program on 64 x 16 tiles (each pair's bias serves both);
+    a single 16-bit head up to 64 wide takes 64 x 32; wider heads and float32 (whose products run
+    on CUDA cores) take 64 x 16, and float32 heads over 64 wide 32 x 16. Key splits when the grid
+    holds under two programs per multiprocessor (a relay's few queries; also evens out jagged
+    users and causal blocks)."""
     wide = max(_block_dim(d_qk), _block_dim(d_v))
-    group = 2 if dtype != torch.float32 and wide <= 64 and heads % 2 == 0 else 1
-    block_m, block_n = 64, (32 if group == 1 and wide <= 64 else 16)
+    half = dtype != torch.float32
+    group = 2 if half and wide <= 64 and heads % 2 == 0 else 1
+    block_m = 64 if half or wide <= 64 else 32
+    block_n = 32 if half and group == 1 and wide <= 64 else 16
     programs = triton.cdiv(max_q, block_m) * users * (heads // group)
     splits = 1
     if programs < 2 * sm_count:
@@ -415,7 +541,7 @@ def hstu_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Jagge
     per_token = (_dense(t) for t in (batch.q_pos, batch.q_ts, batch.k_pos, batch.k_ts))
     kernel[grid](
         q, k, v, target, _dense(bias_table.reshape(-1)), _dense(batch.q_offsets), _dense(batch.k_offsets),
-        *per_token, causal_limits(batch),
+        *per_token, *position_frames(batch), causal_limits(batch),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), *o_strides,
         heads, split_keys, params.num_pos, params.num_time, float(params.normaliser),
         params.near_keys, float(params.far_keys), **constants,
