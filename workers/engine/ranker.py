@@ -24,10 +24,11 @@ Primitives:
   | path | when | how |
   |---|---|---|
   | ``cold_start`` | no history | the candidates alone |
-  | ``relay`` | a valid cached prefix | the suffix and the candidates against it: sliced when longer than a slice (``DevicePacing.relay_steps``), else with the user's other rankings waiting for the device (``burst_batch``), keeping the grown prefix (``retain_suffix``) |
+  | ``relay`` | a valid cached prefix | the suffix and the candidates against it: sliced when longer than a slice (``DevicePacing.relay_steps``), else with the user's other rankings waiting for the device (``burst_batch``) and other users' (``batch_tokens``: one forward), keeping the grown prefix (``retain_suffix``); a ranking that fails on the device takes the full path |
   | ``relay_waited`` | the prefix is being computed and may finish in time | as ``relay``, after the wait |
   | ``full`` / ``full_truncated`` | a miss | the most recent events that fit the deadline (``DevicePacing.keep_within``), sliced and re-planned once when behind (``full_steps``) |
   | ``baseline`` | baseline mode | full inference in one job, truncated to fit |
+- ``RankingEngine.batch_sizes()``: relay device turns by how many rankings they ran together.
 - ``RankingEngine.warm_up()``, ``drain()`` (the stores of grown prefixes), ``predict_full_ms(n)``,
   ``refit_latency()``, ``latency_samples()`` / ``inherit_latency_samples()`` (a predecessor's
   timings, at a hand-over), and what a caller needs of the model and store: ``to_model_ids``,
@@ -49,7 +50,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from relaygr.workers.engine.device_jobs import run_in_burst, run_job, run_steps
+from relaygr.workers.engine.device_jobs import (
+    RelayBatching,
+    RelayItemFailed,
+    run_in_burst,
+    run_job,
+    run_steps,
+)
 from relaygr.workers.engine.engine_config import EngineConfig
 from relaygr.workers.engine.latency_model import EngineClock, LatencyModel
 from relaygr.workers.engine.pacing import DevicePacing, Slicer
@@ -118,6 +125,10 @@ class RankingEngine:
         # Background tasks storing the prefixes that rankings grew (``retain_suffix``).
         self._keeping: set[asyncio.Task] = set()
         self.batched_rankings = 0  # rankings that shared their device job with others of a burst
+        self.relay_batching = (
+            RelayBatching(config.batch_tokens, config.batch_wait_ms / 1000) if config.batch_tokens else None
+        )
+        self._relay_sizes: dict[int, int] = {}  # without cross-user batching: burst sizes
         # Pre-inferences computing now: user -> (their slicer, tokens in all).
         self._computing: dict[str, tuple[Slicer, int]] = {}
 
@@ -150,6 +161,11 @@ class RankingEngine:
     def store_metrics(self) -> dict[str, float]:
         """The prefix store's counters and gauges (none for a baseline engine)."""
         return self.store.metrics() if self.store is not None else {}
+
+    def batch_sizes(self) -> dict[int, int]:
+        """Relay rankings' device turns (burst or several users) by how many rankings each ran."""
+        sizes = self.relay_batching.sizes if self.relay_batching is not None else self._relay_sizes
+        return dict(sorted(sizes.items()))
 
     def ranking_now(self) -> bool:
         """Whether ranking work is on the device or waits for it."""
@@ -414,27 +430,16 @@ class RankingEngine:
                 user_id, prefix, history, candidates, request_ts, deadline, breakdown
             )
         elif self.config.retain_suffix and new:
-            limit = max(
-                1, min(self.config.burst_batch, self.config.burst_batch_events // max(1, prefix.length))
-            )
-            scores, grow, batch = await run_in_burst(
-                self.scheduler,
-                self.model,
-                prefix,
-                ("burst", user_id, id(prefix)),
-                limit,
-                history,
-                candidates,
-                request_ts,
-                deadline,
-                breakdown,
-                self.clock.timer,
-            )
-            if batch > 1:
-                self.batched_rankings += 1
-            if grow is not None:
-                self._keep(user_id, grow, prefix.meta)
-            self.pacing.observe_relay(prefix.length, new, c, breakdown)
+            try:
+                scores = await self._rank_relay_batched(
+                    user_id, prefix, history, candidates, request_ts, deadline, breakdown
+                )
+            except RelayItemFailed:
+                log.warning(
+                    "relay ranking of %s failed on the device: ranked in full", user_id, exc_info=True
+                )
+                self.store.release(user_id)
+                return await self._rank_full(history, candidates, request_ts, deadline, breakdown)
         else:
             scores = await self._run(prefix, suffix, candidates, request_ts, deadline, breakdown)
             self.pacing.observe_relay(prefix.length, new, c, breakdown)
@@ -443,6 +448,43 @@ class RankingEngine:
         return RankOutcome(
             scores, path, breakdown, n, n, new + c, prefix.length, tier, prefix.meta.get("worker_id")
         )
+
+    async def _rank_relay_batched(
+        self,
+        user_id: str,
+        prefix: PrefixKV,
+        history: Events,
+        candidates: torch.Tensor,
+        request_ts: float,
+        deadline: float,
+        breakdown: dict[str, float],
+    ) -> torch.Tensor:
+        """A relay ranking in one device turn with the user's other rankings against ``prefix``
+        (``burst_batch``, ``burst_batch_events``) and other users' (``batch_tokens``), keeping the
+        grown prefix. Raises ``RelayItemFailed`` when it failed on the device."""
+        limit = max(1, min(self.config.burst_batch, self.config.burst_batch_events // max(1, prefix.length)))
+        scores, grow, batch = await run_in_burst(
+            self.scheduler,
+            self.model,
+            prefix,
+            ("burst", user_id, id(prefix)),
+            limit,
+            history,
+            candidates,
+            request_ts,
+            deadline,
+            breakdown,
+            self.clock.timer,
+            self.relay_batching,
+        )
+        if self.relay_batching is None:
+            self._relay_sizes[batch] = self._relay_sizes.get(batch, 0) + 1
+        if batch > 1:
+            self.batched_rankings += 1
+        if grow is not None:
+            self._keep(user_id, grow, prefix.meta)
+        self.pacing.observe_relay(prefix.length, len(history) - prefix.length, len(candidates), breakdown)
+        return scores
 
     async def _rank_full(
         self,
