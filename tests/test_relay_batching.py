@@ -142,3 +142,15 @@ async def test_a_user_failing_in_a_batch_does_not_fail_the_others(model) -> None
         assert res.path == ("full" if uid == bad else "relay")
     assert e.batch_sizes() == {USERS: 1}
     e.scheduler.close()
+
+
+def test_the_workers_batch_sizes_are_summed_for_the_report() -> None:
+    from relaygr.schemas import WorkerStats
+    from relaygr.tools.report.inputs import rank_batch_counts
+
+    a = WorkerStats(worker_id="w0", ts=1.0, rank_batch_sizes={"1": 7, "4": 2})
+    b = WorkerStats(worker_id="w1", ts=1.0, rank_batch_sizes={"4": 1, "10": 3})
+    b = WorkerStats.model_validate_json(b.model_dump_json())  # what the stats topic carries
+    assert rank_batch_counts({"w0": a, "w1": b}) == {"1": 7, "4": 3, "10": 3}
+    with pytest.raises(ValueError):
+        WorkerStats(worker_id="w2", ts=1.0, rank_batch_sizes={"2": -1})
