@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from relaygr.workers.engine.calibration import warm_up_work
 from relaygr.workers.engine.device_jobs import (
     RelayBatching,
     RelayItemFailed,
@@ -125,10 +126,7 @@ class RankingEngine:
         # Background tasks storing the prefixes that rankings grew (``retain_suffix``).
         self._keeping: set[asyncio.Task] = set()
         self.batched_rankings = 0  # rankings that shared their device job with others of a burst
-        self.relay_batching = (
-            RelayBatching(config.batch_tokens, config.batch_wait_ms / 1000) if config.batch_tokens else None
-        )
-        self._relay_sizes: dict[int, int] = {}  # without cross-user batching: burst sizes
+        self.relay_batching = RelayBatching(config.batch_tokens, config.batch_wait_ms / 1000)
         # Pre-inferences computing now: user -> (their slicer, tokens in all).
         self._computing: dict[str, tuple[Slicer, int]] = {}
 
@@ -164,8 +162,7 @@ class RankingEngine:
 
     def batch_sizes(self) -> dict[int, int]:
         """Relay rankings' device turns (burst or several users) by how many rankings each ran."""
-        sizes = self.relay_batching.sizes if self.relay_batching is not None else self._relay_sizes
-        return dict(sorted(sizes.items()))
+        return dict(sorted(self.relay_batching.sizes.items()))
 
     def ranking_now(self) -> bool:
         """Whether ranking work is on the device or waits for it."""
@@ -310,24 +307,7 @@ class RankingEngine:
         costs on its first calls (allocator growth, kernel choice): the first real rankings
         otherwise computed up to 6x their calibrated time. Nothing here enters the latency model
         or the prefix store."""
-        cfg = self.model.config
-        n = max(2, min(history_len, cfg.max_seq_len))
-        g = torch.Generator().manual_seed(0)
-        hist = Events(
-            torch.randint(1, cfg.num_items + 1, (n,), generator=g),
-            torch.randint(1, cfg.num_actions + 1, (n,), generator=g),
-            torch.arange(n, dtype=torch.float64) * 60.0 + 1e9,
-        )
-        cands = torch.randint(1, cfg.num_items + 1, (max(1, num_candidates),), generator=g)
-        request_ts = float(hist.timestamps[-1]) + 60.0
-        split = max(1, n - 64)
-
-        def work() -> None:
-            for _ in range(rounds):
-                self.model.rank(None, hist, cands, request_ts)
-                prefix = self.model.prefill(hist.slice(0, split), self.config.prefill_chunk)
-                self.model.rank(prefix, hist.slice(split), cands, request_ts)
-
+        work = warm_up_work(self.model, history_len, num_candidates, rounds, self.config.prefill_chunk)
         t0 = self.clock.timer()
         await self.scheduler.submit(work, priority=Priority.PREFILL)
         return self.clock.timer() - t0
@@ -419,9 +399,9 @@ class RankingEngine:
         deadline: float,
         breakdown: dict[str, float],
     ) -> RankOutcome:
-        """The suffix and the candidates against ``prefix``: in slices when longer than one,
-        else batched with the user's other rankings waiting for the device (keeping the grown
-        prefix), else in one job."""
+        """The suffix and the candidates against ``prefix``: in slices when longer than one, else
+        batched with the rankings waiting for the device (the user's against ``prefix``, other
+        users'; keeping the grown prefix; in full if it fails there), else in one job."""
         assert self.store is not None
         suffix = history.slice(prefix.length)
         new, c = len(suffix), len(candidates)
@@ -430,16 +410,33 @@ class RankingEngine:
                 user_id, prefix, history, candidates, request_ts, deadline, breakdown
             )
         elif self.config.retain_suffix and new:
-            try:
-                scores = await self._rank_relay_batched(
-                    user_id, prefix, history, candidates, request_ts, deadline, breakdown
+            limit = max(
+                1, min(self.config.burst_batch, self.config.burst_batch_events // max(1, prefix.length))
+            )
+            try:  # with the user's other rankings against ``prefix`` and other users' (one forward)
+                scores, grow, batch = await run_in_burst(
+                    self.scheduler,
+                    self.model,
+                    prefix,
+                    ("burst", user_id, id(prefix)),
+                    limit,
+                    history,
+                    candidates,
+                    request_ts,
+                    deadline,
+                    breakdown,
+                    self.clock.timer,
+                    self.relay_batching,
                 )
-            except RelayItemFailed:
-                log.warning(
-                    "relay ranking of %s failed on the device: ranked in full", user_id, exc_info=True
-                )
+            except RelayItemFailed as e:
+                log.warning("ranked %s in full: %s", user_id, e)
                 self.store.release(user_id)
                 return await self._rank_full(history, candidates, request_ts, deadline, breakdown)
+            if batch > 1:
+                self.batched_rankings += 1
+            if grow is not None:
+                self._keep(user_id, grow, prefix.meta)
+            self.pacing.observe_relay(prefix.length, new, c, breakdown)
         else:
             scores = await self._run(prefix, suffix, candidates, request_ts, deadline, breakdown)
             self.pacing.observe_relay(prefix.length, new, c, breakdown)
@@ -448,43 +445,6 @@ class RankingEngine:
         return RankOutcome(
             scores, path, breakdown, n, n, new + c, prefix.length, tier, prefix.meta.get("worker_id")
         )
-
-    async def _rank_relay_batched(
-        self,
-        user_id: str,
-        prefix: PrefixKV,
-        history: Events,
-        candidates: torch.Tensor,
-        request_ts: float,
-        deadline: float,
-        breakdown: dict[str, float],
-    ) -> torch.Tensor:
-        """A relay ranking in one device turn with the user's other rankings against ``prefix``
-        (``burst_batch``, ``burst_batch_events``) and other users' (``batch_tokens``), keeping the
-        grown prefix. Raises ``RelayItemFailed`` when it failed on the device."""
-        limit = max(1, min(self.config.burst_batch, self.config.burst_batch_events // max(1, prefix.length)))
-        scores, grow, batch = await run_in_burst(
-            self.scheduler,
-            self.model,
-            prefix,
-            ("burst", user_id, id(prefix)),
-            limit,
-            history,
-            candidates,
-            request_ts,
-            deadline,
-            breakdown,
-            self.clock.timer,
-            self.relay_batching,
-        )
-        if self.relay_batching is None:
-            self._relay_sizes[batch] = self._relay_sizes.get(batch, 0) + 1
-        if batch > 1:
-            self.batched_rankings += 1
-        if grow is not None:
-            self._keep(user_id, grow, prefix.meta)
-        self.pacing.observe_relay(prefix.length, len(history) - prefix.length, len(candidates), breakdown)
-        return scores
 
     async def _rank_full(
         self,
