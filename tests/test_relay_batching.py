@@ -154,3 +154,28 @@ def test_the_workers_batch_sizes_are_summed_for_the_report() -> None:
     assert rank_batch_counts({"w0": a, "w1": b}) == {"1": 7, "4": 3, "10": 3}
     with pytest.raises(ValueError):
         WorkerStats(worker_id="w2", ts=1.0, rank_batch_sizes={"2": -1})
+
+
+async def test_the_device_waits_for_mates_while_the_batch_has_room() -> None:
+    # A pooled job on an idle device waits (up to 30 s) for more of its pool; one that arrives
+    # and fills the budget ends the wait, and both run in one turn.
+    s = DeviceScheduler("test")
+    sizes: list[int] = []
+
+    def run(items: list[str]) -> list[str]:
+        sizes.append(len(items))
+        return [i.upper() for i in items]
+
+    def submit(item: str):
+        return s.submit_batched(
+            item, run, key=item, priority=Priority.RANK, pool="p", cost=5, budget=10, wait_s=30
+        )
+
+    first = submit("a")
+    while not s.ranking() or s.queue_depth():  # taken by the device thread, which now waits
+        await asyncio.sleep(0.001)
+    second = submit("b")
+    assert await asyncio.gather(first, second) == ["A", "B"] and sizes == [2]
+    with pytest.raises(ValueError):
+        s.submit_batched("c", run, key="c", priority=Priority.RANK, pool="p", cost=-1)
+    s.close()
