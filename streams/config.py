@@ -94,6 +94,12 @@ class PipelineSettings(BaseSettings):
         description="Relay: different users' rankings that wait for the device together run as one "
         "forward of at most this many tokens (new events plus candidates); 0 = each alone.",
     )
+    batch_cached_events: int = Field(
+        default=_default(EngineConfig, "batch_cached_events"),
+        ge=0,
+        description="Relay: a batch of different users' rankings reads at most this many cached "
+        "events over their prefixes (on a CPU batching pays for short prefixes, not long ones).",
+    )
     batch_wait_ms: float = Field(
         default=_default(EngineConfig, "batch_wait_ms"),
         ge=0,
@@ -343,6 +349,7 @@ def engine_config(pipeline: PipelineSettings) -> EngineConfig:
         burst_batch=pipeline.burst_batch,
         burst_batch_events=pipeline.burst_batch_events,
         batch_tokens=pipeline.batch_tokens,
+        batch_cached_events=pipeline.batch_cached_events,
         batch_wait_ms=pipeline.batch_wait_ms,
         slice_ms=pipeline.device_slice_ms,
         truncate_headroom=pipeline.truncate_headroom,

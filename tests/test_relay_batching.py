@@ -119,6 +119,18 @@ async def test_a_batch_keeps_to_its_token_budget(model) -> None:
     e.scheduler.close()
 
 
+async def test_a_batch_keeps_to_its_cached_events(model) -> None:
+    # Prefixes of 195, 229, 263, 297 and 331 events (most urgent first) within 600 cached events:
+    # the first two together, the next two together, the last alone.
+    jobs = users()
+    e = engine(model, batch_tokens=4096, batch_cached_events=600)
+    await prefill_all(e, jobs)
+    got = await rank_while_busy(e, jobs)
+    assert [r.prefix_len for r in got] == [195, 229, 263, 297, 331]
+    assert all(r.path == "relay" for r in got) and e.batch_sizes() == {1: 1, 2: 2}
+    e.scheduler.close()
+
+
 async def test_a_user_failing_in_a_batch_does_not_fail_the_others(model) -> None:
     jobs = users()
     e = engine(model, batch_tokens=4096)
@@ -168,7 +180,7 @@ async def test_the_device_waits_for_mates_while_the_batch_has_room() -> None:
 
     def submit(item: str):
         return s.submit_batched(
-            item, run, key=item, priority=Priority.RANK, pool="p", cost=5, budget=10, wait_s=30
+            item, run, key=item, priority=Priority.RANK, pool="p", cost=(5,), budget=(10,), wait_s=30
         )
 
     first = submit("a")
@@ -177,5 +189,5 @@ async def test_the_device_waits_for_mates_while_the_batch_has_room() -> None:
     second = submit("b")
     assert await asyncio.gather(first, second) == ["A", "B"] and sizes == [2]
     with pytest.raises(ValueError):
-        s.submit_batched("c", run, key="c", priority=Priority.RANK, pool="p", cost=-1)
+        s.submit_batched("c", run, key="c", priority=Priority.RANK, pool="p", cost=(-1,), budget=(10,))
     s.close()

@@ -12,7 +12,8 @@ Primitives:
   given a ``RelayBatching``, with other users' relay rankings waiting for it (one
   ``HSTURanker.rank_users`` forward, within a token budget). A user of the batch that fails
   (its prefix no longer matches its history) gets its own ``RelayItemFailed``; the others rank.
-- ``RelayBatching``: the cross-user pool, its token budget and wait, and the batch sizes seen.
+- ``RelayBatching``: the cross-user pool, its budgets (tokens computed, cached events read) and
+  wait, and the batch sizes seen.
 
 Each times with ``timer`` (monotonic seconds; ``time.perf_counter`` unless a test simulates one).
 """
@@ -26,6 +27,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from relaygr.workers.engine.engine_config import EngineConfig
 from relaygr.workers.engine.scheduler import DeviceScheduler, Priority
 from relaygr.workers.model.inference import UserRanking
 from relaygr.workers.model.model import HSTURanker
@@ -94,14 +96,20 @@ class RelayItemFailed(RuntimeError):
 @dataclass
 class RelayBatching:
     """Relay rankings of different users that wait for the device together run as one forward of
-    at most ``budget`` tokens (events new since each prefix, plus candidates) after waiting up to
-    ``wait_s`` for more. ``sizes``: device turns by how many rankings they ran (written on the
+    at most ``budget`` tokens (events new since each prefix, plus candidates) and
+    ``cached_events`` cached events (their prefixes), after waiting up to ``wait_s`` for more. ``sizes``: device turns by how many rankings they ran (written on the
     device thread)."""
 
     budget: int
+    cached_events: int
     wait_s: float = 0.0
     pool: object = "relay"
     sizes: dict[int, int] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, config: EngineConfig) -> RelayBatching:
+        """``batch_tokens``, ``batch_cached_events`` and ``batch_wait_ms`` of ``config``."""
+        return cls(config.batch_tokens, config.batch_cached_events, config.batch_wait_ms / 1000)
 
     def count(self, size: int) -> None:
         self.sizes[size] = self.sizes.get(size, 0) + 1
@@ -218,9 +226,13 @@ async def run_in_burst(
         return out
 
     pooled = {}
-    if batching is not None:
-        tokens = len(history) - prefix.length + len(candidates)
-        pooled = {"pool": batching.pool, "cost": tokens, "budget": batching.budget, "wait_s": batching.wait_s}
+    if batching is not None and batching.budget > 0:
+        pooled = {
+            "pool": batching.pool,
+            "cost": (len(history) - prefix.length + len(candidates), prefix.length),
+            "budget": (batching.budget, batching.cached_events),
+            "wait_s": batching.wait_s,
+        }
     got = await scheduler.submit_batched(
         item, run, key=key, priority=Priority.RANK, deadline=deadline, limit=limit, **pooled
     )

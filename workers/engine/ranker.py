@@ -126,7 +126,7 @@ class RankingEngine:
         # Background tasks storing the prefixes that rankings grew (``retain_suffix``).
         self._keeping: set[asyncio.Task] = set()
         self.batched_rankings = 0  # rankings that shared their device job with others of a burst
-        self.relay_batching = RelayBatching(config.batch_tokens, config.batch_wait_ms / 1000)
+        self.relay_batching = RelayBatching.of(config)
         # Pre-inferences computing now: user -> (their slicer, tokens in all).
         self._computing: dict[str, tuple[Slicer, int]] = {}
 

@@ -29,6 +29,7 @@ Primitives:
   call ``run_batch([items])``, which returns one result per item (dynamic batching: it happens
   only when such jobs wait, i.e. under load). With a ``pool``, the queued jobs of that pool under
   other keys join too, most urgent first, while their ``cost`` fits the first job's ``budget``
+  (tuples of as many measures: a batch must fit in each)
   (several users' rankings in one forward); ``wait_s``: the device first waits that long for
   more of them while the batch has room (0: never waits).
 - ``DeviceScheduler.pace(rest_ratio)``: after each turn of pre-inference the device thread rests
@@ -84,8 +85,8 @@ class _Job:
     run_batch: Callable[[list[Any]], list[Any]] | None = None
     limit: int = 1
     pool: Any = None  # jobs of one pool may run together whatever their keys, within a budget
-    cost: int = 0
-    budget: int = 0
+    cost: tuple[int, ...] = ()
+    budget: tuple[int, ...] = ()
     wait_s: float = 0.0
     yields: bool = False  # a chunked job that lets the jobs waiting at a chunk boundary go first
     wait_for: set[int] = field(default_factory=set)  # seqs of the jobs a parked step waits for
@@ -161,8 +162,8 @@ class DeviceScheduler:
         deadline: float = math.inf,
         limit: int = 8,
         pool: Any = None,
-        cost: int = 0,
-        budget: int = 0,
+        cost: tuple[int, ...] = (),
+        budget: tuple[int, ...] = (),
         wait_s: float = 0.0,
     ) -> asyncio.Future[T]:
         """Awaitable result for ``item``: ``run_batch(items)[i]`` where ``items`` holds this job's
@@ -173,7 +174,7 @@ class DeviceScheduler:
         of the batch (a ``run_batch`` that isolates its items returns their errors instead)."""
         if key is None or limit < 1:
             raise ValueError("submit_batched needs a key and a positive limit")
-        if cost < 0 or budget < 0 or wait_s < 0:
+        if len(cost) != len(budget) or min((*cost, *budget, wait_s), default=0) < 0:
             raise ValueError(f"submit_batched: cost={cost}, budget={budget}, wait_s={wait_s} must be >= 0")
         return self._submit(
             lambda: run_batch([item])[0],
@@ -195,7 +196,7 @@ class DeviceScheduler:
         steps: bool,
         batch: tuple[Any, Any, Callable[[list[Any]], list[Any]], int] | None = None,
         yields: bool = False,
-        pool: tuple[Any, int, int, float] | None = None,
+        pool: tuple[Any, tuple[int, ...], tuple[int, ...], float] | None = None,
     ):
         loop = asyncio.get_running_loop()
         job = _Job(int(priority), deadline, fn, loop.create_future(), loop, tag, steps, next(self._seq))
@@ -372,14 +373,16 @@ class DeviceScheduler:
                 self._push(p)
         self._parked = still
 
-    def _pool_cost(self, job: _Job) -> int:
-        """Summed cost of ``job`` and the queued jobs of its pool. Called with the lock held."""
-        return job.cost + sum(j.cost for *_, j in self._heap if j.pool == job.pool)
+    def _pool_full(self, job: _Job) -> bool:
+        """Whether ``job`` and the queued jobs of its pool reach its budget in some measure.
+        Called with the lock held."""
+        costs = [j.cost for *_, j in self._heap if j.pool == job.pool]
+        return any(sum(c[d] for c in costs) + job.cost[d] >= b for d, b in enumerate(job.budget))
 
     def _wait_for_mates(self, job: _Job) -> None:
         """Wait up to ``job.wait_s`` for more jobs of ``job``'s pool while they leave room in its
         budget (the batch is not full yet). Called with the lock held; ``wait_for`` releases it."""
-        self._cv.wait_for(lambda: self._closed or self._pool_cost(job) >= job.budget, timeout=job.wait_s)
+        self._cv.wait_for(lambda: self._closed or self._pool_full(job), timeout=job.wait_s)
 
     def _take_batch(self, job: _Job) -> list[_Job]:
         """Remove and return the queued jobs that share ``job``'s batch key (oldest first, at most
@@ -401,16 +404,18 @@ class DeviceScheduler:
         """The queued jobs of ``job``'s pool under other keys, most urgent first, that fit in what
         ``job`` and ``taken`` leave of ``job.budget``; each key keeps to its own job's limit.
         Called with the lock held."""
-        left = job.budget - job.cost - sum(j.cost for j in taken)
+        left = [b - job.cost[d] - sum(j.cost[d] for j in taken) for d, b in enumerate(job.budget)]
         per_key = {job.batch_key: 1 + len(taken)}
         out: list[_Job] = []
         for *_, j in sorted(self._heap):
             if j.pool != job.pool or j.batch_key == job.batch_key or j.fut.cancelled():
                 continue
-            if j.cost > left or per_key.get(j.batch_key, 0) >= j.limit:
+            if any(c > room for c, room in zip(j.cost, left, strict=True)):
+                continue
+            if per_key.get(j.batch_key, 0) >= j.limit:
                 continue
             out.append(j)
-            left -= j.cost
+            left = [room - c for c, room in zip(j.cost, left, strict=True)]
             per_key[j.batch_key] = per_key.get(j.batch_key, 0) + 1
         return out
 
