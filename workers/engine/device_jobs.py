@@ -36,6 +36,7 @@ from relaygr.workers.prefix_kv import Events, PrefixKV
 T = TypeVar("T")
 _NEVER = object()  # sentinel of ``iter(step, _NEVER)``: a step function as a step iterator
 Grow = Callable[[], PrefixKV]
+MAX_COUNTED_BATCH = 64  # batch sizes counted one by one; larger ones count as this
 
 
 async def run_job(
@@ -112,6 +113,7 @@ class RelayBatching:
         return cls(config.batch_tokens, config.batch_cached_events, config.batch_wait_ms / 1000)
 
     def count(self, size: int) -> None:
+        size = min(size, MAX_COUNTED_BATCH)  # a bounded histogram for the worker's stats
         self.sizes[size] = self.sizes.get(size, 0) + 1
 
 
