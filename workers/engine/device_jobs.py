@@ -98,8 +98,8 @@ class RelayItemFailed(RuntimeError):
 class RelayBatching:
     """Relay rankings of different users that wait for the device together run as one forward of
     at most ``budget`` tokens (events new since each prefix, plus candidates) and
-    ``cached_events`` cached events (their prefixes), after waiting up to ``wait_s`` for more. ``sizes``: device turns by how many rankings they ran (written on the
-    device thread)."""
+    ``cached_events`` cached events (their prefixes), after waiting up to ``wait_s`` for more.
+    ``sizes``: device turns by how many rankings they ran (written on the device thread)."""
 
     budget: int
     cached_events: int
