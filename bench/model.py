@@ -14,11 +14,13 @@ keeps it: a call should fault in next to nothing). A ``rank`` line also gives to
 second on each path, the speed-up against its FLOP bound, the KV bytes of the prefix (all layers
 and per layer) and the exactness of relay against full: the worst absolute score difference and
 the top-10 agreement. ``--budget-ms`` adds a ``budget`` line: the largest history each path ranked
-within that P99. ``--preset`` takes a model shape of ``workers.presets``; ``--dtype`` one or more.
+within that P99. ``--users N`` adds a ``users`` line per length: N users' relay rankings (each its
+own prefix of that length, suffix and candidates) one ``rank_and_extend`` at a time vs one
+``rank_users`` forward (the ranking worker's batch), in ms per request. ``--preset`` takes a model shape of ``workers.presets``; ``--dtype`` one or more.
 One JSON line per measurement with ``--json``; a table otherwise.
 
 Primitives: ``synthetic_history``, ``matmul_roofline``, ``kv_bytes_per_layer``, ``top_k_agreement``,
-``budget_row``;
+``budget_row``, ``users_row``;
 ``add_arguments`` / ``run``.
 """
 
@@ -89,6 +91,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--users", type=int, default=0, help="also rank this many users one at a time vs batched (0: no)"
+    )
 
 
 def synthetic_history(n: int, num_items: int, gen: torch.Generator) -> Events:
@@ -251,6 +256,44 @@ def _prefill_extend_rows(model: HSTURanker, p: int, args: argparse.Namespace, re
     return rows
 
 
+def users_row(model: HSTURanker, p: int, args: argparse.Namespace, gen: torch.Generator) -> dict:
+    """``args.users`` users' relay rankings at prefix length ``p``: one ``rank_and_extend`` at a
+    time vs one ``rank_users`` forward, ms per request (interleaved), and their worst difference."""
+    from relaygr.workers.model.inference import UserRanking
+
+    reqs = []
+    for _ in range(args.users):
+        h = synthetic_history(p + args.suffix, model.config.num_items, gen)
+        cands = torch.randint(1, model.config.num_items + 1, (args.candidates,), generator=gen)
+        reqs.append(UserRanking(model.prefill(h.slice(0, p)), h, cands, float(h.timestamps[-1]) + 30.0))
+
+    def alone() -> list[torch.Tensor]:
+        return [model.rank_and_extend(r.prefix, r.history, r.candidates, r.request_ts)[0] for r in reqs]
+
+    def batched() -> list[torch.Tensor]:
+        return [scores for scores, _ in model.rank_users(reqs)]
+
+    diff = max(float((a - b).abs().max()) for a, b in zip(alone(), batched(), strict=True))  # and warm-up
+    one, many = [], []
+    for _ in range(args.repeats):
+        one.append(_timed(alone, model.device))
+        many.append(_timed(batched, model.device))
+    o50, _ = _stats(one)
+    m50, _ = _stats(many)
+    return {
+        "kind": "users",
+        "prefix_len": p,
+        "suffix_len": args.suffix,
+        "candidates": args.candidates,
+        "users": args.users,
+        "alone_ms_per_request_p50": round(o50 / args.users, 3),
+        "batched_ms_per_request_p50": round(m50 / args.users, 3),
+        "speedup": round(o50 / m50, 2),
+        "max_abs_diff": diff,
+        "repeats": args.repeats,
+    }
+
+
 def budget_row(rank_rows: list[dict], budget_ms: float) -> dict:
     """The largest history (prefix + suffix events) each path ranked with its P99 within
     ``budget_ms``, among the measured lengths (None: not even the shortest), and their ratio."""
@@ -289,6 +332,12 @@ def _print_table(rows: list[dict], lengths: list[int]) -> None:
                 f" {r['full_roofline_frac']:>9.2f} {pf['ms_p50']:>10.2f} {ex['ms_p50']:>9.2f}"
             )
     for r in rows:
+        if r["kind"] == "users":
+            print(
+                f"{r['dtype']}: {r['users']} users at prefix {r['prefix_len']}: "
+                f"{r['alone_ms_per_request_p50']:.2f} ms/request alone, "
+                f"{r['batched_ms_per_request_p50']:.2f} batched ({r['speedup']}x)"
+            )
         if r["kind"] == "budget":
             print(
                 f"{r['dtype']}: within {r['budget_ms']:g} ms P99: relay {r['relay_max_history']} events, "
@@ -300,6 +349,8 @@ def run(args: argparse.Namespace) -> int:
     keep_host_pages()  # as a serving worker runs
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.users < 0:
+        raise SystemExit(f"relaygr bench model: --users must be >= 0, got {args.users}")
     device = resolve_device(args.device)
     lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
     dtypes = [d.strip() for d in args.dtype.split(",") if d.strip()]
@@ -334,6 +385,8 @@ def run(args: argparse.Namespace) -> int:
             emit({**common, **row})
             for r in _prefill_extend_rows(model, p, args, reuse):
                 emit({**common, **r})
+            if args.users > 0:
+                emit({**common, **users_row(model, p, args, gen)})
         if args.budget_ms is not None:
             emit({**common, **budget_row(ranks, args.budget_ms)})
         del model

@@ -374,6 +374,10 @@ class WorkerStats(Event):
     # Latency model of full ranking: ms ≈ a + b·n + c·n² for a history of n tokens.
     latency_coeffs: list[float] = Field(default_factory=list, max_length=4)
     mode: Literal["relay", "baseline"] = "relay"
+    # Relay rankings' device turns since start by how many rankings each ran (a user's burst, or
+    # several users' rankings in one forward): {"1": turns alone, "2": turns of two, ...; "64":
+    # 64 or more}.
+    rank_batch_sizes: dict[str, Count] = Field(default_factory=dict, max_length=64)
 
     @field_validator("latency_coeffs")
     @classmethod

@@ -88,6 +88,24 @@ class PipelineSettings(BaseSettings):
         description="Relay: a burst batch holds at most this many cached events over its rankings "
         "(batching pays for short prefixes; with long ones the first ranking would wait for the rest).",
     )
+    batch_tokens: int = Field(
+        default=_default(EngineConfig, "batch_tokens"),
+        ge=0,
+        description="Relay: different users' rankings that wait for the device together run as one "
+        "forward of at most this many tokens (new events plus candidates); 0 = each alone.",
+    )
+    batch_cached_events: int = Field(
+        default=_default(EngineConfig, "batch_cached_events"),
+        ge=0,
+        description="Relay: a batch of different users' rankings reads at most this many cached "
+        "events over their prefixes (on a CPU batching pays for short prefixes, not long ones).",
+    )
+    batch_wait_ms: float = Field(
+        default=_default(EngineConfig, "batch_wait_ms"),
+        ge=0,
+        description="Relay: how long the device waits for more rankings to batch with the one it "
+        "took (0: only those already waiting; on a CPU waiting buys little).",
+    )
     num_candidates: int = Field(default=128, ge=1, le=2000, description="Candidates retrieval returns.")
     max_rank_candidates: int = Field(default=128, ge=1, le=2000, description="Cap after pre-processing.")
     feature_fetch_ms: float = Field(
@@ -330,6 +348,9 @@ def engine_config(pipeline: PipelineSettings) -> EngineConfig:
         retain_suffix=pipeline.retain_suffix,
         burst_batch=pipeline.burst_batch,
         burst_batch_events=pipeline.burst_batch_events,
+        batch_tokens=pipeline.batch_tokens,
+        batch_cached_events=pipeline.batch_cached_events,
+        batch_wait_ms=pipeline.batch_wait_ms,
         slice_ms=pipeline.device_slice_ms,
         truncate_headroom=pipeline.truncate_headroom,
         ingest_slowdown=pipeline.ingest_slowdown,

@@ -19,3 +19,10 @@ def keys_by_tier(store: PrefixStore) -> dict[str, Any]:
 def is_leased(store: PrefixStore, user_id: UserId) -> bool:
     """Whether ``user_id`` holds a lease now (expired leases are ended first)."""
     return store.placement.is_leased(user_id)
+
+
+def resident_prefix(store: PrefixStore, user_id: UserId) -> Any:
+    """The ``PrefixKV`` the device or host tier holds for ``user_id`` (None: none)."""
+    with store.placement.lock:
+        entry = store.placement._entries.get(store.placement.key(user_id))
+        return None if entry is None else entry.prefix

@@ -525,6 +525,7 @@ class RankingWorker:
             latency_coeffs=latency.coeffs(),
             full_pace=min(1000.0, max(1e-3, pacing.full.factor)),
             mode=self.pipeline.mode,
+            rank_batch_sizes={str(k): v for k, v in self.engine.batch_sizes().items()},
         )
 
 

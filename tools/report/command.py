@@ -44,6 +44,7 @@ from relaygr.tools.report.figures import headline, json_safe
 from relaygr.tools.report.inputs import (
     pre_inference_counts,
     prefill_statuses,
+    rank_batch_counts,
     read_admitted_ids,
     read_labels,
     read_results,
@@ -162,7 +163,12 @@ def run(args: argparse.Namespace) -> int:
     )
     inputs = {"results": topic, "trace": args.trace_topic, "slo_ms": slo_ms, "results_read": len(results)}
     if workers:
-        summary = summary.model_copy(update={"pre_inference": pre_inference_counts(workers)})
+        summary = summary.model_copy(
+            update={
+                "pre_inference": pre_inference_counts(workers),
+                "rank_batches": rank_batch_counts(workers),
+            }
+        )
     doc = summary.to_dict()
     write_run_report(args.out, results, doc, slo_ms=slo_ms, inputs=inputs)
     print(f"report written to {args.out / 'report.md'} ({len(results)} results)", file=sys.stderr)

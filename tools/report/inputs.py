@@ -4,7 +4,8 @@ ranking workers' event logs.
 Primitives: ``read_results`` (the last result per request id), ``read_labels``,
 ``read_admitted``, ``read_admitted_ids``, ``prefill_statuses``, ``prefill_outcomes`` (the last
 pre-inference outcome per request id), ``read_worker_stats`` (each worker's last report) and
-``pre_inference_counts`` (the workers' pre-inference counts and device time, summed).
+``pre_inference_counts`` (the workers' pre-inference counts and device time, summed),
+``rank_batch_counts`` (the workers' relay device turns by rankings batched, summed).
 """
 
 from __future__ import annotations
@@ -99,3 +100,13 @@ def pre_inference_counts(stats) -> dict[str, float]:
     out["rank_s"], out["prefill_s"] = round(rank_s, 3), round(prefill_s, 3)
     out["prefill_device_share"] = round(prefill_s / (rank_s + prefill_s), 4) if rank_s + prefill_s else 0.0
     return out
+
+
+def rank_batch_counts(stats) -> dict[str, int]:
+    """Relay rankings' device turns by how many rankings each ran (``WorkerStats.rank_batch_sizes``),
+    summed over the workers' reports (as ``read_worker_stats`` returns them, or a list), by size."""
+    out: dict[int, int] = {}
+    for st in stats.values() if isinstance(stats, dict) else stats:
+        for size, turns in st.rank_batch_sizes.items():
+            out[int(size)] = out.get(int(size), 0) + turns
+    return {str(k): out[k] for k in sorted(out)}

@@ -114,6 +114,8 @@ def _why_and_where(s: dict) -> list[str]:
         parts.append(
             table(["pre-inference (workers' reports)", "count"], list(s["pre_inference"].items()), 3)
         )
+    if s.get("rank_batches"):
+        parts.append(table(["relay rankings per device turn", "turns"], list(s["rank_batches"].items())))
     for src, rates in s["hit_rates"].items():
         parts.append(
             table([f"{src} tier/outcome", "share"], [[k, v] for k, v in rates.items() if k != "n"], 3)

@@ -95,6 +95,11 @@ class RunSummary(_Figures):
         description="the workers' pre-inferences admitted, finished, cached, late, refused and dropped "
         "(with reasons), and the device time they got (``inputs.pre_inference_counts``)",
     )
+    rank_batches: dict[str, int] = Field(
+        default_factory=dict,
+        description="the workers' relay device turns by how many rankings each ran together "
+        "(``inputs.rank_batch_counts``)",
+    )
 
     @classmethod
     def of(

@@ -12,6 +12,8 @@ Primitives:
   count, the paces when asked for, and with ``tier_costs_dir`` the prefix store's promotion
   speeds measured there: ``tier_costs``, from ``workers.store.tier_costs.measure_tier_costs``)
   that workers load through ``RELAYGR_CALIBRATION_FILE``.
+- ``warm_up_work(model, history_len, num_candidates, rounds, chunk)``: the one-off work a fresh
+  process runs before serving (``RankingEngine.warm_up``).
 """
 
 from __future__ import annotations
@@ -165,3 +167,29 @@ def calibrate_and_save(
         **extra,
     )
     return lat, samples
+
+
+def warm_up_work(
+    model: HSTURanker, history_len: int, num_candidates: int, rounds: int, chunk: int
+) -> Callable[[], None]:
+    """A full ranking, a pre-inference (in ``chunk``-token chunks) and a relay ranking of a
+    synthetic user, ``rounds`` times: what ``RankingEngine.warm_up`` runs on the device thread."""
+    cfg = model.config
+    n = max(2, min(history_len, cfg.max_seq_len))
+    g = torch.Generator().manual_seed(0)
+    hist = Events(
+        torch.randint(1, cfg.num_items + 1, (n,), generator=g),
+        torch.randint(1, cfg.num_actions + 1, (n,), generator=g),
+        torch.arange(n, dtype=torch.float64) * 60.0 + 1e9,
+    )
+    cands = torch.randint(1, cfg.num_items + 1, (max(1, num_candidates),), generator=g)
+    request_ts = float(hist.timestamps[-1]) + 60.0
+    split = max(1, n - 64)
+
+    def work() -> None:
+        for _ in range(rounds):
+            model.rank(None, hist, cands, request_ts)
+            prefix = model.prefill(hist.slice(0, split), chunk)
+            model.rank(prefix, hist.slice(split), cands, request_ts)
+
+    return work

@@ -24,10 +24,11 @@ Primitives:
   | path | when | how |
   |---|---|---|
   | ``cold_start`` | no history | the candidates alone |
-  | ``relay`` | a valid cached prefix | the suffix and the candidates against it: sliced when longer than a slice (``DevicePacing.relay_steps``), else with the user's other rankings waiting for the device (``burst_batch``), keeping the grown prefix (``retain_suffix``) |
+  | ``relay`` | a valid cached prefix | the suffix and the candidates against it: sliced when longer than a slice (``DevicePacing.relay_steps``), else with the user's other rankings waiting for the device (``burst_batch``) and other users' (``batch_tokens``: one forward), keeping the grown prefix (``retain_suffix``); a ranking that fails on the device takes the full path |
   | ``relay_waited`` | the prefix is being computed and may finish in time | as ``relay``, after the wait |
   | ``full`` / ``full_truncated`` | a miss | the most recent events that fit the deadline (``DevicePacing.keep_within``), sliced and re-planned once when behind (``full_steps``) |
   | ``baseline`` | baseline mode | full inference in one job, truncated to fit |
+- ``RankingEngine.batch_sizes()``: relay device turns by how many rankings they ran together.
 - ``RankingEngine.warm_up()``, ``drain()`` (the stores of grown prefixes), ``predict_full_ms(n)``,
   ``refit_latency()``, ``latency_samples()`` / ``inherit_latency_samples()`` (a predecessor's
   timings, at a hand-over), and what a caller needs of the model and store: ``to_model_ids``,
@@ -49,7 +50,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from relaygr.workers.engine.device_jobs import run_in_burst, run_job, run_steps
+from relaygr.workers.engine.calibration import warm_up_work
+from relaygr.workers.engine.device_jobs import (
+    RelayBatching,
+    RelayItemFailed,
+    run_in_burst,
+    run_job,
+    run_steps,
+)
 from relaygr.workers.engine.engine_config import EngineConfig
 from relaygr.workers.engine.latency_model import EngineClock, LatencyModel
 from relaygr.workers.engine.pacing import DevicePacing, Slicer
@@ -118,6 +126,7 @@ class RankingEngine:
         # Background tasks storing the prefixes that rankings grew (``retain_suffix``).
         self._keeping: set[asyncio.Task] = set()
         self.batched_rankings = 0  # rankings that shared their device job with others of a burst
+        self.relay_batching = RelayBatching.of(config)
         # Pre-inferences computing now: user -> (their slicer, tokens in all).
         self._computing: dict[str, tuple[Slicer, int]] = {}
 
@@ -150,6 +159,10 @@ class RankingEngine:
     def store_metrics(self) -> dict[str, float]:
         """The prefix store's counters and gauges (none for a baseline engine)."""
         return self.store.metrics() if self.store is not None else {}
+
+    def batch_sizes(self) -> dict[int, int]:
+        """Relay rankings' device turns (burst or several users) by how many rankings each ran."""
+        return dict(sorted(self.relay_batching.sizes.items()))
 
     def ranking_now(self) -> bool:
         """Whether ranking work is on the device or waits for it."""
@@ -294,24 +307,7 @@ class RankingEngine:
         costs on its first calls (allocator growth, kernel choice): the first real rankings
         otherwise computed up to 6x their calibrated time. Nothing here enters the latency model
         or the prefix store."""
-        cfg = self.model.config
-        n = max(2, min(history_len, cfg.max_seq_len))
-        g = torch.Generator().manual_seed(0)
-        hist = Events(
-            torch.randint(1, cfg.num_items + 1, (n,), generator=g),
-            torch.randint(1, cfg.num_actions + 1, (n,), generator=g),
-            torch.arange(n, dtype=torch.float64) * 60.0 + 1e9,
-        )
-        cands = torch.randint(1, cfg.num_items + 1, (max(1, num_candidates),), generator=g)
-        request_ts = float(hist.timestamps[-1]) + 60.0
-        split = max(1, n - 64)
-
-        def work() -> None:
-            for _ in range(rounds):
-                self.model.rank(None, hist, cands, request_ts)
-                prefix = self.model.prefill(hist.slice(0, split), self.config.prefill_chunk)
-                self.model.rank(prefix, hist.slice(split), cands, request_ts)
-
+        work = warm_up_work(self.model, history_len, num_candidates, rounds, self.config.prefill_chunk)
         t0 = self.clock.timer()
         await self.scheduler.submit(work, priority=Priority.PREFILL)
         return self.clock.timer() - t0
@@ -403,9 +399,9 @@ class RankingEngine:
         deadline: float,
         breakdown: dict[str, float],
     ) -> RankOutcome:
-        """The suffix and the candidates against ``prefix``: in slices when longer than one,
-        else batched with the user's other rankings waiting for the device (keeping the grown
-        prefix), else in one job."""
+        """The suffix and the candidates against ``prefix``: in slices when longer than one, else
+        batched with the rankings waiting for the device (the user's against ``prefix``, other
+        users'; keeping the grown prefix; in full if it fails there), else in one job."""
         assert self.store is not None
         suffix = history.slice(prefix.length)
         new, c = len(suffix), len(candidates)
@@ -417,19 +413,25 @@ class RankingEngine:
             limit = max(
                 1, min(self.config.burst_batch, self.config.burst_batch_events // max(1, prefix.length))
             )
-            scores, grow, batch = await run_in_burst(
-                self.scheduler,
-                self.model,
-                prefix,
-                ("burst", user_id, id(prefix)),
-                limit,
-                history,
-                candidates,
-                request_ts,
-                deadline,
-                breakdown,
-                self.clock.timer,
-            )
+            try:  # with the user's other rankings against ``prefix`` and other users' (one forward)
+                scores, grow, batch = await run_in_burst(
+                    self.scheduler,
+                    self.model,
+                    prefix,
+                    ("burst", user_id, id(prefix)),
+                    limit,
+                    history,
+                    candidates,
+                    request_ts,
+                    deadline,
+                    breakdown,
+                    self.clock.timer,
+                    self.relay_batching,
+                )
+            except RelayItemFailed as e:
+                log.warning("ranked %s in full: %s", user_id, e)
+                self.store.release(user_id)
+                return await self._rank_full(history, candidates, request_ts, deadline, breakdown)
             if batch > 1:
                 self.batched_rankings += 1
             if grow is not None:

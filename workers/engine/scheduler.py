@@ -27,7 +27,11 @@ Primitives:
 - ``DeviceScheduler.submit_batched(item, run_batch, key, ...)``: a job that may share its turn.
   When it runs, the queued jobs with the same ``key`` (up to ``limit`` in all) run with it as one
   call ``run_batch([items])``, which returns one result per item (dynamic batching: it happens
-  only when such jobs wait, i.e. under load).
+  only when such jobs wait, i.e. under load). With a ``pool``, the queued jobs of that pool under
+  other keys join too, most urgent first, while their ``cost`` fits the first job's ``budget``
+  (tuples of as many measures: a batch must fit in each)
+  (several users' rankings in one forward); ``wait_s``: the device first waits that long for
+  more of them while the batch has room (0: never waits).
 - ``DeviceScheduler.pace(rest_ratio)``: after each turn of pre-inference the device thread rests
   ``rest_ratio`` times as long as the turn took, cut short as soon as a ranking job is queued
   (0, the default: no rest). Work with no deadline (a standby warming up beside serving workers
@@ -80,6 +84,10 @@ class _Job:
     item: Any = None
     run_batch: Callable[[list[Any]], list[Any]] | None = None
     limit: int = 1
+    pool: Any = None  # jobs of one pool may run together whatever their keys, within a budget
+    cost: tuple[int, ...] = ()
+    budget: tuple[int, ...] = ()
+    wait_s: float = 0.0
     yields: bool = False  # a chunked job that lets the jobs waiting at a chunk boundary go first
     wait_for: set[int] = field(default_factory=set)  # seqs of the jobs a parked step waits for
 
@@ -153,13 +161,21 @@ class DeviceScheduler:
         priority: Priority,
         deadline: float = math.inf,
         limit: int = 8,
+        pool: Any = None,
+        cost: tuple[int, ...] = (),
+        budget: tuple[int, ...] = (),
+        wait_s: float = 0.0,
     ) -> asyncio.Future[T]:
         """Awaitable result for ``item``: ``run_batch(items)[i]`` where ``items`` holds this job's
         item and those of the other queued jobs with the same ``key`` (at most ``limit``), run in
-        one turn of the device. The batch runs the ``run_batch`` of the job picked first; an
-        exception it raises goes to every job of the batch."""
+        one turn of the device. With a ``pool``, queued jobs of the pool under other keys join
+        while the summed ``cost`` stays within ``budget`` (see the module docstring). The batch
+        runs the ``run_batch`` of the job picked first; an exception it raises goes to every job
+        of the batch (a ``run_batch`` that isolates its items returns their errors instead)."""
         if key is None or limit < 1:
             raise ValueError("submit_batched needs a key and a positive limit")
+        if len(cost) != len(budget) or min((*cost, *budget, wait_s), default=0) < 0:
+            raise ValueError(f"submit_batched: cost={cost}, budget={budget}, wait_s={wait_s} must be >= 0")
         return self._submit(
             lambda: run_batch([item])[0],
             priority,
@@ -167,6 +183,7 @@ class DeviceScheduler:
             None,
             steps=False,
             batch=(key, item, run_batch, limit),
+            pool=(pool, cost, budget, wait_s),
         )
 
     def _submit(
@@ -179,12 +196,15 @@ class DeviceScheduler:
         steps: bool,
         batch: tuple[Any, Any, Callable[[list[Any]], list[Any]], int] | None = None,
         yields: bool = False,
+        pool: tuple[Any, tuple[int, ...], tuple[int, ...], float] | None = None,
     ):
         loop = asyncio.get_running_loop()
         job = _Job(int(priority), deadline, fn, loop.create_future(), loop, tag, steps, next(self._seq))
         job.yields = yields and steps
         if batch is not None:
             job.batch_key, job.item, job.run_batch, job.limit = batch
+        if pool is not None:
+            job.pool, job.cost, job.budget, job.wait_s = pool
         with self._cv:
             if self._closed:
                 raise SchedulerClosed("device scheduler is closed")
@@ -299,6 +319,8 @@ class DeviceScheduler:
                     return
                 job = self._pop()
                 self._running = job
+                if job.pool is not None and job.wait_s > 0:
+                    self._wait_for_mates(job)
                 mates = self._take_batch(job) if job.batch_key is not None else []
                 self._unpark({job.seq, *(m.seq for m in mates)})
             if mates:
@@ -351,18 +373,51 @@ class DeviceScheduler:
                 self._push(p)
         self._parked = still
 
+    def _pool_full(self, job: _Job) -> bool:
+        """Whether ``job`` and the queued jobs of its pool reach its budget in some measure.
+        Called with the lock held."""
+        costs = [j.cost for *_, j in self._heap if j.pool == job.pool]
+        return any(sum(c[d] for c in costs) + job.cost[d] >= b for d, b in enumerate(job.budget))
+
+    def _wait_for_mates(self, job: _Job) -> None:
+        """Wait up to ``job.wait_s`` for more jobs of ``job``'s pool while they leave room in its
+        budget (the batch is not full yet). Called with the lock held; ``wait_for`` releases it."""
+        self._cv.wait_for(lambda: self._closed or self._pool_full(job), timeout=job.wait_s)
+
     def _take_batch(self, job: _Job) -> list[_Job]:
         """Remove and return the queued jobs that share ``job``'s batch key (oldest first, at most
-        ``job.limit - 1``). Called with the lock held."""
+        ``job.limit - 1``), then those of its pool that fit its budget (``_pool_mates``). Called
+        with the lock held."""
         mates = sorted(
             (j for *_, j in self._heap if j.batch_key == job.batch_key and not j.fut.cancelled()),
             key=lambda j: j.seq,
         )[: job.limit - 1]
+        if job.pool is not None:
+            mates += self._pool_mates(job, mates)
         if mates:
             taken = {id(j) for j in mates}
             self._heap = [e for e in self._heap if id(e[3]) not in taken]
             heapq.heapify(self._heap)
         return mates
+
+    def _pool_mates(self, job: _Job, taken: list[_Job]) -> list[_Job]:
+        """The queued jobs of ``job``'s pool under other keys, most urgent first, that fit in what
+        ``job`` and ``taken`` leave of ``job.budget``; each key keeps to its own job's limit.
+        Called with the lock held."""
+        left = [b - job.cost[d] - sum(j.cost[d] for j in taken) for d, b in enumerate(job.budget)]
+        per_key = {job.batch_key: 1 + len(taken)}
+        out: list[_Job] = []
+        for *_, j in sorted(self._heap):
+            if j.pool != job.pool or j.batch_key == job.batch_key or j.fut.cancelled():
+                continue
+            if any(c > room for c, room in zip(j.cost, left, strict=True)):
+                continue
+            if per_key.get(j.batch_key, 0) >= j.limit:
+                continue
+            out.append(j)
+            left = [room - c for c, room in zip(j.cost, left, strict=True)]
+            per_key[j.batch_key] = per_key.get(j.batch_key, 0) + 1
+        return out
 
     def _run_batch(self, jobs: list[_Job]) -> None:
         jobs = [j for j in jobs if not j.fut.cancelled()]
