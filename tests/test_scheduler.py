@@ -321,14 +321,17 @@ async def test_reserve_gives_queued_pre_inference_its_share_ahead_of_rankings(sh
     # reserved share every ranking goes first; with 30 %, pre-inference runs among them (the
     # first as soon as the device is free: it has had none of the recent time) and never more
     # than its share ahead of them.
-    s = DeviceScheduler("t")
+    # Each job takes 2 ms of a clock the jobs advance themselves: the picks depend on the policy,
+    # not on how this machine schedules threads.
+    now = [0.0]
+    s = DeviceScheduler("t", clock=lambda: now[0])
     s.reserve(share)
     gate = threading.Event()
     order: list[str] = []
 
     def job(name: str) -> None:
         order.append(name)
-        time.sleep(0.002)
+        now[0] += 0.002
 
     try:
         blocker = s.submit(lambda: gate.wait(5), priority=Priority.RANK, deadline=0.0)

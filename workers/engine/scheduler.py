@@ -93,10 +93,16 @@ class _Job:
 
 
 class DeviceScheduler:
-    def __init__(self, name: str = "device", on_start: Callable[[], Any] | None = None) -> None:
+    def __init__(
+        self,
+        name: str = "device",
+        on_start: Callable[[], Any] | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
         """``on_start`` runs first on the device thread: per-thread set-up such as
         ``torch.set_num_threads`` (torch's CPU thread count is per OS thread, so setting it on the
-        main thread leaves this one at every core)."""
+        main thread leaves this one at every core). ``clock``: the device seconds jobs are
+        measured in (tests give a clock their jobs advance, so shares do not depend on the machine)."""
         self._on_start = on_start
         self._heap: list[tuple[int, float, int, _Job]] = []
         self._cv = threading.Condition()
@@ -117,7 +123,8 @@ class DeviceScheduler:
         self.share_picks = 0  # pre-inference turns taken ahead of queued rankings by reserve()
         # Device seconds per priority, decayed over SHARE_WINDOW_S (device thread writes).
         self._recent = {Priority.RANK: 0.0, Priority.PREFILL: 0.0}
-        self._recent_at = time.monotonic()
+        self._clock = clock  # device seconds: what jobs took and the decay of their shares
+        self._recent_at = clock()
         self._thread = threading.Thread(target=self._run, name=f"relaygr-{name}", daemon=True)
         self._thread.start()
 
@@ -269,7 +276,7 @@ class DeviceScheduler:
 
     def _account(self, prio: Priority, took: float) -> None:
         """Add ``took`` device seconds to ``prio``'s decayed recent time (device thread only)."""
-        now = time.monotonic()
+        now = self._clock()
         decay = math.exp(-(now - self._recent_at) / SHARE_WINDOW_S)
         self._recent_at = now
         for p in self._recent:
@@ -329,12 +336,12 @@ class DeviceScheduler:
             if job.fut.cancelled():
                 continue
             prio = Priority(job.priority)
-            t0, c0 = time.perf_counter(), time.thread_time()
+            t0, c0 = self._clock(), time.thread_time()
             try:
                 result, exc = job.fn(), None
             except BaseException as e:  # handed to the awaiting coroutine
                 result, exc = None, e
-            took = time.perf_counter() - t0
+            took = self._clock() - t0
             self.busy_s[prio] += took
             self.cpu_s[prio] += time.thread_time() - c0
             self._account(prio, took)
@@ -426,7 +433,7 @@ class DeviceScheduler:
                 self._running = None
             return
         prio = Priority(min(j.priority for j in jobs))
-        t0, c0 = time.perf_counter(), time.thread_time()
+        t0, c0 = self._clock(), time.thread_time()
         assert jobs[0].run_batch is not None
         try:
             results, exc = jobs[0].run_batch([j.item for j in jobs]), None
@@ -434,7 +441,7 @@ class DeviceScheduler:
                 raise RuntimeError(f"run_batch returned {len(results)} results for {len(jobs)} items")
         except BaseException as e:
             results, exc = [None] * len(jobs), e
-        took = time.perf_counter() - t0
+        took = self._clock() - t0
         self.busy_s[prio] += took
         self.cpu_s[prio] += time.thread_time() - c0
         self._account(prio, took)
