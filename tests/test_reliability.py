@@ -136,6 +136,7 @@ async def test_broker_restart_mid_run_loses_nothing(kafka_settings, tmp_path, mo
         broker.stop(own)
 
 
+@pytest.mark.alone
 async def test_rebalance_join_and_leave_falls_back_cleanly(kafka_settings, tmp_path, model_dir, ml) -> None:
     s, reg = await deployment(kafka_settings, tmp_path)
     behaviours, requests = leave_last_out(ml, range(1, 201), num_candidates=32)
@@ -179,6 +180,7 @@ async def test_rebalance_join_and_leave_falls_back_cleanly(kafka_settings, tmp_p
     assert within + explicit >= 0.95, (within, paths)
 
 
+@pytest.mark.alone
 async def test_overload_sheds_prefill_truncates_and_times_out(
     kafka_settings, tmp_path, model_dir, ml
 ) -> None:
