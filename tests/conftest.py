@@ -99,8 +99,18 @@ def one_torch_thread():
     torch.set_num_threads(before)
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Files with slow tests first: ``./dev test`` hands whole files to its worker processes in
-    this order, so the longest ones start at once instead of last."""
+    this order, so the longest ones start at once instead of last. ``RELAYGR_TEST_PHASE``
+    (``./dev test`` sets it) keeps the tests marked ``alone`` out of its parallel run
+    (``parallel``) and runs only them afterwards (``alone``); whatever ``-m`` selects applies too."""
+    phase = os.environ.get("RELAYGR_TEST_PHASE", "")
+    if phase in ("parallel", "alone"):
+        keep = [
+            item for item in items if (item.get_closest_marker("alone") is not None) == (phase == "alone")
+        ]
+        if len(keep) != len(items):
+            config.hook.pytest_deselected(items=[item for item in items if item not in keep])
+            items[:] = keep
     slow_files = {item.path for item in items if item.get_closest_marker("slow") is not None}
     items.sort(key=lambda item: item.path not in slow_files)  # stable: file order kept otherwise
