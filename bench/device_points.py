@@ -9,13 +9,21 @@ first, as the demo does, and picks:
 - requests per point: the fewest with which 0 misses holds (``requests_to_hold(0)``);
 - seq-len lengths: from a point where the baseline holds (full ranking predicted within
   ``COMFORT_FRACTION`` of B, keeping the device ``BASELINE_UTILISATION`` busy at ``SEQ_LEN_QPS``)
-  up to the model's serving cap (where relay's reach ends), ``LENGTHS`` of them, spaced
-  geometrically, at that rate;
+  up to the model's serving cap (where relay's reach ends) or the longest the device tier holds,
+  ``LENGTHS`` of them, spaced geometrically, at that rate;
 - throughput: the history of such a point at ``THROUGHPUT_MIN_QPS`` (at most half the cap);
   rates from the one at which full ranking keeps the device ``BASELINE_UTILISATION`` busy (a few
   per second) up to where relay rankings are predicted to saturate it, at most ``MAX_QPS`` (what
   the stages sustain), ``RATES`` of them, spaced geometrically;
-- points are dropped (the middle ones first) until the predicted sending time fits ``--seconds``.
+- points are dropped (the middle ones first) until the predicted sending time fits ``--seconds``
+  (or, where the check gives the step a deadline, ``RELAYGR_STEP_DEADLINE``, what is left of it
+  less ``--reserve`` for the pipelines' start and warm-up);
+- the prefix store sized to the device: the experiment's users all come back within a point
+  (299 requests of the ML-100K window are 7 users' sessions), so the device tier gets
+  ``DEVICE_TIER_SHARE`` of the device's memory and each partition may hold that much (the trigger's
+  footprint bound); a length whose users' prefixes would not fit it is not tried. With the
+  defaults (a 1 GiB tier, 512 MiB a partition) a ``large`` prefix of 32k events (537 MB in
+  float32) is never admitted, and relay there falls back to full ranking.
 
 ``python -m relaygr.bench.device_points --model DIR --device cuda --budget-ms 50 --work W
 [--seconds S] -- EXPERIMENT_ARGS`` calibrates into ``W/calibration.json``, prints the sizing as
@@ -23,7 +31,8 @@ one JSON line (``"bench": "device-points"``) and runs ``relaygr experiment seq-l
 with EXPERIMENT_ARGS and the sized points.
 
 Primitives: ``PointPlan``, ``geometric(lo, hi, count, grid)``, ``size_points(latency, ...)``,
-``experiment_args(plan)``.
+``experiment_args(plan)``, ``StoreSizing`` / ``size_store(...)``, ``window_users(requests)``,
+``sending_seconds(...)``.
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ import json
 import math
 import os
 import sys
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -60,6 +70,58 @@ FIRST_ROUND = 100
 """Requests of a point's first round: one that misses often stops there."""
 POINT_OVERHEAD_S = 6.0
 """Per point and mode besides sending: the other mode stopped, users warmed up, results drained."""
+DEVICE_TIER_SHARE = 0.3
+"""Of the device's memory, the prefix store's device tier: the model, two pipelines' activations
+and the allocator's slack keep the rest."""
+DEADLINE_ENV = "RELAYGR_STEP_DEADLINE"
+"""Set by the device check: the wall-clock time (epoch seconds) at which the step is stopped."""
+
+
+@dataclass
+class StoreSizing:
+    """The prefix store the experiment's workers get, and the lengths it leaves out."""
+
+    device_tier_mb: float
+    footprint_mb: float
+    bytes_per_token: int
+    users: int
+    longest: int  # the longest history whose users' prefixes all fit the device tier
+
+    def env(self) -> dict[str, str]:
+        return {
+            "RELAYGR_DEVICE_CACHE_MB": f"{self.device_tier_mb:.0f}",
+            "RELAYGR_FOOTPRINT_BOUND_MB": f"{self.footprint_mb:.0f}",
+        }
+
+
+def size_store(device_bytes: int, bytes_per_token: int, users: int, cap: int) -> StoreSizing:
+    """A device tier of ``DEVICE_TIER_SHARE`` of ``device_bytes``; each partition may fill it (the
+    tier's leases bound the whole); the longest length on the grid (at most ``cap``) at which
+    ``users`` prefixes fit it."""
+    tier = DEVICE_TIER_SHARE * device_bytes
+    fits = int(tier // max(1, users * bytes_per_token))
+    longest = max(MIN_LENGTH, min(cap, fits // GRID * GRID))
+    mb = tier / (1 << 20)
+    return StoreSizing(round(mb), round(mb), bytes_per_token, users, longest)
+
+
+def window_users(requests: int, min_prior: int = 20) -> int:
+    """Distinct users among the experiment's first ``requests`` requests (its default window:
+    ML-100K's interactions with ``min_prior`` earlier ones, from the middle)."""
+    from relaygr.tools.trace import eligible_interactions
+    from relaygr.workers.training.movielens import load_movielens
+
+    rows = eligible_interactions(load_movielens(), min_prior)
+    start = len(rows) // 2
+    return len({u for _, u, _ in rows[start : start + requests]})
+
+
+def sending_seconds(seconds: float, reserve: float, now: float, deadline: str | None) -> float:
+    """The time the points may take: ``seconds``, or what the step's deadline leaves after
+    ``reserve`` when the check set one."""
+    if not deadline:
+        return seconds
+    return max(0.0, min(seconds, float(deadline) - now - reserve))
 
 
 @dataclass
@@ -163,7 +225,7 @@ def size_points(
             f"{n} requests a point: the fewest with which 0 misses holds (miss-rate bound ≤ {miss_rate:.0%} "
             f"at {confidence:.0%})",
             f"lengths from {lo} (full ranking predicted at {full[str(lo)]:.1f} ms; the baseline's point wants "
-            f"{comfort}) to the serving cap {max_seq_len}, at {seq_qps:g}/s (full ranking at {lo} "
+            f"{comfort}) to {max_seq_len} (the serving cap, or the device tier), at {seq_qps:g}/s (full ranking at {lo} "
             f"{BASELINE_UTILISATION:.0%} busy, at most {SEQ_LEN_QPS:g}/s)",
             f"throughput at {history} events (full ranking predicted at {full[str(history)]:.1f} ms, relay at "
             f"{relay_h:.2f} ms): rates from {rates[0]:g}/s (full ranking {BASELINE_UTILISATION:.0%} busy) to "
@@ -189,6 +251,29 @@ def experiment_args(plan: PointPlan) -> list[str]:
     ]  # fmt: skip
 
 
+def _device_bytes(device: str) -> int:
+    """The accelerator's memory (0 on CPU: the store keeps its defaults there)."""
+    import torch
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return int(torch.cuda.get_device_properties(dev).total_memory)
+    if dev.type == "npu":
+        return int(torch.npu.get_device_properties(dev).total_memory)  # type: ignore[attr-defined]
+    return 0
+
+
+def _store_for(model: Path, device: str, requests: int, cap: int) -> StoreSizing | None:
+    from relaygr.workers.engine.ranker import kv_bytes_per_token
+    from relaygr.workers.model.model import HSTURanker
+
+    total = _device_bytes(device)
+    if not total:
+        return None
+    per_token = kv_bytes_per_token(HSTURanker.load(model, device="cpu"))
+    return size_store(total, per_token, window_users(requests), cap)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     rest = argv[argv.index("--") + 1 :] if "--" in argv else []
@@ -199,6 +284,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-ms", type=float, default=50.0)
     parser.add_argument("--work", type=Path, required=True)
     parser.add_argument("--seconds", type=float, default=math.inf, help="time to send every point in")
+    parser.add_argument(
+        "--reserve",
+        type=float,
+        default=45.0,
+        help=f"with {DEADLINE_ENV} set: seconds of the step kept for the pipelines' start and warm-up",
+    )
     args = parser.parse_args(own)
     from relaygr.tools.experiment.deployment import calibrate_latency
     from relaygr.tools.sizing import relay_pace_of
@@ -208,8 +299,19 @@ def main(argv: list[str] | None = None) -> int:
     latency, samples = calibrate_latency(args.model, 1, calibration, args.device)
     pace = relay_pace_of(json.loads(calibration.read_text()))
     cap = int(json.loads((args.model / "config.json").read_text()).get("max_seq_len") or 8192)
-    plan = size_points(latency, args.budget_ms, cap, relay_pace=pace, seconds=args.seconds)
+    store = _store_for(args.model, args.device, requests_to_hold(0), cap)
+    seconds = sending_seconds(args.seconds, args.reserve, time.time(), os.environ.get(DEADLINE_ENV))
+    longest = store.longest if store else cap
+    plan = size_points(latency, args.budget_ms, longest, relay_pace=pace, seconds=seconds)
+    if store:
+        plan.why.append(
+            f"device tier {store.device_tier_mb:.0f} MiB ({DEVICE_TIER_SHARE:.0%} of the device), each partition "
+            f"may fill it: {store.users} users' prefixes at {store.bytes_per_token} bytes an event fit it up to "
+            f"{store.longest} events (serving cap {cap})"
+        )
+        os.environ.update(store.env())
     row = {"bench": "device-points", **asdict(plan), "max_seq_len": cap, "budget_ms": args.budget_ms,
+           "sending_s": round(seconds, 1), "store": asdict(store) if store else None,
            "calibration": [[n, round(ms, 2)] for n, ms in samples]}  # fmt: skip
     print(json.dumps(row), flush=True)
     cmd = [

@@ -123,3 +123,33 @@ def test_plan_prints_the_xl_presets_bytes_per_user_without_a_model() -> None:
     assert at_cap["disk"] > at_cap["host"]
     bad = subprocess.run([*cmd[:-5], "--preset", "huge"], capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "no model preset 'huge'" in bad.stderr
+
+
+def test_the_device_tier_holds_every_user_of_the_window_at_the_longest_length() -> None:
+    # 7 users, 16 KiB an event (large, float32), an H200's 141 GB: the tier is 30 % of it.
+    store = dp.size_store(141 * 10**9, 16 * 1024, 7, 32768)
+    assert store.device_tier_mb == store.footprint_mb == round(0.3 * 141 * 10**9 / (1 << 20))
+    assert store.longest == 32768
+    assert store.env() == {
+        "RELAYGR_DEVICE_CACHE_MB": f"{store.device_tier_mb:.0f}",
+        "RELAYGR_FOOTPRINT_BOUND_MB": f"{store.footprint_mb:.0f}",
+    }
+    # A 16 GB card: 7 users' prefixes fit up to 4.8 GB / 7 / 16 KiB = 41,9xx events, on the grid.
+    small = dp.size_store(16 * 10**9, 16 * 1024, 7, 65536)
+    assert small.longest % 64 == 0 and small.longest * 7 * 16 * 1024 <= 0.3 * 16 * 10**9
+    assert (small.longest + 64) * 7 * 16 * 1024 > 0.3 * 16 * 10**9
+    # Never below the shortest length the sizing tries.
+    assert dp.size_store(10**6, 16 * 1024, 7, 32768).longest == dp.MIN_LENGTH
+
+
+def test_the_experiments_window_is_a_few_users_sessions() -> None:
+    # Why the device tier must hold every user: 299 requests of the window are 7 users coming back.
+    assert dp.window_users(299) == 7
+    assert dp.window_users(100) <= dp.window_users(299)
+
+
+def test_the_points_fit_what_the_steps_deadline_leaves() -> None:
+    assert dp.sending_seconds(135.0, 45.0, 1000.0, None) == 135.0
+    assert dp.sending_seconds(float("inf"), 45.0, 1000.0, "1300") == 255.0
+    assert dp.sending_seconds(135.0, 45.0, 1000.0, "1300") == 135.0
+    assert dp.sending_seconds(135.0, 45.0, 1000.0, "1010") == 0.0
