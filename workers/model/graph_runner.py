@@ -263,7 +263,7 @@ class BucketRunner(LayerPass):
     def results(self, users: list[GraphUser], keep_kv: bool = True) -> list[tuple[torch.Tensor, NewKV]]:
         """Per user, its scores (float32, CPU; the one read of the device) and, with ``keep_kv``,
         each layer's keys and values of its events (copied out of the static buffers)."""
-        scores = self.score_buf.view(self.bucket.users, -1).cpu()
+        scores = self.score_buf.view(self.bucket.users, -1).to("cpu", copy=True)  # a copy on a CPU too
         ks = self.new_k.clone() if keep_kv else None
         vs = self.new_v.clone() if keep_kv else None
         out = []

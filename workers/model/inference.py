@@ -168,6 +168,11 @@ class RelayInference:
         self._serving_cache = built
         return built
 
+    def serving(self) -> Serving:
+        """What the serving forward reads of the weights, in eval mode (built once per weights)."""
+        self._for_serving()
+        return self._serving()
+
     def _for_serving(self) -> None:
         """Serving runs in eval mode; switching walks every module, so only when needed."""
         if self.training:
