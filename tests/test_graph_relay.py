@@ -307,3 +307,34 @@ def test_the_bucketed_forward_with_the_triton_kernel_scores_as_the_reference(dev
     assert report["graphed_rankings"] == 1 and report["graph_error"] is None, report
     assert report["captured"] == (device == "cuda")
     assert report["scale"] > 0.1 and report["worst"] <= 1e-5 * report["scale"], report
+
+
+# ------------------------------------------------------------------------------------ the engine
+async def test_a_relay_engine_with_cuda_graphs_ranks_waiting_users_through_a_bucket() -> None:
+    """``EngineConfig.cuda_graphs`` on (a CPU: the eager twin): the engine's batched relay rankings
+    go through one bucket and score, and grow the stored prefixes, as the eager engine does."""
+    from store_probe import resident_prefix
+    from synthetic import tiny_model
+    from test_relay_batching import engine, prefill_all, rank_while_busy, users
+
+    model, jobs = tiny_model(3), users()
+    eager = engine(model, batch_tokens=4096)  # cuda_graphs unset: off on a CPU
+    assert model.graph_relay is None
+    await prefill_all(eager, jobs)
+    want = await rank_while_busy(eager, jobs)
+    graphed = engine(model, batch_tokens=4096, cuda_graphs=True, graph_pool_mb=4)
+    relay = model.graph_relay
+    assert relay is not None and not relay.capture
+    await prefill_all(graphed, jobs)
+    got = await rank_while_busy(graphed, jobs)
+    assert relay.counters()["graphed_rankings"] == 1 and relay.counters()["fallbacks"] == 0
+    for (uid, h, n, _), res, ref in zip(jobs, got, want, strict=True):
+        assert res.path == ref.path == "relay" and res.prefix_len == n
+        torch.testing.assert_close(res.scores, ref.scores, rtol=RTOL32, atol=ATOL32)
+        mine, theirs = resident_prefix(graphed.store, uid), resident_prefix(eager.store, uid)
+        assert mine.length == theirs.length == len(h)
+        for a, b in zip(mine.keys + mine.values, theirs.keys + theirs.values, strict=True):
+            torch.testing.assert_close(a, b, rtol=RTOL32, atol=ATOL32)
+    for e in (eager, graphed):
+        e.scheduler.close()
+    model.use_graph_relay(False)
