@@ -250,7 +250,7 @@ class BucketRunner(LayerPass):
                 self.forward()
         torch.cuda.current_stream(self.pool.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):  # other threads copy
             self.forward()
         self.graph = graph
 
