@@ -40,7 +40,7 @@ from torch import nn
 
 from relaygr.bench.model import synthetic_history
 from relaygr.workers.model.devices import resolve_dtype, synchronize
-from relaygr.workers.model.graph_runner import DEFAULT_BLOCK_TOKENS
+from relaygr.workers.model.graph_runner import pool_tokens_for
 from relaygr.workers.model.model import HSTURanker
 from relaygr.workers.model.presets import preset
 
@@ -233,7 +233,7 @@ def profile_graphed(model: HSTURanker, relay: Callable[[], object], cached: int,
     without failing the step."""
     row = {**common, "path": "relay_graphed", "graph_error": None}
     try:
-        graphs = model.use_graph_relay(True, pool_tokens=cached + DEFAULT_BLOCK_TOKENS)
+        graphs = model.use_graph_relay(True, pool_tokens=pool_tokens_for(cached))
         assert graphs is not None
         for _ in range(max(1, args.warmup)):  # the first one captures
             relay()
@@ -242,6 +242,7 @@ def profile_graphed(model: HSTURanker, relay: Callable[[], object], cached: int,
             **profile_call(relay, model.device),
         }
         row |= {"graph_captured": graphs.capture, "graph_error": graphs.graph_error}
+        row |= {"graphed_rankings": graphs.counters()["graphed_rankings"]}
     except Exception as e:  # the eager rows stand; this one says why it has no numbers
         row["graph_error"] = f"{type(e).__name__}: {e}"[:500]
     finally:

@@ -30,7 +30,7 @@ import json
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from relaygr.workers.model.graph_runner import DEFAULT_BLOCK_TOKENS, BucketRunner, bucket_for
+from relaygr.workers.model.graph_runner import DEFAULT_BLOCK_TOKENS, BucketRunner, bucket_for, pool_tokens_for
 from relaygr.workers.model.model import HSTURanker
 from relaygr.workers.model.prefix_pool import PagedPrefixPool
 from relaygr.workers.model.presets import PRESETS, preset
@@ -166,10 +166,10 @@ def count_graphed(
     bucket = bucket_for(users, suffix, candidates, events - suffix, DEFAULT_BLOCK_TOKENS)
     if bucket is None:
         raise ValueError(f"{users} users of {suffix} events and {candidates} candidates fit no bucket")
+    blocks = pool_tokens_for(events - suffix, users) // DEFAULT_BLOCK_TOKENS + 1
     pool = PagedPrefixPool(
-        cfg.layers, cfg.heads, cfg.attn_dim, cfg.linear_dim, DEFAULT_BLOCK_TOKENS,
-        bucket.prefix_blocks + 1, model.dtype, "meta",
-    )  # fmt: skip
+        cfg.layers, cfg.heads, cfg.attn_dim, cfg.linear_dim, DEFAULT_BLOCK_TOKENS, blocks, model.dtype, "meta"
+    )
     runner = BucketRunner(model, model.serving(), pool, bucket)
     with DispatchCounter():
         runner.forward()  # once first, as ``count_ranking``

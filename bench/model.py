@@ -44,7 +44,7 @@ from relaygr.workers.model.devices import (
     resolve_dtype,
     synchronize,
 )
-from relaygr.workers.model.graph_runner import DEFAULT_BLOCK_TOKENS
+from relaygr.workers.model.graph_runner import pool_tokens_for
 from relaygr.workers.model.model import FAR_KEYS, NEAR_KEYS, HSTUConfig, HSTURanker
 from relaygr.workers.model.presets import PRESETS, resolve_shape
 from relaygr.workers.prefix_kv import Events, PrefixKV
@@ -250,7 +250,7 @@ def graphed_columns(
     prefix, suffix, cands, when = request
     out: dict = {"relay_graphed_ms_p50": None, "relay_graphed_ms_p99": None, "graph_error": None}
     try:
-        relay = model.use_graph_relay(True, pool_tokens=max(prefix.length, 1) + DEFAULT_BLOCK_TOKENS)
+        relay = model.use_graph_relay(True, pool_tokens=pool_tokens_for(prefix.length))
         assert relay is not None
         scores = model.rank(prefix, suffix, cands, when)  # the capture, and the exactness check
         secs = [

@@ -8,7 +8,7 @@ import json
 import sys
 
 import torch
-from test_graph_relay import BLOCK, _requests, model32
+from test_graph_relay import BLOCK, POOL, _requests, model32
 
 from relaygr.workers.kernels import use_backend
 
@@ -19,7 +19,7 @@ def main(device: str) -> None:
     requests = _requests(model, [(15, 13, 9), (72, 61, 4), (2, 0, 1)], seed=5)
     with use_backend("reference"):
         eager = [scores for scores, _ in model.rank_users(requests)]
-    relay = model.use_graph_relay(True, pool_tokens=512, block_tokens=BLOCK, capture=device == "cuda")
+    relay = model.use_graph_relay(True, pool_tokens=POOL, block_tokens=BLOCK, capture=device == "cuda")
     with use_backend("triton"):
         graphed = [scores for scores, _ in model.rank_users(requests)]
     worst = max(float((a - b).abs().max()) for a, b in zip(eager, graphed, strict=True))

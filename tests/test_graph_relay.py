@@ -31,6 +31,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 NUM_ITEMS = 40
 RTOL32 = ATOL32 = 1e-5
 BLOCK = 8
+POOL = 2048  # tokens: the largest bucket of these tests reserves 8 x (64 + 32) rows of it
 
 
 def _model(dtype: torch.dtype, seed: int) -> HSTURanker:
@@ -82,7 +83,7 @@ def _requests(model: HSTURanker, shapes: list[tuple[int, int, int]], seed: int) 
 
 
 def _graphed(model: HSTURanker, requests: list[UserRanking], **kw) -> tuple[list, GraphRelay]:
-    relay = model.use_graph_relay(True, pool_tokens=kw.pop("pool_tokens", 512), block_tokens=BLOCK, **kw)
+    relay = model.use_graph_relay(True, pool_tokens=kw.pop("pool_tokens", POOL), block_tokens=BLOCK, **kw)
     try:
         return model.rank_users(requests), relay
     finally:
@@ -133,7 +134,7 @@ def test_one_bucket_serves_other_users_on_the_same_buffers() -> None:
     """The runner's buffers keep their addresses from one call to the next (what a replayed graph
     reads and writes), and the second call's users score right, not as the first call's."""
     model = model32()
-    relay = model.use_graph_relay(True, pool_tokens=512, block_tokens=BLOCK)
+    relay = model.use_graph_relay(True, pool_tokens=POOL, block_tokens=BLOCK)
     try:
         first = _requests(model, [(30, 25, 5), (20, 10, 7)], seed=1)
         model.rank_users(first)
@@ -156,7 +157,7 @@ def test_rank_uses_the_bucket_and_rank_full_stays_eager() -> None:
     model = model32()
     (r,) = _requests(model, [(50, 40, 6)], seed=3)
     eager = model.rank(r.prefix, r.history.slice(40), r.candidates, r.request_ts)
-    relay = model.use_graph_relay(True, pool_tokens=512, block_tokens=BLOCK)
+    relay = model.use_graph_relay(True, pool_tokens=POOL, block_tokens=BLOCK)
     try:
         graphed = model.rank(r.prefix, r.history.slice(40), r.candidates, r.request_ts)
         model.rank_full(r.history, r.candidates, r.request_ts)
@@ -179,7 +180,7 @@ def test_what_fits_no_bucket_or_no_pool_runs_the_eager_path() -> None:
 def test_new_weights_build_new_runners() -> None:
     model = _model(torch.float32, 7)
     requests = _requests(model, [(20, 12, 4)], seed=6)
-    relay = model.use_graph_relay(True, pool_tokens=512, block_tokens=BLOCK)
+    relay = model.use_graph_relay(True, pool_tokens=POOL, block_tokens=BLOCK)
     try:
         model.rank_users(requests)
         (old,) = relay.runners.values()

@@ -13,11 +13,14 @@ candidate sees another), a padded user is a user of its own.
 Primitives:
 - ``RelayBucket``; ``bucket_for(users, suffix, candidates, prefix_tokens, block_tokens)``: the
   smallest bucket on the grids (``BUCKET_USERS``, ``BUCKET_SUFFIX``, ``BUCKET_CANDIDATES``, prefix
-  blocks a power of two), or ``None``.
+  blocks a power of two), or ``None``; ``pool_tokens_for(prefix_tokens, users)``: a pool that
+  holds them and a bucket's reserved rows.
 - ``GraphUser``: one user of a bucketed forward (its page table, new events, candidates, time).
 - ``BucketRunner``: a bucket's static buffers, ``load(users)`` (the host's inputs in two copies),
   ``forward()`` (the layers of ``inference.LayerPass``; no host sync, no shape that depends on the
-  data), ``capture()`` (CUDA only), ``run()`` (replay or eager) and ``results(users)``.
+  data), ``capture()`` (CUDA only), ``run()`` (replay or eager), ``results(users)`` and ``close()``.
+  Its new tokens' keys and values go to rows it reserves in the pool, so that per layer one gather
+  reads every user's prefix and new keys together.
 - ``GraphRelay``: the policy: which prefixes enter the pool, which bucket a call takes, one runner
   per bucket (captured when ``capture``), and ``None`` (the caller's eager path) for what fits no
   bucket or no pool.
@@ -78,6 +81,15 @@ def bucket_for(
     return RelayBucket(b, s, c, 1 << (blocks - 1).bit_length())
 
 
+def pool_tokens_for(prefix_tokens: int, users: int = 1, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> int:
+    """Pool tokens that hold ``users`` prefixes of ``prefix_tokens`` and the rows any bucket of
+    that many users reserves for its new tokens (at most ``BUCKET_SUFFIX[-1] + BUCKET_CANDIDATES[-1]``
+    per user)."""
+    per_user = -(-prefix_tokens // block_tokens) * block_tokens
+    reserved = -(-users * (BUCKET_SUFFIX[-1] + BUCKET_CANDIDATES[-1]) // block_tokens) * block_tokens
+    return max(1, users * per_user + reserved)
+
+
 @dataclass(frozen=True)
 class GraphUser:
     table: PageTable
@@ -128,21 +140,17 @@ class BucketRunner(LayerPass):
             (slot // bt).to(dev),
             (slot % bt).to(dev),
         )
-        heads, dqk, dv, layers = cfg.heads, cfg.attn_dim, cfg.linear_dim, cfg.layers
+        heads, dqk, dv = cfg.heads, cfg.attn_dim, cfg.linear_dim
         keys = slots + rows
         self.k_pos = torch.zeros(users * keys, dtype=i64, device=dev)
         self.k_ts = torch.zeros(users * keys, dtype=f64, device=dev)
-        self.pre_ts = torch.zeros(users * slots, dtype=f64, device=dev)
-        self.pre_k = torch.zeros(users * slots, heads, dqk, dtype=dt, device=dev)
-        self.pre_v = torch.zeros(users * slots, heads, dv, dtype=dt, device=dev)
         self.k_buf = torch.zeros(users * keys, heads, dqk, dtype=dt, device=dev)
         self.v_buf = torch.zeros(users * keys, heads, dv, dtype=dt, device=dev)
-        self.new_k = torch.zeros(layers, users * rows, heads, dqk, dtype=dt, device=dev)
-        self.new_v = torch.zeros(layers, users * rows, heads, dv, dtype=dt, device=dev)
         self.gate = torch.zeros(users * rows, sv.splits[0] + 1, dtype=dt, device=dev)
         self.gate[:, -1] = 1.0  # the output projection's bias row
         self.score_buf = torch.zeros(users * bucket.candidates, dtype=torch.float32, device=dev)
-        self.gather = torch.zeros(users * slots, dtype=i64, device=dev)
+        # Every key's pool row: a user's prefix slots, then its own rows (``own_rows``).
+        self.gather = torch.zeros(users * keys, dtype=i64, device=dev)
         batch = JaggedBatch(
             q_offsets=(torch.arange(users + 1) * rows).to(dev),
             k_offsets=(torch.arange(users + 1) * keys).to(dev),
@@ -155,12 +163,20 @@ class BucketRunner(LayerPass):
         )
         super().__init__(model, _StaticPlan(batch, batch), sv)  # type: ignore[arg-type]
         self.graph: torch.cuda.CUDAGraph | None = None
+        # Pool rows of the bucket's new tokens, written each layer: one gather reads a user's
+        # prefix and its new keys together, and the layers' new keys stay there for ``results``.
+        self.own_key = ("bucket", bucket)
+        self.own_rows = torch.from_numpy(pool.reserve(self.own_key, users * rows).rows(users * rows)).to(dev)
+
+    def close(self) -> None:
+        """Gives the pool back the rows of the bucket's new tokens."""
+        self.pool.release(self.own_key)
 
     def static_buffers(self) -> list[torch.Tensor]:
         """Every buffer a forward reads or writes (the same ones, at the same addresses, each run)."""
         return [
-            *(self.ints, self.q_ts, self.k_pos, self.k_ts, self.pre_ts, self.pre_k, self.pre_v),
-            *(self.k_buf, self.v_buf, self.new_k, self.new_v, self.gate, self.score_buf, self.gather),
+            *(self.ints, self.q_ts, self.k_pos, self.k_ts, self.k_buf, self.v_buf),
+            *(self.gate, self.score_buf, self.gather, self.own_rows),
         ]
 
     def load(self, users: list[GraphUser]) -> None:
@@ -197,41 +213,32 @@ class BucketRunner(LayerPass):
         self.q_ts.copy_(torch.from_numpy(q_ts.reshape(-1)), non_blocking=True)
 
     def _kv(self, li: int, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every user's keys and values: its prefix slots gathered from the pool, then its rows."""
-        users, rows, slots = self.bucket.users, self.rows, self.slots
-        for new, kept, pool, pre, out in (
-            (k_new, self.new_k[li], self.pool.keys[li], self.pre_k, self.k_buf),
-            (v_new, self.new_v[li], self.pool.values[li], self.pre_v, self.v_buf),
+        """Every user's keys and values, gathered from the pool: its prefix slots, then its rows
+        (the new ones written to the bucket's own rows first)."""
+        for new, pool, out in (
+            (k_new, self.pool.keys[li], self.k_buf),
+            (v_new, self.pool.values[li], self.v_buf),
         ):
-            kept.copy_(new)
-            torch.index_select(pool, 0, self.gather, out=pre)
-            shape = pre.shape[1:]
-            torch.cat(
-                [pre.view(users, slots, *shape), kept.view(users, rows, *shape)],
-                dim=1,
-                out=out.view(users, slots + rows, *shape),
-            )
+            pool.index_copy_(0, self.own_rows, new)
+            torch.index_select(pool, 0, self.gather, out=out)
         return self.k_buf, self.v_buf
 
     def forward(self) -> None:
         """The bucket's forward on the static buffers: scores into ``score_buf``, every layer's new
-        keys and values into ``new_k`` / ``new_v``."""
-        users, rows, slots = self.bucket.users, self.rows, self.slots
+        keys and values into the pool's ``own_rows``."""
+        users, rows = self.bucket.users, self.rows
         self.plan.batch.scratch.clear()  # what the kernels derive from positions: derived again
         self.new_kv = []
         length = self.prefix_len[:, None]
         in_pool = self.block_table.view(users, -1).index_select(1, self.slot_block)
         in_pool = in_pool.mul_(self.pool.block_tokens).add_(self.slot_offset)
         # Slots past a prefix's length read the zero block (a last block's tail may be stale).
-        torch.where(self.slot_index < length, in_pool, self.slot_offset, out=self.gather.view(users, slots))
+        prefix_rows = torch.where(self.slot_index < length, in_pool, self.slot_offset)
+        torch.cat([prefix_rows, self.own_rows.view(users, rows)], dim=1, out=self.gather.view(users, -1))
         pre_pos = torch.minimum(self.slot_index, length)
         torch.cat([pre_pos, self.q_pos.view(users, rows)], dim=1, out=self.k_pos.view(users, -1))
-        torch.index_select(self.pool.timestamps, 0, self.gather, out=self.pre_ts)
-        torch.cat(
-            [self.pre_ts.view(users, slots), self.q_ts.view(users, rows)],
-            dim=1,
-            out=self.k_ts.view(users, -1),
-        )
+        self.pool.timestamps.index_copy_(0, self.own_rows, self.q_ts)
+        torch.index_select(self.pool.timestamps, 0, self.gather, out=self.k_ts)
         x = x0 = F.embedding_bag(self.bags, self.sv.tokens, self.starts, mode="sum")
         for li in range(len(self.sv.layers)):
             x = self._layer(li, x, self.gate)
@@ -262,16 +269,19 @@ class BucketRunner(LayerPass):
 
     def results(self, users: list[GraphUser], keep_kv: bool = True) -> list[tuple[torch.Tensor, NewKV]]:
         """Per user, its scores (float32, CPU; the one read of the device) and, with ``keep_kv``,
-        each layer's keys and values of its events (copied out of the static buffers)."""
+        each layer's keys and values of its events (copied out of the pool's ``own_rows``)."""
         scores = self.score_buf.view(self.bucket.users, -1).to("cpu", copy=True)  # a copy on a CPU too
-        ks = self.new_k.clone() if keep_kv else None
-        vs = self.new_v.clone() if keep_kv else None
+        kv: NewKV = []
+        if keep_kv:
+            kv = [
+                (k.index_select(0, self.own_rows), v.index_select(0, self.own_rows))
+                for k, v in zip(self.pool.keys, self.pool.values, strict=True)
+            ]
         out = []
         for u, user in enumerate(users):
             a = u * self.rows
             b = a + len(user.events)
-            kv = [(ks[li, a:b], vs[li, a:b]) for li in range(ks.shape[0])] if ks is not None else []
-            out.append((scores[u, : len(user.candidates)], kv))
+            out.append((scores[u, : len(user.candidates)], [(k[a:b], v[a:b]) for k, v in kv]))
         return out
 
 
@@ -354,14 +364,15 @@ class GraphRelay:
 
     def _runner(self, model: RelayInference, sv: Serving, bucket: RelayBucket) -> BucketRunner:
         if sv.key != self._weights:  # new weights: graphs hold the old ones' addresses
-            self.runners.clear()
+            while self.runners:
+                self.runners.popitem()[1].close()
             self._weights = sv.key
         runner = self.runners.get(bucket)
         if runner is not None:
             self.runners.move_to_end(bucket)
             return runner
         while len(self.runners) >= self.max_buckets:
-            self.runners.popitem(last=False)
+            self.runners.popitem(last=False)[1].close()
         runner = BucketRunner(model, sv, self.pool, bucket)
         if self.capture:
             try:

@@ -11,6 +11,11 @@ Primitives (methods of ``HSTURanker``, through ``RelayInference``; all under
   prefix, the new events computed once; ``rank_users``: several users' rankings in one forward;
   ``rank_full``: the no-cache baseline, the same code.
 - ``UserRanking``: one user's request to ``rank_users``.
+- ``graph_relay``: when set (``HSTURanker.use_graph_relay``), ``rank``, ``rank_and_extend`` and
+  ``rank_users`` run as a bucketed static forward over a paged device prefix pool
+  (``graph_runner.GraphRelay``: a CUDA graph's replay on CUDA), falling back to the forward below
+  for what fits no bucket; ``LayerPass`` is the per-layer forward both run; ``serving()`` what
+  it reads of the weights.
 
 How a call runs: the users, their cached prefixes, new events and candidates are planned into one
 jagged batch (``jagged.ForwardPlan``); the forward then loops over the layers only, and each

@@ -17,7 +17,9 @@ Primitives:
   ``rank_users``, ``rank_full``) lives in ``inference`` (``RelayInference``, over the one
   attention interface ``kernels.hstu_mha``); the dense path that training
   differentiates, and the oracle of serving, in ``dense``. Here: the modules, ``model_version``,
-  ``item_embeddings``, ``flops`` (what one call computes) and the checkpoint, ``save`` / ``load``.
+  ``item_embeddings``, ``flops`` (what one call computes), ``use_graph_relay`` (relay rankings
+  replayed from CUDA graphs over a paged prefix pool, ``graph_runner``) and the checkpoint,
+  ``save`` / ``load``.
 
 Relay exactness: every history token's keys and values depend only on the tokens before it
 (causal), the bias depends only on absolute positions and timestamps of the pair, ``N`` is a

@@ -12,7 +12,9 @@ Primitives:
 - ``admit(key, prefix)``: the prefix's page table, copying its keys, values and timestamps into
   free blocks the first time (least recently used entries that are not pinned make room; a prefix
   larger than the whole pool is a ``ValueError``, a pool whose entries are all pinned a
-  ``PoolFull``); ``lookup(key)``, ``release(key)``, ``pinned(keys)``, ``counters()``.
+  ``PoolFull``); ``reserve(key, tokens)``: blocks that their holder writes itself (a bucket's new
+  tokens, so that one gather reads a user's prefix and new keys together), never evicted;
+  ``lookup(key)``, ``release(key)``, ``pinned(keys)``, ``counters()``.
 
 The pool is a data structure only: which prefixes to admit, and when, is its caller's policy
 (``graph_runner.GraphRelay``).
@@ -88,6 +90,7 @@ class PagedPrefixPool:
         self._free = list(range(num_blocks - 1, ZERO_BLOCK, -1))  # pop() hands out low ids first
         self._entries: OrderedDict[Hashable, PageTable] = OrderedDict()  # least recently used first
         self._pins: dict[Hashable, int] = {}
+        self._reserved: dict[Hashable, PageTable] = {}  # ``reserve``: never evicted
         self.hits = self.admitted = self.evicted = 0
 
     @property
@@ -119,15 +122,9 @@ class PagedPrefixPool:
             self.hits += 1
             return table
         self._check(prefix)
-        need = -(-prefix.length // self.block_tokens)
-        if need > self.num_blocks - 1:
-            raise ValueError(
-                f"a prefix of {prefix.length} tokens can never fit a pool of {self.capacity_tokens} tokens"
-            )
-        while len(self._free) < need:
-            self._evict_one()
-        blocks = tuple(self._free.pop() for _ in range(need))
-        table = PageTable(prefix.length, blocks, self.block_tokens)
+        if key in self._reserved:
+            raise ValueError(f"{key!r} is a reservation")
+        table = PageTable(prefix.length, self._allocate(prefix.length), self.block_tokens)
         if prefix.length:
             rows = torch.from_numpy(table.rows(prefix.length)).to(self.device)
             for li in range(len(self.keys)):  # prefix keys are [H, n, d]; the pool's rows [n, H, d]
@@ -138,15 +135,36 @@ class PagedPrefixPool:
         self.admitted += 1
         return table
 
+    def reserve(self, key: Hashable, tokens: int) -> PageTable:
+        """Blocks for ``tokens`` rows that their holder writes itself (a forward's new tokens), never
+        evicted, until ``release(key)``; ``key``'s reservation if it has one."""
+        if key in self._reserved:
+            return self._reserved[key]
+        if key in self._entries:
+            raise ValueError(f"{key!r} already holds a prefix")
+        table = PageTable(tokens, self._allocate(tokens), self.block_tokens)
+        self._reserved[key] = table
+        return table
+
     def release(self, key: Hashable) -> bool:
-        """Frees ``key``'s blocks (unless pinned: ``ValueError``); whether it was there."""
+        """Frees ``key``'s blocks, a prefix's (unless pinned: ``ValueError``) or a reservation's;
+        whether it was there."""
         if self._pins.get(key):
             raise ValueError(f"prefix {key!r} is pinned: it cannot be released")
-        table = self._entries.pop(key, None)
+        table = self._entries.pop(key, None) or self._reserved.pop(key, None)
         if table is None:
             return False
         self._free.extend(reversed(table.blocks))
         return True
+
+    def _allocate(self, tokens: int) -> tuple[int, ...]:
+        """Free blocks for ``tokens`` rows, evicting as needed (see ``admit``)."""
+        need = -(-tokens // self.block_tokens)
+        if need > self.num_blocks - 1:
+            raise ValueError(f"{tokens} tokens can never fit a pool of {self.capacity_tokens} tokens")
+        while len(self._free) < need:
+            self._evict_one()
+        return tuple(self._free.pop() for _ in range(need))
 
     @contextlib.contextmanager
     def pinned(self, keys: Iterable[Hashable]) -> Iterator[None]:
@@ -167,6 +185,7 @@ class PagedPrefixPool:
             "entries": len(self._entries),
             "blocks_used": self.num_blocks - 1 - len(self._free),
             "blocks_free": len(self._free),
+            "blocks_reserved": sum(len(t.blocks) for t in self._reserved.values()),
             "hits": self.hits,
             "admitted": self.admitted,
             "evicted": self.evicted,
