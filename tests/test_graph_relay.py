@@ -251,6 +251,33 @@ def test_the_pool_evicts_the_least_recently_used_prefix_that_is_not_pinned() -> 
     assert pool.release("a") and not pool.release("a") and pool.free_blocks == 2
 
 
+def test_a_reservation_evicts_prefixes_but_is_never_evicted_itself() -> None:
+    model, pool = model32(), _pool(num_blocks=5)  # 4 blocks of 8
+    pool.admit("a", model.prefill(history(16, 1)))
+    rows = pool.reserve("bucket", 20)  # 3 blocks: evicts "a"
+    assert "a" not in pool and len(rows.blocks) == 3 and pool.counters()["blocks_reserved"] == 3
+    assert pool.reserve("bucket", 20) is rows
+    pool.admit("b", model.prefill(history(8, 2)))
+    with pool.pinned(["b"]), pytest.raises(PoolFull):  # only the reservation could make room
+        pool.admit("c", model.prefill(history(8, 3)))
+    with pytest.raises(ValueError, match="reservation"):
+        pool.admit("bucket", model.prefill(history(8, 3)))
+    assert pool.release("bucket") and pool.free_blocks == 3
+
+
+def test_a_dropped_bucket_gives_its_rows_back() -> None:
+    model = model32()
+    relay = GraphRelay(model, pool_tokens=POOL, block_tokens=BLOCK, max_buckets=1)
+    model.graph_relay = relay
+    try:
+        model.rank_users(_requests(model, [(20, 12, 4)], seed=1))
+        model.rank_users(_requests(model, [(20, 12, 40)], seed=1))  # another bucket: the first goes
+        assert len(relay.runners) == 1
+        assert relay.pool.counters()["blocks_reserved"] == (16 + 128) // BLOCK
+    finally:
+        model.use_graph_relay(False)
+
+
 def test_the_pool_refuses_bad_input() -> None:
     with pytest.raises(ValueError, match="two blocks"):
         PagedPrefixPool(2, 2, 8, 8, BLOCK, 1, torch.float32, "cpu")
