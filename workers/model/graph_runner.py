@@ -128,7 +128,11 @@ class BucketRunner(LayerPass):
         self.ints = torch.zeros(sum(sizes), dtype=i64, device=dev)
         self.bags, self.q_pos, self.prefix_len, self.block_table, self.cand_items = self.ints.split(sizes)
         self.q_ts = torch.zeros(users * rows, dtype=f64, device=dev)
-        self.starts = torch.arange(0, 2 * users * rows, 2, device=dev)
+        # Host staging of those inputs, page-locked on CUDA so that the copies are asynchronous
+        # (a call reads its scores back before the next one writes here).
+        pin = dev.type == "cuda"
+        self.host_ints = torch.zeros(self.ints.shape, dtype=i64, pin_memory=pin)
+        self.host_ts = torch.zeros(self.q_ts.shape, dtype=f64, pin_memory=pin)
         self.cand_rows = (
             (torch.arange(users)[:, None] * rows + bucket.suffix + torch.arange(bucket.candidates))
             .reshape(-1)
@@ -209,8 +213,10 @@ class BucketRunner(LayerPass):
             tables[u, : len(user.table.blocks)] = user.table.blocks
         bags = np.stack([items, actions + num_items + 1], axis=-1).reshape(-1)
         host = np.concatenate([bags, q_pos.reshape(-1), lengths, tables.reshape(-1), cands.reshape(-1)])
-        self.ints.copy_(torch.from_numpy(host), non_blocking=True)
-        self.q_ts.copy_(torch.from_numpy(q_ts.reshape(-1)), non_blocking=True)
+        self.host_ints.numpy()[:] = host
+        self.host_ts.numpy()[:] = q_ts.reshape(-1)
+        self.ints.copy_(self.host_ints, non_blocking=True)
+        self.q_ts.copy_(self.host_ts, non_blocking=True)
 
     def _kv(self, li: int, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Every user's keys and values, gathered from the pool: its prefix slots, then its rows
@@ -239,7 +245,8 @@ class BucketRunner(LayerPass):
         torch.cat([pre_pos, self.q_pos.view(users, rows)], dim=1, out=self.k_pos.view(users, -1))
         self.pool.timestamps.index_copy_(0, self.own_rows, self.q_ts)
         torch.index_select(self.pool.timestamps, 0, self.gather, out=self.k_ts)
-        x = x0 = F.embedding_bag(self.bags, self.sv.tokens, self.starts, mode="sum")
+        # A token: its item's row plus its action's; two rows each, summed (no offsets to read).
+        x = x0 = F.embedding(self.bags.view(-1, 2), self.sv.tokens).sum(dim=1)
         for li in range(len(self.sv.layers)):
             x = self._layer(li, x, self.gate)
         xc, x0c = x.index_select(0, self.cand_rows), x0.index_select(0, self.cand_rows)
@@ -272,11 +279,13 @@ class BucketRunner(LayerPass):
         each layer's keys and values of its events (copied out of the pool's ``own_rows``)."""
         scores = self.score_buf.view(self.bucket.users, -1).to("cpu", copy=True)  # a copy on a CPU too
         kv: NewKV = []
-        if keep_kv:
-            kv = [
-                (k.index_select(0, self.own_rows), v.index_select(0, self.own_rows))
-                for k, v in zip(self.pool.keys, self.pool.values, strict=True)
-            ]
+        if keep_kv:  # every layer's at once: the pool's layers are one tensor
+            kv = list(
+                zip(
+                    *(t.index_select(1, self.own_rows).unbind(0) for t in self.pool.layer_stores()),
+                    strict=True,
+                )
+            )
         out = []
         for u, user in enumerate(users):
             a = u * self.rows

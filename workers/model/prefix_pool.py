@@ -3,8 +3,9 @@ ranking reads its users' keys and values from.
 
 Primitives:
 - ``PagedPrefixPool(layers, heads, d_qk, d_v, block_tokens, num_blocks, dtype, device)``: per
-  layer one key and one value tensor ``[num_blocks * block_tokens, H, d]`` and one timestamp row
-  per token, allocated once. Block 0 holds zeros and is never handed out: a padded key reads it,
+  layer one key and one value tensor ``[num_blocks * block_tokens, H, d]`` (views of one
+  ``[layers, ...]`` tensor each, ``layer_stores()``) and one timestamp row per token, allocated
+  once. Block 0 holds zeros and is never handed out: a padded key reads it,
   and a zero key and value add exactly nothing to HSTU attention (no softmax).
 - ``PageTable``: where one admitted prefix lies: its length and its blocks, in order;
   ``rows(capacity)`` the pool row of each of ``capacity`` key slots (past the length: the zero
@@ -84,14 +85,20 @@ class PagedPrefixPool:
         rows = num_blocks * block_tokens
         self.block_tokens, self.num_blocks, self.dtype = block_tokens, num_blocks, dtype
         self.device = torch.device(device)
-        self.keys = [torch.zeros(rows, heads, d_qk, dtype=dtype, device=self.device) for _ in range(layers)]
-        self.values = [torch.zeros(rows, heads, d_v, dtype=dtype, device=self.device) for _ in range(layers)]
+        # Every layer in one tensor (one gather reads a row of each); ``keys[li]`` are views of it.
+        self._key_store = torch.zeros(layers, rows, heads, d_qk, dtype=dtype, device=self.device)
+        self._value_store = torch.zeros(layers, rows, heads, d_v, dtype=dtype, device=self.device)
+        self.keys, self.values = list(self._key_store.unbind(0)), list(self._value_store.unbind(0))
         self.timestamps = torch.zeros(rows, dtype=torch.float64, device=self.device)
         self._free = list(range(num_blocks - 1, ZERO_BLOCK, -1))  # pop() hands out low ids first
         self._entries: OrderedDict[Hashable, PageTable] = OrderedDict()  # least recently used first
         self._pins: dict[Hashable, int] = {}
         self._reserved: dict[Hashable, PageTable] = {}  # ``reserve``: never evicted
         self.hits = self.admitted = self.evicted = 0
+
+    def layer_stores(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of every layer, ``[layers, rows, H, d]`` (``keys[li]`` is a view)."""
+        return self._key_store, self._value_store
 
     @property
     def capacity_tokens(self) -> int:
