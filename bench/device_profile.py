@@ -246,7 +246,7 @@ def profile_graphed(model: HSTURanker, relay: Callable[[], object], cached: int,
     except Exception as e:  # the eager rows stand; this one says why it has no numbers
         row["graph_error"] = f"{type(e).__name__}: {e}"[:500]
     finally:
-        model.use_graph_relay(False)
+        model.graph_relay = None  # off again, whatever failed
     print(json.dumps(row), flush=True)
     return row
 

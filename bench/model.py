@@ -269,7 +269,7 @@ def graphed_columns(
     except Exception as e:  # a failure here must not cost the eager columns
         out["graph_error"] = f"{type(e).__name__}: {e}"[:500]
     finally:
-        model.use_graph_relay(False)
+        model.graph_relay = None  # off again, whatever failed
     return out
 
 

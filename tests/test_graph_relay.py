@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from relaygr.bench.launches import count_graphed, on_meta
-from relaygr.workers.model.graph_runner import GraphRelay, RelayBucket, bucket_for
+from relaygr.workers.model.graph_runner import BucketRunner, GraphRelay, RelayBucket, bucket_for
 from relaygr.workers.model.inference import UserRanking
 from relaygr.workers.model.model import HSTUConfig, HSTURanker
 from relaygr.workers.model.prefix_pool import ZERO_BLOCK, PagedPrefixPool, PageTable, PoolFull
@@ -366,3 +367,52 @@ async def test_a_relay_engine_with_cuda_graphs_ranks_waiting_users_through_a_buc
     for e in (eager, graphed):
         e.scheduler.close()
     model.use_graph_relay(False)
+
+
+# ------------------------------------------------------------------------- a capture that fails
+def test_a_failed_capture_is_reported_once_and_every_bucket_runs_eagerly(monkeypatch, caplog) -> None:
+    model = model32()
+    relay = GraphRelay(model, pool_tokens=POOL, block_tokens=BLOCK)
+    relay.capture = True  # as on CUDA; the capture itself fails as a broken one would
+
+    def broken(self, pool=None) -> None:
+        self.forward()  # half way: a warm-up ran
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(BucketRunner, "capture", broken)
+    model.graph_relay = relay
+    try:
+        with caplog.at_level(logging.WARNING, logger="relaygr.workers.model.graph_runner"):
+            first = _requests(model, [(20, 12, 4), (30, 5, 9)], seed=8)
+            other = _requests(model, [(90, 10, 3)], seed=9)  # another bucket: no second capture
+            got_first, got_other = model.rank_users(first), model.rank_users(other)
+    finally:
+        model.use_graph_relay(False)
+    assert relay.graph_error == "RuntimeError: operation not permitted when stream is capturing"
+    assert not relay.capture and all(r.graph is None for r in relay.runners.values())
+    assert len(relay.runners) == 2 and relay.counters()["graphed_rankings"] == 2
+    assert [r.levelname for r in caplog.records] == ["WARNING"]
+    _assert_same(got_first, first, model, RTOL32)
+    _assert_same(got_other, other, model, RTOL32)
+
+
+def test_bench_model_reports_a_graph_failure_and_keeps_its_eager_columns(monkeypatch) -> None:
+    import argparse
+
+    from relaygr.bench.model import graphed_columns
+
+    model = _model(torch.float32, 3)
+    (r,) = _requests(model, [(40, 30, 5)], seed=1)
+    eager = model.rank(r.prefix, r.history.slice(30), r.candidates, r.request_ts)
+    args = argparse.Namespace(repeats=2)
+    ok = graphed_columns(model, (r.prefix, r.history.slice(30), r.candidates, r.request_ts), eager, args)
+    assert ok["graph_error"] is None and ok["graphed_rankings"] == 3 and ok["relay_graphed_ms_p50"] > 0
+    assert ok["graphed_max_abs_diff"] <= 1e-5 and model.graph_relay is None
+
+    def broken(*a, **kw):
+        raise RuntimeError("CUDA error: out of memory")
+
+    monkeypatch.setattr(model, "use_graph_relay", broken)
+    bad = graphed_columns(model, (r.prefix, r.history.slice(30), r.candidates, r.request_ts), eager, args)
+    assert bad["graph_error"] == "RuntimeError: CUDA error: out of memory"
+    assert bad["relay_graphed_ms_p50"] is None and model.graph_relay is None
