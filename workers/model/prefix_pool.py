@@ -134,9 +134,9 @@ class PagedPrefixPool:
         table = PageTable(prefix.length, self._allocate(prefix.length), self.block_tokens)
         if prefix.length:
             rows = torch.from_numpy(table.rows(prefix.length)).to(self.device)
-            for li in range(len(self.keys)):  # prefix keys are [H, n, d]; the pool's rows [n, H, d]
-                self.keys[li].index_copy_(0, rows, prefix.keys[li].transpose(0, 1).to(self.device))
-                self.values[li].index_copy_(0, rows, prefix.values[li].transpose(0, 1).to(self.device))
+            # Every layer in one copy each: prefix keys are [H, n, d] per layer, pool rows [n, H, d].
+            for store, layers in ((self._key_store, prefix.keys), (self._value_store, prefix.values)):
+                store.index_copy_(1, rows, torch.stack(layers).to(self.device).transpose(1, 2))
             self.timestamps.index_copy_(0, rows, prefix.timestamps.to(self.device, torch.float64))
         self._entries[key] = table
         self.admitted += 1
