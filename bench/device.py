@@ -298,7 +298,11 @@ def plan_steps(args: argparse.Namespace, work: Path) -> list[Step]:
         Step(
             "exactness",
             budget_s("exactness", args),
-            [_bench_model(args, sizes, sizes["exactness_lengths"], "1", "--dtype", "float32,bfloat16")],
+            [
+                _bench_model(
+                    args, sizes, sizes["exactness_lengths"], "1", "--dtype", "float32,bfloat16", "--no-graphs"
+                )
+            ],
             model_needs,
         ),
         Step("model", budget_s("model", args), _model_commands(args, sizes), model_needs, independent=True),

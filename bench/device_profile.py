@@ -4,7 +4,10 @@ For each history length (``--lengths``, default 2k and 8k events) the model rank
 request both ways, through its public methods only (``prefill``, ``rank``, ``rank_full``):
 
 - ``relay``: the suffix and the candidates against the cached prefix;
-- ``full``: the whole history and the candidates.
+- ``full``: the whole history and the candidates;
+- ``relay_graphed``: the relay ranking in a bucketed static forward over the paged prefix pool
+  (``HSTURanker.use_graph_relay``), replayed from a CUDA graph on CUDA (``graph_error`` when the
+  capture failed: it then ran eagerly).
 
 Each ranking runs once under ``torch.profiler`` (after warm-up calls) and its line gives the
 kernels it launched, the device's busy time (the union of its kernels' intervals) against the wall
@@ -18,7 +21,7 @@ there are no kernels: the top-level operators stand in for them and the graph is
 One JSON line per path and length (``"bench": "profile"``).
 
 Primitives: ``FloorTransformer``, ``profile_call(fn, device) -> dict``, ``floor_times``,
-``profile_rows``.
+``profile_graphed``, ``profile_rows``.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from torch import nn
 
 from relaygr.bench.model import synthetic_history
 from relaygr.workers.model.devices import resolve_dtype, synchronize
+from relaygr.workers.model.graph_runner import pool_tokens_for
 from relaygr.workers.model.model import HSTURanker
 from relaygr.workers.model.presets import preset
 
@@ -215,7 +219,36 @@ def _profile_length(
         row |= floor_times(floor, queries, cached, device, dtype, args.repeats)
         print(json.dumps(row), flush=True)
         rows.append(row)
+    rows.append(profile_graphed(model, relay, p, {k: rows[0][k] for k in GRAPHED_COMMON}, args))
     return rows
+
+
+GRAPHED_COMMON = ("bench", "length", "preset", "layers", "dim", "heads", "dtype", "device")
+
+
+def profile_graphed(model: HSTURanker, relay: Callable[[], object], cached: int, common: dict, args) -> dict:
+    """The relay ranking again, in a bucketed forward over the paged prefix pool
+    (``use_graph_relay``: replayed from a CUDA graph on CUDA): ``path`` ``relay_graphed``. A capture
+    that fails leaves its ``graph_error`` (the ranking then ran eagerly); any other failure too,
+    without failing the step."""
+    row = {**common, "path": "relay_graphed", "graph_error": None}
+    try:
+        graphs = model.use_graph_relay(True, pool_tokens=pool_tokens_for(cached))
+        assert graphs is not None
+        for _ in range(max(1, args.warmup)):  # the first one captures
+            relay()
+        row |= {
+            "ranking_ms_p50": _median_ms(relay, model.device, args.repeats),
+            **profile_call(relay, model.device),
+        }
+        row |= {"graph_captured": graphs.capture, "graph_error": graphs.graph_error}
+        row |= {"graphed_rankings": graphs.counters()["graphed_rankings"]}
+    except Exception as e:  # the eager rows stand; this one says why it has no numbers
+        row["graph_error"] = f"{type(e).__name__}: {e}"[:500]
+    finally:
+        model.graph_relay = None  # off again, whatever failed
+    print(json.dumps(row), flush=True)
+    return row
 
 
 def profile_rows(args: argparse.Namespace) -> tuple[list[dict], int]:

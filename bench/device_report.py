@@ -60,8 +60,8 @@ def _exactness(rows: list[dict]) -> dict:
 
 
 MODEL_FIELDS = (
-    "preset", "dtype", "prefix_len", "relay_ms_p50", "relay_ms_p99", "full_ms_p50", "full_ms_p99", "speedup",
-    "flop_bound", "speedup_of_flop_bound", "relay_tokens_per_s", "full_tokens_per_s", "kv_bytes_per_layer",
+    "preset", "dtype", "prefix_len", "relay_ms_p50", "relay_ms_p99", "relay_graphed_ms_p50", "graph_captured",
+    "full_ms_p50", "full_ms_p99", "speedup", "flop_bound", "speedup_of_flop_bound", "relay_tokens_per_s", "full_tokens_per_s", "kv_bytes_per_layer",
 )  # fmt: skip
 
 
@@ -85,6 +85,8 @@ def _model(rows: list[dict]) -> dict:
             }
             for b in budgets
         ],
+        # A bucketed relay ranking whose CUDA graph capture failed (it ran eagerly): why.
+        "graph_errors": sorted({r["graph_error"] for r in ranks if r.get("graph_error")}),
         "worst_speedup_of_flop_bound_from_8k": min(long) if long else None,
         "xl_speedup_of_flop_bound": [r["speedup_of_flop_bound"] for r in ranks if r.get("preset") == XL],
         # None: not measured (no length of 8k or more; no length that fits the budget on both paths).
@@ -190,7 +192,8 @@ def _profile(rows: list[dict]) -> dict:
             f"{r['path']} @ {r['length']}: the floor's CUDA graph: {r['floor_graph_error']}"
             for r in prof
             if r.get("floor_graph_error")
-        ],
+        ]
+        + [f"{r['path']} @ {r['length']}: {r['graph_error']}" for r in prof if r.get("graph_error")],
     }
 
 
@@ -278,6 +281,7 @@ def _step_md(step: dict) -> list[str]:
             f"(target ≥ {TARGETS['speedup_of_flop_bound_from_8k']}: {fmt(s['meets_flop_bound_target'])}); "
             f"history ratio within the budget ≥ {TARGETS['budget_history_ratio']:g}: "
             f"{fmt(s['meets_budget_ratio_target'])}",
+            *(f"- relay_graphed: the CUDA graph was not captured: {e}" for e in s.get("graph_errors", [])),
         ]
     if name == "store" and s.get("rows"):
         head = list(s["rows"][0])

@@ -7,13 +7,16 @@ runs, dispatching the same operations as on a CPU, but no tensor is computed or 
 32k-event full ranking counts on a laptop. Copies between the host and the device (the request's
 ids, positions and timestamps in, the scores out) are transfers, not kernels, and are not counted. One JSON line per model shape and history length: ``relay_ops`` (a
 cached prefix of ``events - suffix`` events, the suffix and the candidates) and ``full_ops`` (the
-whole history and the candidates), their limits, and the counts per layer.
+whole history and the candidates), ``relay_graphed_ops`` (the bucketed relay forward that a CUDA
+graph captures: one launch when replayed), their limits, and the counts per layer.
 
 Primitives:
 - ``DispatchCounter``: a ``TorchDispatchMode`` that counts operations by name (``counts``, ``total``);
   the scores' copy off the meta device comes back as an empty host tensor.
 - ``count_ranking(model, events, suffix, candidates, path)``: the counter after one ranking of a
   synthetic history (``path`` ``relay`` or ``full``).
+- ``count_graphed(model, events, suffix, candidates, users)``: the counter of one bucketed relay
+  forward (``graph_runner.BucketRunner``), what a CUDA graph captures.
 - ``relay_limit(layers)``, ``full_limit(layers)``: the bounds the suite holds the counts to.
 - ``add_arguments`` / ``run``.
 """
@@ -27,7 +30,9 @@ import json
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from relaygr.workers.model.graph_runner import DEFAULT_BLOCK_TOKENS, BucketRunner, bucket_for, pool_tokens_for
 from relaygr.workers.model.model import HSTURanker
+from relaygr.workers.model.prefix_pool import PagedPrefixPool
 from relaygr.workers.model.presets import PRESETS, preset
 from relaygr.workers.prefix_kv import Events, PrefixKV
 
@@ -55,11 +60,13 @@ class DispatchCounter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.counts: collections.Counter[str] = collections.Counter()
+        self.transfers = 0  # copies between the host and the device
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         copy = func.overloadpacket in (_aten._to_copy, _aten.to)
         if copy and _transfer(args, kwargs):
+            self.transfers += 1
             if args[0].device.type == "meta":  # the scores out: nothing to copy
                 return torch.zeros(args[0].shape, dtype=kwargs.get("dtype") or args[0].dtype)
             return func(*args, **kwargs)
@@ -146,6 +153,32 @@ def count_ranking(model: HSTURanker, events: int, suffix: int, candidates: int, 
     return counter
 
 
+def count_graphed(
+    model: HSTURanker, events: int, suffix: int, candidates: int, users: int = 1
+) -> DispatchCounter:
+    """The operations of one bucketed relay forward (``graph_runner.BucketRunner.forward``, what
+    a CUDA graph captures) for ``users`` users of ``events - suffix`` cached events, ``suffix`` new
+    ones and ``candidates``, ``model`` on the meta device: the request's inputs are written before
+    it and the scores read after it, so it has no transfer at all."""
+    if model.device.type != "meta":
+        raise ValueError("count_graphed needs a model on the meta device (on_meta)")
+    cfg = model.config
+    bucket = bucket_for(users, suffix, candidates, events - suffix, DEFAULT_BLOCK_TOKENS)
+    if bucket is None:
+        raise ValueError(f"{users} users of {suffix} events and {candidates} candidates fit no bucket")
+    blocks = pool_tokens_for(events - suffix, users) // DEFAULT_BLOCK_TOKENS + 1
+    pool = PagedPrefixPool(
+        cfg.layers, cfg.heads, cfg.attn_dim, cfg.linear_dim, DEFAULT_BLOCK_TOKENS, blocks, model.dtype, "meta"
+    )
+    runner = BucketRunner(model, model.serving(), pool, bucket)
+    with DispatchCounter():
+        runner.forward()  # once first, as ``count_ranking``
+    counter = DispatchCounter()
+    with counter:
+        runner.forward()
+    return counter
+
+
 def on_meta(model: HSTURanker) -> HSTURanker:
     """``model`` moved to the meta device (its version kept: prefixes are checked against it)."""
     return model.to("meta")
@@ -176,6 +209,7 @@ def run(args: argparse.Namespace) -> int:
         for n in lengths:
             relay = count_ranking(model, n, args.suffix, args.candidates, "relay")
             full = count_ranking(model, n, args.suffix, args.candidates, "full")
+            graphed = count_graphed(model, n, args.suffix, args.candidates)
             row = {
                 "bench": "launches",
                 "preset": shape.name,
@@ -185,6 +219,8 @@ def run(args: argparse.Namespace) -> int:
                 "candidates": args.candidates,
                 "relay_ops": relay.total,
                 "full_ops": full.total,
+                # The bucketed forward a CUDA graph replays as one launch (its operations inside).
+                "relay_graphed_ops": graphed.total,
                 "relay_limit": relay_limit(layers),
                 "full_limit": full_limit(layers),
                 "relay_ops_per_layer": round(relay.total / layers, 2),

@@ -13,7 +13,9 @@ minor page faults of a ranking call (the host heap kept, ``devices.keep_host_pag
 keeps it: a call should fault in next to nothing). A ``rank`` line also gives tokens computed per
 second on each path, the speed-up against its FLOP bound, the KV bytes of the prefix (all layers
 and per layer) and the exactness of relay against full: the worst absolute score difference and
-the top-10 agreement. ``--budget-ms`` adds a ``budget`` line: the largest history each path ranked
+the top-10 agreement, and the same relay ranking in a bucketed static forward over the paged
+prefix pool (``relay_graphed_ms_p50``: replayed from a CUDA graph on CUDA, the same forward eagerly
+elsewhere; ``graph_error`` when a capture failed, which never fails the run). ``--budget-ms`` adds a ``budget`` line: the largest history each path ranked
 within that P99. ``--users N`` adds a ``users`` line per length: N users' relay rankings (each its
 own prefix of that length, suffix and candidates) one ``rank_and_extend`` at a time vs one
 ``rank_users`` forward (the ranking worker's batch), in ms per request. ``--preset`` takes a model shape of ``workers.presets``; ``--dtype`` one or more.
@@ -42,6 +44,7 @@ from relaygr.workers.model.devices import (
     resolve_dtype,
     synchronize,
 )
+from relaygr.workers.model.graph_runner import pool_tokens_for
 from relaygr.workers.model.model import FAR_KEYS, NEAR_KEYS, HSTUConfig, HSTURanker
 from relaygr.workers.model.presets import PRESETS, resolve_shape
 from relaygr.workers.prefix_kv import Events, PrefixKV
@@ -91,6 +94,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--no-graphs",
+        dest="graphs",
+        action="store_false",
+        help="leave out the bucketed relay ranking (relay_graphed_ms: a CUDA graph's replay on CUDA)",
+    )
     parser.add_argument(
         "--users", type=int, default=0, help="also rank this many users one at a time vs batched (0: no)"
     )
@@ -193,6 +202,7 @@ def _rank_row(
         full.append(_timed(lambda: model.rank_full(h, cands, when), device, full_faults))
     r50, r99 = _stats(relay)
     f50, f99 = _stats(full)
+    graphed = graphed_columns(model, (prefix, suffix, cands, when), relay_scores, args) if args.graphs else {}
     rf, ff = model.flops(p, args.suffix, n_cand), model.flops(0, p + args.suffix, n_cand)
     row = {
         "kind": "rank",
@@ -225,8 +235,42 @@ def _rank_row(
         "relay_page_faults_p50": int(np.median(relay_faults)),
         "full_page_faults_p50": int(np.median(full_faults)),
         "repeats": args.repeats,
+        **graphed,
     }
     return row, (h, prefix_events, prefix, roof)
+
+
+def graphed_columns(
+    model: HSTURanker, request: tuple[PrefixKV, Events, torch.Tensor, float], eager: torch.Tensor, args
+) -> dict:
+    """The same relay ranking through ``use_graph_relay`` (a bucketed forward over the paged pool:
+    a CUDA graph's replay on CUDA, the same forward eagerly elsewhere): its milliseconds, its worst
+    difference from the eager relay scores, whether it was captured, and the error of a capture
+    that failed (``graph_error``; the ranking then ran eagerly, and the step goes on)."""
+    prefix, suffix, cands, when = request
+    out: dict = {"relay_graphed_ms_p50": None, "relay_graphed_ms_p99": None, "graph_error": None}
+    try:
+        relay = model.use_graph_relay(True, pool_tokens=pool_tokens_for(prefix.length))
+        assert relay is not None
+        scores = model.rank(prefix, suffix, cands, when)  # the capture, and the exactness check
+        secs = [
+            _timed(lambda: model.rank(prefix, suffix, cands, when), model.device) for _ in range(args.repeats)
+        ]
+        g50, g99 = _stats(secs)
+        counters = relay.counters()
+        out |= {
+            "relay_graphed_ms_p50": round(g50, 3),
+            "relay_graphed_ms_p99": round(g99, 3),
+            "graph_captured": counters["captured"],
+            "graph_error": counters["graph_error"],
+            "graphed_rankings": counters["graphed_rankings"],
+            "graphed_max_abs_diff": float((scores.float() - eager.float()).abs().max()),
+        }
+    except Exception as e:  # a failure here must not cost the eager columns
+        out["graph_error"] = f"{type(e).__name__}: {e}"[:500]
+    finally:
+        model.graph_relay = None  # off again, whatever failed
+    return out
 
 
 def _prefill_extend_rows(model: HSTURanker, p: int, args: argparse.Namespace, reuse: tuple) -> list[dict]:

@@ -106,6 +106,16 @@ class PipelineSettings(BaseSettings):
         description="Relay: how long the device waits for more rankings to batch with the one it "
         "took (0: only those already waiting; on a CPU waiting buys little).",
     )
+    cuda_graphs: bool | None = Field(
+        default=_default(EngineConfig, "cuda_graphs"),
+        description="Relay: rankings as bucketed static forwards over a paged device prefix pool, "
+        "replayed from CUDA graphs (off CUDA: the same forward, eagerly); unset: on for a CUDA model.",
+    )
+    graph_pool_mb: float = Field(
+        default=_default(EngineConfig, "graph_pool_mb"),
+        gt=0,
+        description="Relay with cuda_graphs: device MiB of the paged prefix pool the graphs read.",
+    )
     num_candidates: int = Field(default=128, ge=1, le=2000, description="Candidates retrieval returns.")
     max_rank_candidates: int = Field(default=128, ge=1, le=2000, description="Cap after pre-processing.")
     feature_fetch_ms: float = Field(
@@ -351,6 +361,8 @@ def engine_config(pipeline: PipelineSettings) -> EngineConfig:
         batch_tokens=pipeline.batch_tokens,
         batch_cached_events=pipeline.batch_cached_events,
         batch_wait_ms=pipeline.batch_wait_ms,
+        cuda_graphs=pipeline.cuda_graphs,
+        graph_pool_mb=pipeline.graph_pool_mb,
         slice_ms=pipeline.device_slice_ms,
         truncate_headroom=pipeline.truncate_headroom,
         ingest_slowdown=pipeline.ingest_slowdown,

@@ -65,14 +65,22 @@ def test_the_dry_run_runs_every_step_and_reports_each(kafka_settings, tmp_path: 
     assert len(model["rows"]) == 6 and all(
         r["relay_ms_p50"] > 0 and r["kv_bytes_per_layer"] > 0 for r in model["rows"]
     )
+    # The bucketed relay ranking, eagerly on a CPU (no capture, so no capture error).
+    assert all(r["relay_graphed_ms_p50"] > 0 and r["graph_captured"] is False for r in model["rows"])
+    assert model["graph_errors"] == []
     assert {b["dtype"] for b in model["budget"]} == {"float32", "bfloat16"}
     store = steps["store"]["summary"]["rows"]
     assert [r["length"] for r in store] == [64] and store[0]["recompute_ms"] > 0
     prof = steps["profile"]["summary"]
     assert [(r["length"], r["path"]) for r in prof["rows"]] == [
-        (n, p) for n in (64, 128) for p in ("relay", "full")
+        (n, p) for n in (64, 128) for p in ("relay", "full", "relay_graphed")
     ]
-    assert all(r["kernels"] > 0 and r["floor_eager_ms"] > 0 and r["floor_kernels"] > 0 for r in prof["rows"])
+    assert all(r["kernels"] > 0 and r["ranking_ms_p50"] > 0 for r in prof["rows"])
+    assert all(
+        r["floor_eager_ms"] > 0 and r["floor_kernels"] > 0
+        for r in prof["rows"]
+        if r["path"] != "relay_graphed"
+    )
     assert not prof["errors"]
     pipe = steps["pipeline"]["summary"]
     assert [e["experiment"] for e in pipe["experiments"]] == ["seq-len", "throughput"]

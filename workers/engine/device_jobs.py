@@ -14,6 +14,8 @@ Primitives:
   (its prefix no longer matches its history) gets its own ``RelayItemFailed``; the others rank.
 - ``RelayBatching``: the cross-user pool, its budgets (tokens computed, cached events read) and
   wait, and the batch sizes seen.
+- ``use_relay_graphs(model, config, bytes_per_token)``: a relay engine's rankings in bucketed
+  forwards over a paged device prefix pool, replayed from CUDA graphs (``EngineConfig.cuda_graphs``).
 
 Each times with ``timer`` (monotonic seconds; ``time.perf_counter`` unless a test simulates one).
 """
@@ -131,6 +133,14 @@ class _BurstItem:
 
 
 Ranked = tuple[torch.Tensor, Grow | None] | RelayItemFailed
+
+
+def use_relay_graphs(model: HSTURanker, config: EngineConfig, bytes_per_token: int) -> None:
+    """A relay engine's rankings in bucketed forwards over a paged device pool of
+    ``config.graph_pool_mb`` (``HSTURanker.use_graph_relay``; ``config.cuda_graphs`` unset: on
+    CUDA), replayed from CUDA graphs; a baseline engine's never."""
+    enabled = config.cuda_graphs if config.mode == "relay" else False
+    model.use_graph_relay(enabled, pool_tokens=int(config.graph_pool_mb * 2**20) // bytes_per_token)
 
 
 def _rank_group(model: HSTURanker, items: list[_BurstItem]) -> list[Ranked]:

@@ -3,7 +3,8 @@ defaults (the trigger, the pipeline settings) without loading the model.
 
 Primitives: ``EngineConfig``: mode, ranking budget, pre-inference chunk, lease, truncation,
 suffix retention, burst batching, batching several users' relay rankings (``batch_tokens``,
-``batch_cached_events``, ``batch_wait_ms``), and pre-inference's device share (``prefill_share``).
+``batch_cached_events``, ``batch_wait_ms``), pre-inference's device share (``prefill_share``),
+and relay rankings in bucketed forwards replayed from CUDA graphs (``cuda_graphs``, ``graph_pool_mb``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,21 @@ from relaygr.workers.store.leases import DEFAULT_LEASE_TTL_S
 
 class EngineConfig(BaseModel):
     """How one worker's ranking engine serves; every default of the ranking path lives here."""
+
+    cuda_graphs: bool | None = Field(
+        default=None,
+        description=(
+            "Relay: rankings run as bucketed static forwards (users, suffix, candidates, prefix "
+            "blocks) over a paged device pool of cached prefixes, each bucket captured once as a "
+            "CUDA graph and replayed; off CUDA the same forward runs eagerly. Unset: on for a CUDA "
+            "model, off elsewhere. Shapes outside every bucket take the eager path."
+        ),
+    )
+    graph_pool_mb: float = Field(
+        default=1024.0,
+        gt=0,
+        description="Relay with cuda_graphs: device MiB of the paged prefix pool the graphs read.",
+    )
 
     mode: Literal["relay", "baseline"] = Field(
         default="relay", description="relay: cached prefixes; baseline: full inference, no trigger, no cache."

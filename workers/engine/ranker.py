@@ -57,6 +57,7 @@ from relaygr.workers.engine.device_jobs import (
     run_in_burst,
     run_job,
     run_steps,
+    use_relay_graphs,
 )
 from relaygr.workers.engine.engine_config import EngineConfig
 from relaygr.workers.engine.latency_model import EngineClock, LatencyModel
@@ -109,14 +110,14 @@ class RankingEngine:
     ) -> None:
         if config.mode == "relay" and store is None:
             raise ValueError("relay mode needs a prefix store")
-        self.model = model
-        self.store = store
+        self.model, self.store = model, store
         self.scheduler = scheduler
         self.config = config
         self.clock = clock or EngineClock()  # a test's simulated one: see ``EngineClock``
         self.pacing = DevicePacing(config, latency, self.clock)
         scheduler.reserve(config.prefill_share if config.mode == "relay" else 0.0)
         self.bytes_per_token = kv_bytes_per_token(model)
+        use_relay_graphs(model, config, self.bytes_per_token)
         # Users whose in-flight pre-inference a waiting ranking job has promoted: (priority, deadline).
         self._urgent: dict[str, tuple[Priority, float]] = {}
         self._waiters: dict[str, int] = {}  # rankings waiting for a user's pre-inference

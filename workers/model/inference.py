@@ -11,6 +11,11 @@ Primitives (methods of ``HSTURanker``, through ``RelayInference``; all under
   prefix, the new events computed once; ``rank_users``: several users' rankings in one forward;
   ``rank_full``: the no-cache baseline, the same code.
 - ``UserRanking``: one user's request to ``rank_users``.
+- ``graph_relay``: when set (``HSTURanker.use_graph_relay``), ``rank``, ``rank_and_extend`` and
+  ``rank_users`` run as a bucketed static forward over a paged device prefix pool
+  (``graph_runner.GraphRelay``: a CUDA graph's replay on CUDA), falling back to the forward below
+  for what fits no bucket; ``LayerPass`` is the per-layer forward both run; ``serving()`` what
+  it reads of the weights.
 
 How a call runs: the users, their cached prefixes, new events and candidates are planned into one
 jagged batch (``jagged.ForwardPlan``); the forward then loops over the layers only, and each
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -32,6 +38,14 @@ from relaygr.workers.kernels import hstu_mha
 from relaygr.workers.model.inference_state import LayerWeights, Serving, serving_state
 from relaygr.workers.model.jagged import ForwardPlan, UserSlot
 from relaygr.workers.prefix_kv import Events, PrefixKV, history_fingerprint
+
+
+class GraphedRelay(Protocol):
+    """What the relay paths call when bucketed rankings are on (``graph_runner.GraphRelay``)."""
+
+    def rank(
+        self, model: RelayInference, sv: Serving, slots: list[UserSlot], keep_kv: bool = True
+    ) -> list[tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]] | None: ...
 
 
 @dataclass(frozen=True)
@@ -45,7 +59,7 @@ class UserRanking:
     request_ts: float
 
 
-class _Pass:
+class LayerPass:
     """One forward over a plan, a layer per step (``steps``); then ``scores`` per user and
     ``new_kv`` (per layer, the keys and values ``[rows, H, d]`` of every new row)."""
 
@@ -136,7 +150,7 @@ class _Pass:
             self.scores.append(out[at : at + b - a])
             at += b - a
 
-    def run(self) -> _Pass:
+    def run(self) -> LayerPass:
         for _ in self.steps():
             pass
         return self
@@ -150,12 +164,19 @@ class RelayInference:
     def _init_inference(self) -> None:
         self._params = list(self.parameters())
         self._serving_cache: Serving | None = None
+        # Bucketed relay rankings over a paged prefix pool (``graph_runner.GraphRelay``), when on.
+        self.graph_relay: GraphedRelay | None = None
 
     def _serving(self) -> Serving:
         """Derived weights for the current weights (``serving_state``)."""
         built = serving_state(self, self._serving_cache)
         self._serving_cache = built
         return built
+
+    def serving(self) -> Serving:
+        """What the serving forward reads of the weights, in eval mode (built once per weights)."""
+        self._for_serving()
+        return self._serving()
 
     def _for_serving(self) -> None:
         """Serving runs in eval mode; switching walks every module, so only when needed."""
@@ -176,10 +197,20 @@ class RelayInference:
             prefix = prefix.to(self.device)
         return prefix if prefix.length else None
 
-    def _pass(self, slots: list[UserSlot]) -> _Pass:
+    def _pass(self, slots: list[UserSlot]) -> LayerPass:
         self._for_serving()
         plan = ForwardPlan.build(slots, (self.config.num_items, self.config.num_actions), self.device)
-        return _Pass(self, plan, self._serving())
+        return LayerPass(self, plan, self._serving())
+
+    def _graphed(
+        self, slots: list[UserSlot], keep_kv: bool = True
+    ) -> list[tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]] | None:
+        """The slots ranked by ``graph_relay`` (scores, events' keys and values), or ``None``:
+        off, or outside its buckets and pool."""
+        if self.graph_relay is None:
+            return None
+        self._for_serving()
+        return self.graph_relay.rank(self, self._serving(), slots, keep_kv)
 
     def _slot(self, prefix: PrefixKV | None, events: Events, candidates, request_ts: float) -> UserSlot:
         return UserSlot(self._checked(prefix), events, _raw_ids(candidates), float(request_ts))
@@ -214,7 +245,7 @@ class RelayInference:
             meta=dict(prefix.meta) if prefix is not None else {},
         )
 
-    def _events_kv(self, done: _Pass, user: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _events_kv(self, done: LayerPass, user: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         a, b = done.plan.event_rows[user]
         return [(k[a:b], v[a:b]) for k, v in done.new_kv]
 
@@ -294,8 +325,11 @@ class RelayInference:
         device is moved to the model's. ``micro_batch`` is accepted for compatibility: the
         candidates are scored together (each sees the history and itself only, so the grouping
         never changed a score)."""
-        done = self._pass([self._slot(prefix, suffix, candidates, request_ts)]).run()
-        return done.scores[0].cpu()
+        slot = self._slot(prefix, suffix, candidates, request_ts)
+        graphed = self._graphed([slot], keep_kv=False) if prefix is not None else None
+        if graphed is not None:
+            return graphed[0][0]
+        return self._pass([slot]).run().scores[0].cpu()
 
     @torch.inference_mode()
     def score_steps(
@@ -358,6 +392,12 @@ class RelayInference:
                     raise ValueError("rank_and_extend: the prefix is not the start of this history")
                 start = r.prefix.length
             slots.append(self._slot(r.prefix, r.history.slice(start), r.candidates, r.request_ts))
+        graphed = self._graphed(slots)
+        if graphed is not None:
+            return [
+                (scores, _grower(self, r.prefix, kv, r.history))
+                for (scores, kv), r in zip(graphed, requests, strict=True)
+            ]
         done = self._pass(slots).run()
         out = []
         for user, r in enumerate(requests):

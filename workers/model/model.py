@@ -17,7 +17,9 @@ Primitives:
   ``rank_users``, ``rank_full``) lives in ``inference`` (``RelayInference``, over the one
   attention interface ``kernels.hstu_mha``); the dense path that training
   differentiates, and the oracle of serving, in ``dense``. Here: the modules, ``model_version``,
-  ``item_embeddings``, ``flops`` (what one call computes) and the checkpoint, ``save`` / ``load``.
+  ``item_embeddings``, ``flops`` (what one call computes), ``use_graph_relay`` (relay rankings
+  replayed from CUDA graphs over a paged prefix pool, ``graph_runner``) and the checkpoint,
+  ``save`` / ``load``.
 
 Relay exactness: every history token's keys and values depend only on the tokens before it
 (causal), the bias depends only on absolute positions and timestamps of the pair, ``N`` is a
@@ -44,6 +46,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from relaygr.workers.model.devices import resolve_device, resolve_dtype
+from relaygr.workers.model.graph_runner import DEFAULT_BLOCK_TOKENS, DEFAULT_POOL_TOKENS, GraphRelay
 from relaygr.workers.model.hstu_attention import is_bucket_boundary
 from relaygr.workers.model.inference import RelayInference
 from relaygr.workers.model.vocab import ItemVocab
@@ -237,6 +240,27 @@ class HSTURanker(RelayInference, nn.Module):
         """The ``[num_items + 1, dim]`` item embedding table (row 0: unknown), for retrieval by
         inner product."""
         return self.item_emb.weight.detach()
+
+    def use_graph_relay(
+        self,
+        enabled: bool | None = None,
+        *,
+        pool_tokens: int = DEFAULT_POOL_TOKENS,
+        block_tokens: int = DEFAULT_BLOCK_TOKENS,
+        capture: bool | None = None,
+    ) -> GraphRelay | None:
+        """Relay rankings (``rank``, ``rank_and_extend``, ``rank_users``) in bucketed static
+        forwards over a paged device pool of ``pool_tokens`` cached tokens (``graph_runner``),
+        captured as CUDA graphs when ``capture`` (default: on CUDA); what fits no bucket runs the
+        eager path. ``enabled`` None: on for a CUDA model, off elsewhere; False turns it off."""
+        if enabled is None:
+            enabled = self.device.type == "cuda"
+        self.graph_relay = (
+            GraphRelay(self, pool_tokens=pool_tokens, block_tokens=block_tokens, capture=capture)
+            if enabled
+            else None
+        )
+        return self.graph_relay
 
     def flops(self, cached: int, new: int, candidates: int) -> int:
         """FLOPs (projections and attention) of computing ``new`` history tokens after ``cached``

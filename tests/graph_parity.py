@@ -1,0 +1,32 @@
+"""The bucketed relay forward with the Triton kernel against the eager reference path, on the
+small shapes of ``test_graph_relay``. Run as a script (``TRITON_INTERPRET=1`` on a CPU): it prints
+one JSON object, the worst absolute score difference and the largest score."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+from test_graph_relay import BLOCK, POOL, _requests, model32
+
+from relaygr.workers.kernels import use_backend
+
+
+def main(device: str) -> None:
+    model = model32().to(device)
+    model.refresh_version()
+    requests = _requests(model, [(15, 13, 9), (72, 61, 4), (2, 0, 1)], seed=5)
+    with use_backend("reference"):
+        eager = [scores for scores, _ in model.rank_users(requests)]
+    relay = model.use_graph_relay(True, pool_tokens=POOL, block_tokens=BLOCK, capture=device == "cuda")
+    with use_backend("triton"):
+        graphed = [scores for scores, _ in model.rank_users(requests)]
+    worst = max(float((a - b).abs().max()) for a, b in zip(eager, graphed, strict=True))
+    scale = max(float(a.abs().max()) for a in eager)
+    print(json.dumps({"worst": worst, "scale": scale, **relay.counters()}))
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    main(sys.argv[1] if len(sys.argv) > 1 else "cpu")

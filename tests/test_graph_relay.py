@@ -1,0 +1,418 @@
+"""Bucketed relay rankings over a paged device prefix pool (``graph_runner``, ``prefix_pool``): the
+same scores as the eager relay path and as full ranking, padding included; the pool's admission,
+eviction and refusals; and the captured forward's guarantees (the same buffers every run, no
+transfer, an operation count independent of the prefix length), checked on the CPU twin."""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from relaygr.bench.launches import count_graphed, on_meta
+from relaygr.workers.model.graph_runner import BucketRunner, GraphRelay, RelayBucket, bucket_for
+from relaygr.workers.model.inference import UserRanking
+from relaygr.workers.model.model import HSTUConfig, HSTURanker
+from relaygr.workers.model.prefix_pool import ZERO_BLOCK, PagedPrefixPool, PageTable, PoolFull
+from relaygr.workers.model.presets import preset
+from relaygr.workers.prefix_kv import Events
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+NUM_ITEMS = 40
+RTOL32 = ATOL32 = 1e-5
+BLOCK = 8
+POOL = 2048  # tokens: the largest bucket of these tests reserves 8 x (64 + 32) rows of it
+
+
+def _model(dtype: torch.dtype, seed: int) -> HSTURanker:
+    cfg = HSTUConfig(
+        num_items=NUM_ITEMS, layers=2, heads=2, dim=16, attn_dim=8, linear_dim=8, attn_block=8,
+        candidate_batch=4, dropout=0.0, near_keys=8, far_keys=3.0,
+    )  # fmt: skip
+    model = HSTURanker(cfg)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+    model = model.to(dtype)
+    model.refresh_version()
+    return model.eval()
+
+
+@functools.cache
+def model32() -> HSTURanker:
+    return _model(torch.float32, 1)
+
+
+@functools.cache
+def model64() -> HSTURanker:
+    return _model(torch.float64, 2)
+
+
+def history(n: int, seed: int) -> Events:
+    gen = torch.Generator().manual_seed(seed)
+    gaps = torch.randint(0, 3, (n,), generator=gen).double() * 10.0 ** torch.randint(
+        0, 6, (n,), generator=gen
+    )
+    return Events(
+        item_ids=torch.randint(-2, NUM_ITEMS + 5, (n,), generator=gen),  # unknown ids too
+        action_ids=torch.randint(0, 8, (n,), generator=gen),
+        timestamps=8.8e8 + torch.cumsum(gaps, 0),
+    )
+
+
+def _requests(model: HSTURanker, shapes: list[tuple[int, int, int]], seed: int) -> list[UserRanking]:
+    """One request per ``(history, cached, candidates)``; ``cached`` 0: no prefix."""
+    out = []
+    for i, (n, cached, c) in enumerate(shapes):
+        h = history(n, seed + i)
+        prefix = model.prefill(h.slice(0, cached)) if cached else None
+        cands = torch.randint(-1, NUM_ITEMS + 3, (c,), generator=torch.Generator().manual_seed(seed + 99 + i))
+        out.append(UserRanking(prefix, h, cands, float(h.timestamps[-1]) + 30.0 + i))
+    return out
+
+
+def _graphed(model: HSTURanker, requests: list[UserRanking], **kw) -> tuple[list, GraphRelay]:
+    relay = model.use_graph_relay(True, pool_tokens=kw.pop("pool_tokens", POOL), block_tokens=BLOCK, **kw)
+    try:
+        return model.rank_users(requests), relay
+    finally:
+        model.use_graph_relay(False)
+
+
+def _assert_same(graphed: list, requests: list[UserRanking], model: HSTURanker, rtol: float) -> None:
+    eager = model.rank_users(requests)
+    for (scores, grow), (e_scores, e_grow), r in zip(graphed, eager, requests, strict=True):
+        full = model.rank_full(r.history, r.candidates, r.request_ts)
+        assert scores.shape == (len(r.candidates),)
+        torch.testing.assert_close(scores, e_scores, rtol=rtol, atol=rtol)
+        torch.testing.assert_close(scores, full, rtol=rtol, atol=rtol)
+        got, want = grow(), e_grow()
+        assert got.length == want.length == len(r.history) and got.fingerprint == want.fingerprint
+        for a, b in zip(got.keys + got.values, want.keys + want.values, strict=True):
+            torch.testing.assert_close(a, b, rtol=rtol, atol=rtol)
+
+
+def test_users_of_different_prefix_lengths_in_one_padded_bucket_score_as_eager_and_full() -> None:
+    # Three users (a padded fourth), prefixes of 0, 13 and 61 events (partly filled blocks), 2 to 11
+    # new events, 1 to 9 candidates: every kind of padding the bucket has.
+    for model, tol in ((model32(), RTOL32), (model64(), 1e-12)):
+        requests = _requests(model, [(15, 13, 9), (72, 61, 4), (2, 0, 1)], seed=5)
+        graphed, relay = _graphed(model, requests)
+        assert relay.counters()["graphed_rankings"] == 1 and relay.counters()["fallbacks"] == 0
+        assert list(relay.runners) == [RelayBucket(4, 16, 32, 8)]
+        _assert_same(graphed, requests, model, tol)
+
+
+@given(
+    users=st.lists(
+        st.tuples(st.integers(1, 50), st.floats(0, 1), st.integers(0, 12)), min_size=1, max_size=5
+    ),
+    seed=st.integers(0, 10_000),
+)
+@settings(max_examples=25, deadline=None)
+def test_any_users_in_a_bucket_score_as_the_eager_path(users, seed) -> None:
+    model = model32()
+    shapes = [(n, int(split * n), c) for n, split, c in users]
+    requests = _requests(model, shapes, seed)
+    graphed, relay = _graphed(model, requests)
+    assert relay.counters()["graphed_rankings"] == 1
+    _assert_same(graphed, requests, model, RTOL32)
+
+
+def test_one_bucket_serves_other_users_on_the_same_buffers() -> None:
+    """The runner's buffers keep their addresses from one call to the next (what a replayed graph
+    reads and writes), and the second call's users score right, not as the first call's."""
+    model = model32()
+    relay = model.use_graph_relay(True, pool_tokens=POOL, block_tokens=BLOCK)
+    try:
+        first = _requests(model, [(30, 25, 5), (20, 10, 7)], seed=1)
+        model.rank_users(first)
+        (runner,) = relay.runners.values()
+        before = [t.data_ptr() for t in runner.static_buffers()]
+        second = _requests(model, [(36, 31, 6), (9, 3, 2)], seed=2)  # the same bucket
+        graphed = model.rank_users(second)
+        assert list(relay.runners.values()) == [runner]
+        assert [t.data_ptr() for t in runner.static_buffers()] == before
+        assert relay.pool.counters()["admitted"] == 4
+        again = model.rank_users(first)  # the pool's hits: nothing copied in again
+        assert relay.pool.counters()["admitted"] == 4 and relay.pool.counters()["hits"] == 2
+    finally:
+        model.use_graph_relay(False)
+    _assert_same(graphed, second, model, RTOL32)
+    _assert_same(again, first, model, RTOL32)
+
+
+def test_rank_uses_the_bucket_and_rank_full_stays_eager() -> None:
+    model = model32()
+    (r,) = _requests(model, [(50, 40, 6)], seed=3)
+    eager = model.rank(r.prefix, r.history.slice(40), r.candidates, r.request_ts)
+    relay = model.use_graph_relay(True, pool_tokens=POOL, block_tokens=BLOCK)
+    try:
+        graphed = model.rank(r.prefix, r.history.slice(40), r.candidates, r.request_ts)
+        model.rank_full(r.history, r.candidates, r.request_ts)
+        assert relay.counters()["graphed_rankings"] == 1
+    finally:
+        model.use_graph_relay(False)
+    torch.testing.assert_close(graphed, eager, rtol=RTOL32, atol=ATOL32)
+
+
+def test_what_fits_no_bucket_or_no_pool_runs_the_eager_path() -> None:
+    model = model32()
+    too_many_events = _requests(model, [(300, 10, 3)], seed=4)  # 290 new events: over every bucket
+    too_long_prefix = _requests(model, [(80, 70, 3)], seed=5)  # 70 cached: over a 64-token pool
+    for requests in (too_many_events, too_long_prefix):
+        graphed, relay = _graphed(model, requests, pool_tokens=64)
+        assert relay.counters()["fallbacks"] == 1 and relay.counters()["graphed_rankings"] == 0
+        _assert_same(graphed, requests, model, RTOL32)
+
+
+def test_new_weights_build_new_runners() -> None:
+    model = _model(torch.float32, 7)
+    requests = _requests(model, [(20, 12, 4)], seed=6)
+    relay = model.use_graph_relay(True, pool_tokens=POOL, block_tokens=BLOCK)
+    try:
+        model.rank_users(requests)
+        (old,) = relay.runners.values()
+        with torch.no_grad():
+            model.final_norm.weight.mul_(2.0)
+        model.rank_users(requests)
+        (new,) = relay.runners.values()
+        assert new is not old and new.sv is not old.sv
+    finally:
+        model.use_graph_relay(False)
+
+
+def test_the_bucket_grids() -> None:
+    assert bucket_for(3, 64, 100, 8000, 256) == RelayBucket(4, 64, 128, 32)
+    assert bucket_for(1, 1, 1, 0, 256) == RelayBucket(1, 16, 32, 1)
+    assert bucket_for(1, 64, 128, 8192, 256) == RelayBucket(1, 64, 128, 32)
+    assert bucket_for(17, 1, 1, 0, 256) is None
+    assert bucket_for(1, 257, 1, 0, 256) is None
+    assert bucket_for(1, 1, 513, 0, 256) is None
+
+
+def test_capture_needs_cuda() -> None:
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA model"):
+        GraphRelay(model32(), capture=True)
+    assert model32().use_graph_relay() is None  # default: on for CUDA only
+
+
+# ----------------------------------------------------------------------------------------- the pool
+def _pool(num_blocks: int = 5) -> PagedPrefixPool:
+    return PagedPrefixPool(2, 2, 8, 8, BLOCK, num_blocks, torch.float32, "cpu")
+
+
+def test_the_pool_copies_a_prefix_into_blocks_and_pads_with_the_zero_block() -> None:
+    model, pool = model32(), _pool()
+    h = history(20, 1)
+    prefix = model.prefill(h)
+    table = pool.admit("a", prefix)
+    assert table.length == 20 and len(table.blocks) == 3 and ZERO_BLOCK not in table.blocks
+    rows = torch.from_numpy(table.rows(32))
+    for li in range(2):
+        torch.testing.assert_close(pool.keys[li][rows[:20]], prefix.keys[li].transpose(0, 1))
+        torch.testing.assert_close(pool.values[li][rows[:20]], prefix.values[li].transpose(0, 1))
+        assert not pool.values[li][rows[20:]].any()  # padded slots read zeros
+    assert torch.equal(pool.timestamps[rows[:20]], prefix.timestamps)
+    assert pool.admit("a", prefix) is table and pool.counters()["hits"] == 1
+    with pytest.raises(ValueError, match="does not fit"):
+        table.rows(19)
+
+
+def test_the_pool_evicts_the_least_recently_used_prefix_that_is_not_pinned() -> None:
+    model, pool = model32(), _pool(num_blocks=5)  # 4 blocks of 8
+    p16, p8 = model.prefill(history(16, 1)), model.prefill(history(8, 2))
+    pool.admit("a", p16)
+    pool.admit("b", p8)
+    pool.admit("c", p8)
+    assert pool.free_blocks == 0
+    pool.lookup("a")  # "b" is now the least recently used
+    with pool.pinned(["b"]):
+        pool.admit("d", p8)  # evicts "c", not the pinned "b"
+    assert "c" not in pool and {"a", "b", "d"} <= {k for k in ("a", "b", "c", "d") if k in pool}
+    assert pool.counters()["evicted"] == 1
+    with pool.pinned(["a", "b", "d"]), pytest.raises(PoolFull):
+        pool.admit("e", p8)
+    with pytest.raises(ValueError, match="can never fit"):
+        pool.admit("huge", model.prefill(history(40, 3)))
+    with pool.pinned(["a"]), pytest.raises(ValueError, match="pinned"):
+        pool.release("a")
+    assert pool.release("a") and not pool.release("a") and pool.free_blocks == 2
+
+
+def test_a_reservation_evicts_prefixes_but_is_never_evicted_itself() -> None:
+    model, pool = model32(), _pool(num_blocks=5)  # 4 blocks of 8
+    pool.admit("a", model.prefill(history(16, 1)))
+    rows = pool.reserve("bucket", 20)  # 3 blocks: evicts "a"
+    assert "a" not in pool and len(rows.blocks) == 3 and pool.counters()["blocks_reserved"] == 3
+    assert pool.reserve("bucket", 20) is rows
+    pool.admit("b", model.prefill(history(8, 2)))
+    with pool.pinned(["b"]), pytest.raises(PoolFull):  # only the reservation could make room
+        pool.admit("c", model.prefill(history(8, 3)))
+    with pytest.raises(ValueError, match="reservation"):
+        pool.admit("bucket", model.prefill(history(8, 3)))
+    assert pool.release("bucket") and pool.free_blocks == 3
+
+
+def test_a_dropped_bucket_gives_its_rows_back() -> None:
+    model = model32()
+    relay = GraphRelay(model, pool_tokens=POOL, block_tokens=BLOCK, max_buckets=1)
+    model.graph_relay = relay
+    try:
+        model.rank_users(_requests(model, [(20, 12, 4)], seed=1))
+        model.rank_users(_requests(model, [(20, 12, 40)], seed=1))  # another bucket: the first goes
+        assert len(relay.runners) == 1
+        assert relay.pool.counters()["blocks_reserved"] == (16 + 128) // BLOCK
+    finally:
+        model.use_graph_relay(False)
+
+
+def test_the_pool_refuses_bad_input() -> None:
+    with pytest.raises(ValueError, match="two blocks"):
+        PagedPrefixPool(2, 2, 8, 8, BLOCK, 1, torch.float32, "cpu")
+    pool = _pool()
+    with pytest.raises(ValueError, match="float64 prefix"):
+        pool.admit("x", model64().prefill(history(5, 1)))
+    assert PageTable(0, (), BLOCK).rows(4).tolist() == [0, 1, 2, 3]
+    assert np.array_equal(PageTable(3, (2,), 4).rows(6), [8, 9, 10, 3, 0, 1])
+
+
+# ------------------------------------------------------------------------ what a CUDA graph captures
+@functools.cache
+def _meta(name: str) -> HSTURanker:
+    torch.manual_seed(0)
+    return on_meta(HSTURanker(preset(name).config(dropout=0.0)).eval())
+
+
+@pytest.mark.parametrize("name", ["small", "large"])
+def test_the_bucketed_forward_has_no_transfer_and_a_count_independent_of_the_prefix(name: str) -> None:
+    """On the meta device nothing has a value, so a forward that ran has read nothing back to the
+    host (no ``item``, ``tolist`` or ``cpu``); its count is the same at 1k, 8k and 32k events."""
+    model = _meta(name)
+    counts = []
+    for n in (1024, 8192, 32768):
+        counter = count_graphed(model, n, 64, 128, users=2)
+        assert counter.transfers == 0
+        counts.append(counter.total)
+    assert len(set(counts)) == 1, counts
+
+
+# ------------------------------------------------------------------------------ the Triton kernel
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_bucketed_forward_with_the_triton_kernel_scores_as_the_reference(device: str) -> None:
+    """``graph_parity.py`` in a subprocess: Triton's interpreter on a CPU (``TRITON_INTERPRET``
+    must be set before Triton is imported); on CUDA the captured graph's replay."""
+    pytest.importorskip("triton")
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    here = Path(__file__).parent
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(p for p in (str(here), os.environ.get("PYTHONPATH")) if p),
+    }
+    if device == "cpu":
+        env["TRITON_INTERPRET"] = "1"
+    done = subprocess.run(
+        [sys.executable, str(here / "graph_parity.py"), device],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["graphed_rankings"] == 1 and report["graph_error"] is None, report
+    assert report["captured"] == (device == "cuda")
+    assert report["scale"] > 0.1 and report["worst"] <= 1e-5 * report["scale"], report
+
+
+# ------------------------------------------------------------------------------------ the engine
+async def test_a_relay_engine_with_cuda_graphs_ranks_waiting_users_through_a_bucket() -> None:
+    """``EngineConfig.cuda_graphs`` on (a CPU: the eager twin): the engine's batched relay rankings
+    go through one bucket and score, and grow the stored prefixes, as the eager engine does."""
+    from store_probe import resident_prefix
+    from synthetic import tiny_model
+    from test_relay_batching import engine, prefill_all, rank_while_busy, users
+
+    model, jobs = tiny_model(3), users()
+    eager = engine(model, batch_tokens=4096)  # cuda_graphs unset: off on a CPU
+    assert model.graph_relay is None
+    await prefill_all(eager, jobs)
+    want = await rank_while_busy(eager, jobs)
+    graphed = engine(model, batch_tokens=4096, cuda_graphs=True, graph_pool_mb=4)
+    relay = model.graph_relay
+    assert relay is not None and not relay.capture
+    await prefill_all(graphed, jobs)
+    got = await rank_while_busy(graphed, jobs)
+    assert relay.counters()["graphed_rankings"] == 1 and relay.counters()["fallbacks"] == 0
+    for (uid, h, n, _), res, ref in zip(jobs, got, want, strict=True):
+        assert res.path == ref.path == "relay" and res.prefix_len == n
+        torch.testing.assert_close(res.scores, ref.scores, rtol=RTOL32, atol=ATOL32)
+        mine, theirs = resident_prefix(graphed.store, uid), resident_prefix(eager.store, uid)
+        assert mine.length == theirs.length == len(h)
+        for a, b in zip(mine.keys + mine.values, theirs.keys + theirs.values, strict=True):
+            torch.testing.assert_close(a, b, rtol=RTOL32, atol=ATOL32)
+    for e in (eager, graphed):
+        e.scheduler.close()
+    model.use_graph_relay(False)
+
+
+# ------------------------------------------------------------------------- a capture that fails
+def test_a_failed_capture_is_reported_once_and_every_bucket_runs_eagerly(monkeypatch, caplog) -> None:
+    model = model32()
+    relay = GraphRelay(model, pool_tokens=POOL, block_tokens=BLOCK)
+    relay.capture = True  # as on CUDA; the capture itself fails as a broken one would
+
+    def broken(self, pool=None) -> None:
+        self.forward()  # half way: a warm-up ran
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(BucketRunner, "capture", broken)
+    model.graph_relay = relay
+    try:
+        with caplog.at_level(logging.WARNING, logger="relaygr.workers.model.graph_runner"):
+            first = _requests(model, [(20, 12, 4), (30, 5, 9)], seed=8)
+            other = _requests(model, [(90, 10, 3)], seed=9)  # another bucket: no second capture
+            got_first, got_other = model.rank_users(first), model.rank_users(other)
+    finally:
+        model.use_graph_relay(False)
+    assert relay.graph_error == "RuntimeError: operation not permitted when stream is capturing"
+    assert not relay.capture and all(r.graph is None for r in relay.runners.values())
+    assert len(relay.runners) == 2 and relay.counters()["graphed_rankings"] == 2
+    assert [r.levelname for r in caplog.records] == ["WARNING"]
+    _assert_same(got_first, first, model, RTOL32)
+    _assert_same(got_other, other, model, RTOL32)
+
+
+def test_bench_model_reports_a_graph_failure_and_keeps_its_eager_columns(monkeypatch) -> None:
+    import argparse
+
+    from relaygr.bench.model import graphed_columns
+
+    model = _model(torch.float32, 3)
+    (r,) = _requests(model, [(40, 30, 5)], seed=1)
+    eager = model.rank(r.prefix, r.history.slice(30), r.candidates, r.request_ts)
+    args = argparse.Namespace(repeats=2)
+    ok = graphed_columns(model, (r.prefix, r.history.slice(30), r.candidates, r.request_ts), eager, args)
+    assert ok["graph_error"] is None and ok["graphed_rankings"] == 3 and ok["relay_graphed_ms_p50"] > 0
+    assert ok["graphed_max_abs_diff"] <= 1e-5 and model.graph_relay is None
+
+    def broken(*a, **kw):
+        raise RuntimeError("CUDA error: out of memory")
+
+    monkeypatch.setattr(model, "use_graph_relay", broken)
+    bad = graphed_columns(model, (r.prefix, r.history.slice(30), r.candidates, r.request_ts), eager, args)
+    assert bad["graph_error"] == "RuntimeError: CUDA error: out of memory"
+    assert bad["relay_graphed_ms_p50"] is None and model.graph_relay is None

@@ -1,0 +1,415 @@
+"""Relay rankings as one static forward per shape bucket: on CUDA captured once as a CUDA graph and
+replayed for any users; elsewhere (CPU, NPU, a failed capture) run eagerly on the same buffers.
+
+A bucket fixes every shape of the forward: users ``B``, suffix events ``S`` and candidates ``C``
+per user, and prefix blocks ``P`` per user. Each user owns a fixed stretch of rows: ``S`` event
+rows (its events, then padding) and ``C`` candidate rows; and of keys: ``P`` blocks of prefix
+slots (its cached tokens, read from a ``PagedPrefixPool`` by a gather index, then the pool's zero
+block), then its own ``S + C`` rows. Padding cannot change a real score: a padded prefix slot has
+a zero key and value (HSTU has no softmax, so it adds exactly nothing), a padded event sits at the
+candidates' position (no real token sees it), a padded candidate is one more candidate (no
+candidate sees another), a padded user is a user of its own.
+
+Primitives:
+- ``RelayBucket``; ``bucket_for(users, suffix, candidates, prefix_tokens, block_tokens)``: the
+  smallest bucket on the grids (``BUCKET_USERS``, ``BUCKET_SUFFIX``, ``BUCKET_CANDIDATES``, prefix
+  blocks a power of two), or ``None``; ``pool_tokens_for(prefix_tokens, users)``: a pool that
+  holds them and a bucket's reserved rows.
+- ``GraphUser``: one user of a bucketed forward (its page table, new events, candidates, time).
+- ``BucketRunner``: a bucket's static buffers, ``load(users)`` (the host's inputs in two copies),
+  ``forward()`` (the layers of ``inference.LayerPass``; no host sync, no shape that depends on the
+  data), ``capture()`` (CUDA only), ``run()`` (replay or eager), ``results(users)`` and ``close()``.
+  Its new tokens' keys and values go to rows it reserves in the pool, so that per layer one gather
+  reads every user's prefix and new keys together.
+- ``GraphRelay``: the policy: which prefixes enter the pool, which bucket a call takes, one runner
+  per bucket (captured when ``capture``), and ``None`` (the caller's eager path) for what fits no
+  bucket or no pool.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from relaygr.workers.kernels import JaggedBatch
+from relaygr.workers.model.inference import LayerPass, RelayInference
+from relaygr.workers.model.inference_state import Serving
+from relaygr.workers.model.jagged import UserSlot, host_ids
+from relaygr.workers.model.prefix_pool import PagedPrefixPool, PageTable, PoolFull
+from relaygr.workers.prefix_kv import Events, PrefixKV
+
+log = logging.getLogger(__name__)
+
+BUCKET_USERS = (1, 2, 4, 8, 16)
+BUCKET_SUFFIX = (16, 64, 256)
+BUCKET_CANDIDATES = (32, 128, 512)
+DEFAULT_BLOCK_TOKENS = 256
+DEFAULT_POOL_TOKENS = 1 << 18
+DEFAULT_MAX_BUCKETS = 8
+NewKV = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True, order=True)
+class RelayBucket:
+    users: int
+    suffix: int
+    candidates: int
+    prefix_blocks: int
+
+
+def _ceil_on(value: int, grid: tuple[int, ...]) -> int | None:
+    return next((g for g in grid if g >= value), None)
+
+
+def bucket_for(
+    users: int, suffix: int, candidates: int, prefix_tokens: int, block_tokens: int
+) -> RelayBucket | None:
+    """The smallest bucket holding ``users`` users of at most ``suffix`` new events, ``candidates``
+    candidates and ``prefix_tokens`` cached tokens each; ``None`` past the grids."""
+    b = _ceil_on(users, BUCKET_USERS)
+    s = _ceil_on(suffix, BUCKET_SUFFIX)
+    c = _ceil_on(candidates, BUCKET_CANDIDATES)
+    if b is None or s is None or c is None:
+        return None
+    blocks = max(1, -(-prefix_tokens // block_tokens))
+    return RelayBucket(b, s, c, 1 << (blocks - 1).bit_length())
+
+
+def pool_tokens_for(prefix_tokens: int, users: int = 1, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> int:
+    """Pool tokens that hold ``users`` prefixes of ``prefix_tokens`` and the rows any bucket of
+    that many users reserves for its new tokens (at most ``BUCKET_SUFFIX[-1] + BUCKET_CANDIDATES[-1]``
+    per user)."""
+    per_user = -(-prefix_tokens // block_tokens) * block_tokens
+    reserved = -(-users * (BUCKET_SUFFIX[-1] + BUCKET_CANDIDATES[-1]) // block_tokens) * block_tokens
+    return max(1, users * per_user + reserved)
+
+
+@dataclass(frozen=True)
+class GraphUser:
+    table: PageTable
+    events: Events
+    candidates: np.ndarray  # raw item ids
+    request_ts: float
+
+
+@dataclass(frozen=True)
+class _StaticPlan:
+    """What ``LayerPass._layer`` reads of a plan: one batch for every layer."""
+
+    batch: JaggedBatch
+    last: JaggedBatch
+
+
+class BucketRunner(LayerPass):
+    """One bucket's static buffers and forward (see the module docstring)."""
+
+    def __init__(
+        self, model: RelayInference, sv: Serving, pool: PagedPrefixPool, bucket: RelayBucket
+    ) -> None:
+        cfg, dev, bt = model.config, pool.device, pool.block_tokens
+        users, rows, slots = bucket.users, bucket.suffix + bucket.candidates, bucket.prefix_blocks * bt
+        self.bucket, self.pool, self.rows, self.slots = bucket, pool, rows, slots
+        i64, f64, dt = torch.int64, torch.float64, model.dtype
+        # The request's integer inputs in one buffer (one copy in): bags, positions, prefix
+        # lengths, block tables, candidate items.
+        sizes = (
+            2 * users * rows,
+            users * rows,
+            users,
+            users * bucket.prefix_blocks,
+            users * bucket.candidates,
+        )
+        self.ints = torch.zeros(sum(sizes), dtype=i64, device=dev)
+        self.bags, self.q_pos, self.prefix_len, self.block_table, self.cand_items = self.ints.split(sizes)
+        self.q_ts = torch.zeros(users * rows, dtype=f64, device=dev)
+        # Host staging of those inputs, page-locked on CUDA so that the copies are asynchronous
+        # (a call reads its scores back before the next one writes here).
+        pin = dev.type == "cuda"
+        self.host_ints = torch.zeros(self.ints.shape, dtype=i64, pin_memory=pin)
+        self.host_ts = torch.zeros(self.q_ts.shape, dtype=f64, pin_memory=pin)
+        self.cand_rows = (
+            (torch.arange(users)[:, None] * rows + bucket.suffix + torch.arange(bucket.candidates))
+            .reshape(-1)
+            .to(dev)
+        )
+        slot = torch.arange(slots)
+        self.slot_index, self.slot_block, self.slot_offset = (
+            slot.to(dev),
+            (slot // bt).to(dev),
+            (slot % bt).to(dev),
+        )
+        heads, dqk, dv = cfg.heads, cfg.attn_dim, cfg.linear_dim
+        keys = slots + rows
+        self.k_pos = torch.zeros(users * keys, dtype=i64, device=dev)
+        self.k_ts = torch.zeros(users * keys, dtype=f64, device=dev)
+        self.k_buf = torch.zeros(users * keys, heads, dqk, dtype=dt, device=dev)
+        self.v_buf = torch.zeros(users * keys, heads, dv, dtype=dt, device=dev)
+        self.gate = torch.zeros(users * rows, sv.splits[0] + 1, dtype=dt, device=dev)
+        self.gate[:, -1] = 1.0  # the output projection's bias row
+        self.score_buf = torch.zeros(users * bucket.candidates, dtype=torch.float32, device=dev)
+        # Every key's pool row: a user's prefix slots, then its own rows (``own_rows``).
+        self.gather = torch.zeros(users * keys, dtype=i64, device=dev)
+        batch = JaggedBatch(
+            q_offsets=(torch.arange(users + 1) * rows).to(dev),
+            k_offsets=(torch.arange(users + 1) * keys).to(dev),
+            q_pos=self.q_pos,
+            q_ts=self.q_ts,
+            k_pos=self.k_pos,
+            k_ts=self.k_ts,
+            max_q=rows,
+            max_k=keys,
+        )
+        super().__init__(model, _StaticPlan(batch, batch), sv)  # type: ignore[arg-type]
+        self.graph: torch.cuda.CUDAGraph | None = None
+        # Pool rows of the bucket's new tokens, written each layer: one gather reads a user's
+        # prefix and its new keys together, and the layers' new keys stay there for ``results``.
+        self.own_key = ("bucket", bucket)
+        self.own_rows = torch.from_numpy(pool.reserve(self.own_key, users * rows).rows(users * rows)).to(dev)
+
+    def close(self) -> None:
+        """Gives the pool back the rows of the bucket's new tokens."""
+        self.pool.release(self.own_key)
+
+    def static_buffers(self) -> list[torch.Tensor]:
+        """Every buffer a forward reads or writes (the same ones, at the same addresses, each run)."""
+        return [
+            *(self.ints, self.q_ts, self.k_pos, self.k_ts, self.k_buf, self.v_buf),
+            *(self.gate, self.score_buf, self.gather, self.own_rows),
+        ]
+
+    def load(self, users: list[GraphUser]) -> None:
+        """Writes ``users``' inputs into the static buffers: two copies, whatever the users."""
+        b = self.bucket
+        if len(users) > b.users:
+            raise ValueError(f"{len(users)} users for a bucket of {b.users}")
+        num_items, num_actions = self.model.config.num_items, self.model.config.num_actions
+        rows = self.rows
+        items = np.zeros((b.users, rows), np.int64)
+        actions = np.zeros((b.users, rows), np.int64)
+        actions[:, b.suffix :] = num_actions + 1  # candidates take the action after the last
+        q_pos = np.zeros((b.users, rows), np.int64)
+        q_ts = np.zeros((b.users, rows), np.float64)
+        lengths = np.zeros(b.users, np.int64)
+        tables = np.zeros((b.users, b.prefix_blocks), np.int64)  # unused blocks: the zero block
+        cands = np.zeros((b.users, b.candidates), np.int64)
+        for u, user in enumerate(users):
+            s, c, n = len(user.events), len(user.candidates), user.table.length
+            if s > b.suffix or c > b.candidates or len(user.table.blocks) > b.prefix_blocks:
+                raise ValueError(f"a user of {s} events, {c} candidates and {n} cached ones exceeds {b}")
+            items[u, :s] = host_ids(user.events.item_ids, num_items)
+            items[u, b.suffix : b.suffix + c] = cands[u, :c] = host_ids(user.candidates, num_items)
+            actions[u, :s] = host_ids(user.events.action_ids, num_actions)
+            q_pos[u, :s] = np.arange(n, n + s)
+            q_pos[u, s:] = n + s  # padded events and the candidates: the position after the history
+            q_ts[u, :s] = user.events.timestamps.numpy()
+            q_ts[u, s:] = user.request_ts
+            lengths[u] = n
+            tables[u, : len(user.table.blocks)] = user.table.blocks
+        bags = np.stack([items, actions + num_items + 1], axis=-1).reshape(-1)
+        host = np.concatenate([bags, q_pos.reshape(-1), lengths, tables.reshape(-1), cands.reshape(-1)])
+        self.host_ints.numpy()[:] = host
+        self.host_ts.numpy()[:] = q_ts.reshape(-1)
+        self.ints.copy_(self.host_ints, non_blocking=True)
+        self.q_ts.copy_(self.host_ts, non_blocking=True)
+
+    def _kv(self, li: int, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every user's keys and values, gathered from the pool: its prefix slots, then its rows
+        (the new ones written to the bucket's own rows first)."""
+        for new, pool, out in (
+            (k_new, self.pool.keys[li], self.k_buf),
+            (v_new, self.pool.values[li], self.v_buf),
+        ):
+            pool.index_copy_(0, self.own_rows, new)
+            torch.index_select(pool, 0, self.gather, out=out)
+        return self.k_buf, self.v_buf
+
+    def forward(self) -> None:
+        """The bucket's forward on the static buffers: scores into ``score_buf``, every layer's new
+        keys and values into the pool's ``own_rows``."""
+        users, rows = self.bucket.users, self.rows
+        self.plan.batch.scratch.clear()  # what the kernels derive from positions: derived again
+        self.new_kv = []
+        length = self.prefix_len[:, None]
+        in_pool = self.block_table.view(users, -1).index_select(1, self.slot_block)
+        in_pool = in_pool.mul_(self.pool.block_tokens).add_(self.slot_offset)
+        # Slots past a prefix's length read the zero block (a last block's tail may be stale).
+        prefix_rows = torch.where(self.slot_index < length, in_pool, self.slot_offset)
+        torch.cat([prefix_rows, self.own_rows.view(users, rows)], dim=1, out=self.gather.view(users, -1))
+        pre_pos = torch.minimum(self.slot_index, length)
+        torch.cat([pre_pos, self.q_pos.view(users, rows)], dim=1, out=self.k_pos.view(users, -1))
+        self.pool.timestamps.index_copy_(0, self.own_rows, self.q_ts)
+        torch.index_select(self.pool.timestamps, 0, self.gather, out=self.k_ts)
+        # A token: its item's row plus its action's; two rows each, summed (no offsets to read).
+        x = x0 = F.embedding(self.bags.view(-1, 2), self.sv.tokens).sum(dim=1)
+        for li in range(len(self.sv.layers)):
+            x = self._layer(li, x, self.gate)
+        xc, x0c = x.index_select(0, self.cand_rows), x0.index_select(0, self.cand_rows)
+        e = F.embedding(self.cand_items, self.model.item_emb.weight)
+        norm = self.model.final_norm
+        out = torch.linalg.vecdot(F.layer_norm(xc - x0c, xc.shape[-1:], norm.weight, norm.bias, norm.eps), e)
+        self.score_buf.copy_(out)
+
+    def capture(self, pool: object | None = None) -> None:
+        """Captures ``forward`` as a CUDA graph (after two warm-up runs on a side stream)."""
+        side = torch.cuda.Stream(device=self.pool.device)
+        side.wait_stream(torch.cuda.current_stream(self.pool.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self.forward()
+        torch.cuda.current_stream(self.pool.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):  # other threads copy
+            self.forward()
+        self.graph = graph
+
+    def run(self) -> None:
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self.forward()
+
+    def results(self, users: list[GraphUser], keep_kv: bool = True) -> list[tuple[torch.Tensor, NewKV]]:
+        """Per user, its scores (float32, CPU; the one read of the device) and, with ``keep_kv``,
+        each layer's keys and values of its events (copied out of the pool's ``own_rows``)."""
+        scores = self.score_buf.view(self.bucket.users, -1).to("cpu", copy=True)  # a copy on a CPU too
+        kv: NewKV = []
+        if keep_kv:  # every layer's at once: the pool's layers are one tensor
+            kv = list(
+                zip(
+                    *(t.index_select(1, self.own_rows).unbind(0) for t in self.pool.layer_stores()),
+                    strict=True,
+                )
+            )
+        out = []
+        for u, user in enumerate(users):
+            a = u * self.rows
+            b = a + len(user.events)
+            out.append((scores[u, : len(user.candidates)], [(k[a:b], v[a:b]) for k, v in kv]))
+        return out
+
+
+class GraphRelay:
+    """Bucketed relay rankings over a paged prefix pool (see the module docstring)."""
+
+    def __init__(
+        self,
+        model: RelayInference,
+        *,
+        pool_tokens: int = DEFAULT_POOL_TOKENS,
+        block_tokens: int = DEFAULT_BLOCK_TOKENS,
+        capture: bool | None = None,
+        max_buckets: int = DEFAULT_MAX_BUCKETS,
+    ) -> None:
+        cfg, device = model.config, model.device
+        if pool_tokens < block_tokens or max_buckets < 1:
+            raise ValueError(
+                f"pool_tokens ({pool_tokens}) must hold a block ({block_tokens}); max_buckets >= 1"
+            )
+        self.pool = PagedPrefixPool(
+            cfg.layers, cfg.heads, cfg.attn_dim, cfg.linear_dim, block_tokens,
+            pool_tokens // block_tokens + 1, model.dtype, device,
+        )  # fmt: skip
+        self.capture = device.type == "cuda" if capture is None else capture
+        if self.capture and device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA model, this one is on {device}")
+        self.max_buckets = max_buckets
+        self.runners: OrderedDict[RelayBucket, BucketRunner] = OrderedDict()
+        self.graph_error: str | None = None
+        self.ranked = self.fallbacks = 0
+        self._weights: tuple | None = None
+        self._mempool = torch.cuda.graph_pool_handle() if self.capture else None
+
+    def bucket_of(self, slots: list[UserSlot]) -> RelayBucket | None:
+        if any(s.reads is not None for s in slots):
+            return None
+        return bucket_for(
+            len(slots),
+            max(len(s.events) for s in slots),
+            max(len(s.candidates) for s in slots),
+            max(s.cached for s in slots),
+            self.pool.block_tokens,
+        )
+
+    def rank(
+        self, model: RelayInference, sv: Serving, slots: list[UserSlot], keep_kv: bool = True
+    ) -> list[tuple[torch.Tensor, NewKV]] | None:
+        """Per slot, its scores and its events' keys and values, in one bucketed forward; ``None``
+        when the slots fit no bucket or their prefixes no pool (the caller's eager path)."""
+        bucket = self.bucket_of(slots) if slots else None
+        if bucket is None:
+            self.fallbacks += 1
+            return None
+        keys = [_pool_key(s.prefix) for s in slots]
+        once = {
+            k for k, s in zip(keys, slots, strict=True) if s.prefix is not None and not s.prefix.fingerprint
+        }
+        try:
+            with self.pool.pinned(keys):
+                users = []
+                for key, s in zip(keys, slots, strict=True):
+                    table = PageTable(0, (), self.pool.block_tokens)
+                    if s.prefix is not None:
+                        table = self.pool.admit(key, s.prefix)
+                    users.append(GraphUser(table, s.events, s.candidates, s.request_ts))
+                runner = self._runner(model, sv, bucket)
+                runner.load(users)
+                runner.run()
+                out = runner.results(users, keep_kv)
+        except (PoolFull, ValueError) as e:
+            log.debug("relay ranking outside the graphed path: %s", e)
+            self.fallbacks += 1
+            return None
+        finally:
+            for k in once:
+                self.pool.release(k)
+        self.ranked += 1
+        return out
+
+    def _runner(self, model: RelayInference, sv: Serving, bucket: RelayBucket) -> BucketRunner:
+        if sv.key != self._weights:  # new weights: graphs hold the old ones' addresses
+            while self.runners:
+                self.runners.popitem()[1].close()
+            self._weights = sv.key
+        runner = self.runners.get(bucket)
+        if runner is not None:
+            self.runners.move_to_end(bucket)
+            return runner
+        while len(self.runners) >= self.max_buckets:
+            self.runners.popitem(last=False)[1].close()
+        runner = BucketRunner(model, sv, self.pool, bucket)
+        if self.capture:
+            try:
+                runner.capture(self._mempool)
+            except Exception as e:  # the eager forward on the same buffers still serves
+                self.graph_error = f"{type(e).__name__}: {e}"
+                log.warning("CUDA graph capture failed, relay rankings run eagerly: %s", self.graph_error)
+                self.capture = False
+                runner.graph = None
+        self.runners[bucket] = runner
+        return runner
+
+    def counters(self) -> dict[str, object]:
+        return {
+            "graphed_rankings": self.ranked,
+            "fallbacks": self.fallbacks,
+            "buckets": [list(b.__dict__.values()) for b in self.runners],
+            "captured": self.capture,
+            "graph_error": self.graph_error,
+            **{f"pool_{k}": v for k, v in self.pool.counters().items()},
+        }
+
+
+def _pool_key(prefix: PrefixKV | None) -> Hashable:
+    """A prefix's key in the pool: its model, history fingerprint and length (the same for every
+    copy of it); a prefix without a fingerprint is admitted for one call only."""
+    if prefix is None:
+        return None
+    if not prefix.fingerprint:
+        return ("once", id(prefix))
+    return (prefix.model_version, prefix.fingerprint, prefix.length)
