@@ -203,6 +203,17 @@ def test_the_bucket_grids() -> None:
     assert bucket_for(1, 1, 513, 0, 256) is None
 
 
+def test_a_ranking_replays_a_graph_only_where_capture_is_on_and_a_bucket_and_the_pool_hold_it() -> None:
+    graphs = GraphRelay(model32(), pool_tokens=POOL, block_tokens=BLOCK, capture=False)
+    assert not graphs.replays(16, 32, 100)  # eager buckets (a CPU): slicing still applies
+    graphs.capture = True  # as on CUDA (no capture happens here)
+    assert graphs.replays(16, 32, 100)
+    assert not graphs.replays(16, 32, POOL)  # the pool cannot hold the prefix and the bucket's rows
+    assert not graphs.replays(1000, 32, 100)  # past the suffix grid
+    graphs.graph_error = "RuntimeError: capture failed"
+    assert not graphs.replays(16, 32, 100)  # captures failed: the buckets run eagerly
+
+
 def test_capture_needs_cuda() -> None:
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA model"):
         GraphRelay(model32(), capture=True)

@@ -549,6 +549,27 @@ async def test_a_relay_ranking_against_many_keys_runs_in_slices_and_keeps_its_su
     e.scheduler.close()
 
 
+async def test_a_relay_ranking_that_replays_a_cuda_graph_is_never_sliced(model, monkeypatch) -> None:
+    # The shape above, sliced on its own; a graph replay is one launch: slicing it would run it
+    # eagerly a layer a slice, with other jobs between the slices.
+    from relaygr.workers.engine import ranker
+
+    shapes: list[tuple[int, int, int]] = []
+    monkeypatch.setattr(ranker, "graph_replays", lambda _m, *shape: shapes.append(shape) or True)
+    e = _engine(model, LatencyModel(0.0, 0.01, 0.0), slice_ms=0.5, prefill_chunk=512)
+    h = history(3040, seed=8)
+    cands = torch.arange(1, 65)
+    await e.prefill("u", h.slice(0, 3000))
+    assert e.pacing.slice_relay(3000, 40, 64)
+    res = await e.rank("u", h, cands, 2e9, FAR)
+    assert shapes == [(3000, 40, 64)]
+    assert res.path == "relay" and "between_slices" not in res.breakdown_ms
+    torch.testing.assert_close(res.scores, model.rank_full(h, cands, 2e9), rtol=1e-4, atol=1e-4)
+    await e.drain()
+    assert e.store.cached_length("u", h) == 3040
+    e.scheduler.close()
+
+
 @pytest.mark.parametrize("slice_ms, extended", [(0.5, True), (50.0, False)])
 async def test_a_prefill_extends_by_the_suffix_when_ranking_it_would_cost_more_than_a_slice(
     model, slice_ms: float, extended: bool

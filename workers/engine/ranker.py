@@ -14,9 +14,8 @@ Primitives:
   waiting ranking lends it its priority and deadline; ``abandon_prefill``: the ranking went
   ahead without it. Admitted work is not thrown away for being late: it finishes at
   pre-inference priority, with its minimum device share (``EngineConfig.prefill_share``), and
-  serves the user's next visits. (``EngineConfig.abandon_backlog``, off by default, restores
-  the shedding policy that dropped late work while pre-inference was backed up; outcome
-  ``abandoned``.)
+  serves the user's next visits. (``EngineConfig.abandon_backlog``, off by default, restores the
+  shedding policy that dropped late work while pre-inference was backed up; outcome ``abandoned``.)
 - ``prefills`` (a ``PrefillLedger``): what became of the pre-inferences; ``prefill_backlog_ms()``.
 - ``RankingEngine.rank(user_id, history, candidates, request_ts, deadline)``: a ``RankOutcome``
   by one of these paths:
@@ -24,7 +23,7 @@ Primitives:
   | path | when | how |
   |---|---|---|
   | ``cold_start`` | no history | the candidates alone |
-  | ``relay`` | a valid cached prefix | the suffix and the candidates against it: sliced when longer than a slice (``DevicePacing.relay_steps``), else with the user's other rankings waiting for the device (``burst_batch``) and other users' (``batch_tokens``: one forward), keeping the grown prefix (``retain_suffix``); a ranking that fails on the device takes the full path |
+  | ``relay`` | a valid cached prefix | the suffix and the candidates against it: sliced when longer than a slice (``DevicePacing.relay_steps``) unless it is a CUDA graph replay (``graph_replays``), else with the user's other rankings waiting for the device (``burst_batch``) and other users' (``batch_tokens``: one forward), keeping the grown prefix (``retain_suffix``); a ranking that fails on the device takes the full path |
   | ``relay_waited`` | the prefix is being computed and may finish in time | as ``relay``, after the wait |
   | ``full`` / ``full_truncated`` | a miss | the most recent events that fit the deadline (``DevicePacing.keep_within``), sliced and re-planned once when behind (``full_steps``) |
   | ``baseline`` | baseline mode | full inference in one job, truncated to fit |
@@ -54,6 +53,7 @@ from relaygr.workers.engine.calibration import warm_up_work
 from relaygr.workers.engine.device_jobs import (
     RelayBatching,
     RelayItemFailed,
+    graph_replays,
     run_in_burst,
     run_job,
     run_steps,
@@ -405,8 +405,8 @@ class RankingEngine:
         users'; keeping the grown prefix; in full if it fails there), else in one job."""
         assert self.store is not None
         suffix = history.slice(prefix.length)
-        new, c = len(suffix), len(candidates)
-        if self.pacing.slice_relay(prefix.length, new, c):
+        new, c, m = len(suffix), len(candidates), prefix.length
+        if self.pacing.slice_relay(m, new, c) and not graph_replays(self.model, m, new, c):
             scores = await self._rank_relay_sliced(
                 user_id, prefix, history, candidates, request_ts, deadline, breakdown
             )
@@ -437,10 +437,10 @@ class RankingEngine:
                 self.batched_rankings += 1
             if grow is not None:
                 self._keep(user_id, grow, prefix.meta)
-            self.pacing.observe_relay(prefix.length, new, c, breakdown)
         else:
             scores = await self._run(prefix, suffix, candidates, request_ts, deadline, breakdown)
-            self.pacing.observe_relay(prefix.length, new, c, breakdown)
+        if "between_slices" not in breakdown:  # run in one piece: it times the scoring pace
+            self.pacing.observe_relay(m, new, c, breakdown)
         self.store.release(user_id)
         n = len(history)
         return RankOutcome(

@@ -325,6 +325,19 @@ class GraphRelay:
         self._weights: tuple | None = None
         self._mempool = torch.cuda.graph_pool_handle() if self.capture else None
 
+    def replays(self, suffix: int, candidates: int, prefix_tokens: int) -> bool:
+        """Whether one user's relay ranking of this shape is a graph replay: captured buckets (CUDA)
+        and a bucket and pool that hold it. Such a ranking is one launch of a few milliseconds at
+        most: slicing it (``pacing.slice_relay``) would only run it eagerly, a layer a slice."""
+        bucket = bucket_for(1, suffix, candidates, prefix_tokens, self.pool.block_tokens)
+        return (
+            self.capture
+            and self.graph_error is None
+            and bucket is not None
+            and pool_tokens_for(bucket.prefix_blocks * self.pool.block_tokens, 1, self.pool.block_tokens)
+            <= self.pool.capacity_tokens
+        )
+
     def bucket_of(self, slots: list[UserSlot]) -> RelayBucket | None:
         if any(s.reads is not None for s in slots):
             return None
