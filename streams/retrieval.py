@@ -292,7 +292,7 @@ def build(settings: Settings, pipeline: PipelineSettings, worker_id: str = "0"):
         needs, routed_at = routing_headers(ev.headers)
         HOP.observe(max(0.0, t0 - r.ts))
         n, recent = summary_before(histories.get(r.user_id), r.model_ts)
-        decision = trigger.decide(ev.message.partition, n, t0)
+        decision = trigger.decide(ev.message.partition, n, t0, user_id=r.user_id)
         TRIGGER.labels(decision.reason.value).inc()
         if decision.admitted:
             sig = prefill_signal(r, n, decision, trigger.config.lease_ttl_s, needs)
