@@ -24,11 +24,16 @@ One JSON line per policy and rate: the relay share by visit number, why the othe
 relay, the pre-inferences admitted (prefill signals), finished (computed or extended), served
 from cache, dropped and refused, finished per second, lost and duplicated results, timeouts
 (results past their deadline, and rankings longer than the budget) and the ranking P99; then one
-line with the policies side by side. A shared machine makes these noisy: compare policies run
+line with the policies side by side. Where the requests' time went: each stage's median and P90
+(``stages_ms``, from the results' breakdowns: the hops, retrieval, pre-processing, the wait for
+the device and the ranking's own compute), and what the device had to do against when it was
+due: ``deadline_window_ms`` (from the first request sent to the last rank request's deadline)
+next to ``ranking_compute_ms`` (the rankings' device time, summed over the workers) and the
+pre-inferences it computed. A shared machine makes these noisy: compare policies run
 back to back.
 
 Primitives (the broker test uses them): ``visit_plan``, ``send_visits``, ``prefill_events``,
-``visit_figures``.
+``visit_figures``, ``stage_figures``.
 """
 
 from __future__ import annotations
@@ -58,6 +63,9 @@ POLICIES: dict[str, dict[str, object]] = {
 FINISHED = frozenset({"computed", "extended"})
 CACHED = frozenset({"device", "host", "disk", "merged"})
 RELAY_PATHS = ("relay", "relay_waited", "relay_extended")
+# A result's breakdown up to the rank request's production (its deadline is that plus the budget).
+UPSTREAM = ("hop_requests", "retrieval", "hop_retrieved", "preprocess")
+STAGES = (*UPSTREAM, "hop_rank", "history_wait", "signal_wait", "device_queue", "compute", "ranking")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -206,6 +214,26 @@ def visit_figures(
     }
 
 
+def stage_figures(
+    sent: list[RecommendationRequest], results: dict[str, RankedResult], budget_ms: float
+) -> dict:
+    """Each stage's median and P90 (ms) over ``results``, the window from the first request sent
+    to the last deadline (ms), and the rankings' device time summed (ms)."""
+    rs = list(results.values())
+    if not rs:
+        return {"stages_ms": {}, "deadline_window_ms": math.nan, "ranking_compute_ms": 0.0}
+    stages = {}
+    for k in STAGES:
+        v = [r.breakdown_ms.get(k, 0.0) for r in rs]
+        stages[k] = {"p50": round(percentile(v, 50), 1), "p90": round(percentile(v, 90), 1)}
+    deadlines = [r.ts + (sum(r.breakdown_ms.get(k, 0.0) for k in UPSTREAM) + budget_ms) / 1000 for r in rs]
+    return {
+        "stages_ms": stages,
+        "deadline_window_ms": round((max(deadlines) - min(r.ts for r in sent)) * 1000, 1),
+        "ranking_compute_ms": round(sum(r.breakdown_ms.get("compute", 0.0) for r in rs), 1),
+    }
+
+
 async def await_prefills(home: Path, admitted: set[str], timeout_s: float = 120.0) -> dict[str, dict]:
     """The outcomes of the ``admitted`` pre-inferences, once each has one (or ``timeout_s`` passed)."""
     deadline = time.monotonic() + timeout_s
@@ -238,7 +266,11 @@ async def run_visits(
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         (out / f"{tag}.jsonl").write_text("".join(r.model_dump_json() + "\n" for r in results.values()))
-    return visit_figures(sent, results, counts, admitted, prefills, PipelineSettings().budget_ms)
+    budget_ms = PipelineSettings().budget_ms
+    return {
+        **visit_figures(sent, results, counts, admitted, prefills, budget_ms),
+        **stage_figures(sent, results, budget_ms),
+    }
 
 
 async def _measure(settings: Settings, reg: TopicRegistry, ml, args, policy: str, say) -> dict:
@@ -291,6 +323,8 @@ def side_by_side(rows: list[dict]) -> dict:
             "timeouts": r["timeouts"],
             "over_budget": r["over_budget"],
             "ranking_p99_ms": r["ranking_p99_ms"],
+            "deadline_window_ms": r.get("deadline_window_ms"),
+            "ranking_compute_ms": r.get("ranking_compute_ms"),
         }
     return {"bench": "steady_load", "side_by_side": out}
 

@@ -64,6 +64,10 @@ STAGE = "retrieval"
 RECENT = 32
 
 TRIGGER = PCounter("relaygr_trigger_decisions_total", "Sequence-aware trigger decisions", ["reason"])
+JOINED = PCounter(
+    "relaygr_trigger_joins_total",
+    "Admissions of a user's visit that joined its pre-inference admitted before (no token, no backlog)",
+)
 REQS = PCounter("relaygr_retrieval_requests_total", "Requests retrieved")
 HOP = Histogram(
     "relaygr_retrieval_hop_seconds",
@@ -292,8 +296,10 @@ def build(settings: Settings, pipeline: PipelineSettings, worker_id: str = "0"):
         needs, routed_at = routing_headers(ev.headers)
         HOP.observe(max(0.0, t0 - r.ts))
         n, recent = summary_before(histories.get(r.user_id), r.model_ts)
-        decision = trigger.decide(ev.message.partition, n, t0)
+        decision = trigger.decide(ev.message.partition, n, t0, user_id=r.user_id)
         TRIGGER.labels(decision.reason.value).inc()
+        if decision.joined:
+            JOINED.inc()
         if decision.admitted:
             sig = prefill_signal(r, n, decision, trigger.config.lease_ttl_s, needs)
             await deliver(lambda: send_acked(out_prefill, sig.key(), encode(sig)), what="prefill signal")

@@ -3,8 +3,8 @@
 Primitives:
 - ``TriggerConfig``: the ranking budget, the risk threshold θ and the two bounds.
 - ``TokenBucket``: the pre-inference rate bound (with the owner's backlog, ``backlog_bound_ms``).
-- ``SequenceAwareTrigger.decide(user_id, partition, history_len, now)``: a ``Decision`` with its
-  ``TriggerReason``. Admit iff full ranking of this history is predicted (by the calibrated
+- ``SequenceAwareTrigger.decide(partition, history_len, now, user_id=...)``: a ``Decision`` with
+  its ``TriggerReason``. Admit iff full ranking of this history is predicted (by the calibrated
   ``LatencyModel`` of the worker that owns the partition, ``report_latency``; of at most the
   ``max_seq_len`` served events), at the pace that worker's full rankings keep now
   (``report_latency(..., pace)``: the ranking plans its truncation at that pace, so a request
@@ -15,6 +15,14 @@ Primitives:
   window (else ``too_long``) AND the bytes of live prefixes on that partition stay under the
   footprint bound AND the owner's pre-inference backlog stays under ``backlog_bound_ms`` AND
   the token bucket has a token (else ``rate_bound``). Every decision is counted.
+
+A visit of a user admitted within the lease TTL, whose prefix is at most ``short_term`` events
+longer than the one admitted then, *joins* that pre-inference (``Decision.joined``): the worker
+computes a prefix once (single-flight in its store) and every later signal of the same prefix
+waits on that computation or hits the cached result, so a join is admitted without a token and
+adds nothing to the backlog or the footprint (counted ``joined``). In a burst a user's three
+visits come together: charged three times, they emptied the bucket and inflated the backlog,
+and other users' first visits were refused (``rate_bound``).
 
 Admission is where pre-inference is shed: an admitted one finishes (the worker does not drop it
 for being late), so under overload the trigger admits fewer. The backlog is the owner's report
@@ -120,6 +128,7 @@ class Decision:
     prefix_len: int = 0
     predicted_full_ms: float = 0.0
     est_bytes: int = 0
+    joined: bool = False  # admitted as part of the user's pre-inference already admitted
 
     @property
     def admitted(self) -> bool:
@@ -147,6 +156,8 @@ class SequenceAwareTrigger:
         # and the admissions since (admitted at, predicted ms).
         self._owner_of: dict[int, tuple[int, ...]] = {}
         self._backlog: dict[tuple[int, ...], tuple[float, float, list[tuple[float, float]]]] = {}
+        # Users admitted within the lease TTL: user -> (admitted at, their events then), oldest first.
+        self._admitted_users: dict[str, tuple[float, int]] = {}
 
     def report_latency(self, latency: LatencyModel, partitions: list[int], pace: float = 1.0) -> None:
         """A worker's latency model of full ranking, for the partitions it owns: their requests
@@ -209,15 +220,37 @@ class SequenceAwareTrigger:
         self._live[partition] = keep
         self._live_bytes[partition] = sum(e[2] for e in keep)
 
-    def decide(self, partition: int, history_len: int, now: float) -> Decision:
-        d = self._decide(partition, history_len, now)
+    def decide(self, partition: int, history_len: int, now: float, user_id: str | None = None) -> Decision:
+        """Admit or refuse a request of a ``history_len``-event history (the module docstring);
+        with ``user_id``, a visit of a user with a pre-inference admitted recently joins it."""
+        d = self._decide(partition, history_len, now, user_id)
         self.counts[d.reason.value] += 1
+        if d.joined:
+            self.counts["joined"] += 1
+        elif d.admitted and user_id is not None:
+            self._admitted_users.pop(user_id, None)  # re-inserted last: the dict stays oldest first
+            self._admitted_users[user_id] = (now, history_len)
         return d
 
-    def _decide(self, partition: int, history_len: int, now: float) -> Decision:
+    def _joins(self, user_id: str | None, history_len: int, now: float) -> bool:
+        """Whether ``user_id``'s pre-inference admitted within the lease TTL covers the prefix of
+        a ``history_len``-event history but for at most a short-term suffix (computed once, by the
+        worker's single-flight, or a cache hit). Counted in the user's events in all, not the
+        served window: a window that moved is another prefix."""
+        cut = now - self.config.lease_ttl_s
+        while self._admitted_users:  # forget admissions past the lease, oldest first
+            oldest = next(iter(self._admitted_users))
+            if self._admitted_users[oldest][0] > cut:
+                break
+            del self._admitted_users[oldest]
+        got = self._admitted_users.get(user_id) if user_id is not None else None
+        return got is not None and 0 <= history_len - got[1] <= self.config.short_term
+
+    def _decide(self, partition: int, history_len: int, now: float, user_id: str | None) -> Decision:
         c = self.config
         if not c.enabled:
             return Decision(TriggerReason.DISABLED)
+        events = history_len
         if c.max_seq_len is not None:
             history_len = min(history_len, c.max_seq_len)  # what a ranking serves of it
         prefix_len = history_len - c.short_term
@@ -230,6 +263,8 @@ class SequenceAwareTrigger:
         )
         if predicted <= c.budget_ms * c.theta:
             return Decision(TriggerReason.NOT_AT_RISK, prefix_len, predicted)
+        if self._joins(user_id, events, now):
+            return Decision(TriggerReason.ADMITTED, prefix_len, predicted, joined=True)
         # A pre-inference that outlives its lease, or the request by far, cannot pay off.
         prefill_ms = latency.predict_ms(prefix_len)
         if prefill_ms > c.too_long_ttl_factor * c.lease_ttl_s * 1000 or (

@@ -13,7 +13,7 @@ from synthetic import history, tiny_model
 
 from relaygr.workers.engine.engine_config import EngineConfig
 from relaygr.workers.engine.latency_model import LatencyModel
-from relaygr.workers.engine.prefill_ledger import device_share
+from relaygr.workers.engine.prefill_ledger import PrefillLedger, device_share
 from relaygr.workers.engine.ranker import RankingEngine, kv_bytes_per_token
 from relaygr.workers.engine.scheduler import DeviceScheduler, Priority
 from relaygr.workers.model.model import HSTURanker
@@ -443,3 +443,14 @@ async def test_a_late_prefill_finishes_even_behind_a_backlog_and_is_counted(mode
     share = device_share(e.scheduler)
     assert share["prefill_s"] > 0 and share["rank_s"] > 0
     e.scheduler.close()
+
+
+def test_the_ledger_counts_a_users_pending_pre_inference_once() -> None:
+    ledger = PrefillLedger()
+    ledger.admit("u", 10.0)
+    ledger.admit("u", 30.0)  # joins: the longest counts
+    ledger.admit("v", 5.0)
+    assert ledger.backlog_ms(lambda _u: None) == pytest.approx(35.0)
+    ledger.end("u")
+    assert ledger.backlog_ms(lambda _u: None) == pytest.approx(5.0)
+    assert ledger.counts["admitted"] == 3

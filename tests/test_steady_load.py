@@ -144,6 +144,37 @@ async def test_returning_visits_are_served_from_the_prefix_a_previous_visit_comp
     assert 0 < reports["prefill_device_share"] < 1
 
 
+async def test_a_burst_of_every_visit_computes_each_prefix_once_and_ranks_every_visit_on_relay(
+    generous,
+) -> None:
+    # Every visit of fresh users at once, as one burst: a user's later visits come while its first
+    # visit's pre-inference is still queued. They are admitted too (joining it, at no cost in the
+    # trigger's bounds), their signals join that computation in the worker's store, and every
+    # visit ranks against the one prefix (under a budget no ranking misses).
+    settings, reg = generous
+    behaviours, requests = lengthened_users(load_movielens("ml-100k"), 2 * USERS, EVENTS)
+    fresh = {r.user_id for r in requests[USERS:]}
+    behaviours = [
+        b.model_copy(update={"user_id": f"{b.user_id}-b"}) for b in behaviours if b.user_id in fresh
+    ]
+    requests = [
+        r.model_copy(update={"user_id": f"{r.user_id}-b", "request_id": f"{r.request_id}-b"})
+        for r in requests[USERS:]
+    ]
+    await publish(settings, reg, behaviours, [], wait_for_ingest=True, settle_s=0)
+    plan = visit_plan(requests, VISITS, "burst")
+    sent, res, counts, admitted, prefills = await _visits(settings, reg, plan, None)
+    got = visit_figures(sent, res, counts, admitted, prefills, float(GENEROUS_MS))
+    assert got["lost"] == 0 and got["duplicated"] == 0
+    assert got["timeouts"] == 0
+    assert got["prefill"]["admitted"] == len(plan)  # the later visits joined, none refused
+    assert got["prefill"]["finished"] == USERS, prefills  # each user's prefix computed once
+    assert got["prefill"]["dropped"] == 0 and got["prefill"]["no_outcome"] == 0
+    assert got["returning_on_relay"] == got["returning"] == (VISITS - 1) * USERS, got["relay_by_visit"]
+    for r in res.values():
+        assert r.prefix_len >= EVENTS - 64, (r.request_id, r.path, r.prefix_len)
+
+
 async def test_a_pre_inference_its_ranking_went_ahead_without_finishes_for_the_next_visits(missed) -> None:
     # Every request misses its deadline, so no ranking waits for its pre-inference: the first
     # visits' pre-inferences are late while several are queued (the shedding policy,

@@ -7,7 +7,14 @@ from collections import Counter
 
 import pytest
 
-from relaygr.bench.steady_load import parse_rates, side_by_side, visit_figures, visit_of, visit_plan
+from relaygr.bench.steady_load import (
+    parse_rates,
+    side_by_side,
+    stage_figures,
+    visit_figures,
+    visit_of,
+    visit_plan,
+)
 from relaygr.schemas import RankedResult, RecommendationRequest
 
 
@@ -70,6 +77,21 @@ def test_figures_by_visit_and_pre_inference_outcome() -> None:
     assert got["timeouts"] == 1 and got["over_budget"] == 1
     line = side_by_side([{"rate": "10", "policy": "converge", **got}])
     assert line["side_by_side"]["10"]["converge"]["returning_on_relay"] == "1/1"
+
+
+def test_stage_figures_give_the_deadline_window_and_the_rankings_device_time() -> None:
+    # Two requests sent at t=100 s: the later one's rank request is produced 30 ms after it was
+    # sent (its upstream stages), so the last deadline is 30 + 50 ms after the first send.
+    sent = [_request("t-a-v1"), _request("t-b-v1")]
+    a, b = _result("t-a-v1", "relay", 20.0), _result("t-b-v1", "full", 60.0)
+    a = a.model_copy(update={"breakdown_ms": {"hop_requests": 5.0, "retrieval": 5.0, "compute": 8.0}})
+    upstream = {"hop_requests": 10.0, "retrieval": 10.0, "hop_retrieved": 9.0, "preprocess": 1.0}
+    b = b.model_copy(update={"breakdown_ms": upstream | {"device_queue": 20.0, "compute": 32.0}})
+    got = stage_figures(sent, {"t-a-v1": a, "t-b-v1": b}, budget_ms=50.0)
+    assert got["deadline_window_ms"] == pytest.approx(80.0)
+    assert got["ranking_compute_ms"] == pytest.approx(40.0)
+    assert got["stages_ms"]["compute"]["p90"] >= got["stages_ms"]["compute"]["p50"] >= 8.0
+    assert stage_figures(sent, {}, 50.0)["ranking_compute_ms"] == 0.0
 
 
 def test_rates_are_positive_numbers_or_burst() -> None:

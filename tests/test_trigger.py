@@ -191,3 +191,27 @@ def test_a_refit_from_short_rankings_never_makes_a_long_history_look_safe() -> N
     t = trig()
     t.report_latency(LatencyModel(a=2.0, b=0.0002, c=0.0), [0])
     assert t.decide(0, 4000, 0.0).admitted
+
+
+def test_a_users_later_visits_join_its_admitted_pre_inference_at_no_cost() -> None:
+    # A token bucket of two tokens that never refills, and a backlog bound of two pre-inferences.
+    # A burst of one user's three visits (its history growing by a few events) takes one token
+    # and one pre-inference of backlog: the later two join it, so a second user is still admitted.
+    t = trig(prefill_rate_per_s=1e-9, prefill_burst=2.0, backlog_bound_ms=2 * 41.0 + 1, lease_ttl_s=10.0)
+    first = t.decide(0, 4000, 1.0, user_id="a")
+    assert first.admitted and not first.joined
+    for n in (4000, 4010, 4064):
+        d = t.decide(0, n, 1.5, user_id="a")
+        assert d.admitted and d.joined and d.prefix_len == n - 64
+    assert t.backlog_ms(0) == pytest.approx(LAT.predict_ms(4000 - 64))
+    assert t.decide(0, 4000, 2.0, user_id="b").admitted
+    assert t.counts["admitted"] == 5 and t.counts["joined"] == 3
+    # No token left: what is not a join is refused.
+    assert t.decide(0, 4000, 2.0, user_id="c").reason is TriggerReason.RATE_BOUND
+    # Grown past a short-term suffix, or shorter (another window), it is another prefix.
+    assert t.decide(0, 4065, 2.0, user_id="a").reason is TriggerReason.RATE_BOUND
+    assert t.decide(0, 3999, 2.0, user_id="a").reason is TriggerReason.RATE_BOUND
+    # Past the lease the prefix may be gone: a visit is charged again.
+    assert t.decide(0, 4000, 11.5, user_id="a").reason is TriggerReason.RATE_BOUND
+    # Without a user id nothing joins.
+    assert t.decide(0, 4000, 2.0).reason is TriggerReason.RATE_BOUND

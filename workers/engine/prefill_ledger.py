@@ -26,9 +26,11 @@ class PrefillLedger:
         self._pending_ms: dict[str, float] = {}
 
     def admit(self, user_id: str, predicted_ms: float) -> None:
-        """A pre-inference of ``user_id`` was leased; it is predicted to take ``predicted_ms``."""
+        """A pre-inference of ``user_id`` was leased; it is predicted to take ``predicted_ms``.
+        Several of one user's pending at once are one computation (the store's single-flight:
+        the later ones join it), so the backlog counts the longest once."""
         self.counts["admitted"] += 1
-        self._pending_ms[user_id] = self._pending_ms.get(user_id, 0.0) + predicted_ms
+        self._pending_ms[user_id] = max(self._pending_ms.get(user_id, 0.0), predicted_ms)
 
     def end(self, user_id: str) -> None:
         """``user_id``'s pre-inference ended, however (its outcome is counted apart)."""
