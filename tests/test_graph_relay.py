@@ -18,6 +18,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_model_relay import NUM_ITEMS, history  # histories with unknown ids, 40 items
 
 from relaygr.bench.launches import count_graphed, on_meta
 from relaygr.workers.model.graph_runner import BucketRunner, GraphRelay, RelayBucket, bucket_for
@@ -25,11 +26,9 @@ from relaygr.workers.model.inference import UserRanking
 from relaygr.workers.model.model import HSTUConfig, HSTURanker
 from relaygr.workers.model.prefix_pool import ZERO_BLOCK, PagedPrefixPool, PageTable, PoolFull
 from relaygr.workers.model.presets import preset
-from relaygr.workers.prefix_kv import Events
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-NUM_ITEMS = 40
 RTOL32 = ATOL32 = 1e-5
 BLOCK = 8
 POOL = 2048  # tokens: the largest bucket of these tests reserves 8 x (64 + 32) rows of it
@@ -58,18 +57,6 @@ def model32() -> HSTURanker:
 @functools.cache
 def model64() -> HSTURanker:
     return _model(torch.float64, 2)
-
-
-def history(n: int, seed: int) -> Events:
-    gen = torch.Generator().manual_seed(seed)
-    gaps = torch.randint(0, 3, (n,), generator=gen).double() * 10.0 ** torch.randint(
-        0, 6, (n,), generator=gen
-    )
-    return Events(
-        item_ids=torch.randint(-2, NUM_ITEMS + 5, (n,), generator=gen),  # unknown ids too
-        action_ids=torch.randint(0, 8, (n,), generator=gen),
-        timestamps=8.8e8 + torch.cumsum(gaps, 0),
-    )
 
 
 def _requests(model: HSTURanker, shapes: list[tuple[int, int, int]], seed: int) -> list[UserRanking]:
