@@ -16,13 +16,17 @@ Primitives:
   footprint bound AND the owner's pre-inference backlog stays under ``backlog_bound_ms`` AND
   the token bucket has a token (else ``rate_bound``). Every decision is counted.
 
-A visit of a user admitted within the lease TTL, whose prefix is at most ``short_term`` events
-longer than the one admitted then, *joins* that pre-inference (``Decision.joined``): the worker
-computes a prefix once (single-flight in its store) and every later signal of the same prefix
-waits on that computation or hits the cached result, so a join is admitted without a token and
-adds nothing to the backlog or the footprint (counted ``joined``). In a burst a user's three
-visits come together: charged three times, they emptied the bucket and inflated the backlog,
-and other users' first visits were refused (``rate_bound``).
+A visit of a user admitted within the join window (the lease TTL or the backlog bound, the
+shorter), whose prefix is at most ``short_term`` events longer than the one admitted then,
+*joins* that pre-inference (``Decision.joined``): the worker computes a prefix once
+(single-flight in its store) and every later signal of the same prefix waits on that
+computation or hits the cached result, so a join is admitted without a token and adds nothing
+to the backlog or the footprint (counted ``joined``). In a burst a user's three visits come
+together: charged three times, they emptied the bucket and inflated the backlog, and other
+users' first visits were refused (``rate_bound``). Past the backlog bound the admitted work is
+due to have finished, and the user's partition may have moved to a worker that has nothing of
+it: a later visit is admitted as any other, so that a rebalance cannot start the moved users'
+pre-inferences on their new worker without tokens.
 
 Admission is where pre-inference is shed: an admitted one finishes (the worker does not drop it
 for being late), so under overload the trigger admits fewer. The backlog is the owner's report
@@ -233,11 +237,11 @@ class SequenceAwareTrigger:
         return d
 
     def _joins(self, user_id: str | None, history_len: int, now: float) -> bool:
-        """Whether ``user_id``'s pre-inference admitted within the lease TTL covers the prefix of
-        a ``history_len``-event history but for at most a short-term suffix (computed once, by the
-        worker's single-flight, or a cache hit). Counted in the user's events in all, not the
+        """Whether ``user_id``'s pre-inference admitted within the join window covers the prefix
+        of a ``history_len``-event history but for at most a short-term suffix (computed once, by
+        the worker's single-flight, or a cache hit). Counted in the user's events in all, not the
         served window: a window that moved is another prefix."""
-        cut = now - self.config.lease_ttl_s
+        cut = now - min(self.config.lease_ttl_s, self.config.backlog_bound_ms / 1000)
         while self._admitted_users:  # forget admissions past the lease, oldest first
             oldest = next(iter(self._admitted_users))
             if self._admitted_users[oldest][0] > cut:

@@ -201,17 +201,26 @@ def test_a_users_later_visits_join_its_admitted_pre_inference_at_no_cost() -> No
     first = t.decide(0, 4000, 1.0, user_id="a")
     assert first.admitted and not first.joined
     for n in (4000, 4010, 4064):
-        d = t.decide(0, n, 1.5, user_id="a")
+        d = t.decide(0, n, 1.05, user_id="a")
         assert d.admitted and d.joined and d.prefix_len == n - 64
     assert t.backlog_ms(0) == pytest.approx(LAT.predict_ms(4000 - 64))
-    assert t.decide(0, 4000, 2.0, user_id="b").admitted
+    assert t.decide(0, 4000, 1.06, user_id="b").admitted
     assert t.counts["admitted"] == 5 and t.counts["joined"] == 3
     # No token left: what is not a join is refused.
-    assert t.decide(0, 4000, 2.0, user_id="c").reason is TriggerReason.RATE_BOUND
+    assert t.decide(0, 4000, 1.06, user_id="c").reason is TriggerReason.RATE_BOUND
     # Grown past a short-term suffix, or shorter (another window), it is another prefix.
-    assert t.decide(0, 4065, 2.0, user_id="a").reason is TriggerReason.RATE_BOUND
-    assert t.decide(0, 3999, 2.0, user_id="a").reason is TriggerReason.RATE_BOUND
-    # Past the lease the prefix may be gone: a visit is charged again.
-    assert t.decide(0, 4000, 11.5, user_id="a").reason is TriggerReason.RATE_BOUND
+    assert t.decide(0, 4065, 1.06, user_id="a").reason is TriggerReason.RATE_BOUND
+    assert t.decide(0, 3999, 1.06, user_id="a").reason is TriggerReason.RATE_BOUND
+    # Past the join window (here the backlog bound, 83 ms: the admitted work is due to be done,
+    # and the user's partition may have moved since) a visit is charged again.
+    assert t.decide(0, 4000, 1.1, user_id="a").reason is TriggerReason.RATE_BOUND
     # Without a user id nothing joins.
-    assert t.decide(0, 4000, 2.0).reason is TriggerReason.RATE_BOUND
+    assert t.decide(0, 4000, 1.06).reason is TriggerReason.RATE_BOUND
+
+
+def test_the_join_window_is_the_lease_or_the_backlog_bound_whichever_is_shorter() -> None:
+    t = trig(prefill_rate_per_s=1e-9, prefill_burst=1.0, backlog_bound_ms=1e6, lease_ttl_s=10.0)
+    assert t.decide(0, 4000, 0.0, user_id="a").admitted
+    assert t.decide(0, 4000, 9.5, user_id="a").joined
+    # Past the lease the prefix may be gone: a visit is charged again (no token left).
+    assert t.decide(0, 4000, 20.0, user_id="a").reason is TriggerReason.RATE_BOUND
