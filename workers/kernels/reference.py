@@ -30,6 +30,10 @@ PAD_POSITION = 1 << 40
 """Position of a padding key: after every real query, so no one sees it."""
 LUT_LIMIT = 1 << 21
 """Largest position table; beyond it (over ~80 position buckets) buckets are computed per pair."""
+TILE_TOKENS = 512
+"""Largest side of a causal tile: smaller tiles skip more of the hidden triangle (a user cut in
+``b`` blocks computes ``(b + 1) / 2b`` of its square) but copy each query, key and value into
+more tiles."""
 _TIME_SHIFT = 22  # a float32 gap's exponent and first mantissa bit: two time codes per doubling
 _TIME_CODE0 = F32_EXP_BIAS << 1  # the code of a 1 s gap
 
@@ -42,8 +46,25 @@ class PairLayout:
 
     q_slots: torch.Tensor | None  # [Tq] rows of the [B * max_q] layout
     k_slots: torch.Tensor | None  # [Tk] rows of the [B * max_k] layout
-    index: torch.Tensor  # [B, max_q, max_k] int32
-    weight: torch.Tensor  # [B, max_q, max_k] float32
+    index: torch.Tensor  # [B, max_q, max_k] int32 ([tiles, side, side] when tiled)
+    weight: torch.Tensor  # [B, max_q, max_k] float32 ([tiles, side, side] when tiled)
+    tiles: CausalTiles | None = None
+
+
+@dataclass(frozen=True)
+class CausalTiles:
+    """One user's causal square cut into ``blocks`` blocks of ``side`` tokens (``pad`` padding
+    tokens first), and the tiles on or below the diagonal: the diagonal ones first, then the rest
+    row by row. A tile is block ``r``'s queries against block ``c``'s keys; tiles above the
+    diagonal hold only hidden pairs and are never computed."""
+
+    pad: int
+    side: int
+    blocks: int
+    rows: torch.Tensor  # [tiles * side] packed query (and own key) of each tile row; padding: 0
+    cols: torch.Tensor  # [tiles * side] packed key of each tile column; padding: 0
+    out_rows: torch.Tensor  # [(tiles - blocks) * side] padded row each tile below adds into
+    col_slots: torch.Tensor  # [tiles * side] padded column of each tile column
 
 
 def saturation(num_pos: int) -> int:
@@ -103,10 +124,10 @@ def _index(d: torch.Tensor, gaps: torch.Tensor, params: AttentionParams) -> torc
 
 
 def _weight(
-    d: torch.Tensor, q_pos: torch.Tensor, shift: int, params: AttentionParams, dtype: torch.dtype
+    d: torch.Tensor, q_pos: torch.Tensor, params: AttentionParams, dtype: torch.dtype
 ) -> torch.Tensor:
     """Each pair's weight: ``1 / N`` for a visible near pair, the query's far factor over ``N`` for
-    a far one, 0 for a hidden one. ``shift``: the column of row 0's own key."""
+    a far one, 0 for a hidden one (a query's own key is set by the caller)."""
     visible = d > 0
     near = (
         visible * (1.0 / params.normaliser)
@@ -121,8 +142,73 @@ def _weight(
             torch.reciprocal(count).mul_(params.far_keys).clamp_(max=1.0).to(dtype).div_(params.normaliser)
         )
         near = torch.where(d >= params.near_keys, factor.unsqueeze(-1), near)
-    near.diagonal(shift, dim1=-2, dim2=-1).fill_(1.0 / params.normaliser)  # a query's own key
     return near
+
+
+def _pairs(
+    q_pos: torch.Tensor,
+    q_ts: torch.Tensor,
+    k_pos: torch.Tensor,
+    k_ts: torch.Tensor,
+    params: AttentionParams,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bias index and weight of every (query, key) pair of ``[n, rows]`` queries and ``[n, cols]``
+    keys: ``[n, rows, cols]`` each, own keys not yet set."""
+    d = q_pos[:, :, None] - k_pos[:, None, :]  # i - j
+    # The gaps straight into float32 (computed in float64, rounded once: as ``.to(float32)``).
+    gaps = torch.empty(d.shape, dtype=torch.float32, device=d.device)
+    index = _index(d, torch.sub(q_ts[:, :, None], k_ts[:, None, :], out=gaps), params)
+    return index, _weight(d, q_pos, params, dtype)
+
+
+def causal_tiles(total: int, device: torch.device) -> CausalTiles:
+    """The tiles of one user's ``total`` x ``total`` causal square (its queries are all its keys),
+    in blocks of at most ``TILE_TOKENS``. Planned on the host (index maps, no device operation)."""
+    blocks = -(-total // TILE_TOKENS)
+    side = -(-total // blocks)
+    pad = blocks * side - total
+    below_r, below_c = np.tril_indices(blocks, -1)  # row by row
+    diagonal = np.arange(blocks)
+    within = np.arange(side)
+    out_rows = (np.concatenate([diagonal, below_r])[:, None] * side + within).reshape(-1)
+    col_slots = (np.concatenate([diagonal, below_c])[:, None] * side + within).reshape(-1)
+    maps = np.stack([np.maximum(out_rows - pad, 0), np.maximum(col_slots - pad, 0), out_rows, col_slots])
+    rows, cols, out_rows_t, col_slots_t = torch.from_numpy(maps).to(device)
+    return CausalTiles(pad, side, blocks, rows, cols, out_rows_t[blocks * side :], col_slots_t)
+
+
+def causal_order(batch: JaggedBatch) -> bool:
+    """Whether one user's keys after a query's own key are all hidden from it (key positions never
+    decrease, and each query sits at or before its own key's position), so the tiles above the
+    diagonal can be skipped. Read on the host for a CPU (no device operation); the meta device
+    (operation counts) has no values and is taken as ordered."""
+    shift = batch.max_k - batch.max_q
+    k_pos, q_pos = batch.k_pos, batch.q_pos
+    if k_pos.device.type == "meta":
+        return True
+    if k_pos.device.type == "cpu":
+        k, q = k_pos.numpy(), q_pos.numpy()
+        return bool((k[1:] >= k[:-1]).all() and (q <= k[shift:]).all())
+    return bool((k_pos[1:] >= k_pos[:-1]).all() & (q_pos <= k_pos[shift:]).all())
+
+
+def _tiled_layout(batch: JaggedBatch, params: AttentionParams, dtype: torch.dtype) -> PairLayout:
+    """One user whose queries are all its keys, in causal tiles (``CausalTiles``)."""
+    tiles = causal_tiles(batch.max_k, batch.k_pos.device)
+    n = int(tiles.rows.shape[0]) // tiles.side
+    k_pos = torch.where(tiles.col_slots < tiles.pad, PAD_POSITION, batch.k_pos[tiles.cols])
+    index, weight = _pairs(
+        batch.q_pos[tiles.rows].view(n, -1),
+        batch.q_ts[tiles.rows].view(n, -1),
+        k_pos.view(n, -1),
+        batch.k_ts[tiles.cols].view(n, -1),
+        params,
+        dtype,
+    )
+    # Own keys: the diagonal of the diagonal tiles (the first ``blocks``).
+    weight[: tiles.blocks].diagonal(dim1=-2, dim2=-1).fill_(1.0 / params.normaliser)
+    return PairLayout(None, None, index, weight, tiles)
 
 
 def pair_layout(
@@ -134,21 +220,50 @@ def pair_layout(
     if key in batch.scratch:
         return batch.scratch[key]
     users, lq, lk = batch.users, batch.max_q, batch.max_k
+    if users == 1 and lq == lk and causal_order(batch):
+        batch.scratch[key] = _tiled_layout(batch, params, dtype)
+        return batch.scratch[key]
     q_slots = k_slots = None
     if users > 1:
         q_slots = _slots(batch.q_offsets, int(batch.q_pos.shape[0]), lq, users)
         k_slots = _slots(batch.k_offsets, int(batch.k_pos.shape[0]), lk, users)
-    q_pos = _dense(batch.q_pos, q_slots, users, lq, 0)
-    k_pos = _dense(batch.k_pos, k_slots, users, lk, PAD_POSITION)
-    q_ts = _dense(batch.q_ts, q_slots, users, lq, 0.0)
-    k_ts = _dense(batch.k_ts, k_slots, users, lk, 0.0)
-    d = q_pos[:, :, None] - k_pos[:, None, :]  # [B, lq, lk]: i - j
-    # The gaps straight into float32 (computed in float64, rounded once: as ``.to(float32)``).
-    gaps = torch.empty(d.shape, dtype=torch.float32, device=d.device)
-    index = _index(d, torch.sub(q_ts[:, :, None], k_ts[:, None, :], out=gaps), params)
-    layout = PairLayout(q_slots, k_slots, index, _weight(d, q_pos, lk - lq, params, dtype))
+    index, weight = _pairs(
+        _dense(batch.q_pos, q_slots, users, lq, 0),
+        _dense(batch.q_ts, q_slots, users, lq, 0.0),
+        _dense(batch.k_pos, k_slots, users, lk, PAD_POSITION),
+        _dense(batch.k_ts, k_slots, users, lk, 0.0),
+        params,
+        dtype,
+    )
+    weight.diagonal(lk - lq, dim1=-2, dim2=-1).fill_(1.0 / params.normaliser)  # a query's own key
+    layout = PairLayout(q_slots, k_slots, index, weight)
     batch.scratch[key] = layout
     return layout
+
+
+def _tiled_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias_table: torch.Tensor, layout: PairLayout
+) -> torch.Tensor:
+    """Attention over causal tiles: the heads and tiles flattened into one batch ``[H * tiles]``,
+    each tile row's output added into its block row. ``q``/``k``/``v`` in the sums' dtype."""
+    tiles = layout.tiles
+    assert tiles is not None
+    heads, n, side = q.shape[1], layout.index.shape[0], tiles.side
+    # [H, tiles * side, d]: token rows copied into their tiles, head-major (views for one head).
+    qt = torch.index_select(q.transpose(0, 1), 1, tiles.rows).view(heads * n, side, -1)
+    kt = torch.index_select(k.transpose(0, 1), 1, tiles.cols).view(heads * n, side, -1)
+    vt = torch.index_select(v.transpose(0, 1), 1, tiles.cols).view(heads, n, side, -1)
+    bias = torch.index_select(bias_table, 0, layout.index.view(-1)).view(layout.index.shape)
+    if heads == 1:  # the bias is the scores' buffer: no copy of it
+        scores = bias.baddbmm_(qt, kt.transpose(1, 2)).unsqueeze(0)
+    else:
+        scores = torch.matmul(qt, kt.transpose(1, 2)).view(heads, n, side, side).add_(bias)
+    scores = F.silu(scores, inplace=True).mul_(layout.weight)
+    out = torch.matmul(scores, vt).view(heads, n * side, -1)  # [H, tiles * side, dv]
+    # The diagonal tiles cover every padded row once, in order; the tiles below add into theirs.
+    rows = tiles.blocks * side
+    out = torch.index_add(out[:, :rows], 1, tiles.out_rows, out[:, rows:])
+    return out[:, tiles.pad :].transpose(0, 1)  # [T, H, dv]
 
 
 def reference_hstu_mha(
@@ -162,6 +277,8 @@ def reference_hstu_mha(
     """``hstu_mha`` in PyTorch (see ``interface``)."""
     f32 = torch.float64 if q.dtype == torch.float64 else torch.float32  # sums in float32 at least
     layout = pair_layout(batch, params, f32)
+    if layout.tiles is not None:
+        return _tiled_attention(q.to(f32), k.to(f32), v.to(f32), bias_table.to(f32), layout).to(q.dtype)
     users, lq, lk = batch.users, batch.max_q, batch.max_k
     heads = q.shape[1]
     qd = _dense(q.to(f32), layout.q_slots, users, lq, 0.0).transpose(1, 2)  # [B, H, lq, d]
