@@ -17,7 +17,8 @@ the layout reads it with one gather instead of re-deriving buckets pair by pair.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -34,6 +35,9 @@ TILE_TOKENS = 512
 """Largest side of a causal tile: smaller tiles skip more of the hidden triangle (a user cut in
 ``b`` blocks computes ``(b + 1) / 2b`` of its square) but copy each query, key and value into
 more tiles."""
+POSITION_FRAME = 1 << 30
+"""A user whose positions span at most this has its pair differences in int32 (padding keys at one
+past it: after every query)."""
 _TIME_SHIFT = 22  # a float32 gap's exponent and first mantissa bit: two time codes per doubling
 _TIME_CODE0 = F32_EXP_BIAS << 1  # the code of a 1 s gap
 
@@ -49,6 +53,7 @@ class PairLayout:
     index: torch.Tensor  # [B, max_q, max_k] int32 ([tiles, side, side] when tiled)
     weight: torch.Tensor  # [B, max_q, max_k] float32 ([tiles, side, side] when tiled)
     tiles: CausalTiles | None = None
+    buffers: dict[str, object] = field(default_factory=dict)  # reused by every layer
 
 
 @dataclass(frozen=True)
@@ -135,13 +140,7 @@ def _weight(
         else visible.to(dtype).mul_(1.0 / params.normaliser)
     )
     if params.near_keys > 0:
-        # min(1, far_keys / (pos - near_keys + 1)) / N per query, the factor in float32 whatever
-        # the scores' dtype, rounded as training rounds it (``hstu_attention.far_scale``).
-        count = (q_pos - (params.near_keys - 1)).clamp_(min=1)
-        factor = (
-            torch.reciprocal(count).mul_(params.far_keys).clamp_(max=1.0).to(dtype).div_(params.normaliser)
-        )
-        near = torch.where(d >= params.near_keys, factor.unsqueeze(-1), near)
+        near = torch.where(d >= params.near_keys, _far_factor(q_pos, params, dtype).unsqueeze(-1), near)
     return near
 
 
@@ -178,34 +177,91 @@ def causal_tiles(total: int, device: torch.device) -> CausalTiles:
     return CausalTiles(pad, side, blocks, rows, cols, out_rows_t[blocks * side :], col_slots_t)
 
 
-def causal_order(batch: JaggedBatch) -> bool:
-    """Whether one user's keys after a query's own key are all hidden from it (key positions never
-    decrease, and each query sits at or before its own key's position), so the tiles above the
-    diagonal can be skipped. Read on the host for a CPU (no device operation); the meta device
-    (operation counts) has no values and is taken as ordered."""
+def causal_order(batch: JaggedBatch) -> tuple[bool, int | None]:
+    """For one user: whether its keys after a query's own key are all hidden from it (key positions
+    never decrease, and each query sits at or before its own key's position), so the tiles above
+    the diagonal can be skipped; and its smallest position where its positions span at most
+    ``POSITION_FRAME`` (pair differences in int32), else ``None``. Read on the host (no device
+    operation); the meta device (operation counts) has no values and is taken as ordered, at 0."""
     shift = batch.max_k - batch.max_q
-    k_pos, q_pos = batch.k_pos, batch.q_pos
-    if k_pos.device.type == "meta":
-        return True
-    if k_pos.device.type == "cpu":
-        k, q = k_pos.numpy(), q_pos.numpy()
-        return bool((k[1:] >= k[:-1]).all() and (q <= k[shift:]).all())
-    return bool((k_pos[1:] >= k_pos[:-1]).all() & (q_pos <= k_pos[shift:]).all())
+    if batch.k_pos.device.type == "meta":
+        return True, 0
+    k, q = batch.k_pos.cpu().numpy(), batch.q_pos.cpu().numpy()
+    ordered = bool((k[1:] >= k[:-1]).all() and (q <= k[shift:]).all())
+    low = int(min(k.min(), q.min()))
+    return ordered, low if int(max(k.max(), q.max())) - low <= POSITION_FRAME else None
 
 
-def _tiled_layout(batch: JaggedBatch, params: AttentionParams, dtype: torch.dtype) -> PairLayout:
-    """One user whose queries are all its keys, in causal tiles (``CausalTiles``)."""
+@functools.cache
+def _near_weights(params: AttentionParams, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``table[d]`` for a clamped position difference ``d`` in ``0 .. saturation``: 0 for ``d = 0``
+    (hidden), ``1 / N`` for a near visible pair, 0 for a far one (its query's factor goes in by
+    row). Built from numpy, as ``_position_table``."""
+    d = np.arange(0, saturation(params.num_pos) + 1)
+    near = (d > 0) & ((d < params.near_keys) | (params.near_keys <= 0))
+    table = torch.from_numpy(near * (1.0 / params.normaliser)).to(dtype)
+    return table if device.type == "cpu" else table.to(device)
+
+
+def _far_factor(q_pos: torch.Tensor, params: AttentionParams, dtype: torch.dtype) -> torch.Tensor:
+    """min(1, far_keys / (pos - near_keys + 1)) / N per query, the factor in float32 whatever the
+    scores' dtype, rounded as training rounds it (``hstu_attention.far_scale``)."""
+    count = (q_pos - (params.near_keys - 1)).clamp_(min=1)
+    return torch.reciprocal(count).mul_(params.far_keys).clamp_(max=1.0).to(dtype).div_(params.normaliser)
+
+
+def _tile_pairs(
+    rel: tuple[torch.Tensor, torch.Tensor],
+    ts: tuple[torch.Tensor, torch.Tensor],
+    q_pos: torch.Tensor,
+    params: AttentionParams,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_pairs`` for tiles, with fewer passes and fresh buffers: ``rel`` the queries' and keys'
+    positions in an int32 frame (``[n, side]``), ``ts`` their timestamps, ``q_pos`` the queries'
+    absolute positions (the far factor). Needs the position table, and ``near_keys`` at most where
+    buckets saturate: the difference is clamped in place and still tells visibility and farness."""
+    (q_rel, k_rel), (q_ts, k_ts) = rel, ts
+    shape = (q_rel.shape[0], q_rel.shape[1], k_rel.shape[1])
+    pairs = shape[0] * shape[1] * shape[2]
+    # One float64 buffer: the exact time gaps, then (as int32 halves) the clamped differences
+    # and the position part of the index; the weight ends in the second half when float32.
+    scratch = torch.sub(q_ts[:, :, None], k_ts[:, None, :], out=q_ts.new_empty(shape))
+    index = scratch.to(torch.float32).view(torch.int32).bitwise_right_shift_(_TIME_SHIFT)
+    # A gap under 1.5 s (negative, -0 and NaN's sign included) is code 254; the top code repeats.
+    index = index.clamp_(_TIME_CODE0, _TIME_CODE0 + params.num_time - 1)
+    halves = scratch.view(-1).view(torch.int32)
+    d = torch.sub(q_rel[:, :, None], k_rel[:, None, :], out=halves[:pairs].view(shape))
+    d = d.clamp_(0, saturation(params.num_pos))
+    table = _position_table(params.num_pos, params.num_time, d.device)
+    index.add_(torch.index_select(table, 0, d.view(-1), out=halves[pairs:]).view(shape))
+    into = halves[pairs:].view(torch.float32) if dtype == torch.float32 else None
+    weight = torch.index_select(_near_weights(params, dtype, d.device), 0, d.view(-1), out=into)
+    weight = weight.view(shape)
+    if params.near_keys > 0:
+        far = _far_factor(q_pos, params, dtype).unsqueeze(-1)
+        weight = torch.where(d >= params.near_keys, far, weight, out=weight)
+    return index, weight
+
+
+def _tiled_layout(
+    batch: JaggedBatch, params: AttentionParams, dtype: torch.dtype, base: int | None
+) -> PairLayout:
+    """One user whose queries are all its keys, in causal tiles (``CausalTiles``); ``base``: its
+    smallest position, where its positions span at most ``POSITION_FRAME``."""
     tiles = causal_tiles(batch.max_k, batch.k_pos.device)
     n = int(tiles.rows.shape[0]) // tiles.side
-    k_pos = torch.where(tiles.col_slots < tiles.pad, PAD_POSITION, batch.k_pos[tiles.cols])
-    index, weight = _pairs(
-        batch.q_pos[tiles.rows].view(n, -1),
-        batch.q_ts[tiles.rows].view(n, -1),
-        k_pos.view(n, -1),
-        batch.k_ts[tiles.cols].view(n, -1),
-        params,
-        dtype,
-    )
+    q_pos = batch.q_pos[tiles.rows].view(n, -1)
+    k_pos = batch.k_pos[tiles.cols].view(n, -1)
+    q_ts, k_ts = batch.q_ts[tiles.rows].view(n, -1), batch.k_ts[tiles.cols].view(n, -1)
+    key_pad = (tiles.col_slots < tiles.pad).view(n, -1)
+    top = saturation(params.num_pos)
+    if base is not None and 1 <= top < LUT_LIMIT and params.near_keys <= top:
+        q_rel = (q_pos - base).to(torch.int32)
+        k_rel = (k_pos - base).to(torch.int32).masked_fill_(key_pad, POSITION_FRAME + 1)
+        index, weight = _tile_pairs((q_rel, k_rel), (q_ts, k_ts), q_pos, params, dtype)
+    else:
+        index, weight = _pairs(q_pos, q_ts, k_pos.masked_fill(key_pad, PAD_POSITION), k_ts, params, dtype)
     # Own keys: the diagonal of the diagonal tiles (the first ``blocks``).
     weight[: tiles.blocks].diagonal(dim1=-2, dim2=-1).fill_(1.0 / params.normaliser)
     return PairLayout(None, None, index, weight, tiles)
@@ -220,9 +276,11 @@ def pair_layout(
     if key in batch.scratch:
         return batch.scratch[key]
     users, lq, lk = batch.users, batch.max_q, batch.max_k
-    if users == 1 and lq == lk and causal_order(batch):
-        batch.scratch[key] = _tiled_layout(batch, params, dtype)
-        return batch.scratch[key]
+    if users == 1 and lq == lk:
+        ordered, base = causal_order(batch)
+        if ordered:
+            batch.scratch[key] = _tiled_layout(batch, params, dtype, base)
+            return batch.scratch[key]
     q_slots = k_slots = None
     if users > 1:
         q_slots = _slots(batch.q_offsets, int(batch.q_pos.shape[0]), lq, users)
@@ -241,6 +299,22 @@ def pair_layout(
     return layout
 
 
+def _buffers(
+    layout: PairLayout, like: torch.Tensor, **shapes: tuple[int, ...]
+) -> dict[str, torch.Tensor | None]:
+    """Buffers every layer of the batch writes into, carved from one allocation (fresh memory costs
+    a page fault per page on a CPU, as much as the work at these sizes); ``None`` (fresh tensors)
+    when autograd records."""
+    if torch.is_grad_enabled() and like.requires_grad:
+        return dict.fromkeys(shapes)
+    sizes = [math.prod(shape) for shape in shapes.values()]
+    key = (like.dtype, like.device, tuple(shapes.items()))
+    if layout.buffers.get("key") != key:
+        layout.buffers.update(key=key, flat=like.new_empty(sum(sizes)))
+    parts = layout.buffers["flat"].split(sizes)
+    return {name: part.view(shape) for (name, shape), part in zip(shapes.items(), parts, strict=True)}
+
+
 def _tiled_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias_table: torch.Tensor, layout: PairLayout
 ) -> torch.Tensor:
@@ -248,18 +322,30 @@ def _tiled_attention(
     each tile row's output added into its block row. ``q``/``k``/``v`` in the sums' dtype."""
     tiles = layout.tiles
     assert tiles is not None
-    heads, n, side = q.shape[1], layout.index.shape[0], tiles.side
-    # [H, tiles * side, d]: token rows copied into their tiles, head-major (views for one head).
-    qt = torch.index_select(q.transpose(0, 1), 1, tiles.rows).view(heads * n, side, -1)
-    kt = torch.index_select(k.transpose(0, 1), 1, tiles.cols).view(heads * n, side, -1)
-    vt = torch.index_select(v.transpose(0, 1), 1, tiles.cols).view(heads, n, side, -1)
-    bias = torch.index_select(bias_table, 0, layout.index.view(-1)).view(layout.index.shape)
+    (heads, dqk, dv), (n, side) = (q.shape[1], q.shape[2], v.shape[2]), layout.index.shape[:2]
+    flat = (heads, n * side)
+    into = _buffers(
+        layout,
+        q,
+        q=(*flat, dqk),
+        k=(*flat, dqk),
+        v=(*flat, dv),
+        bias=(n * side * side,),
+        scores=(heads * n, side, side) if heads > 1 else (0,),
+        out=(heads, n, side, dv),
+    )
+    # [H, tiles * side, d]: token rows copied into their tiles, head-major.
+    qt = torch.index_select(q.transpose(0, 1), 1, tiles.rows, out=into["q"]).view(heads * n, side, dqk)
+    kt = torch.index_select(k.transpose(0, 1), 1, tiles.cols, out=into["k"]).view(heads * n, side, dqk)
+    vt = torch.index_select(v.transpose(0, 1), 1, tiles.cols, out=into["v"]).view(heads, n, side, dv)
+    bias = torch.index_select(bias_table, 0, layout.index.view(-1), out=into["bias"]).view(n, side, side)
     if heads == 1:  # the bias is the scores' buffer: no copy of it
         scores = bias.baddbmm_(qt, kt.transpose(1, 2)).unsqueeze(0)
     else:
-        scores = torch.matmul(qt, kt.transpose(1, 2)).view(heads, n, side, side).add_(bias)
+        scores = torch.matmul(qt, kt.transpose(1, 2), out=into["scores"])
+        scores = scores.view(heads, n, side, side).add_(bias)
     scores = F.silu(scores, inplace=True).mul_(layout.weight)
-    out = torch.matmul(scores, vt).view(heads, n * side, -1)  # [H, tiles * side, dv]
+    out = torch.matmul(scores, vt, out=into["out"]).view(heads, n * side, dv)
     # The diagonal tiles cover every padded row once, in order; the tiles below add into theirs.
     rows = tiles.blocks * side
     out = torch.index_add(out[:, :rows], 1, tiles.out_rows, out[:, rows:])
