@@ -38,6 +38,8 @@ more tiles."""
 POSITION_FRAME = 1 << 30
 """A user whose positions span at most this has its pair differences in int32 (padding keys at one
 past it: after every query)."""
+TIME_FRAME = (1 << 31) - 1
+"""Whole-second timestamps spanning at most this have their gaps in int32, exact."""
 _TIME_SHIFT = 22  # a float32 gap's exponent and first mantissa bit: two time codes per doubling
 _TIME_CODE0 = F32_EXP_BIAS << 1  # the code of a 1 s gap
 
@@ -177,19 +179,31 @@ def causal_tiles(total: int, device: torch.device) -> CausalTiles:
     return CausalTiles(pad, side, blocks, rows, cols, out_rows_t[blocks * side :], col_slots_t)
 
 
-def causal_order(batch: JaggedBatch) -> tuple[bool, int | None]:
-    """For one user: whether its keys after a query's own key are all hidden from it (key positions
-    never decrease, and each query sits at or before its own key's position), so the tiles above
-    the diagonal can be skipped; and its smallest position where its positions span at most
-    ``POSITION_FRAME`` (pair differences in int32), else ``None``. Read on the host (no device
-    operation); the meta device (operation counts) has no values and is taken as ordered, at 0."""
-    shift = batch.max_k - batch.max_q
+@dataclass(frozen=True)
+class HostFrame:
+    """What the host reads of one user's positions and timestamps before tiling it."""
+
+    ordered: bool  # keys after a query's own key are all hidden from it: tiles above are skipped
+    pos_base: int | None  # the smallest position, where positions span at most POSITION_FRAME
+    ts_base: float | None  # the smallest timestamp, where all are whole seconds within TIME_FRAME
+
+
+def host_frame(batch: JaggedBatch) -> HostFrame:
+    """For one user: whether its key positions never decrease and each query sits at or before
+    its own key's position (then every key after a query's own key is hidden from it); whether its
+    pair differences fit int32 (positions, and whole-second timestamps, whose int32 difference
+    rounds to float32 as the float64 one does). Read on the host (no device operation); the meta
+    device (operation counts) has no values and is taken as ordered, in both frames at 0."""
     if batch.k_pos.device.type == "meta":
-        return True, 0
+        return HostFrame(True, 0, 0.0)
+    shift = batch.max_k - batch.max_q
     k, q = batch.k_pos.cpu().numpy(), batch.q_pos.cpu().numpy()
     ordered = bool((k[1:] >= k[:-1]).all() and (q <= k[shift:]).all())
     low = int(min(k.min(), q.min()))
-    return ordered, low if int(max(k.max(), q.max())) - low <= POSITION_FRAME else None
+    pos_base = low if int(max(k.max(), q.max())) - low <= POSITION_FRAME else None
+    ts = np.concatenate([batch.k_ts.cpu().numpy(), batch.q_ts.cpu().numpy()])
+    whole = bool(np.isfinite(ts).all() and (np.floor(ts) == ts).all() and ts.max() - ts.min() <= TIME_FRAME)
+    return HostFrame(ordered, pos_base, float(ts.min()) if whole else None)
 
 
 @functools.cache
@@ -217,38 +231,38 @@ def _tile_pairs(
     params: AttentionParams,
     dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``_pairs`` for tiles, with fewer passes and fresh buffers: ``rel`` the queries' and keys'
-    positions in an int32 frame (``[n, side]``), ``ts`` their timestamps, ``q_pos`` the queries'
-    absolute positions (the far factor). Needs the position table, and ``near_keys`` at most where
-    buckets saturate: the difference is clamped in place and still tells visibility and farness."""
+    """``_pairs`` for tiles, with fewer passes and no fresh buffer but one: ``rel`` the queries' and
+    keys' positions in an int32 frame (``[n, side]``), ``ts`` their timestamps (float64, or int32
+    whole seconds in a frame), ``q_pos`` the queries' absolute positions (the far factor). Needs
+    the position table, and ``near_keys`` at most where buckets saturate: the difference is clamped
+    in place and still tells visibility and farness."""
     (q_rel, k_rel), (q_ts, k_ts) = rel, ts
     shape = (q_rel.shape[0], q_rel.shape[1], k_rel.shape[1])
-    pairs = shape[0] * shape[1] * shape[2]
-    # One float64 buffer: the exact time gaps, then (as int32 halves) the clamped differences
-    # and the position part of the index; the weight ends in the second half when float32.
-    scratch = torch.sub(q_ts[:, :, None], k_ts[:, None, :], out=q_ts.new_empty(shape))
-    index = scratch.to(torch.float32).view(torch.int32).bitwise_right_shift_(_TIME_SHIFT)
+    # Three int32 planes: the time gaps (float64 over planes 0-1), then the clamped position
+    # difference; the position part of the index, then the weight when float32; the index.
+    planes = q_rel.new_empty((3, shape[0] * shape[1] * shape[2]))
+    into = planes[0] if q_ts.dtype == torch.int32 else planes[:2].view(-1).view(torch.float64)
+    gaps = torch.sub(q_ts[:, :, None], k_ts[:, None, :], out=into.view(shape))
+    index = planes[2].view(torch.float32).view(shape).copy_(gaps).view(torch.int32)
+    index = index.bitwise_right_shift_(_TIME_SHIFT)
     # A gap under 1.5 s (negative, -0 and NaN's sign included) is code 254; the top code repeats.
     index = index.clamp_(_TIME_CODE0, _TIME_CODE0 + params.num_time - 1)
-    halves = scratch.view(-1).view(torch.int32)
-    d = torch.sub(q_rel[:, :, None], k_rel[:, None, :], out=halves[:pairs].view(shape))
-    d = d.clamp_(0, saturation(params.num_pos))
+    d = torch.sub(q_rel[:, :, None], k_rel[:, None, :], out=planes[0].view(shape))
+    d = d.clamp_(0, saturation(params.num_pos)).view(-1)
     table = _position_table(params.num_pos, params.num_time, d.device)
-    index.add_(torch.index_select(table, 0, d.view(-1), out=halves[pairs:]).view(shape))
-    into = halves[pairs:].view(torch.float32) if dtype == torch.float32 else None
-    weight = torch.index_select(_near_weights(params, dtype, d.device), 0, d.view(-1), out=into)
-    weight = weight.view(shape)
+    index.add_(torch.index_select(table, 0, d, out=planes[1]).view(shape))
+    into = planes[1].view(torch.float32) if dtype == torch.float32 else None
+    weight = torch.index_select(_near_weights(params, dtype, d.device), 0, d, out=into).view(shape)
     if params.near_keys > 0:
         far = _far_factor(q_pos, params, dtype).unsqueeze(-1)
-        weight = torch.where(d >= params.near_keys, far, weight, out=weight)
+        weight = torch.where(d.view(shape) >= params.near_keys, far, weight, out=weight)
     return index, weight
 
 
 def _tiled_layout(
-    batch: JaggedBatch, params: AttentionParams, dtype: torch.dtype, base: int | None
+    batch: JaggedBatch, params: AttentionParams, dtype: torch.dtype, frame: HostFrame
 ) -> PairLayout:
-    """One user whose queries are all its keys, in causal tiles (``CausalTiles``); ``base``: its
-    smallest position, where its positions span at most ``POSITION_FRAME``."""
+    """One user whose queries are all its keys, in causal tiles (``CausalTiles``)."""
     tiles = causal_tiles(batch.max_k, batch.k_pos.device)
     n = int(tiles.rows.shape[0]) // tiles.side
     q_pos = batch.q_pos[tiles.rows].view(n, -1)
@@ -256,9 +270,11 @@ def _tiled_layout(
     q_ts, k_ts = batch.q_ts[tiles.rows].view(n, -1), batch.k_ts[tiles.cols].view(n, -1)
     key_pad = (tiles.col_slots < tiles.pad).view(n, -1)
     top = saturation(params.num_pos)
-    if base is not None and 1 <= top < LUT_LIMIT and params.near_keys <= top:
-        q_rel = (q_pos - base).to(torch.int32)
-        k_rel = (k_pos - base).to(torch.int32).masked_fill_(key_pad, POSITION_FRAME + 1)
+    if frame.pos_base is not None and 1 <= top < LUT_LIMIT and params.near_keys <= top:
+        q_rel = (q_pos - frame.pos_base).to(torch.int32)
+        k_rel = (k_pos - frame.pos_base).to(torch.int32).masked_fill_(key_pad, POSITION_FRAME + 1)
+        if frame.ts_base is not None:
+            q_ts, k_ts = (q_ts - frame.ts_base).to(torch.int32), (k_ts - frame.ts_base).to(torch.int32)
         index, weight = _tile_pairs((q_rel, k_rel), (q_ts, k_ts), q_pos, params, dtype)
     else:
         index, weight = _pairs(q_pos, q_ts, k_pos.masked_fill(key_pad, PAD_POSITION), k_ts, params, dtype)
@@ -277,9 +293,9 @@ def pair_layout(
         return batch.scratch[key]
     users, lq, lk = batch.users, batch.max_q, batch.max_k
     if users == 1 and lq == lk:
-        ordered, base = causal_order(batch)
-        if ordered:
-            batch.scratch[key] = _tiled_layout(batch, params, dtype, base)
+        frame = host_frame(batch)
+        if frame.ordered:
+            batch.scratch[key] = _tiled_layout(batch, params, dtype, frame)
             return batch.scratch[key]
     q_slots = k_slots = None
     if users > 1:
