@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -38,6 +39,9 @@ more tiles."""
 POSITION_FRAME = 1 << 30
 """A user whose positions span at most this has its pair differences in int32 (padding keys at one
 past it: after every query)."""
+SPARE_BYTES = 1 << 30
+"""Largest tile scratch (layout planes, layer buffers) a CPU process keeps for its next forward."""
+_spare: dict[torch.dtype, torch.Tensor] = {}
 TIME_FRAME = (1 << 31) - 1
 """Whole-second timestamps spanning at most this have their gaps in int32, exact."""
 _TIME_SHIFT = 22  # a float32 gap's exponent and first mantissa bit: two time codes per doubling
@@ -179,6 +183,24 @@ def causal_tiles(total: int, device: torch.device) -> CausalTiles:
     return CausalTiles(pad, side, blocks, rows, cols, out_rows_t[blocks * side :], col_slots_t)
 
 
+def _take(numel: int, like: torch.Tensor) -> torch.Tensor:
+    """At least ``numel`` elements of ``like``'s dtype. On a CPU, the memory a finished forward left
+    (``_keep``): memory this large is a fresh ``mmap`` whatever ``devices.keep_host_pages`` says, and
+    faulting it in costs as much as the work. Taken with one ``pop`` (atomic): two forwards alive
+    at once never share it."""
+    kept = _spare.pop(like.dtype, None) if like.device.type == "cpu" else None
+    if kept is None or kept.numel() < numel:
+        kept = like.new_empty(numel)
+    return kept
+
+
+def _keep(owner: object, taken: torch.Tensor) -> None:
+    """Once ``owner`` (the layout, whose tensors view ``taken``) is gone, keep ``taken``'s memory for
+    the next forward: one buffer per dtype, up to ``SPARE_BYTES``, on a CPU only."""
+    if taken.device.type == "cpu" and taken.numel() * taken.element_size() <= SPARE_BYTES:
+        weakref.finalize(owner, _spare.__setitem__, taken.dtype, taken)
+
+
 @dataclass(frozen=True)
 class HostFrame:
     """What the host reads of one user's positions and timestamps before tiling it."""
@@ -230,8 +252,10 @@ def _tile_pairs(
     q_pos: torch.Tensor,
     params: AttentionParams,
     dtype: torch.dtype,
+    planes: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``_pairs`` for tiles, with fewer passes and no fresh buffer but one: ``rel`` the queries' and
+    """``_pairs`` for tiles, with fewer passes and no memory but ``planes`` (int32, three times the
+    pairs): ``rel`` the queries' and
     keys' positions in an int32 frame (``[n, side]``), ``ts`` their timestamps (float64, or int32
     whole seconds in a frame), ``q_pos`` the queries' absolute positions (the far factor). Needs
     the position table, and ``near_keys`` at most where buckets saturate: the difference is clamped
@@ -240,7 +264,7 @@ def _tile_pairs(
     shape = (q_rel.shape[0], q_rel.shape[1], k_rel.shape[1])
     # Three int32 planes: the time gaps (float64 over planes 0-1), then the clamped position
     # difference; the position part of the index, then the weight when float32; the index.
-    planes = q_rel.new_empty((3, shape[0] * shape[1] * shape[2]))
+    planes = planes.view(3, -1)
     into = planes[0] if q_ts.dtype == torch.int32 else planes[:2].view(-1).view(torch.float64)
     gaps = torch.sub(q_ts[:, :, None], k_ts[:, None, :], out=into.view(shape))
     index = planes[2].view(torch.float32).view(shape).copy_(gaps).view(torch.int32)
@@ -269,18 +293,23 @@ def _tiled_layout(
     k_pos = batch.k_pos[tiles.cols].view(n, -1)
     q_ts, k_ts = batch.q_ts[tiles.rows].view(n, -1), batch.k_ts[tiles.cols].view(n, -1)
     key_pad = (tiles.col_slots < tiles.pad).view(n, -1)
-    top = saturation(params.num_pos)
+    top, planes = saturation(params.num_pos), None
     if frame.pos_base is not None and 1 <= top < LUT_LIMIT and params.near_keys <= top:
         q_rel = (q_pos - frame.pos_base).to(torch.int32)
         k_rel = (k_pos - frame.pos_base).to(torch.int32).masked_fill_(key_pad, POSITION_FRAME + 1)
         if frame.ts_base is not None:
             q_ts, k_ts = (q_ts - frame.ts_base).to(torch.int32), (k_ts - frame.ts_base).to(torch.int32)
-        index, weight = _tile_pairs((q_rel, k_rel), (q_ts, k_ts), q_pos, params, dtype)
+        planes = _take(3 * q_rel.numel() * tiles.side, q_rel)
+        planes_of_pairs = planes[: 3 * q_rel.numel() * tiles.side]
+        index, weight = _tile_pairs((q_rel, k_rel), (q_ts, k_ts), q_pos, params, dtype, planes_of_pairs)
     else:
         index, weight = _pairs(q_pos, q_ts, k_pos.masked_fill(key_pad, PAD_POSITION), k_ts, params, dtype)
     # Own keys: the diagonal of the diagonal tiles (the first ``blocks``).
     weight[: tiles.blocks].diagonal(dim1=-2, dim2=-1).fill_(1.0 / params.normaliser)
-    return PairLayout(None, None, index, weight, tiles)
+    layout = PairLayout(None, None, index, weight, tiles)
+    if planes is not None:
+        _keep(layout, planes)
+    return layout
 
 
 def pair_layout(
@@ -326,8 +355,9 @@ def _buffers(
     sizes = [math.prod(shape) for shape in shapes.values()]
     key = (like.dtype, like.device, tuple(shapes.items()))
     if layout.buffers.get("key") != key:
-        layout.buffers.update(key=key, flat=like.new_empty(sum(sizes)))
-    parts = layout.buffers["flat"].split(sizes)
+        layout.buffers.update(key=key, flat=_take(sum(sizes), like))
+        _keep(layout, layout.buffers["flat"])
+    parts = layout.buffers["flat"][: sum(sizes)].split(sizes)
     return {name: part.view(shape) for (name, shape), part in zip(shapes.items(), parts, strict=True)}
 
 
