@@ -143,3 +143,21 @@ def test_the_tiles_cover_the_lower_triangle_once() -> None:
     tiles = reference.causal_tiles(1025, torch.device("cpu"))  # 3 blocks of 342, 1 padding token
     assert (tiles.blocks, tiles.side, tiles.pad) == (3, 342, 1)
     assert int(tiles.rows.min()) == 0 and int(tiles.rows.max()) == 1024
+
+
+def test_a_finished_layout_leaves_its_scratch_to_the_next_and_live_ones_never_share(monkeypatch) -> None:
+    monkeypatch.setattr(reference, "_spare", {})
+    positions, ts = _history(90, 10, seed=3, whole=True)
+    params = AttentionParams(24, 40, 7.0, near_keys=16, far_keys=2.5)
+
+    def layout() -> reference.PairLayout:
+        return reference.pair_layout(JaggedBatch.build([100], [100], positions, ts, positions, ts), params)
+
+    first, second = layout(), layout()
+    memory = second.index.untyped_storage().data_ptr()
+    assert first.index.untyped_storage().data_ptr() != memory and not reference._spare
+    del second
+    assert reference._spare[torch.int32].untyped_storage().data_ptr() == memory
+    third = layout()
+    assert third.index.untyped_storage().data_ptr() == memory
+    assert torch.equal(first.index, third.index) and torch.equal(first.weight, third.weight)
