@@ -8,6 +8,15 @@ Primitives:
   per batch and kept in ``batch.scratch``, so a layer costs a fixed handful of operations (a bias
   gather, two batched matmuls, SiLU and the weight) whatever the history length or user count.
 - ``pair_layout(batch, params)``: that once-per-batch part.
+- ``causal_tiles(total, device)`` (``CausalTiles``): one user whose queries are all its keys (a full
+  ranking) is laid out in square tiles on and below the diagonal of its causal square instead, so
+  that the hidden upper triangle is not computed; the same fixed handful of operations per layer
+  (gathers into the tiles, one batched product each way, one ``index_add`` back into the rows).
+- ``host_frame(batch)`` (``HostFrame``): what the host reads of such a user first: whether its
+  positions allow skipping the tiles above the diagonal, and whether its pair differences fit
+  int32 (then the layout's arithmetic runs in int32 planes, bit for bit the int64 result).
+- ``SPARE_BYTES``: on a CPU a finished tile layout leaves its memory to the next forward (fresh
+  memory of this size costs a page fault per page).
 
 The position part of a pair's bias index comes from a table over position differences, built once
 per process and shape (``position_bucket`` up to the difference where buckets saturate), so that
