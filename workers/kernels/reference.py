@@ -263,12 +263,11 @@ def _tile_pairs(
     dtype: torch.dtype,
     planes: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``_pairs`` for tiles, with fewer passes and no memory but ``planes`` (int32, three times the
-    pairs): ``rel`` the queries' and
-    keys' positions in an int32 frame (``[n, side]``), ``ts`` their timestamps (float64, or int32
-    whole seconds in a frame), ``q_pos`` the queries' absolute positions (the far factor). Needs
-    the position table, and ``near_keys`` at most where buckets saturate: the difference is clamped
-    in place and still tells visibility and farness."""
+    """``_pairs`` for tiles, with fewer passes and no memory but ``planes`` (int32, three per pair):
+    ``rel`` the queries' and keys' positions in an int32 frame (``[n, side]``), ``ts`` their
+    timestamps (float64, or int32 whole seconds in a frame), ``q_pos`` the queries' absolute
+    positions (the far factor). Needs the position table, and ``near_keys`` at most where buckets
+    saturate: the difference is clamped in place and still tells visibility and farness."""
     (q_rel, k_rel), (q_ts, k_ts) = rel, ts
     shape = (q_rel.shape[0], q_rel.shape[1], k_rel.shape[1])
     # Three int32 planes: the time gaps (float64 over planes 0-1), then the clamped position
@@ -308,9 +307,9 @@ def _tiled_layout(
         k_rel = (k_pos - frame.pos_base).to(torch.int32).masked_fill_(key_pad, POSITION_FRAME + 1)
         if frame.ts_base is not None:
             q_ts, k_ts = (q_ts - frame.ts_base).to(torch.int32), (k_ts - frame.ts_base).to(torch.int32)
-        planes = _take(3 * q_rel.numel() * tiles.side, q_rel)
-        planes_of_pairs = planes[: 3 * q_rel.numel() * tiles.side]
-        index, weight = _tile_pairs((q_rel, k_rel), (q_ts, k_ts), q_pos, params, dtype, planes_of_pairs)
+        pairs = q_rel.numel() * tiles.side
+        planes = _take(3 * pairs, q_rel)  # kept whole for the next forward (``_keep``)
+        index, weight = _tile_pairs((q_rel, k_rel), (q_ts, k_ts), q_pos, params, dtype, planes[: 3 * pairs])
     else:
         index, weight = _pairs(q_pos, q_ts, k_pos.masked_fill(key_pad, PAD_POSITION), k_ts, params, dtype)
     # Own keys: the diagonal of the diagonal tiles (the first ``blocks``).
