@@ -157,7 +157,16 @@ def test_a_finished_layout_leaves_its_scratch_to_the_next_and_live_ones_never_sh
     memory = second.index.untyped_storage().data_ptr()
     assert first.index.untyped_storage().data_ptr() != memory and not reference._spare
     del second
-    assert reference._spare[torch.int32].untyped_storage().data_ptr() == memory
+    assert reference._spare[(torch.int32, False)].untyped_storage().data_ptr() == memory
     third = layout()
     assert third.index.untyped_storage().data_ptr() == memory
     assert torch.equal(first.index, third.index) and torch.equal(first.weight, third.weight)
+    # Memory of a forward under inference mode is an inference tensor: a forward outside it
+    # cannot write it in place, so it gets its own (and the other way round).
+    del third
+    with torch.inference_mode():
+        fourth = layout()
+    assert fourth.index.untyped_storage().data_ptr() != memory and fourth.index.is_inference()
+    del fourth
+    assert set(reference._spare) == {(torch.int32, False), (torch.int32, True)}
+    assert layout().index.untyped_storage().data_ptr() == memory

@@ -50,7 +50,9 @@ POSITION_FRAME = 1 << 30
 past it: after every query)."""
 SPARE_BYTES = 1 << 30
 """Largest tile scratch (layout planes, layer buffers) a CPU process keeps for its next forward."""
-_spare: dict[torch.dtype, torch.Tensor] = {}
+# Kept by dtype and whether it is an inference tensor: one made under ``torch.inference_mode``
+# cannot be written in place outside it.
+_spare: dict[tuple[torch.dtype, bool], torch.Tensor] = {}
 TIME_FRAME = (1 << 31) - 1
 """Whole-second timestamps spanning at most this have their gaps in int32, exact."""
 _TIME_SHIFT = 22  # a float32 gap's exponent and first mantissa bit: two time codes per doubling
@@ -197,7 +199,8 @@ def _take(numel: int, like: torch.Tensor) -> torch.Tensor:
     (``_keep``): memory this large is a fresh ``mmap`` whatever ``devices.keep_host_pages`` says, and
     faulting it in costs as much as the work. Taken with one ``pop`` (atomic): two forwards alive
     at once never share it."""
-    kept = _spare.pop(like.dtype, None) if like.device.type == "cpu" else None
+    key = (like.dtype, torch.is_inference_mode_enabled())
+    kept = _spare.pop(key, None) if like.device.type == "cpu" else None
     if kept is None or kept.numel() < numel:
         kept = like.new_empty(numel)
     return kept
@@ -207,7 +210,7 @@ def _keep(owner: object, taken: torch.Tensor) -> None:
     """Once ``owner`` (the layout, whose tensors view ``taken``) is gone, keep ``taken``'s memory for
     the next forward: one buffer per dtype, up to ``SPARE_BYTES``, on a CPU only."""
     if taken.device.type == "cpu" and taken.numel() * taken.element_size() <= SPARE_BYTES:
-        weakref.finalize(owner, _spare.__setitem__, taken.dtype, taken)
+        weakref.finalize(owner, _spare.__setitem__, (taken.dtype, taken.is_inference()), taken)
 
 
 @dataclass(frozen=True)
