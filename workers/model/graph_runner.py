@@ -3,12 +3,13 @@ replayed for any users; elsewhere (CPU, NPU, a failed capture) run eagerly on th
 
 A bucket fixes every shape of the forward: users ``B``, suffix events ``S`` and candidates ``C``
 per user, and prefix blocks ``P`` per user. Each user owns a fixed stretch of rows: ``S`` event
-rows (its events, then padding) and ``C`` candidate rows; and of keys: ``P`` blocks of prefix
-slots (its cached tokens, read from a ``PagedPrefixPool`` by a gather index, then the pool's zero
-block), then its own ``S + C`` rows. Padding cannot change a real score: a padded prefix slot has
-a zero key and value (HSTU has no softmax, so it adds exactly nothing), a padded event sits at the
-candidates' position (no real token sees it), a padded candidate is one more candidate (no
-candidate sees another), a padded user is a user of its own.
+rows (its events, then padding) and ``C`` candidate rows. Its keys are read in place from a
+``PagedPrefixPool`` through a row index (``JaggedBatch.k_rows``): its real cached tokens, then its
+own ``S + C`` rows, the users packed one after another by offsets computed from the loaded prefix
+lengths; the key buffers keep the static capacity of ``P`` blocks and ``S + C`` rows per user, and
+its unused rest is never read (no copy of a key, no padded key computed). Padding cannot change a
+real score: a padded event sits at the candidates' position (no real token sees it), a padded
+candidate is one more candidate (no candidate sees another), a padded user is a user of its own.
 
 Primitives:
 - ``RelayBucket``; ``bucket_for(users, suffix, candidates, prefix_tokens, block_tokens)``: the
@@ -19,8 +20,8 @@ Primitives:
 - ``BucketRunner``: a bucket's static buffers, ``load(users)`` (the host's inputs in two copies),
   ``forward()`` (the layers of ``inference.LayerPass``; no host sync, no shape that depends on the
   data), ``capture()`` (CUDA only), ``run()`` (replay or eager), ``results(users)`` and ``close()``.
-  Its new tokens' keys and values go to rows it reserves in the pool, so that per layer one gather
-  reads every user's prefix and new keys together.
+  Its new tokens' keys and values go to rows it reserves in the pool, so that the attention reads
+  every user's prefix and new keys in place, through one row index.
 - ``GraphRelay``: the policy: which prefixes enter the pool, which bucket a call takes, one runner
   per bucket (captured when ``capture``), and ``None`` (the caller's eager path) for what fits no
   bucket or no pool.
@@ -112,21 +113,25 @@ class BucketRunner(LayerPass):
     def __init__(
         self, model: RelayInference, sv: Serving, pool: PagedPrefixPool, bucket: RelayBucket
     ) -> None:
-        cfg, dev, bt = model.config, pool.device, pool.block_tokens
+        dev, bt = pool.device, pool.block_tokens
         users, rows, slots = bucket.users, bucket.suffix + bucket.candidates, bucket.prefix_blocks * bt
         self.bucket, self.pool, self.rows, self.slots = bucket, pool, rows, slots
         i64, f64, dt = torch.int64, torch.float64, model.dtype
         # The request's integer inputs in one buffer (one copy in): bags, positions, prefix
-        # lengths, block tables, candidate items.
+        # lengths, key offsets (each user's keys: its prefix's and its rows), block tables (each
+        # block's first pool row), candidate items.
         sizes = (
             2 * users * rows,
             users * rows,
             users,
+            users + 1,
             users * bucket.prefix_blocks,
             users * bucket.candidates,
         )
         self.ints = torch.zeros(sum(sizes), dtype=i64, device=dev)
-        self.bags, self.q_pos, self.prefix_len, self.block_table, self.cand_items = self.ints.split(sizes)
+        split = self.ints.split(sizes)
+        self.bags, self.q_pos, self.prefix_len, self.k_offsets, self.block_table, self.cand_items = split
+        self.k_offsets.copy_(torch.arange(users + 1) * rows)  # no prefixes yet: a valid forward
         self.q_ts = torch.zeros(users * rows, dtype=f64, device=dev)
         # Host staging of those inputs, page-locked on CUDA so that the copies are asynchronous
         # (a call reads its scores back before the next one writes here).
@@ -144,33 +149,41 @@ class BucketRunner(LayerPass):
             (slot // bt).to(dev),
             (slot % bt).to(dev),
         )
-        heads, dqk, dv = cfg.heads, cfg.attn_dim, cfg.linear_dim
-        keys = slots + rows
-        self.k_pos = torch.zeros(users * keys, dtype=i64, device=dev)
-        self.k_ts = torch.zeros(users * keys, dtype=f64, device=dev)
-        self.k_buf = torch.zeros(users * keys, heads, dqk, dtype=dt, device=dev)
-        self.v_buf = torch.zeros(users * keys, heads, dv, dtype=dt, device=dev)
+        keys = slots + rows  # a user's capacity: its prefix's and its own
+        self.capacity = users * keys
         self.gate = torch.zeros(users * rows, sv.splits[0] + 1, dtype=dt, device=dev)
         self.gate[:, -1] = 1.0  # the output projection's bias row
         self.score_buf = torch.zeros(users * bucket.candidates, dtype=torch.float32, device=dev)
-        # Every key's pool row: a user's prefix slots, then its own rows (``own_rows``).
-        self.gather = torch.zeros(users * keys, dtype=i64, device=dev)
+        # Pool rows of the bucket's new tokens, written each layer: the attention reads a user's
+        # prefix and its new keys in place, and the layers' new keys stay there for ``results``.
+        self.own_key = ("bucket", bucket)
+        self.own_rows = torch.from_numpy(pool.reserve(self.own_key, users * rows).rows(users * rows)).to(dev)
+        # The packed keys (``_pack``): per user its real prefix, then its own rows; one user after
+        # another (``k_offsets``), the capacity's rest unused. Row 0 each key's pool row, row 1 its
+        # position; the last column takes the prefix slots past a user's length.
+        self.packed = torch.zeros(2, self.capacity + 1, dtype=i64, device=dev)
+        self.k_rows, self.k_pos = self.packed[0, : self.capacity], self.packed[1, : self.capacity]
+        self.k_ts = torch.zeros(self.capacity, dtype=f64, device=dev)
+        # Per user's key slot (its prefix slots, then its own rows): the pool row and position
+        # (``src``), and where it goes in the packed keys (``dest``).
+        self.src = torch.zeros(2, users, keys, dtype=i64, device=dev)
+        self.src[0, :, slots:] = self.own_rows.view(users, rows)
+        self.src[1, :, :slots] = self.slot_index
+        self.dest = torch.zeros(users, keys, dtype=i64, device=dev)
+        self.own_steps = torch.arange(-rows, 0, device=dev)  # own row r: r - rows from the user's end
         batch = JaggedBatch(
             q_offsets=(torch.arange(users + 1) * rows).to(dev),
-            k_offsets=(torch.arange(users + 1) * keys).to(dev),
+            k_offsets=self.k_offsets,
             q_pos=self.q_pos,
             q_ts=self.q_ts,
             k_pos=self.k_pos,
             k_ts=self.k_ts,
             max_q=rows,
             max_k=keys,
+            k_rows=self.k_rows,
         )
         super().__init__(model, _StaticPlan(batch, batch), sv)  # type: ignore[arg-type]
         self.graph: torch.cuda.CUDAGraph | None = None
-        # Pool rows of the bucket's new tokens, written each layer: one gather reads a user's
-        # prefix and its new keys together, and the layers' new keys stay there for ``results``.
-        self.own_key = ("bucket", bucket)
-        self.own_rows = torch.from_numpy(pool.reserve(self.own_key, users * rows).rows(users * rows)).to(dev)
 
     def close(self) -> None:
         """Gives the pool back the rows of the bucket's new tokens."""
@@ -179,8 +192,8 @@ class BucketRunner(LayerPass):
     def static_buffers(self) -> list[torch.Tensor]:
         """Every buffer a forward reads or writes (the same ones, at the same addresses, each run)."""
         return [
-            *(self.ints, self.q_ts, self.k_pos, self.k_ts, self.k_buf, self.v_buf),
-            *(self.gate, self.score_buf, self.gather, self.own_rows),
+            *(self.ints, self.q_ts, self.packed, self.k_ts, self.src, self.dest),
+            *(self.gate, self.score_buf, self.own_rows),
         ]
 
     def load(self, users: list[GraphUser]) -> None:
@@ -196,7 +209,7 @@ class BucketRunner(LayerPass):
         q_pos = np.zeros((b.users, rows), np.int64)
         q_ts = np.zeros((b.users, rows), np.float64)
         lengths = np.zeros(b.users, np.int64)
-        tables = np.zeros((b.users, b.prefix_blocks), np.int64)  # unused blocks: the zero block
+        tables = np.zeros((b.users, b.prefix_blocks), np.int64)  # unused blocks: the zero block's row
         cands = np.zeros((b.users, b.candidates), np.int64)
         for u, user in enumerate(users):
             s, c, n = len(user.events), len(user.candidates), user.table.length
@@ -210,41 +223,48 @@ class BucketRunner(LayerPass):
             q_ts[u, :s] = user.events.timestamps.numpy()
             q_ts[u, s:] = user.request_ts
             lengths[u] = n
-            tables[u, : len(user.table.blocks)] = user.table.blocks
+            tables[u, : len(user.table.blocks)] = np.asarray(user.table.blocks) * self.pool.block_tokens
         bags = np.stack([items, actions + num_items + 1], axis=-1).reshape(-1)
-        host = np.concatenate([bags, q_pos.reshape(-1), lengths, tables.reshape(-1), cands.reshape(-1)])
+        offsets = np.concatenate([[0], np.cumsum(lengths + rows)])
+        host = np.concatenate(
+            [bags, q_pos.reshape(-1), lengths, offsets, tables.reshape(-1), cands.reshape(-1)]
+        )
         self.host_ints.numpy()[:] = host
         self.host_ts.numpy()[:] = q_ts.reshape(-1)
         self.ints.copy_(self.host_ints, non_blocking=True)
         self.q_ts.copy_(self.host_ts, non_blocking=True)
 
     def _kv(self, li: int, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every user's keys and values, gathered from the pool: its prefix slots, then its rows
-        (the new ones written to the bucket's own rows first)."""
-        for new, pool, out in (
-            (k_new, self.pool.keys[li], self.k_buf),
-            (v_new, self.pool.values[li], self.v_buf),
-        ):
-            pool.index_copy_(0, self.own_rows, new)
-            torch.index_select(pool, 0, self.gather, out=out)
-        return self.k_buf, self.v_buf
+        """The pool's layer, read in place through the batch's ``k_rows`` (the new keys and values
+        written to the bucket's own rows first)."""
+        keys, values = self.pool.keys[li], self.pool.values[li]
+        keys.index_copy_(0, self.own_rows, k_new)
+        values.index_copy_(0, self.own_rows, v_new)
+        return keys, values
+
+    def _pack(self) -> None:
+        """Each user's keys, packed on the device from the loaded prefix lengths and offsets (no
+        host read): per key its pool row (``k_rows``), position and timestamp."""
+        users, rows, slots = self.bucket.users, self.rows, self.slots
+        length = self.prefix_len[:, None]
+        in_pool = self.block_table.view(users, -1).index_select(1, self.slot_block)
+        torch.add(in_pool, self.slot_offset, out=self.src[0, :, :slots])
+        self.src[1, :, slots:].copy_(self.q_pos.view(users, rows))
+        # A prefix slot goes after its user's earlier keys, or past the capacity beyond its length;
+        # the own rows end the user's keys.
+        prefix_dest = torch.add(self.k_offsets[:-1, None], self.slot_index, out=self.dest[:, :slots])
+        prefix_dest.masked_fill_(self.slot_index >= length, self.capacity)
+        torch.add(self.k_offsets[1:, None], self.own_steps, out=self.dest[:, slots:])
+        self.packed.index_copy_(1, self.dest.view(-1), self.src.view(2, -1))
+        self.pool.timestamps.index_copy_(0, self.own_rows, self.q_ts)
+        torch.index_select(self.pool.timestamps, 0, self.k_rows, out=self.k_ts)
 
     def forward(self) -> None:
         """The bucket's forward on the static buffers: scores into ``score_buf``, every layer's new
         keys and values into the pool's ``own_rows``."""
-        users, rows = self.bucket.users, self.rows
         self.plan.batch.scratch.clear()  # what the kernels derive from positions: derived again
         self.new_kv = []
-        length = self.prefix_len[:, None]
-        in_pool = self.block_table.view(users, -1).index_select(1, self.slot_block)
-        in_pool = in_pool.mul_(self.pool.block_tokens).add_(self.slot_offset)
-        # Slots past a prefix's length read the zero block (a last block's tail may be stale).
-        prefix_rows = torch.where(self.slot_index < length, in_pool, self.slot_offset)
-        torch.cat([prefix_rows, self.own_rows.view(users, rows)], dim=1, out=self.gather.view(users, -1))
-        pre_pos = torch.minimum(self.slot_index, length)
-        torch.cat([pre_pos, self.q_pos.view(users, rows)], dim=1, out=self.k_pos.view(users, -1))
-        self.pool.timestamps.index_copy_(0, self.own_rows, self.q_ts)
-        torch.index_select(self.pool.timestamps, 0, self.gather, out=self.k_ts)
+        self._pack()
         # A token: its item's row plus its action's; two rows each, summed (no offsets to read).
         x = x0 = F.embedding(self.bags.view(-1, 2), self.sv.tokens).sum(dim=1)
         for li in range(len(self.sv.layers)):
