@@ -163,14 +163,15 @@ def count_graphed(
     if model.device.type != "meta":
         raise ValueError("count_graphed needs a model on the meta device (on_meta)")
     cfg = model.config
-    bucket = bucket_for(users, suffix, candidates, events - suffix, DEFAULT_BLOCK_TOKENS)
+    bucket = bucket_for(users, suffix, candidates)
     if bucket is None:
         raise ValueError(f"{users} users of {suffix} events and {candidates} candidates fit no bucket")
-    blocks = pool_tokens_for(events - suffix, users) // DEFAULT_BLOCK_TOKENS + 1
+    prefix = max(events - suffix, cfg.max_seq_len)  # the buckets' capacity (``GraphRelay``)
+    blocks = pool_tokens_for(prefix, users) // DEFAULT_BLOCK_TOKENS + 1
     pool = PagedPrefixPool(
         cfg.layers, cfg.heads, cfg.attn_dim, cfg.linear_dim, DEFAULT_BLOCK_TOKENS, blocks, model.dtype, "meta"
     )
-    runner = BucketRunner(model, model.serving(), pool, bucket)
+    runner = BucketRunner(model, model.serving(), pool, bucket, -(-prefix // DEFAULT_BLOCK_TOKENS))
     with DispatchCounter():
         runner.forward()  # once first, as ``count_ranking``
     counter = DispatchCounter()

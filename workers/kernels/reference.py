@@ -10,9 +10,8 @@ Primitives:
 - ``pair_layout(batch, params)``: that once-per-batch part. With a row index (``batch.k_rows``: keys
   read in place from a larger tensor, a paged pool's layer) the layout holds each dense key slot's
   row instead, and a layer gathers its keys and values straight into the dense layout (one
-  ``index_select`` each); each user's key count comes from the offsets on the device, so that
-  nothing waits for it, and the layout is ``max_k`` keys wide, except on a CPU, where reading the
-  offsets costs nothing and it is as wide as the longest user.
+  ``index_select`` each). The layout is as wide as the longest user (its offsets read back: free
+  on a CPU), or ``max_k`` wide (the capacity) while a CUDA graph is captured.
 - ``causal_tiles(total, device)`` (``CausalTiles``): one user whose queries are all its keys (a full
   ranking) is laid out in square tiles on and below the diagonal of its causal square instead, so
   that the hidden upper triangle is not computed; the same fixed handful of operations per layer
@@ -337,9 +336,11 @@ def _slot_steps(width: int, device: torch.device) -> torch.Tensor:
 
 
 def _key_width(batch: JaggedBatch) -> int:
-    """Key slots per user of a row-indexed batch's dense layout: on a CPU the longest user's (its
-    offsets are read for free), elsewhere ``max_k`` (reading them would wait for the device)."""
-    if batch.k_offsets.device.type != "cpu":
+    """Key slots per user of a row-indexed batch's dense layout: the longest user's where its
+    offsets can be read (on a CPU for free; on another device at the cost of a wait), ``max_k``
+    (the capacity) while a CUDA graph is captured (which cannot wait) and on the meta device."""
+    device = batch.k_offsets.device
+    if device.type == "meta" or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         return batch.max_k
     return max(batch.max_q, int((batch.k_offsets[1:] - batch.k_offsets[:-1]).max()))
 
