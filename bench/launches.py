@@ -17,6 +17,11 @@ Primitives:
   synthetic history (``path`` ``relay`` or ``full``).
 - ``count_graphed(model, events, suffix, candidates, users)``: the counter of one bucketed relay
   forward (``graph_runner.BucketRunner``), what a CUDA graph captures.
+- ``graphed_bytes(config, prefix, suffix, candidates, users, elem_bytes)``: the key and value bytes
+  one graphed relay ranking moves, computed: ``paged`` (the attention reads each user's real keys
+  in place through a row index) beside ``gathered`` (the earlier scheme: per layer every key slot
+  of a power-of-two prefix bucket copied out of the pool, then read again by the attention).
+  Each key row counted once per layer (the other query blocks of a program find it in cache).
 - ``relay_limit(layers)``, ``full_limit(layers)``: the bounds the suite holds the counts to.
 - ``add_arguments`` / ``run``.
 """
@@ -180,6 +185,28 @@ def count_graphed(
     return counter
 
 
+def graphed_bytes(
+    config, prefix: int, suffix: int, candidates: int, users: int = 1, elem_bytes: int = 2
+) -> dict[str, int]:
+    """Bytes one graphed relay ranking of ``users`` users (``prefix`` cached tokens, ``suffix``
+    new events, ``candidates`` candidates each) moves for its keys and values, over all layers:
+    ``paged`` and ``gathered`` (see the module docstring); 16-bit keys by default."""
+    bucket = bucket_for(users, suffix, candidates)
+    if bucket is None:
+        raise ValueError(f"{users} users of {suffix} events and {candidates} candidates fit no bucket")
+    rows = bucket.suffix + bucket.candidates
+    row = config.heads * (config.attn_dim + config.linear_dim) * elem_bytes  # a key and its value
+    blocks = max(1, -(-prefix // DEFAULT_BLOCK_TOKENS))
+    padded = users * ((1 << (blocks - 1).bit_length()) * DEFAULT_BLOCK_TOKENS + rows)
+    real = users * (prefix + rows)
+    new_rows = 2 * users * rows * row  # each layer's new keys and values into the pool (both)
+    # Per key: gathered, the copy's read and write, its index twice, the attention's read and
+    # position, timestamp and relative position; paged, the read, its row index and the same three.
+    gathered = padded * (3 * row + 2 * 8 + 20) + new_rows
+    paged = real * (row + 8 + 20) + new_rows
+    return {"paged": paged * config.layers, "gathered": gathered * config.layers}
+
+
 def on_meta(model: HSTURanker) -> HSTURanker:
     """``model`` moved to the meta device (its version kept: prefixes are checked against it)."""
     return model.to("meta")
@@ -222,6 +249,13 @@ def run(args: argparse.Namespace) -> int:
                 "full_ops": full.total,
                 # The bucketed forward a CUDA graph replays as one launch (its operations inside).
                 "relay_graphed_ops": graphed.total,
+                # Key and value bytes of that forward (16-bit), computed: in place and as copied.
+                **{
+                    f"relay_graphed_{k}_bytes": v
+                    for k, v in graphed_bytes(
+                        model.config, n - args.suffix, args.suffix, args.candidates
+                    ).items()
+                },
                 "relay_limit": relay_limit(layers),
                 "full_limit": full_limit(layers),
                 "relay_ops_per_layer": round(relay.total / layers, 2),

@@ -49,3 +49,16 @@ def test_count_ranking_refuses_what_it_cannot_count() -> None:
         count_ranking(model, 10, 20, 4, "relay")
     with pytest.raises(ValueError, match="meta"):
         count_ranking(HSTURanker(preset("small").config(dropout=0.0)), 100, 10, 4, "relay")
+
+
+def test_graphed_bytes_count_real_keys_in_place_and_every_padded_slot_when_gathered() -> None:
+    from relaygr.bench.launches import graphed_bytes
+
+    cfg = preset("large").config(dropout=0.0)
+    row = cfg.heads * (cfg.attn_dim + cfg.linear_dim) * 2
+    a, b = graphed_bytes(cfg, 4352, 64, 128), graphed_bytes(cfg, 8192, 64, 128)
+    assert a["gathered"] == b["gathered"]  # both in the 8192-token prefix bucket
+    assert b["paged"] - a["paged"] == (8192 - 4352) * (row + 28) * cfg.layers  # only real keys
+    assert b["gathered"] > 2 * b["paged"]  # the copy's write and read again, besides the read
+    with pytest.raises(ValueError, match="fit no bucket"):
+        graphed_bytes(cfg, 100, 1000, 1)
