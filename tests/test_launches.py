@@ -62,3 +62,17 @@ def test_graphed_bytes_count_real_keys_in_place_and_every_padded_slot_when_gathe
     assert b["gathered"] > 2 * b["paged"]  # the copy's write and read again, besides the read
     with pytest.raises(ValueError, match="fit no bucket"):
         graphed_bytes(cfg, 100, 1000, 1)
+
+
+def test_the_graphed_forward_as_cuda_captures_it_counts_the_same_at_every_length() -> None:
+    pytest.importorskip("triton")
+    from relaygr.bench.launches import count_graphed
+    from relaygr.workers.kernels import triton_hstu
+
+    model = _model("large")
+    counts = [count_graphed(model, n, 64, 128, backend="triton") for n in LENGTHS]
+    assert {c.transfers for c in counts} == {0} and len({c.total for c in counts}) == 1
+    assert counts[0].counts["add_"] >= model.config.layers  # at least one launch a layer
+    assert hasattr(triton_hstu._hstu_fwd_kernel, "run")  # the kernels are back after counting
+    with pytest.raises(ValueError, match="reference or triton"):
+        count_graphed(model, 1024, 64, 128, backend="cuda")
