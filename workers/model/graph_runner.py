@@ -191,19 +191,7 @@ class BucketRunner(LayerPass):
         # prefix and its new keys in place, and the layers' new keys stay there for ``results``.
         self.own_key = ("bucket", bucket)
         self.own_rows = torch.from_numpy(pool.reserve(self.own_key, users * rows).rows(users * rows)).to(dev)
-        # The packed keys (``_pack``): per user its real prefix, then its own rows; one user after
-        # another (``k_offsets``), the capacity's rest unused. Row 0 each key's pool row, row 1 its
-        # position; the last column takes the prefix slots past a user's length.
-        self.packed = torch.zeros(2, self.capacity + 1, dtype=i64, device=dev)
-        self.k_rows, self.k_pos = self.packed[0, : self.capacity], self.packed[1, : self.capacity]
-        self.k_ts = torch.zeros(self.capacity, dtype=f64, device=dev)
-        # Per user's key slot (its prefix slots, then its own rows): the pool row and position
-        # (``src``), and where it goes in the packed keys (``dest``).
-        self.src = torch.zeros(2, users, keys, dtype=i64, device=dev)
-        self.src[0, :, slots:] = self.own_rows.view(users, rows)
-        self.src[1, :, :slots] = self.slot_index
-        self.dest = torch.zeros(users, keys, dtype=i64, device=dev)
-        self.own_steps = torch.arange(-rows, 0, device=dev)  # own row r: r - rows from the user's end
+        self._key_buffers()
         batch = JaggedBatch(
             q_offsets=(torch.arange(users + 1) * rows).to(dev),
             k_offsets=self.k_offsets,
@@ -217,6 +205,22 @@ class BucketRunner(LayerPass):
         )
         super().__init__(model, _StaticPlan(batch, batch), sv)  # type: ignore[arg-type]
         self.graph: torch.cuda.CUDAGraph | None = None
+
+    def _key_buffers(self) -> None:
+        """The packed keys (``_pack``): per user its real prefix, then its own rows, one user after
+        another (``k_offsets``), the capacity's rest unused; ``packed`` row 0 each key's pool row,
+        row 1 its position, its last column the prefix slots past a user's length. Per user's key
+        slot (its prefix slots, then its own rows): the pool row and position (``src``), and
+        where it goes in the packed keys (``dest``)."""
+        users, rows, slots, dev = self.bucket.users, self.rows, self.slots, self.pool.device
+        self.packed = torch.zeros(2, self.capacity + 1, dtype=torch.int64, device=dev)
+        self.k_rows, self.k_pos = self.packed[0, : self.capacity], self.packed[1, : self.capacity]
+        self.k_ts = torch.zeros(self.capacity, dtype=torch.float64, device=dev)
+        self.src = torch.zeros(2, users, slots + rows, dtype=torch.int64, device=dev)
+        self.src[0, :, slots:] = self.own_rows.view(users, rows)
+        self.src[1, :, :slots] = self.slot_index
+        self.dest = torch.zeros(users, slots + rows, dtype=torch.int64, device=dev)
+        self.own_steps = torch.arange(-rows, 0, device=dev)  # own row r: r - rows from the user's end
 
     def close(self) -> None:
         """Gives the pool back the rows of the bucket's new tokens."""
