@@ -233,7 +233,7 @@ def profile_graphed(model: HSTURanker, relay: Callable[[], object], cached: int,
     without failing the step."""
     row = {**common, "path": "relay_graphed", "graph_error": None}
     try:
-        graphs = model.use_graph_relay(True, pool_tokens=pool_tokens_for(cached))
+        graphs = model.use_graph_relay(True, pool_tokens=pool_tokens_for(cached), prefix_tokens=cached)
         assert graphs is not None
         for _ in range(max(1, args.warmup)):  # the first one captures
             relay()

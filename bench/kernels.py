@@ -58,6 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SM",
         help="only compile the chosen configs for a target (sm_90), no GPU needed: registers, spills",
     )
+    parser.add_argument(
+        "--paged", action="store_true", help="with --build: the kernel that reads keys through a row index"
+    )
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -213,7 +216,7 @@ def sweep(preset: str, kind: str, length: int, args: argparse.Namespace) -> dict
 
 POINTER_ARGS = {"BIAS": "*fp32", "Q_OFFSETS": "*i64", "K_OFFSETS": "*i64", "Q_POS": "*i64", "K_POS": "*i64",
                 "Q_TS": "*fp64", "K_TS": "*fp64", "Q_REL": "*i32", "K_REL": "*i32", "POS32_OK": "*i32",
-                "CAUSAL_OK": "*i32"}  # fmt: skip
+                "CAUSAL_OK": "*i32", "K_ROWS": "*i64"}  # fmt: skip
 FLOAT_ARGS = ("normaliser", "far_keys")
 TRITON_TYPES = {"fp32": "*fp32", "bf16": "*bf16", "fp16": "*fp16"}
 
@@ -248,7 +251,9 @@ def build(preset: str, kind: str, length: int, args: argparse.Namespace) -> dict
     queries = length if kind == "full" else NEW_TOKENS + CANDIDATES
     users = args.batch_users if kind == "relay_batch" else 1
     config = choose_config(DTYPES[args.dtype], d, d, queries, length, users, heads, 132)
-    kernel, constants = kernel_constants(config, DTYPES[args.dtype], d, d, PARAMS.near_keys > 0)
+    kernel, constants = kernel_constants(
+        config, DTYPES[args.dtype], d, d, PARAMS.near_keys > 0, has_rows=args.paged
+    )
     signature = {
         name: "constexpr" if name in constants
         else TRITON_TYPES[args.dtype] if name in ("Q", "K", "V", "OUT")

@@ -15,8 +15,15 @@ Primitives:
   the scores' copy off the meta device comes back as an empty host tensor.
 - ``count_ranking(model, events, suffix, candidates, path)``: the counter after one ranking of a
   synthetic history (``path`` ``relay`` or ``full``).
-- ``count_graphed(model, events, suffix, candidates, users)``: the counter of one bucketed relay
-  forward (``graph_runner.BucketRunner``), what a CUDA graph captures.
+- ``count_graphed(model, events, suffix, candidates, users, backend)``: the counter of one bucketed
+  relay forward (``graph_runner.BucketRunner``), what a CUDA graph captures; ``backend`` ``triton``
+  (``stubbed_launches``): as on CUDA, the Triton attention's host side run and each of its kernel
+  launches counted as one operation (``relay_graphed_cuda_ops``; ``None`` without Triton).
+- ``graphed_bytes(config, prefix, suffix, candidates, users, elem_bytes)``: the key and value bytes
+  one graphed relay ranking moves, computed: ``paged`` (the attention reads each user's real keys
+  in place through a row index) beside ``gathered`` (the earlier scheme: per layer every key slot
+  of a power-of-two prefix bucket copied out of the pool, then read again by the attention).
+  Each key row counted once per layer (the other query blocks of a program find it in cache).
 - ``relay_limit(layers)``, ``full_limit(layers)``: the bounds the suite holds the counts to.
 - ``add_arguments`` / ``run``.
 """
@@ -25,7 +32,10 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
+import importlib.util
 import json
+from collections.abc import Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -153,8 +163,36 @@ def count_ranking(model: HSTURanker, events: int, suffix: int, candidates: int, 
     return counter
 
 
+class _Launch:
+    """A Triton kernel whose launch dispatches one placeholder operation instead of running."""
+
+    def __getitem__(self, grid: tuple) -> object:
+        def launch(*args: object, **kwargs: object) -> None:
+            torch.empty(0, device="meta").add_(0)
+
+        return launch
+
+
+@contextlib.contextmanager
+def stubbed_launches() -> Iterator[None]:
+    """Inside, the Triton attention runs its host side (on the meta device) and each kernel
+    launch counts as one operation (an ``add_``): what a CUDA graph of it holds."""
+    from relaygr.workers.kernels import triton_hstu, use_backend
+
+    names = ("_hstu_fwd_kernel", "_hstu_fwd_grouped_kernel", "_sum_splits_kernel")
+    kept = {name: getattr(triton_hstu, name) for name in names}
+    try:
+        for name in names:
+            setattr(triton_hstu, name, _Launch())
+        with use_backend("triton"):
+            yield
+    finally:
+        for name, kernel in kept.items():
+            setattr(triton_hstu, name, kernel)
+
+
 def count_graphed(
-    model: HSTURanker, events: int, suffix: int, candidates: int, users: int = 1
+    model: HSTURanker, events: int, suffix: int, candidates: int, users: int = 1, backend: str = "reference"
 ) -> DispatchCounter:
     """The operations of one bucketed relay forward (``graph_runner.BucketRunner.forward``, what
     a CUDA graph captures) for ``users`` users of ``events - suffix`` cached events, ``suffix`` new
@@ -163,20 +201,46 @@ def count_graphed(
     if model.device.type != "meta":
         raise ValueError("count_graphed needs a model on the meta device (on_meta)")
     cfg = model.config
-    bucket = bucket_for(users, suffix, candidates, events - suffix, DEFAULT_BLOCK_TOKENS)
+    bucket = bucket_for(users, suffix, candidates)
     if bucket is None:
         raise ValueError(f"{users} users of {suffix} events and {candidates} candidates fit no bucket")
-    blocks = pool_tokens_for(events - suffix, users) // DEFAULT_BLOCK_TOKENS + 1
+    prefix = max(events - suffix, cfg.max_seq_len)  # the buckets' capacity (``GraphRelay``)
+    blocks = pool_tokens_for(prefix, users) // DEFAULT_BLOCK_TOKENS + 1
     pool = PagedPrefixPool(
         cfg.layers, cfg.heads, cfg.attn_dim, cfg.linear_dim, DEFAULT_BLOCK_TOKENS, blocks, model.dtype, "meta"
     )
-    runner = BucketRunner(model, model.serving(), pool, bucket)
-    with DispatchCounter():
-        runner.forward()  # once first, as ``count_ranking``
-    counter = DispatchCounter()
-    with counter:
-        runner.forward()
+    runner = BucketRunner(model, model.serving(), pool, bucket, -(-prefix // DEFAULT_BLOCK_TOKENS))
+    if backend not in ("reference", "triton"):
+        raise ValueError(f"backend must be reference or triton, got {backend!r}")
+    with stubbed_launches() if backend == "triton" else contextlib.nullcontext():
+        with DispatchCounter():
+            runner.forward()  # once first, as ``count_ranking``
+        counter = DispatchCounter()
+        with counter:
+            runner.forward()
     return counter
+
+
+def graphed_bytes(
+    config, prefix: int, suffix: int, candidates: int, users: int = 1, elem_bytes: int = 2
+) -> dict[str, int]:
+    """Bytes one graphed relay ranking of ``users`` users (``prefix`` cached tokens, ``suffix``
+    new events, ``candidates`` candidates each) moves for its keys and values, over all layers:
+    ``paged`` and ``gathered`` (see the module docstring); 16-bit keys by default."""
+    bucket = bucket_for(users, suffix, candidates)
+    if bucket is None:
+        raise ValueError(f"{users} users of {suffix} events and {candidates} candidates fit no bucket")
+    rows = bucket.suffix + bucket.candidates
+    row = config.heads * (config.attn_dim + config.linear_dim) * elem_bytes  # a key and its value
+    blocks = max(1, -(-prefix // DEFAULT_BLOCK_TOKENS))
+    padded = users * ((1 << (blocks - 1).bit_length()) * DEFAULT_BLOCK_TOKENS + rows)
+    real = users * (prefix + rows)
+    new_rows = 2 * users * rows * row  # each layer's new keys and values into the pool (both)
+    # Per key: gathered, the copy's read and write, its index twice, the attention's read and
+    # position, timestamp and relative position; paged, the read, its row index and the same three.
+    gathered = padded * (3 * row + 2 * 8 + 20) + new_rows
+    paged = real * (row + 8 + 20) + new_rows
+    return {"paged": paged * config.layers, "gathered": gathered * config.layers}
 
 
 def on_meta(model: HSTURanker) -> HSTURanker:
@@ -200,6 +264,7 @@ def run(args: argparse.Namespace) -> int:
     lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
     names = [x.strip() for x in args.presets.split(",") if x.strip()]
     shapes = [preset(name) for name in names]  # an unknown name fails before anything is counted
+    has_triton = importlib.util.find_spec("triton") is not None
     if any(n < args.suffix or n < 1 for n in lengths):
         raise SystemExit(f"--lengths: every length must be at least --suffix ({args.suffix}) and 1")
     for shape in shapes:
@@ -210,6 +275,11 @@ def run(args: argparse.Namespace) -> int:
             relay = count_ranking(model, n, args.suffix, args.candidates, "relay")
             full = count_ranking(model, n, args.suffix, args.candidates, "full")
             graphed = count_graphed(model, n, args.suffix, args.candidates)
+            cuda = (
+                count_graphed(model, n, args.suffix, args.candidates, backend="triton")
+                if has_triton
+                else None
+            )
             row = {
                 "bench": "launches",
                 "preset": shape.name,
@@ -221,6 +291,15 @@ def run(args: argparse.Namespace) -> int:
                 "full_ops": full.total,
                 # The bucketed forward a CUDA graph replays as one launch (its operations inside).
                 "relay_graphed_ops": graphed.total,
+                # The same forward as CUDA captures it: Triton attention, a launch one operation.
+                "relay_graphed_cuda_ops": None if cuda is None else cuda.total,
+                # Key and value bytes of that forward (16-bit), computed: in place and as copied.
+                **{
+                    f"relay_graphed_{k}_bytes": v
+                    for k, v in graphed_bytes(
+                        model.config, n - args.suffix, args.suffix, args.candidates
+                    ).items()
+                },
                 "relay_limit": relay_limit(layers),
                 "full_limit": full_limit(layers),
                 "relay_ops_per_layer": round(relay.total / layers, 2),

@@ -250,7 +250,9 @@ def graphed_columns(
     prefix, suffix, cands, when = request
     out: dict = {"relay_graphed_ms_p50": None, "relay_graphed_ms_p99": None, "graph_error": None}
     try:
-        relay = model.use_graph_relay(True, pool_tokens=pool_tokens_for(prefix.length))
+        relay = model.use_graph_relay(
+            True, pool_tokens=pool_tokens_for(prefix.length), prefix_tokens=prefix.length
+        )
         assert relay is not None
         scores = model.rank(prefix, suffix, cands, when)  # the capture, and the exactness check
         secs = [

@@ -4,7 +4,10 @@ the GPU check.
 ``make_case`` builds a jagged batch the way the model lays one out: each user's keys are the
 cached prefix then the new history tokens then the candidates (which share the position after the
 history), and the queries are the new tokens and the candidates. ``CASES`` are tiny (the
-interpreter runs them on a CPU). Run as a script (``TRITON_INTERPRET=1`` on a CPU) it prints one
+interpreter runs them on a CPU). An ``indexed`` case runs the kernel on the same keys read through
+a row index (``index_keys``: rows of a larger tensor, skipped, repeated and out of order, with an
+unused tail of keys and a capacity above every user's count) against the reference on the packed
+keys. Run as a script (``TRITON_INTERPRET=1`` on a CPU) it prints one
 JSON object: per case and dtype, the worst absolute difference and the reference's largest value.
 """
 
@@ -39,6 +42,7 @@ class Case:
     splits: int = 1
     head_group: int = 1
     dtypes: tuple[str, ...] = ("fp32", "bf16")
+    indexed: bool = False  # the kernel reads the keys through a row index (``index_keys``)
 
 
 CASES: dict[str, Case] = {
@@ -58,6 +62,14 @@ CASES: dict[str, Case] = {
         ((30, 5, 4), (0, 9, 3)), heads=4, head_group=2, near_keys=8, prefix_shift=3 << 30
     ),
     "positions_past_int32_one_head": Case(((40, 6, 5), (0, 7, 2)), base=-(1 << 35), prefix_shift=3 << 30),
+    "indexed_one_user": Case(((40, 6, 5),), near_keys=8, indexed=True),
+    "indexed_users_split": Case(
+        ((33, 4, 6), (0, 9, 3), (50, 2, 7)), near_keys=16, far_keys=3.0, splits=3, indexed=True
+    ),
+    "indexed_grouped_split": Case(
+        ((60, 3, 4), (21, 2, 4)), heads=4, head_group=2, splits=2, near_keys=8, indexed=True
+    ),
+    "indexed_full_causal": Case(((0, 37, 0), (0, 16, 0)), heads=1, indexed=True),
 }
 
 
@@ -102,12 +114,51 @@ def make_case(case: Case, dtype: torch.dtype, device: str, seed: int = 0):
     return q, k, v, batch, bias, params
 
 
+TAIL_KEYS = 7  # keys past the last user's in an indexed batch: a static capacity's unused rest
+
+
+def index_keys(
+    k: torch.Tensor, v: torch.Tensor, batch: JaggedBatch, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, JaggedBatch]:
+    """The same keys as rows of larger tensors (random rows elsewhere): each key a row of its
+    own in no order, rows skipped, every third key sharing the row of the key before it (its key and
+    value made equal first, in place), and ``TAIL_KEYS`` keys past the last user's with
+    ``max_k`` raised by as many (a capacity no user fills)."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    tokens = int(k.shape[0])
+    for j in range(2, tokens, 3):  # a repeated row: the same key and value
+        k[j], v[j] = k[j - 1], v[j - 1]
+    total = 2 * tokens + 5
+    rows = torch.randperm(total, generator=gen)[:tokens]
+    for j in range(2, tokens, 3):
+        rows[j] = rows[j - 1]
+    k_store = torch.randn(total, *k.shape[1:], generator=gen).to(k.dtype).to(k.device)
+    v_store = torch.randn(total, *v.shape[1:], generator=gen).to(v.dtype).to(v.device)
+    rows = rows.to(k.device)
+    k_store[rows], v_store[rows] = k, v
+    tail = torch.randint(0, total, (TAIL_KEYS,), generator=gen).to(k.device)
+
+    def padded(t: torch.Tensor, fill: float) -> torch.Tensor:
+        return torch.cat([t, t.new_full((TAIL_KEYS,), fill)])
+
+    indexed = JaggedBatch(
+        q_offsets=batch.q_offsets, k_offsets=batch.k_offsets, q_pos=batch.q_pos, q_ts=batch.q_ts,
+        k_pos=padded(batch.k_pos, 0), k_ts=padded(batch.k_ts, 0.0), max_q=batch.max_q,
+        max_k=batch.max_k + TAIL_KEYS, k_rows=torch.cat([rows, tail]),
+    )  # fmt: skip
+    return k_store, v_store, indexed
+
+
 def run_case(case: Case, dtype: torch.dtype, device: str) -> dict[str, float]:
     """The worst absolute difference of the kernel from the reference, and the reference's scale."""
     from relaygr.workers.kernels.triton_hstu import KernelConfig, hstu_forward
 
     q, k, v, batch, bias, params = make_case(case, dtype, device)
+    if case.indexed:
+        k_store, v_store, indexed = index_keys(k, v, batch)
     want = reference_hstu_mha(q, k, v, batch, bias, params).to(torch.float32)
+    if case.indexed:
+        k, v, batch = k_store, v_store, indexed
     config = (
         None
         if case.block == 0

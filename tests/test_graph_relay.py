@@ -21,7 +21,14 @@ from hypothesis import strategies as st
 from test_model_relay import NUM_ITEMS, history  # histories with unknown ids, 40 items
 
 from relaygr.bench.launches import count_graphed, on_meta
-from relaygr.workers.model.graph_runner import BucketRunner, GraphRelay, RelayBucket, bucket_for
+from relaygr.workers.model.graph_runner import (
+    INDEX_BYTES_PER_KEY,
+    BucketRunner,
+    GraphRelay,
+    RelayBucket,
+    bucket_for,
+    grid_buckets,
+)
 from relaygr.workers.model.inference import UserRanking
 from relaygr.workers.model.model import HSTUConfig, HSTURanker
 from relaygr.workers.model.prefix_pool import ZERO_BLOCK, PagedPrefixPool, PageTable, PoolFull
@@ -98,7 +105,9 @@ def test_users_of_different_prefix_lengths_in_one_padded_bucket_score_as_eager_a
         requests = _requests(model, [(15, 13, 9), (72, 61, 4), (2, 0, 1)], seed=5)
         graphed, relay = _graphed(model, requests)
         assert relay.counters()["graphed_rankings"] == 1 and relay.counters()["fallbacks"] == 0
-        assert list(relay.runners) == [RelayBucket(4, 16, 32, 8)]
+        assert list(relay.runners) == [RelayBucket(4, 16, 32)]
+        (runner,) = relay.runners.values()
+        assert runner.slots == POOL and runner.capacity == 4 * (POOL + 16 + 32)  # one capacity for all
         _assert_same(graphed, requests, model, tol)
 
 
@@ -182,12 +191,17 @@ def test_new_weights_build_new_runners() -> None:
 
 
 def test_the_bucket_grids() -> None:
-    assert bucket_for(3, 64, 100, 8000, 256) == RelayBucket(4, 64, 128, 32)
-    assert bucket_for(1, 1, 1, 0, 256) == RelayBucket(1, 16, 32, 1)
-    assert bucket_for(1, 64, 128, 8192, 256) == RelayBucket(1, 64, 128, 32)
-    assert bucket_for(17, 1, 1, 0, 256) is None
-    assert bucket_for(1, 257, 1, 0, 256) is None
-    assert bucket_for(1, 1, 513, 0, 256) is None
+    assert bucket_for(3, 64, 100) == RelayBucket(4, 64, 128)
+    assert bucket_for(1, 1, 1) == RelayBucket(1, 16, 32)
+    assert bucket_for(17, 1, 1) is None
+    assert bucket_for(1, 257, 1) is None
+    assert bucket_for(1, 1, 513) is None
+    assert len(grid_buckets()) == 5 * 3 * 3
+    some = grid_buckets(2, 20, 100)
+    assert set(some) == {RelayBucket(u, s, c) for u in (1, 2) for s in (16, 64) for c in (32, 128)}
+    assert [b.rows for b in some] == sorted(b.rows for b in some)
+    with pytest.raises(ValueError, match="past the bucket grids"):
+        grid_buckets(1, 1000, 1)
 
 
 def test_a_ranking_replays_a_graph_only_where_capture_is_on_and_a_bucket_and_the_pool_hold_it() -> None:
@@ -196,6 +210,9 @@ def test_a_ranking_replays_a_graph_only_where_capture_is_on_and_a_bucket_and_the
     graphs.capture = True  # as on CUDA (no capture happens here)
     assert graphs.replays(16, 32, 100)
     assert not graphs.replays(16, 32, POOL)  # the pool cannot hold the prefix and the bucket's rows
+    small = GraphRelay(model32(), pool_tokens=POOL, block_tokens=BLOCK, capture=False, prefix_tokens=99)
+    small.capture = True
+    assert small.replays(16, 32, 104) and not small.replays(16, 32, 105)  # 99 tokens: 13 blocks of 8
     assert not graphs.replays(1000, 32, 100)  # past the suffix grid
     graphs.graph_error = "RuntimeError: capture failed"
     assert not graphs.replays(16, 32, 100)  # captures failed: the buckets run eagerly
@@ -414,3 +431,47 @@ def test_bench_model_reports_a_graph_failure_and_keeps_its_eager_columns(monkeyp
     bad = graphed_columns(model, (r.prefix, r.history.slice(30), r.candidates, r.request_ts), eager, args)
     assert bad["graph_error"] == "RuntimeError: CUDA error: out of memory"
     assert bad["relay_graphed_ms_p50"] is None and model.graph_relay is None
+
+
+# ------------------------------------------------------------------------------------ the warm-up
+def test_warm_up_builds_every_bucket_before_traffic_and_a_ranking_builds_none() -> None:
+    model = model32()
+    relay = model.use_graph_relay(True, pool_tokens=2 * POOL, block_tokens=BLOCK)  # half: every bucket's rows
+    try:
+        report = relay.warm_up(users=2, suffix=20, candidates=100)
+        wanted = grid_buckets(2, 20, 100)
+        assert list(relay.runners) == wanted and report["buckets"] == len(wanted) == 8
+        assert report["left_to_demand"] == 0 and report["seconds"] > 0
+        assert report["index_bytes"] == sum(
+            b.users * (2 * POOL + b.suffix + b.candidates) for b in wanted
+        ) * (INDEX_BYTES_PER_KEY)
+        assert report["pool_rows_reserved"] == relay.pool.counters()["blocks_reserved"] * BLOCK
+        built = dict(relay.runners)
+        requests = _requests(model, [(30, 25, 5), (20, 3, 90)], seed=4)  # bucket (2, 64, 128)
+        graphed = model.rank_users(requests)
+        assert dict(relay.runners) == built and relay.counters()["graphed_rankings"] == 1
+        assert relay.counters()["warm_up"] == report
+    finally:
+        model.use_graph_relay(False)
+    _assert_same(graphed, requests, model, RTOL32)
+
+
+def test_warm_up_leaves_half_the_pool_to_prefixes() -> None:
+    relay = GraphRelay(model32(), pool_tokens=POOL, block_tokens=BLOCK)
+    report = relay.warm_up()
+    assert 0 < report["buckets"] < len(grid_buckets()) and report["left_to_demand"] > 0
+    assert report["buckets"] + report["left_to_demand"] == len(grid_buckets())
+    assert relay.pool.counters()["blocks_reserved"] * BLOCK <= POOL // 2
+    assert relay.max_buckets >= report["buckets"] == len(relay.runners)
+
+
+def test_the_engine_warm_up_builds_the_buckets() -> None:
+    from relaygr.workers.engine.calibration import warm_up_work
+
+    model = model32()
+    relay = model.use_graph_relay(True, pool_tokens=POOL, block_tokens=BLOCK)
+    try:
+        warm_up_work(model, 40, 8, rounds=1, chunk=16)()
+        assert relay.warmed is not None and len(relay.runners) == relay.warmed["buckets"] > 0
+    finally:
+        model.use_graph_relay(False)

@@ -3,11 +3,13 @@
 On every machine the cases run through Triton's interpreter on the CPU, in a subprocess:
 ``TRITON_INTERPRET=1`` must be set before Triton is imported, and this process stays as it was.
 Where CUDA is present the same cases run on the GPU too. Also: bad input is a clear error, the
-causal skip is refused for users whose positions do not allow it, and the split choice.
+causal skip is refused for users whose positions do not allow it, and the split choice. Keys read
+through a row index (``JaggedBatch.k_rows``) give the packed keys' result in both backends.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -16,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kernel_parity import CASES, DTYPES, make_case, run_case
+from kernel_parity import CASES, DTYPES, index_keys, make_case, run_case
 
 pytest.importorskip("triton")
 
@@ -165,3 +167,64 @@ def test_the_chosen_configs_compile_for_hopper_without_a_gpu(capsys: pytest.Capt
     (row,) = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
     assert row["config"]["head_group"] == 2 and row["config"]["splits"] > 1
     assert row["shared_bytes"] > 0
+
+
+@pytest.mark.parametrize("name", ["indexed_users_split", "indexed_one_user", "indexed_full_causal"])
+@pytest.mark.parametrize("width", ["longest", "capacity"])
+def test_the_reference_reads_indexed_keys_as_packed_ones(name: str, width: str, monkeypatch) -> None:
+    """The reference through a row index == on the packed keys, with the dense layout as wide as
+    the longest user (a CPU) or the batch's capacity (``max_k``: what a device lays out)."""
+    from relaygr.workers.kernels import reference
+
+    if width == "capacity":
+        monkeypatch.setattr(reference, "_key_width", lambda batch: batch.max_k)
+    for dtype in (torch.float32, torch.float64):
+        q, k, v, batch, bias, params = make_case(CASES[name], dtype, "cpu")
+        k_store, v_store, indexed = index_keys(k, v, batch)
+        want = reference.reference_hstu_mha(q, k, v, batch, bias, params)
+        got = reference.reference_hstu_mha(q, k_store, v_store, indexed, bias, params)
+        assert got.dtype == dtype and got.shape == want.shape
+        tol = 1e-5 if dtype == torch.float32 else 1e-12
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+        assert float(want.abs().max()) > 0.1
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_a_bad_row_index_is_a_clear_error(backend: str) -> None:
+    from relaygr.workers.kernels.reference import reference_hstu_mha
+
+    call = hstu_forward if backend == "triton" else reference_hstu_mha
+    q, k, v, batch, bias, params = make_case(CASES["indexed_users_split"], torch.float32, "cpu")
+    k_store, v_store, indexed = index_keys(k, v, batch)
+
+    def with_rows(rows: torch.Tensor):
+        return dataclasses.replace(indexed, k_rows=rows, scratch={})
+
+    rows = indexed.k_rows
+    assert rows is not None
+    with pytest.raises(ValueError, match="k_rows has"):
+        call(q, k_store, v_store, with_rows(rows[1:]), bias, params)
+    with pytest.raises(ValueError, match="1-d int64"):
+        call(q, k_store, v_store, with_rows(rows.to(torch.int32)), bias, params)
+    with pytest.raises(ValueError, match="reads rows"):
+        call(
+            q, k_store, v_store, with_rows(torch.where(rows == rows[0], k_store.shape[0], rows)), bias, params
+        )
+    with pytest.raises(ValueError, match="reads rows"):
+        call(q, k_store, v_store, with_rows(rows - 1 - int(rows.min())), bias, params)
+    with pytest.raises(ValueError, match=r"key rows for|shapes do not agree"):
+        call(q, k_store, v_store[1:], indexed, bias, params)
+    with pytest.raises(ValueError, match="keys for a batch"):
+        call(q, k_store, v_store, dataclasses.replace(indexed, k_rows=None, scratch={}), bias, params)
+    if backend == "triton":
+        with pytest.raises(ValueError, match="k_rows is on"):
+            call(q, k_store, v_store, with_rows(rows.to("meta")), bias, params)
+
+
+def test_the_paged_kernel_compiles_for_hopper_without_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    from relaygr.cli import main
+
+    assert main(["bench", "kernels", "--build", "sm_90", "--paged", "--presets", "large", "--lengths",
+                 "8192", "--kinds", "relay_1", "--dtype", "bf16"]) == 0  # fmt: skip
+    (row,) = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
+    assert row["config"]["splits"] > 1 and row["shared_bytes"] > 0

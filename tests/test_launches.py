@@ -49,3 +49,30 @@ def test_count_ranking_refuses_what_it_cannot_count() -> None:
         count_ranking(model, 10, 20, 4, "relay")
     with pytest.raises(ValueError, match="meta"):
         count_ranking(HSTURanker(preset("small").config(dropout=0.0)), 100, 10, 4, "relay")
+
+
+def test_graphed_bytes_count_real_keys_in_place_and_every_padded_slot_when_gathered() -> None:
+    from relaygr.bench.launches import graphed_bytes
+
+    cfg = preset("large").config(dropout=0.0)
+    row = cfg.heads * (cfg.attn_dim + cfg.linear_dim) * 2
+    a, b = graphed_bytes(cfg, 4352, 64, 128), graphed_bytes(cfg, 8192, 64, 128)
+    assert a["gathered"] == b["gathered"]  # both in the 8192-token prefix bucket
+    assert b["paged"] - a["paged"] == (8192 - 4352) * (row + 28) * cfg.layers  # only real keys
+    assert b["gathered"] > 2 * b["paged"]  # the copy's write and read again, besides the read
+    with pytest.raises(ValueError, match="fit no bucket"):
+        graphed_bytes(cfg, 100, 1000, 1)
+
+
+def test_the_graphed_forward_as_cuda_captures_it_counts_the_same_at_every_length() -> None:
+    pytest.importorskip("triton")
+    from relaygr.bench.launches import count_graphed
+    from relaygr.workers.kernels import triton_hstu
+
+    model = _model("large")
+    counts = [count_graphed(model, n, 64, 128, backend="triton") for n in LENGTHS]
+    assert {c.transfers for c in counts} == {0} and len({c.total for c in counts}) == 1
+    assert counts[0].counts["add_"] >= model.config.layers  # at least one launch a layer
+    assert hasattr(triton_hstu._hstu_fwd_kernel, "run")  # the kernels are back after counting
+    with pytest.raises(ValueError, match="reference or triton"):
+        count_graphed(model, 1024, 64, 128, backend="cuda")

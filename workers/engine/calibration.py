@@ -173,7 +173,8 @@ def warm_up_work(
     model: HSTURanker, history_len: int, num_candidates: int, rounds: int, chunk: int
 ) -> Callable[[], None]:
     """A full ranking, a pre-inference (in ``chunk``-token chunks) and a relay ranking of a
-    synthetic user, ``rounds`` times: what ``RankingEngine.warm_up`` runs on the device thread."""
+    synthetic user, ``rounds`` times: what ``RankingEngine.warm_up`` runs on the device thread.
+    With bucketed relay rankings on, every bucket is built (captured on CUDA) first."""
     cfg = model.config
     n = max(2, min(history_len, cfg.max_seq_len))
     g = torch.Generator().manual_seed(0)
@@ -187,6 +188,8 @@ def warm_up_work(
     split = max(1, n - 64)
 
     def work() -> None:
+        if model.graph_relay is not None:
+            model.graph_relay.warm_up()
         for _ in range(rounds):
             model.rank(None, hist, cands, request_ts)
             prefix = model.prefill(hist.slice(0, split), chunk)

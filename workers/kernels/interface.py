@@ -17,6 +17,8 @@ Layout: ``q [Tq, H, dqk]``, ``k [Tk, H, dqk]``, ``v [Tk, H, dv]``, the users' to
 after another (``JaggedBatch`` offsets). Each user's queries are the last keys of that user, in the
 same order (the new tokens' keys are appended after the cached prefix), which is how a query finds
 its own key. Positions are absolute within the user's history; timestamps are seconds (float64).
+With a row index (``JaggedBatch.k_rows``), ``k``/``v`` are any ``[R, H, d]`` tensors (a paged pool's
+layer, read in place) and key ``j`` of the batch is their row ``k_rows[j]``.
 
 Backends: ``reference`` (PyTorch; CPU, NPU, and the oracle) and ``triton`` (CUDA, or CPU under
 ``TRITON_INTERPRET=1``). ``hstu_mha`` picks Triton for CUDA tensors where it imports, else the

@@ -7,7 +7,11 @@ Primitives:
   pair's bias index, and its weight: visibility, far factor and normaliser together) is derived once
   per batch and kept in ``batch.scratch``, so a layer costs a fixed handful of operations (a bias
   gather, two batched matmuls, SiLU and the weight) whatever the history length or user count.
-- ``pair_layout(batch, params)``: that once-per-batch part.
+- ``pair_layout(batch, params)``: that once-per-batch part. With a row index (``batch.k_rows``: keys
+  read in place from a larger tensor, a paged pool's layer) the layout holds each dense key slot's
+  row instead, and a layer gathers its keys and values straight into the dense layout (one
+  ``index_select`` each). The layout is as wide as the longest user (its offsets read back: free
+  on a CPU), or ``max_k`` wide (the capacity) while a CUDA graph is captured.
 - ``causal_tiles(total, device)`` (``CausalTiles``): one user whose queries are all its keys (a full
   ranking) is laid out in square tiles on and below the diagonal of its causal square instead, so
   that the hidden upper triangle is not computed; the same fixed handful of operations per layer
@@ -34,7 +38,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from relaygr.workers.kernels.batch import AttentionParams, JaggedBatch
+from relaygr.workers.kernels.batch import AttentionParams, JaggedBatch, check_key_rows
 from relaygr.workers.kernels.buckets import EXACT_POSITIONS, F32_EXP_BIAS, position_bucket
 
 PAD_POSITION = 1 << 40
@@ -71,6 +75,7 @@ class PairLayout:
     weight: torch.Tensor  # [B, max_q, max_k] float32 ([tiles, side, side] when tiled)
     tiles: CausalTiles | None = None
     buffers: dict[str, object] = field(default_factory=dict)  # reused by every layer
+    k_gather: torch.Tensor | None = None  # [B * max_k] row of k/v of each key slot (``k_rows``)
 
 
 @dataclass(frozen=True)
@@ -323,6 +328,44 @@ def _tiled_layout(
     return layout
 
 
+@functools.cache
+def _slot_steps(width: int, device: torch.device) -> torch.Tensor:
+    """``[-width, ..., -1]`` (int64), built once per width and device (a static input)."""
+    steps = torch.from_numpy(np.arange(-width, 0, dtype=np.int64))
+    return steps if device.type == "cpu" else steps.to(device)
+
+
+def _key_width(batch: JaggedBatch) -> int:
+    """Key slots per user of a row-indexed batch's dense layout: the longest user's where its
+    offsets can be read (on a CPU for free; on another device at the cost of a wait), ``max_k``
+    (the capacity) while a CUDA graph is captured (which cannot wait) and on the meta device."""
+    device = batch.k_offsets.device
+    if device.type == "meta" or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        return batch.max_k
+    return max(batch.max_q, int((batch.k_offsets[1:] - batch.k_offsets[:-1]).max()))
+
+
+def _gathered_layout(batch: JaggedBatch, params: AttentionParams, dtype: torch.dtype) -> PairLayout:
+    """The dense layout of a batch whose keys are rows of a larger tensor (``k_rows``): slot ``c``
+    of user ``b`` (right-aligned) is its packed key ``k_offsets[b + 1] - width + c``, padding where
+    that is before the user's first key; a padded slot reads some real row (a finite key and
+    value: its weight 0 leaves exactly nothing) at the padding position."""
+    users, lq, lk = batch.users, batch.max_q, _key_width(batch)
+    device = batch.k_pos.device
+    token = batch.k_offsets[1:, None] + _slot_steps(lk, device)[None, :]  # [B, lk]
+    padded = token < batch.k_offsets[:-1, None]
+    flat = token.clamp_(min=0).view(-1)
+    k_pos = batch.k_pos.index_select(0, flat).view(users, lk).masked_fill_(padded, PAD_POSITION)
+    k_ts = batch.k_ts.index_select(0, flat).view(users, lk)
+    assert batch.k_rows is not None
+    k_gather = batch.k_rows.index_select(0, flat)
+    q_slots = None if users == 1 else _slots(batch.q_offsets, int(batch.q_pos.shape[0]), lq, users)
+    q_pos, q_ts = _dense(batch.q_pos, q_slots, users, lq, 0), _dense(batch.q_ts, q_slots, users, lq, 0.0)
+    index, weight = _pairs(q_pos, q_ts, k_pos, k_ts, params, dtype)
+    weight.diagonal(lk - lq, dim1=-2, dim2=-1).fill_(1.0 / params.normaliser)  # a query's own key
+    return PairLayout(q_slots, None, index, weight, k_gather=k_gather)
+
+
 def pair_layout(
     batch: JaggedBatch, params: AttentionParams, dtype: torch.dtype = torch.float32
 ) -> PairLayout:
@@ -330,6 +373,9 @@ def pair_layout(
     ``dtype`` (the scores')."""
     key = ("reference", params, dtype)
     if key in batch.scratch:
+        return batch.scratch[key]
+    if batch.k_rows is not None:
+        batch.scratch[key] = _gathered_layout(batch, params, dtype)
         return batch.scratch[key]
     users, lq, lk = batch.users, batch.max_q, batch.max_k
     if users == 1 and lq == lk:
@@ -419,14 +465,19 @@ def reference_hstu_mha(
 ) -> torch.Tensor:
     """``hstu_mha`` in PyTorch (see ``interface``)."""
     f32 = torch.float64 if q.dtype == torch.float64 else torch.float32  # sums in float32 at least
+    check_key_rows(batch, k, v)
     layout = pair_layout(batch, params, f32)
     if layout.tiles is not None:
         return _tiled_attention(q.to(f32), k.to(f32), v.to(f32), bias_table.to(f32), layout).to(q.dtype)
-    users, lq, lk = batch.users, batch.max_q, batch.max_k
+    users, lq, lk = batch.users, batch.max_q, int(layout.index.shape[-1])
     heads = q.shape[1]
     qd = _dense(q.to(f32), layout.q_slots, users, lq, 0.0).transpose(1, 2)  # [B, H, lq, d]
-    kd = _dense(k.to(f32), layout.k_slots, users, lk, 0.0).permute(0, 2, 3, 1)  # [B, H, d, lk]
-    vd = _dense(v.to(f32), layout.k_slots, users, lk, 0.0).transpose(1, 2)  # [B, H, lk, dv]
+    if layout.k_gather is not None:  # the keys' rows, read straight into the dense layout
+        kd = k.index_select(0, layout.k_gather).to(f32).view(users, lk, *k.shape[1:]).permute(0, 2, 3, 1)
+        vd = v.index_select(0, layout.k_gather).to(f32).view(users, lk, *v.shape[1:]).transpose(1, 2)
+    else:
+        kd = _dense(k.to(f32), layout.k_slots, users, lk, 0.0).permute(0, 2, 3, 1)  # [B, H, d, lk]
+        vd = _dense(v.to(f32), layout.k_slots, users, lk, 0.0).transpose(1, 2)  # [B, H, lk, dv]
     # index_select, not advanced indexing: several times faster on a CPU for int32 indices.
     bias = torch.index_select(bias_table.to(f32), 0, layout.index.view(-1)).view(layout.index.shape)
     if users == 1 or heads == 1:  # the bias broadcasts over the flattened (user, head) batch

@@ -16,6 +16,10 @@ Primitives:
   relative to its user's smallest, in int32, and per user whether they span at most 2^30 (the
   kernel then derives every pair's gap in int32; a user that spans more is read in int64).
 
+With a row index (``batch.k_rows``), ``k`` and ``v`` are whole tensors (a paged pool's layer) and
+each key tile is loaded through the index (one indirect row load per tile, no gathered copy); the
+keys past the last user's (a static capacity's unused tail) are never read.
+
 Each program holds one block of one user's queries for its heads and loops over that user's key
 blocks inside the kernel: ``silu(q k^T + bias)`` times the pair's weight, then times ``v``, summed in
 float32; no score matrix is ever in memory. The bias index comes from positions and timestamps
@@ -23,7 +27,8 @@ exactly as ``buckets.py`` computes it (int32 position gap from the per-user rela
 float64 time gap rounded to float32, their bit patterns shifted), an int32 index. HSTU has no
 softmax, so a user's keys can be split across programs and their partial sums simply added: that
 is the split-K path, taken when the grid alone would leave multiprocessors idle (a relay ranking:
-few queries, many keys).
+few queries, many keys). Each user's keys are split by its own key count, so that a batch sized
+for a larger capacity than its users fill still keeps every split busy.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from relaygr.workers.kernels.batch import AttentionParams, JaggedBatch
+from relaygr.workers.kernels.batch import AttentionParams, JaggedBatch, check_key_rows
 from relaygr.workers.kernels.buckets import EXACT_POSITIONS, F32_EXP_BIAS
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -112,14 +117,15 @@ def _pair_terms(
 
 @triton.jit
 def _head_keys(
-    q, q_pos, q_ts, own, far_scale, K, V, BIAS, K_POS, K_TS, lo, hi,
+    q, q_pos, q_ts, own, far_scale, K, V, BIAS, K_POS, K_TS, ROWS, lo, hi,
     stride_kt, stride_vt, num_pos, num_time, near_keys,
     D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_FAR: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, HAS_ROWS: tl.constexpr,
 ):  # fmt: skip
-    """One head's sum over key blocks ``[lo, hi)``: ``K``, ``V``, ``K_POS``, ``K_TS`` point at the
-    user's first key (and ``K``, ``V`` at the head)."""
+    """One head's sum over key blocks ``[lo, hi)``: ``K_POS``, ``K_TS`` (and ``ROWS``) point at the
+    user's first key; ``K``, ``V`` at the head of the user's first key, or with ``HAS_ROWS`` of row
+    0 (key ``j``'s row is ``ROWS[j]``)."""
     d_qk = tl.arange(0, BLOCK_DQK)
     d_v = tl.arange(0, BLOCK_DV)
     offs = tl.arange(0, BLOCK_N)
@@ -130,6 +136,10 @@ def _head_keys(
     for n0 in range(lo, hi, BLOCK_N):
         cols = n0 + offs
         col_ok = cols < hi
+        if HAS_ROWS:  # the tile's rows, wherever they lie
+            key_rows = tl.load(ROWS + cols, mask=col_ok, other=0).to(tl.int64)
+            k_ptrs = K + key_rows[None, :] * stride_kt + d_qk[:, None]
+            v_ptrs = V + key_rows[:, None] * stride_vt + d_v[None, :]
         k_t = tl.load(
             k_ptrs,
             mask=col_ok[None, :] & (d_qk[:, None] < D_QK),
@@ -163,11 +173,11 @@ def _head_keys(
 
 @triton.jit
 def _group_keys(
-    q, q_pos, q_ts, own, far_scale, K, V, BIAS, K_POS, K_TS, lo, hi,
+    q, q_pos, q_ts, own, far_scale, K, V, BIAS, K_POS, K_TS, ROWS, lo, hi,
     stride_kt, stride_kh, stride_vt, stride_vh, num_pos, num_time, near_keys,
     D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_FAR: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, GROUP: tl.constexpr,
+    UPCAST: tl.constexpr, GROUP: tl.constexpr, HAS_ROWS: tl.constexpr,
 ):  # fmt: skip
     """``_head_keys`` for ``GROUP`` heads at once (``K``, ``V`` at the group's first head): each
     pair's bias and weight, the same for every head, are derived once per tile (batched products)."""
@@ -183,6 +193,12 @@ def _group_keys(
     for n0 in range(lo, hi, BLOCK_N):
         cols = n0 + offs
         col_ok = cols < hi
+        if HAS_ROWS:  # the tile's rows, wherever they lie
+            key_rows = tl.load(ROWS + cols, mask=col_ok, other=0).to(tl.int64)
+            k_ptrs = (K + key_rows[None, None, :] * stride_kt + g[:, None, None] * stride_kh
+                      + d_qk[None, :, None])  # fmt: skip
+            v_ptrs = (V + key_rows[None, :, None] * stride_vt + g[:, None, None] * stride_vh
+                      + d_v[None, None, :])  # fmt: skip
         k_pos = tl.load(K_POS + cols, mask=col_ok, other=0)
         k_ts = tl.load(K_TS + cols, mask=col_ok, other=0.0)
         bias, weight = _pair_terms(
@@ -212,10 +228,13 @@ def _group_keys(
 
 
 @triton.jit
-def _key_range(CAUSAL_OK, user, n_q, n_k, m0, split, split_keys, BLOCK_M: tl.constexpr):
-    """The user's keys this program reads: its split, cut after the block's last own key where the
-    user's positions allow it (every later key is hidden from all the block's queries)."""
+def _key_range(CAUSAL_OK, user, n_q, n_k, m0, split, num_splits, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr):  # fmt: skip
+    """The user's keys this program reads: its split (of ``num_splits``, whole key blocks, by the
+    user's own key count), cut after the block's last own key where the user's positions allow it
+    (every later key is hidden from all the block's queries)."""
     hi = tl.where(tl.load(CAUSAL_OK + user) != 0, n_k - n_q + tl.minimum(m0 + BLOCK_M, n_q), n_k)
+    split_keys = tl.cdiv(tl.cdiv(n_k, num_splits), BLOCK_N) * BLOCK_N
     lo = split * split_keys
     return lo, tl.minimum(hi, lo + split_keys)
 
@@ -223,11 +242,12 @@ def _key_range(CAUSAL_OK, user, n_q, n_k, m0, split, split_keys, BLOCK_M: tl.con
 @triton.jit
 def _hstu_fwd_kernel(
     Q, K, V, OUT, BIAS, Q_OFFSETS, K_OFFSETS, Q_POS, Q_TS, K_POS, K_TS, Q_REL, K_REL, POS32_OK, CAUSAL_OK,
+    K_ROWS,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_os, stride_ot, stride_oh,
-    num_heads, split_keys, num_pos, num_time, normaliser, near_keys, far_keys,
+    num_heads, num_splits, num_pos, num_time, normaliser, near_keys, far_keys,
     D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_FAR: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, HAS_ROWS: tl.constexpr,
 ):  # fmt: skip
     # The heaviest causal blocks (the last queries) are launched first.
     m_block = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -256,26 +276,30 @@ def _hstu_fwd_kernel(
         q = q.to(tl.float32)
     q_ts, far_scale = _query_terms(Q_POS, Q_TS, q_tok, row_ok, near_keys, far_keys)
     own = n_k - n_q + rows  # each query's own key, counted within the user's keys
-    lo, hi = _key_range(CAUSAL_OK, user, n_q, n_k, m0, split, split_keys, BLOCK_M)
-    k_user = K + k_start * stride_kt
-    v_user = V + k_start * stride_vt
+    lo, hi = _key_range(CAUSAL_OK, user, n_q, n_k, m0, split, num_splits, BLOCK_M, BLOCK_N)
+    if HAS_ROWS:  # K and V whole: the user's keys are rows K_ROWS[k_start:]
+        k_user = K
+        v_user = V
+    else:
+        k_user = K + k_start * stride_kt
+        v_user = V + k_start * stride_vt
     if tl.load(POS32_OK + user) != 0:  # int32 positions relative to the user's first
         q_rel = tl.load(Q_REL + q_tok, mask=row_ok, other=0)
         acc = _head_keys(
             q, q_rel, q_ts, own, far_scale,
             k_user + head * stride_kh, v_user + head * stride_vh, BIAS - TIME_LOG_OFFSET,
-            K_REL + k_start, K_TS + k_start, lo, hi, stride_kt, stride_vt, num_pos, num_time, near_keys,
-            D_QK, D_V, BLOCK_DQK, BLOCK_DV, BLOCK_M,
-            BLOCK_N, HAS_FAR, DOT_PRECISION, UPCAST,
+            K_REL + k_start, K_TS + k_start, K_ROWS + k_start, lo, hi, stride_kt, stride_vt, num_pos,
+            num_time, near_keys, D_QK, D_V, BLOCK_DQK, BLOCK_DV, BLOCK_M,
+            BLOCK_N, HAS_FAR, DOT_PRECISION, UPCAST, HAS_ROWS,
         )  # fmt: skip
     else:  # a user spanning over 2^30 positions: the gaps in int64
         q_pos = tl.load(Q_POS + q_tok, mask=row_ok, other=0)
         acc = _head_keys(
             q, q_pos, q_ts, own, far_scale,
             k_user + head * stride_kh, v_user + head * stride_vh, BIAS - TIME_LOG_OFFSET,
-            K_POS + k_start, K_TS + k_start, lo, hi, stride_kt, stride_vt, num_pos, num_time, near_keys,
-            D_QK, D_V, BLOCK_DQK, BLOCK_DV, BLOCK_M,
-            BLOCK_N, HAS_FAR, DOT_PRECISION, UPCAST,
+            K_POS + k_start, K_TS + k_start, K_ROWS + k_start, lo, hi, stride_kt, stride_vt, num_pos,
+            num_time, near_keys, D_QK, D_V, BLOCK_DQK, BLOCK_DV, BLOCK_M,
+            BLOCK_N, HAS_FAR, DOT_PRECISION, UPCAST, HAS_ROWS,
         )  # fmt: skip
     acc = acc / normaliser
     out_ptrs = (
@@ -287,11 +311,12 @@ def _hstu_fwd_kernel(
 @triton.jit
 def _hstu_fwd_grouped_kernel(
     Q, K, V, OUT, BIAS, Q_OFFSETS, K_OFFSETS, Q_POS, Q_TS, K_POS, K_TS, Q_REL, K_REL, POS32_OK, CAUSAL_OK,
+    K_ROWS,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_os, stride_ot, stride_oh,
-    num_heads, split_keys, num_pos, num_time, normaliser, near_keys, far_keys,
+    num_heads, num_splits, num_pos, num_time, normaliser, near_keys, far_keys,
     D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_FAR: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, GROUP: tl.constexpr,
+    UPCAST: tl.constexpr, GROUP: tl.constexpr, HAS_ROWS: tl.constexpr,
 ):  # fmt: skip
     """``_hstu_fwd_kernel`` for ``GROUP`` heads at once (``_group_keys``)."""
     m_block = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -322,28 +347,32 @@ def _hstu_fwd_grouped_kernel(
         q = q.to(tl.float32)
     q_ts, far_scale = _query_terms(Q_POS, Q_TS, q_tok, row_ok, near_keys, far_keys)
     own = n_k - n_q + rows  # each query's own key, counted within the user's keys
-    lo, hi = _key_range(CAUSAL_OK, user, n_q, n_k, m0, split, split_keys, BLOCK_M)
-    k_user = K + k_start * stride_kt
-    v_user = V + k_start * stride_vt
+    lo, hi = _key_range(CAUSAL_OK, user, n_q, n_k, m0, split, num_splits, BLOCK_M, BLOCK_N)
+    if HAS_ROWS:  # K and V whole: the user's keys are rows K_ROWS[k_start:]
+        k_user = K
+        v_user = V
+    else:
+        k_user = K + k_start * stride_kt
+        v_user = V + k_start * stride_vt
     if tl.load(POS32_OK + user) != 0:  # int32 positions relative to the user's first
         q_rel = tl.load(Q_REL + q_tok, mask=row_ok, other=0)
         acc = _group_keys(
             q, q_rel, q_ts, own, far_scale,
             k_user + first_head * stride_kh, v_user + first_head * stride_vh,
-            BIAS - TIME_LOG_OFFSET, K_REL + k_start, K_TS + k_start, lo, hi, stride_kt, stride_kh, stride_vt,
-            stride_vh, num_pos, num_time, near_keys,
+            BIAS - TIME_LOG_OFFSET, K_REL + k_start, K_TS + k_start, K_ROWS + k_start, lo, hi, stride_kt,
+            stride_kh, stride_vt, stride_vh, num_pos, num_time, near_keys,
             D_QK, D_V, BLOCK_DQK, BLOCK_DV, BLOCK_M,
-            BLOCK_N, HAS_FAR, DOT_PRECISION, UPCAST, GROUP,
+            BLOCK_N, HAS_FAR, DOT_PRECISION, UPCAST, GROUP, HAS_ROWS,
         )  # fmt: skip
     else:  # a user spanning over 2^30 positions: the gaps in int64
         q_pos = tl.load(Q_POS + q_tok, mask=row_ok, other=0)
         acc = _group_keys(
             q, q_pos, q_ts, own, far_scale,
             k_user + first_head * stride_kh, v_user + first_head * stride_vh,
-            BIAS - TIME_LOG_OFFSET, K_POS + k_start, K_TS + k_start, lo, hi, stride_kt, stride_kh, stride_vt,
-            stride_vh, num_pos, num_time, near_keys,
+            BIAS - TIME_LOG_OFFSET, K_POS + k_start, K_TS + k_start, K_ROWS + k_start, lo, hi, stride_kt,
+            stride_kh, stride_vt, stride_vh, num_pos, num_time, near_keys,
             D_QK, D_V, BLOCK_DQK, BLOCK_DV, BLOCK_M,
-            BLOCK_N, HAS_FAR, DOT_PRECISION, UPCAST, GROUP,
+            BLOCK_N, HAS_FAR, DOT_PRECISION, UPCAST, GROUP, HAS_ROWS,
         )  # fmt: skip
     acc = acc / normaliser
     out_ptrs = (
@@ -377,7 +406,7 @@ def causal_limits(batch: JaggedBatch) -> torch.Tensor:
     device = batch.k_pos.device
     k_pos, q_pos = batch.k_pos, batch.q_pos
     total_k, total_q = int(k_pos.shape[0]), int(q_pos.shape[0])
-    bad = torch.zeros(users, dtype=torch.int32, device=device)
+    bad = torch.zeros(users + 1, dtype=torch.int32, device=device)  # the last: keys of no user
     q_user, k_user = _token_users(batch)
     if total_k > 1:
         drops = (k_pos[1:] < k_pos[:-1]) & (k_user[1:] == k_user[:-1])
@@ -385,13 +414,14 @@ def causal_limits(batch: JaggedBatch) -> torch.Tensor:
     if total_q:
         own = batch.k_offsets[q_user + 1] - batch.q_offsets[q_user + 1] + torch.arange(total_q, device=device)
         bad.index_add_(0, q_user, (q_pos > k_pos[own]).to(torch.int32))
-    limits = (bad == 0).to(torch.int32)
+    limits = (bad[:users] == 0).to(torch.int32)
     batch.scratch[key] = limits
     return limits
 
 
 def _token_users(batch: JaggedBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each query's and each key's user (``[Tq]``, ``[Tk]``), once per batch."""
+    """Each query's and each key's user (``[Tq]``, ``[Tk]``), once per batch; a key past the last
+    user's (``k_rows``' unused tail) is user ``B``, which no program reads."""
     key = ("triton", "token_users")
     if key not in batch.scratch:
         batch.scratch[key] = tuple(
@@ -412,9 +442,9 @@ def position_frames(batch: JaggedBatch) -> tuple[torch.Tensor, torch.Tensor, tor
     limit = torch.iinfo(torch.int64)
     users = batch.users
     q_user, k_user = _token_users(batch)
-    low = batch.k_pos.new_full((users,), limit.max)
+    low = batch.k_pos.new_full((users + 1,), limit.max)  # the last: keys of no user
     low = low.scatter_reduce_(0, k_user, batch.k_pos, "amin").scatter_reduce_(0, q_user, batch.q_pos, "amin")
-    high = batch.k_pos.new_full((users,), limit.min)
+    high = batch.k_pos.new_full((users + 1,), limit.min)
     high = high.scatter_reduce_(0, k_user, batch.k_pos, "amax").scatter_reduce_(
         0, q_user, batch.q_pos, "amax"
     )
@@ -424,7 +454,7 @@ def position_frames(batch: JaggedBatch) -> tuple[torch.Tensor, torch.Tensor, tor
     def relative(pos: torch.Tensor, owner: torch.Tensor) -> torch.Tensor:
         return torch.where(fits[owner], pos - low[owner], 0).to(torch.int32)
 
-    frames = (relative(batch.q_pos, q_user), relative(batch.k_pos, k_user), fits.to(torch.int32))
+    frames = (relative(batch.q_pos, q_user), relative(batch.k_pos, k_user), fits[:users].to(torch.int32))
     batch.scratch[key] = frames
     return frames
 
@@ -474,10 +504,11 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: JaggedBatch
         raise ValueError(f"shapes do not agree: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     if max(q.shape[2], v.shape[2]) > MAX_HEAD_DIM:
         raise ValueError(f"head dims up to {MAX_HEAD_DIM} are supported, got {q.shape[2]} and {v.shape[2]}")
-    if q.shape[0] != batch.q_pos.shape[0] or k.shape[0] != batch.k_pos.shape[0]:
+    if q.shape[0] != batch.q_pos.shape[0]:
         raise ValueError(
-            f"{q.shape[0]} queries and {k.shape[0]} keys for a batch of {batch.q_pos.shape[0]} and {batch.k_pos.shape[0]}"
+            f"{q.shape[0]} queries and {k.shape[0]} keys for a batch of {batch.q_pos.shape[0]} queries"
         )
+    check_key_rows(batch, k, v)
     if not 0 <= params.near_keys < MAX_POSITION_GAP:
         raise ValueError(f"near_keys must be in [0, 2^30), got {params.near_keys}")
     if bias_table.numel() != params.num_pos * params.num_time:
@@ -485,6 +516,8 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: JaggedBatch
             f"bias table of {bias_table.numel()} entries for {params.num_pos} x {params.num_time} buckets"
         )
     devices = {t.device for t in (q, k, v, bias_table, batch.q_offsets, batch.k_pos)}
+    if batch.k_rows is not None:
+        devices.add(batch.k_rows.device)
     if len(devices) != 1:
         raise ValueError(f"tensors on several devices: {sorted(map(str, devices))}")
 
@@ -498,9 +531,9 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def kernel_constants(config: KernelConfig, dtype: torch.dtype, d_qk: int, d_v: int, has_far: bool,
-                     upcast: bool = False) -> tuple[triton.JITFunction, dict]:  # fmt: skip
+                     upcast: bool = False, has_rows: bool = False) -> tuple[triton.JITFunction, dict]:  # fmt: skip
     """The kernel a config launches and its compile-time arguments (also for builds without a GPU)."""
-    constants = {
+    constants = {"HAS_ROWS": has_rows,
         "D_QK": d_qk, "D_V": d_v, "BLOCK_DQK": _block_dim(d_qk), "BLOCK_DV": _block_dim(d_v),
         "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "HAS_FAR": has_far,
         "DOT_PRECISION": "ieee" if dtype == torch.float32 or upcast else "tf32", "UPCAST": upcast,
@@ -526,6 +559,8 @@ def hstu_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Jagge
                                _sm_count(q.device))  # fmt: skip
     if heads % config.head_group:
         raise ValueError(f"head_group {config.head_group} does not divide {heads} heads")
+    # At most ``config.splits``, of whole key blocks at ``max_k`` keys; the kernel divides each user's
+    # own keys among them.
     split_keys = triton.cdiv(triton.cdiv(batch.max_k, max(1, config.splits)), config.block_n) * config.block_n
     splits = max(1, triton.cdiv(batch.max_k, split_keys))
     target = (
@@ -536,14 +571,16 @@ def hstu_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Jagge
     o_strides = (0, *out.stride()[:2]) if splits == 1 else target.stride()[:3]
     # The interpreter multiplies bfloat16 tiles as raw bits: it gets them in float32 instead.
     upcast = q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
-    kernel, constants = kernel_constants(config, q.dtype, d_qk, d_v, params.near_keys > 0, upcast)
+    has_rows = batch.k_rows is not None
+    kernel, constants = kernel_constants(config, q.dtype, d_qk, d_v, params.near_keys > 0, upcast, has_rows)
     grid = (triton.cdiv(batch.max_q, config.block_m), batch.users, heads // config.head_group * splits)
     per_token = (_dense(t) for t in (batch.q_pos, batch.q_ts, batch.k_pos, batch.k_ts))
     kernel[grid](
         q, k, v, target, _dense(bias_table.reshape(-1)), _dense(batch.q_offsets), _dense(batch.k_offsets),
         *per_token, *position_frames(batch), causal_limits(batch),
+        batch.k_rows if has_rows else batch.k_offsets,  # (not read without rows)
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), *o_strides,
-        heads, split_keys, params.num_pos, params.num_time, float(params.normaliser),
+        heads, splits, params.num_pos, params.num_time, float(params.normaliser),
         params.near_keys, float(params.far_keys), **constants,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip

@@ -2,33 +2,40 @@
 replayed for any users; elsewhere (CPU, NPU, a failed capture) run eagerly on the same buffers.
 
 A bucket fixes every shape of the forward: users ``B``, suffix events ``S`` and candidates ``C``
-per user, and prefix blocks ``P`` per user. Each user owns a fixed stretch of rows: ``S`` event
-rows (its events, then padding) and ``C`` candidate rows; and of keys: ``P`` blocks of prefix
-slots (its cached tokens, read from a ``PagedPrefixPool`` by a gather index, then the pool's zero
-block), then its own ``S + C`` rows. Padding cannot change a real score: a padded prefix slot has
-a zero key and value (HSTU has no softmax, so it adds exactly nothing), a padded event sits at the
-candidates' position (no real token sees it), a padded candidate is one more candidate (no
-candidate sees another), a padded user is a user of its own.
+per user; the prefix capacity ``P`` blocks per user is one for all the buckets of a
+``GraphRelay`` (the model's longest history, at most the pool, in whole blocks): a capacity no user
+fills costs index slots (48 bytes a key slot), never a key read or computed, so buckets have no
+prefix dimension and every one the worker uses is built, and captured, before it takes traffic
+(``GraphRelay.warm_up``). Each user owns a fixed stretch of rows: ``S`` event
+rows (its events, then padding) and ``C`` candidate rows. Its keys are read in place from a
+``PagedPrefixPool`` through a row index (``JaggedBatch.k_rows``): its real cached tokens, then its
+own ``S + C`` rows, the users packed one after another by offsets computed from the loaded prefix
+lengths; the key buffers keep the static capacity of ``P`` blocks and ``S + C`` rows per user, and
+its unused rest is never read (no copy of a key, no padded key computed). Padding cannot change a
+real score: a padded event sits at the candidates' position (no real token sees it), a padded
+candidate is one more candidate (no candidate sees another), a padded user is a user of its own.
 
 Primitives:
-- ``RelayBucket``; ``bucket_for(users, suffix, candidates, prefix_tokens, block_tokens)``: the
-  smallest bucket on the grids (``BUCKET_USERS``, ``BUCKET_SUFFIX``, ``BUCKET_CANDIDATES``, prefix
-  blocks a power of two), or ``None``; ``pool_tokens_for(prefix_tokens, users)``: a pool that
-  holds them and a bucket's reserved rows.
+- ``RelayBucket``; ``bucket_for(users, suffix, candidates)``: the smallest bucket on the grids
+  (``BUCKET_USERS``, ``BUCKET_SUFFIX``, ``BUCKET_CANDIDATES``), or ``None``; ``grid_buckets(users,
+  suffix, candidates)``: every bucket up to those maxima, smallest first;
+  ``pool_tokens_for(prefix_tokens, users)``: a pool that holds them and a bucket's reserved rows.
 - ``GraphUser``: one user of a bucketed forward (its page table, new events, candidates, time).
 - ``BucketRunner``: a bucket's static buffers, ``load(users)`` (the host's inputs in two copies),
   ``forward()`` (the layers of ``inference.LayerPass``; no host sync, no shape that depends on the
   data), ``capture()`` (CUDA only), ``run()`` (replay or eager), ``results(users)`` and ``close()``.
-  Its new tokens' keys and values go to rows it reserves in the pool, so that per layer one gather
-  reads every user's prefix and new keys together.
+  Its new tokens' keys and values go to rows it reserves in the pool, so that the attention reads
+  every user's prefix and new keys in place, through one row index.
 - ``GraphRelay``: the policy: which prefixes enter the pool, which bucket a call takes, one runner
   per bucket (captured when ``capture``), and ``None`` (the caller's eager path) for what fits no
-  bucket or no pool.
+  bucket, no prefix capacity or no pool; ``warm_up()`` builds (captures) every bucket first.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass
@@ -55,30 +62,51 @@ DEFAULT_MAX_BUCKETS = 8
 NewKV = list[tuple[torch.Tensor, torch.Tensor]]
 
 
+INDEX_BYTES_PER_KEY = 48
+"""A bucket's index buffers per key slot: pool row and position (16 bytes), timestamp (8), and
+per user's slot its row and position (16) and where it goes (8)."""
+
+
 @dataclass(frozen=True, order=True)
 class RelayBucket:
     users: int
     suffix: int
     candidates: int
-    prefix_blocks: int
+
+    @property
+    def rows(self) -> int:
+        """The bucket's new tokens (each user's events and candidates), its rows in the pool."""
+        return self.users * (self.suffix + self.candidates)
 
 
 def _ceil_on(value: int, grid: tuple[int, ...]) -> int | None:
     return next((g for g in grid if g >= value), None)
 
 
-def bucket_for(
-    users: int, suffix: int, candidates: int, prefix_tokens: int, block_tokens: int
-) -> RelayBucket | None:
-    """The smallest bucket holding ``users`` users of at most ``suffix`` new events, ``candidates``
-    candidates and ``prefix_tokens`` cached tokens each; ``None`` past the grids."""
+def bucket_for(users: int, suffix: int, candidates: int) -> RelayBucket | None:
+    """The smallest bucket holding ``users`` users of at most ``suffix`` new events and
+    ``candidates`` candidates each; ``None`` past the grids."""
     b = _ceil_on(users, BUCKET_USERS)
     s = _ceil_on(suffix, BUCKET_SUFFIX)
     c = _ceil_on(candidates, BUCKET_CANDIDATES)
     if b is None or s is None or c is None:
         return None
-    blocks = max(1, -(-prefix_tokens // block_tokens))
-    return RelayBucket(b, s, c, 1 << (blocks - 1).bit_length())
+    return RelayBucket(b, s, c)
+
+
+def grid_buckets(
+    users: int = BUCKET_USERS[-1], suffix: int = BUCKET_SUFFIX[-1], candidates: int = BUCKET_CANDIDATES[-1]
+) -> list[RelayBucket]:
+    """Every bucket of the grids up to the one holding these maxima, fewest rows first."""
+    top = bucket_for(users, suffix, candidates)
+    if top is None:
+        raise ValueError(
+            f"{users} users, {suffix} events and {candidates} candidates are past the bucket grids"
+        )
+    grids = (BUCKET_USERS, BUCKET_SUFFIX, BUCKET_CANDIDATES)
+    limits = (top.users, top.suffix, top.candidates)
+    sizes = [[g for g in grid if g <= limit] for grid, limit in zip(grids, limits, strict=True)]
+    return sorted((RelayBucket(*b) for b in itertools.product(*sizes)), key=lambda b: (b.rows, b))
 
 
 def pool_tokens_for(prefix_tokens: int, users: int = 1, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> int:
@@ -110,23 +138,33 @@ class BucketRunner(LayerPass):
     """One bucket's static buffers and forward (see the module docstring)."""
 
     def __init__(
-        self, model: RelayInference, sv: Serving, pool: PagedPrefixPool, bucket: RelayBucket
+        self,
+        model: RelayInference,
+        sv: Serving,
+        pool: PagedPrefixPool,
+        bucket: RelayBucket,
+        prefix_blocks: int,
     ) -> None:
-        cfg, dev, bt = model.config, pool.device, pool.block_tokens
-        users, rows, slots = bucket.users, bucket.suffix + bucket.candidates, bucket.prefix_blocks * bt
+        dev, bt = pool.device, pool.block_tokens
+        users, rows, slots = bucket.users, bucket.suffix + bucket.candidates, prefix_blocks * bt
+        self.prefix_blocks = prefix_blocks
         self.bucket, self.pool, self.rows, self.slots = bucket, pool, rows, slots
         i64, f64, dt = torch.int64, torch.float64, model.dtype
         # The request's integer inputs in one buffer (one copy in): bags, positions, prefix
-        # lengths, block tables, candidate items.
+        # lengths, key offsets (each user's keys: its prefix's and its rows), block tables (each
+        # block's first pool row), candidate items.
         sizes = (
             2 * users * rows,
             users * rows,
             users,
-            users * bucket.prefix_blocks,
+            users + 1,
+            users * prefix_blocks,
             users * bucket.candidates,
         )
         self.ints = torch.zeros(sum(sizes), dtype=i64, device=dev)
-        self.bags, self.q_pos, self.prefix_len, self.block_table, self.cand_items = self.ints.split(sizes)
+        split = self.ints.split(sizes)
+        self.bags, self.q_pos, self.prefix_len, self.k_offsets, self.block_table, self.cand_items = split
+        self.k_offsets.copy_(torch.arange(users + 1) * rows)  # no prefixes yet: a valid forward
         self.q_ts = torch.zeros(users * rows, dtype=f64, device=dev)
         # Host staging of those inputs, page-locked on CUDA so that the copies are asynchronous
         # (a call reads its scores back before the next one writes here).
@@ -144,33 +182,45 @@ class BucketRunner(LayerPass):
             (slot // bt).to(dev),
             (slot % bt).to(dev),
         )
-        heads, dqk, dv = cfg.heads, cfg.attn_dim, cfg.linear_dim
-        keys = slots + rows
-        self.k_pos = torch.zeros(users * keys, dtype=i64, device=dev)
-        self.k_ts = torch.zeros(users * keys, dtype=f64, device=dev)
-        self.k_buf = torch.zeros(users * keys, heads, dqk, dtype=dt, device=dev)
-        self.v_buf = torch.zeros(users * keys, heads, dv, dtype=dt, device=dev)
+        keys = slots + rows  # a user's capacity: its prefix's and its own
+        self.capacity = users * keys
         self.gate = torch.zeros(users * rows, sv.splits[0] + 1, dtype=dt, device=dev)
         self.gate[:, -1] = 1.0  # the output projection's bias row
         self.score_buf = torch.zeros(users * bucket.candidates, dtype=torch.float32, device=dev)
-        # Every key's pool row: a user's prefix slots, then its own rows (``own_rows``).
-        self.gather = torch.zeros(users * keys, dtype=i64, device=dev)
+        # Pool rows of the bucket's new tokens, written each layer: the attention reads a user's
+        # prefix and its new keys in place, and the layers' new keys stay there for ``results``.
+        self.own_key = ("bucket", bucket)
+        self.own_rows = torch.from_numpy(pool.reserve(self.own_key, users * rows).rows(users * rows)).to(dev)
+        self._key_buffers()
         batch = JaggedBatch(
             q_offsets=(torch.arange(users + 1) * rows).to(dev),
-            k_offsets=(torch.arange(users + 1) * keys).to(dev),
+            k_offsets=self.k_offsets,
             q_pos=self.q_pos,
             q_ts=self.q_ts,
             k_pos=self.k_pos,
             k_ts=self.k_ts,
             max_q=rows,
             max_k=keys,
+            k_rows=self.k_rows,
         )
         super().__init__(model, _StaticPlan(batch, batch), sv)  # type: ignore[arg-type]
         self.graph: torch.cuda.CUDAGraph | None = None
-        # Pool rows of the bucket's new tokens, written each layer: one gather reads a user's
-        # prefix and its new keys together, and the layers' new keys stay there for ``results``.
-        self.own_key = ("bucket", bucket)
-        self.own_rows = torch.from_numpy(pool.reserve(self.own_key, users * rows).rows(users * rows)).to(dev)
+
+    def _key_buffers(self) -> None:
+        """The packed keys (``_pack``): per user its real prefix, then its own rows, one user after
+        another (``k_offsets``), the capacity's rest unused; ``packed`` row 0 each key's pool row,
+        row 1 its position, its last column the prefix slots past a user's length. Per user's key
+        slot (its prefix slots, then its own rows): the pool row and position (``src``), and
+        where it goes in the packed keys (``dest``)."""
+        users, rows, slots, dev = self.bucket.users, self.rows, self.slots, self.pool.device
+        self.packed = torch.zeros(2, self.capacity + 1, dtype=torch.int64, device=dev)
+        self.k_rows, self.k_pos = self.packed[0, : self.capacity], self.packed[1, : self.capacity]
+        self.k_ts = torch.zeros(self.capacity, dtype=torch.float64, device=dev)
+        self.src = torch.zeros(2, users, slots + rows, dtype=torch.int64, device=dev)
+        self.src[0, :, slots:] = self.own_rows.view(users, rows)
+        self.src[1, :, :slots] = self.slot_index
+        self.dest = torch.zeros(users, slots + rows, dtype=torch.int64, device=dev)
+        self.own_steps = torch.arange(-rows, 0, device=dev)  # own row r: r - rows from the user's end
 
     def close(self) -> None:
         """Gives the pool back the rows of the bucket's new tokens."""
@@ -179,8 +229,8 @@ class BucketRunner(LayerPass):
     def static_buffers(self) -> list[torch.Tensor]:
         """Every buffer a forward reads or writes (the same ones, at the same addresses, each run)."""
         return [
-            *(self.ints, self.q_ts, self.k_pos, self.k_ts, self.k_buf, self.v_buf),
-            *(self.gate, self.score_buf, self.gather, self.own_rows),
+            *(self.ints, self.q_ts, self.packed, self.k_ts, self.src, self.dest),
+            *(self.gate, self.score_buf, self.own_rows),
         ]
 
     def load(self, users: list[GraphUser]) -> None:
@@ -196,12 +246,15 @@ class BucketRunner(LayerPass):
         q_pos = np.zeros((b.users, rows), np.int64)
         q_ts = np.zeros((b.users, rows), np.float64)
         lengths = np.zeros(b.users, np.int64)
-        tables = np.zeros((b.users, b.prefix_blocks), np.int64)  # unused blocks: the zero block
+        tables = np.zeros((b.users, self.prefix_blocks), np.int64)  # unused blocks: the zero block's row
         cands = np.zeros((b.users, b.candidates), np.int64)
         for u, user in enumerate(users):
             s, c, n = len(user.events), len(user.candidates), user.table.length
-            if s > b.suffix or c > b.candidates or len(user.table.blocks) > b.prefix_blocks:
-                raise ValueError(f"a user of {s} events, {c} candidates and {n} cached ones exceeds {b}")
+            if s > b.suffix or c > b.candidates or len(user.table.blocks) > self.prefix_blocks:
+                raise ValueError(
+                    f"a user of {s} events, {c} candidates and {n} cached ones exceeds {b} of "
+                    f"{self.slots} prefix slots"
+                )
             items[u, :s] = host_ids(user.events.item_ids, num_items)
             items[u, b.suffix : b.suffix + c] = cands[u, :c] = host_ids(user.candidates, num_items)
             actions[u, :s] = host_ids(user.events.action_ids, num_actions)
@@ -210,41 +263,48 @@ class BucketRunner(LayerPass):
             q_ts[u, :s] = user.events.timestamps.numpy()
             q_ts[u, s:] = user.request_ts
             lengths[u] = n
-            tables[u, : len(user.table.blocks)] = user.table.blocks
+            tables[u, : len(user.table.blocks)] = np.asarray(user.table.blocks) * self.pool.block_tokens
         bags = np.stack([items, actions + num_items + 1], axis=-1).reshape(-1)
-        host = np.concatenate([bags, q_pos.reshape(-1), lengths, tables.reshape(-1), cands.reshape(-1)])
+        offsets = np.concatenate([[0], np.cumsum(lengths + rows)])
+        host = np.concatenate(
+            [bags, q_pos.reshape(-1), lengths, offsets, tables.reshape(-1), cands.reshape(-1)]
+        )
         self.host_ints.numpy()[:] = host
         self.host_ts.numpy()[:] = q_ts.reshape(-1)
         self.ints.copy_(self.host_ints, non_blocking=True)
         self.q_ts.copy_(self.host_ts, non_blocking=True)
 
     def _kv(self, li: int, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every user's keys and values, gathered from the pool: its prefix slots, then its rows
-        (the new ones written to the bucket's own rows first)."""
-        for new, pool, out in (
-            (k_new, self.pool.keys[li], self.k_buf),
-            (v_new, self.pool.values[li], self.v_buf),
-        ):
-            pool.index_copy_(0, self.own_rows, new)
-            torch.index_select(pool, 0, self.gather, out=out)
-        return self.k_buf, self.v_buf
+        """The pool's layer, read in place through the batch's ``k_rows`` (the new keys and values
+        written to the bucket's own rows first)."""
+        keys, values = self.pool.keys[li], self.pool.values[li]
+        keys.index_copy_(0, self.own_rows, k_new)
+        values.index_copy_(0, self.own_rows, v_new)
+        return keys, values
+
+    def _pack(self) -> None:
+        """Each user's keys, packed on the device from the loaded prefix lengths and offsets (no
+        host read): per key its pool row (``k_rows``), position and timestamp."""
+        users, rows, slots = self.bucket.users, self.rows, self.slots
+        length = self.prefix_len[:, None]
+        in_pool = self.block_table.view(users, -1).index_select(1, self.slot_block)
+        torch.add(in_pool, self.slot_offset, out=self.src[0, :, :slots])
+        self.src[1, :, slots:].copy_(self.q_pos.view(users, rows))
+        # A prefix slot goes after its user's earlier keys, or past the capacity beyond its length;
+        # the own rows end the user's keys.
+        prefix_dest = torch.add(self.k_offsets[:-1, None], self.slot_index, out=self.dest[:, :slots])
+        prefix_dest.masked_fill_(self.slot_index >= length, self.capacity)
+        torch.add(self.k_offsets[1:, None], self.own_steps, out=self.dest[:, slots:])
+        self.packed.index_copy_(1, self.dest.view(-1), self.src.view(2, -1))
+        self.pool.timestamps.index_copy_(0, self.own_rows, self.q_ts)
+        torch.index_select(self.pool.timestamps, 0, self.k_rows, out=self.k_ts)
 
     def forward(self) -> None:
         """The bucket's forward on the static buffers: scores into ``score_buf``, every layer's new
         keys and values into the pool's ``own_rows``."""
-        users, rows = self.bucket.users, self.rows
         self.plan.batch.scratch.clear()  # what the kernels derive from positions: derived again
         self.new_kv = []
-        length = self.prefix_len[:, None]
-        in_pool = self.block_table.view(users, -1).index_select(1, self.slot_block)
-        in_pool = in_pool.mul_(self.pool.block_tokens).add_(self.slot_offset)
-        # Slots past a prefix's length read the zero block (a last block's tail may be stale).
-        prefix_rows = torch.where(self.slot_index < length, in_pool, self.slot_offset)
-        torch.cat([prefix_rows, self.own_rows.view(users, rows)], dim=1, out=self.gather.view(users, -1))
-        pre_pos = torch.minimum(self.slot_index, length)
-        torch.cat([pre_pos, self.q_pos.view(users, rows)], dim=1, out=self.k_pos.view(users, -1))
-        self.pool.timestamps.index_copy_(0, self.own_rows, self.q_ts)
-        torch.index_select(self.pool.timestamps, 0, self.gather, out=self.k_ts)
+        self._pack()
         # A token: its item's row plus its action's; two rows each, summed (no offsets to read).
         x = x0 = F.embedding(self.bags.view(-1, 2), self.sv.tokens).sum(dim=1)
         for li in range(len(self.sv.layers)):
@@ -305,6 +365,7 @@ class GraphRelay:
         block_tokens: int = DEFAULT_BLOCK_TOKENS,
         capture: bool | None = None,
         max_buckets: int = DEFAULT_MAX_BUCKETS,
+        prefix_tokens: int | None = None,
     ) -> None:
         cfg, device = model.config, model.device
         if pool_tokens < block_tokens or max_buckets < 1:
@@ -318,8 +379,13 @@ class GraphRelay:
         self.capture = device.type == "cuda" if capture is None else capture
         if self.capture and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA model, this one is on {device}")
-        self.max_buckets = max_buckets
+        self.model, self.max_buckets = model, max_buckets
+        # Every bucket's prefix capacity per user: the longest history the model serves (or
+        # ``prefix_tokens``), at most the pool, in whole blocks.
+        longest = min(cfg.max_seq_len if prefix_tokens is None else prefix_tokens, self.pool.capacity_tokens)
+        self.prefix_blocks = max(1, -(-longest // block_tokens))
         self.runners: OrderedDict[RelayBucket, BucketRunner] = OrderedDict()
+        self.warmed: dict[str, object] | None = None
         self.graph_error: str | None = None
         self.ranked = self.fallbacks = 0
         self._weights: tuple | None = None
@@ -329,24 +395,22 @@ class GraphRelay:
         """Whether one user's relay ranking of this shape is a graph replay: captured buckets (CUDA)
         and a bucket and pool that hold it. Such a ranking is one launch of a few milliseconds at
         most: slicing it (``pacing.slice_relay``) would only run it eagerly, a layer a slice."""
-        bucket = bucket_for(1, suffix, candidates, prefix_tokens, self.pool.block_tokens)
+        bt = self.pool.block_tokens
         return (
             self.capture
             and self.graph_error is None
-            and bucket is not None
-            and pool_tokens_for(bucket.prefix_blocks * self.pool.block_tokens, 1, self.pool.block_tokens)
-            <= self.pool.capacity_tokens
+            and bucket_for(1, suffix, candidates) is not None
+            and prefix_tokens <= self.prefix_blocks * bt
+            and pool_tokens_for(prefix_tokens, 1, bt) <= self.pool.capacity_tokens
         )
 
     def bucket_of(self, slots: list[UserSlot]) -> RelayBucket | None:
         if any(s.reads is not None for s in slots):
             return None
+        if max(s.cached for s in slots) > self.prefix_blocks * self.pool.block_tokens:
+            return None
         return bucket_for(
-            len(slots),
-            max(len(s.events) for s in slots),
-            max(len(s.candidates) for s in slots),
-            max(s.cached for s in slots),
-            self.pool.block_tokens,
+            len(slots), max(len(s.events) for s in slots), max(len(s.candidates) for s in slots)
         )
 
     def rank(
@@ -395,7 +459,7 @@ class GraphRelay:
             return runner
         while len(self.runners) >= self.max_buckets:
             self.runners.popitem(last=False)[1].close()
-        runner = BucketRunner(model, sv, self.pool, bucket)
+        runner = BucketRunner(model, sv, self.pool, bucket, self.prefix_blocks)
         if self.capture:
             try:
                 runner.capture(self._mempool)
@@ -407,11 +471,55 @@ class GraphRelay:
         self.runners[bucket] = runner
         return runner
 
+    def warm_up(
+        self,
+        users: int = BUCKET_USERS[-1],
+        suffix: int = BUCKET_SUFFIX[-1],
+        candidates: int = BUCKET_CANDIDATES[-1],
+    ) -> dict[str, object]:
+        """Builds every bucket up to these maxima (``grid_buckets``) before traffic, fewest rows
+        first, each captured (CUDA) or run once eagerly, so that no ranking pays for building its
+        bucket. A bucket whose rows would bring the buckets' reservations over half the pool is
+        left to be built on demand (the rest is for prefixes). Returns (and logs) what it built:
+        buckets, those left, seconds, index and pool bytes, and on CUDA the device memory taken."""
+        started, device = time.perf_counter(), self.pool.device
+        before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+        sv, bt = self.model.serving(), self.pool.block_tokens
+        wanted = grid_buckets(users, suffix, candidates)
+        self.max_buckets = max(self.max_buckets, len(self.runners) + len(wanted))
+        reserved = sum(-(-r.bucket.rows // bt) * bt for r in self.runners.values())
+        built, left = [], []
+        for bucket in wanted:
+            rows = -(-bucket.rows // bt) * bt
+            if bucket not in self.runners and reserved + rows > self.pool.capacity_tokens // 2:
+                left.append(bucket)
+                continue
+            reserved += 0 if bucket in self.runners else rows
+            runner = self._runner(self.model, sv, bucket)
+            if runner.graph is None:
+                runner.forward()  # the eager twin: its one-off costs paid here
+            built.append(runner)
+        row_bytes = sum(t[:, 0].nbytes for t in self.pool.layer_stores()) + 8  # a row of every layer
+        self.warmed = {
+            "buckets": len(built),
+            "left_to_demand": len(left),
+            "captured": self.capture,
+            "seconds": round(time.perf_counter() - started, 3),
+            "index_bytes": sum(r.capacity * INDEX_BYTES_PER_KEY for r in built),
+            "pool_rows_reserved": reserved,
+            "pool_bytes_reserved": reserved * row_bytes,
+            "device_bytes": torch.cuda.memory_allocated(device) - before if device.type == "cuda" else None,
+        }
+        log.info("relay buckets warmed up: %s", self.warmed)
+        return self.warmed
+
     def counters(self) -> dict[str, object]:
         return {
             "graphed_rankings": self.ranked,
             "fallbacks": self.fallbacks,
             "buckets": [list(b.__dict__.values()) for b in self.runners],
+            "prefix_capacity": self.prefix_blocks * self.pool.block_tokens,
+            "warm_up": self.warmed,
             "captured": self.capture,
             "graph_error": self.graph_error,
             **{f"pool_{k}": v for k, v in self.pool.counters().items()},

@@ -47,6 +47,8 @@ class GraphedRelay(Protocol):
         self, model: RelayInference, sv: Serving, slots: list[UserSlot], keep_kv: bool = True
     ) -> list[tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]] | None: ...
 
+    def warm_up(self) -> dict[str, object]: ...
+
 
 @dataclass(frozen=True)
 class UserRanking:

@@ -248,15 +248,23 @@ class HSTURanker(RelayInference, nn.Module):
         pool_tokens: int = DEFAULT_POOL_TOKENS,
         block_tokens: int = DEFAULT_BLOCK_TOKENS,
         capture: bool | None = None,
+        prefix_tokens: int | None = None,
     ) -> GraphRelay | None:
         """Relay rankings (``rank``, ``rank_and_extend``, ``rank_users``) in bucketed static
         forwards over a paged device pool of ``pool_tokens`` cached tokens (``graph_runner``),
         captured as CUDA graphs when ``capture`` (default: on CUDA); what fits no bucket runs the
-        eager path. ``enabled`` None: on for a CUDA model, off elsewhere; False turns it off."""
+        eager path. ``enabled`` None: on for a CUDA model, off elsewhere; False turns it off.
+        ``prefix_tokens``: the buckets' prefix capacity per user (default ``max_seq_len``)."""
         if enabled is None:
             enabled = self.device.type == "cuda"
         self.graph_relay = (
-            GraphRelay(self, pool_tokens=pool_tokens, block_tokens=block_tokens, capture=capture)
+            GraphRelay(
+                self,
+                pool_tokens=pool_tokens,
+                block_tokens=block_tokens,
+                capture=capture,
+                prefix_tokens=prefix_tokens,
+            )
             if enabled
             else None
         )
