@@ -50,7 +50,7 @@ from pathlib import Path
 
 from relaygr.infra.settings import Settings
 from relaygr.schemas import RankedResult, RecommendationRequest, TopicRegistry
-from relaygr.tools.args import int_at_least
+from relaygr.tools.args import float_above, int_at_least
 from relaygr.tools.report.figures import percentile, ranking_ms
 
 MODES = ("relay", "baseline")
@@ -61,11 +61,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print only the JSON lines")
     parser.add_argument("--events", type=int_at_least(1), default=8192, help="behaviours per user")
     parser.add_argument("--users", type=int_at_least(1), default=16, help="returning users")
-    parser.add_argument("--seconds", type=float, default=10.0, help="length of each rate's load")
+    parser.add_argument("--seconds", type=float_above(0), default=10.0, help="length of each rate's load")
     parser.add_argument(
-        "--idle-s", type=float, default=3.0, help="the worker's idle CPU is measured this long"
+        "--idle-s", type=float_above(0), default=3.0, help="the worker's idle CPU is measured this long"
     )
-    parser.add_argument("--probe-rate", type=float, default=10.0, help="request rate of the sizing probe")
+    parser.add_argument(
+        "--probe-rate", type=float_above(0), default=10.0, help="request rate of the sizing probe"
+    )
     parser.add_argument(
         "--fractions",
         default="0.5,1,1.5,2,3",
@@ -380,8 +382,6 @@ def run(args: argparse.Namespace) -> int:
         modes = [m.strip() for m in args.modes.split(",")]
         if set(modes) - set(MODES) or not modes:
             raise ValueError(f"--modes: {args.modes!r} (known: {', '.join(MODES)})")
-        if not (args.seconds > 0 and args.probe_rate > 0 and args.idle_s >= 0):
-            raise ValueError("--seconds and --probe-rate must be positive, --idle-s not negative")
         if not Path("/proc/self/stat").exists():
             raise ValueError("the worker's CPU is read from /proc/<pid>/stat: Linux only")
     except (ImportError, ValueError) as e:
