@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from relaygr.infra.settings import Settings
-from relaygr.schemas import RankedResult, RecommendationRequest, TopicRegistry
+from relaygr.schemas import BehaviorEvent, RankedResult, RecommendationRequest, TopicRegistry
 from relaygr.tools.args import float_above, int_at_least
 from relaygr.tools.report.figures import percentile, ranking_ms
 
@@ -72,6 +72,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--fractions",
         default="0.5,1,1.5,2,3",
         help="the ladder's rates as fractions of one core's worth of rankings at the probe's CPU cost",
+    )
+    parser.add_argument(
+        "--rates",
+        default=None,
+        help="the ladder's rates (per s, ascending) instead of sized ones: to compare two builds at the same rates",
     )
     parser.add_argument("--modes", default="relay,baseline", help=f"comma-separated ({', '.join(MODES)})")
     parser.add_argument(
@@ -97,14 +102,14 @@ def process_cpu_s(pid: int) -> float:
     return cpu_seconds_of_stat(Path(f"/proc/{pid}/stat").read_text(), os.sysconf("SC_CLK_TCK"))
 
 
-def parse_fractions(text: str) -> list[float]:
-    """``--fractions``: positive numbers, ascending."""
+def parse_fractions(text: str, flag: str = "--fractions") -> list[float]:
+    """``--fractions`` (or ``--rates``): positive numbers, ascending."""
     try:
         out = [float(x) for x in text.split(",")]
     except ValueError:
-        raise ValueError(f"--fractions: {text!r} is not a list of numbers") from None
+        raise ValueError(f"{flag}: {text!r} is not a list of numbers") from None
     if not out or any(not (math.isfinite(f) and f > 0) for f in out) or out != sorted(out):
-        raise ValueError(f"--fractions: {text!r} must be positive numbers, ascending")
+        raise ValueError(f"{flag}: {text!r} must be positive numbers, ascending")
     return out
 
 
@@ -292,12 +297,32 @@ def _plan(requests: list[RecommendationRequest], n: int, tag: str) -> list[Recom
     return [requests[k % len(requests)].model_copy(update={"request_id": f"{tag}-{k}"}) for k in range(n)]
 
 
+def long_users(ml, count: int, events: int) -> tuple[list[BehaviorEvent], list[RecommendationRequest]]:
+    """The ``count`` MovieLens users of the longest histories, each lengthened to ``events`` by
+    time-shifted repetition (the fewest copies: timestamps stay positive); one request each."""
+    from relaygr.tools.traffic import synthesise
+
+    behaviours, requests = [], []
+    for u in sorted(ml.histories, key=lambda u: (-len(ml.histories[u]), u))[:count]:
+        h = ml.histories[u]
+        h = synthesise(h, -(-events // len(h)))
+        h = h.slice(len(h) - events)
+        if len(h) and float(h.timestamps[0]) < 0:
+            raise ValueError(f"user {u}'s history cannot be lengthened to {events} events")
+        uid = f"host-{u}"
+        behaviours += [
+            BehaviorEvent(user_id=uid, item_id=int(i), ts=float(t), action=int(a))
+            for i, a, t in zip(h.item_ids.tolist(), h.action_ids.tolist(), h.timestamps.tolist(), strict=True)
+        ]
+        requests.append(RecommendationRequest(request_id=uid, user_id=uid, ts=0.0, num_candidates=128))
+    return behaviours, requests
+
+
 async def _prime(settings: Settings, reg: TopicRegistry, pipe, args, ml, say) -> list[RecommendationRequest]:
     """The users' histories published and applied, and two visits each (their prefixes cached)."""
-    from relaygr.bench.rolling_restart import lengthened_users
     from relaygr.tools.traffic import publish
 
-    behaviours, requests = lengthened_users(ml, args.users, args.events)
+    behaviours, requests = long_users(ml, args.users, args.events)
     await publish(settings, reg, behaviours, [], wait_for_ingest=True, settle_s=0)
     for visit in (1, 2):
         results, _, _ = await _load(settings, reg, pipe, _plan(requests, len(requests), f"prime{visit}"), 2.0)
@@ -328,7 +353,11 @@ async def _measure_mode(mode: str, settings: Settings, reg: TopicRegistry, pipe,
 
     probe = await point(0, args.probe_rate)
     points = []
-    for i, rate in enumerate(ladder(probe["cpu_ms_per_ranking"], parse_fractions(args.fractions)), 1):
+    if args.rates:
+        rates = parse_fractions(args.rates, "--rates")
+    else:
+        rates = ladder(probe["cpu_ms_per_ranking"], parse_fractions(args.fractions))
+    for i, rate in enumerate(rates, 1):
         points.append(await point(i, rate))
         if not points[-1]["held"]:
             break
@@ -379,6 +408,8 @@ def run(args: argparse.Namespace) -> int:
         import confluent_kafka  # noqa: F401  the requests' producer: checked before minutes of set-up
 
         parse_fractions(args.fractions)
+        if args.rates:
+            parse_fractions(args.rates, "--rates")
         modes = [m.strip() for m in args.modes.split(",")]
         if set(modes) - set(MODES) or not modes:
             raise ValueError(f"--modes: {args.modes!r} (known: {', '.join(MODES)})")

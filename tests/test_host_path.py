@@ -80,6 +80,7 @@ def test_a_rate_s_figures_split_the_worker_s_cpu_into_device_thread_and_host() -
     [
         (["--fractions", "1,x"], "--fractions"),
         (["--modes", "relay,fast"], "--modes"),
+        (["--rates", "20,10"], "--rates"),
     ],
 )
 def test_bad_arguments_are_refused_before_any_set_up(argv: list[str], message: str, capsys) -> None:
