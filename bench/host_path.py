@@ -54,6 +54,8 @@ from relaygr.tools.args import float_above, int_at_least
 from relaygr.tools.report.figures import percentile, ranking_ms
 
 MODES = ("relay", "baseline")
+# The stages of a ranking (rank request produced -> result produced) that the results break down.
+STAGES = ("hop_rank", "history_wait", "signal_wait", "worker_prep", "lookup", "device_queue", "compute")
 LATE_S = 1.0  # results this much after the last was due: the worker (or the cascade) fell behind
 
 
@@ -162,6 +164,12 @@ def point_figures(
         "worker_cpu_share": round(window.cpu_s / window.wall_s, 3) if window.wall_s > 0 else math.nan,
         "late_s": round(late_s, 3),
         "paths": dict(Counter(r.path.value for r in results).most_common()),
+        # Where a ranking's time went (median of each stage of the results' breakdowns).
+        "stages_ms_p50": {
+            k: round(percentile([r.breakdown_ms.get(k, 0.0) for r in results], 50), 2)
+            for k in STAGES
+            if any(k in r.breakdown_ms for r in results)
+        },
     }
 
 
