@@ -322,7 +322,8 @@ class RankHandler:
             if signal_wait:
                 outcome.breakdown_ms["signal_wait"] = signal_wait
             order = torch.argsort(outcome.scores, descending=True, stable=True)[: r.top_k].tolist()
-            items = [ScoredItem(item_id=r.candidates[i], score=float(outcome.scores[i])) for i in order]
+            scores = outcome.scores.tolist()  # one read, not one tensor op per item on the loop
+            items = [ScoredItem(item_id=r.candidates[i], score=scores[i]) for i in order]
             path = RankPath(outcome.path)
             if outcome.in_ingest_burst:
                 PLANNED_IN_BURST.inc()
