@@ -164,6 +164,9 @@ def point_figures(
         "worker_cpu_share": round(window.cpu_s / window.wall_s, 3) if window.wall_s > 0 else math.nan,
         "late_s": round(late_s, 3),
         "paths": dict(Counter(r.path.value for r in results).most_common()),
+        # Events a ranking read (a full ranking may be truncated to fit the budget), and of them cached.
+        "used_len_p50": percentile([r.used_len for r in results], 50) if results else math.nan,
+        "prefix_len_p50": percentile([r.prefix_len for r in results], 50) if results else math.nan,
         # Where a ranking's time went (median of each stage of the results' breakdowns).
         "stages_ms_p50": {
             k: round(percentile([r.breakdown_ms.get(k, 0.0) for r in results], 50), 2)
