@@ -17,17 +17,23 @@ machine at the start), so that the model's arithmetic is a small share of what i
    not ours), until a rate is not held (a result missing, a ranking over the budget at the P99,
    or the results arriving more than a second after the last was due).
 
+``--rates`` fixes the ladder instead (two builds compared at the same rates); ``--profile DIR``
+samples the worker with py-spy in one more window at the highest rate held.
+
 Per rate: requests, results, ranking P50/P99 (rank request produced -> result produced), the
 ranking worker process's CPU (user + system, every thread, from ``/proc/<pid>/stat``) from the
 first send to the last result, per ranking; the device thread's part of it (its CPU in ranking jobs:
 the model's forward and the tensors built and read on that thread, and in pre-inference jobs, from
-``relaygr_device_cpu_seconds``) and the rest, the host path. One JSON line per mode with its points
+``relaygr_device_cpu_seconds``) and the rest, the host path; the same less the idle worker's CPU;
+each stage's median. One JSON line per mode with its points
 and the highest rate held; then one line with relay and baseline side by side. Every figure is at
 --events events of history and the rate it names. On a small machine the load generator, the broker
 and the other stages share the cores: the CPU per ranking is the figure to read, the rate held
 depends on the machine.
 
-Primitives: ``cpu_seconds_of_stat``, ``process_cpu_s``, ``ladder``, ``point_figures``, ``held``.
+Primitives: ``cpu_seconds_of_stat``, ``process_cpu_s``, ``parse_fractions``, ``ladder``, ``Window``,
+``point_figures``, ``held``, ``long_users``, ``tiny_model_dir``, ``deployment``, ``sampled``,
+``side_by_side``.
 """
 
 from __future__ import annotations
