@@ -109,6 +109,11 @@ GROUPS: dict[str, tuple[str, dict[str, tuple[str, str]]]] = {
                 "relaygr.bench.request_path",
                 "the project files and lines one rank request runs through (relay or full path)",
             ),
+            "host-path": (
+                "relaygr.bench.host_path",
+                "the ranking worker's CPU per ranking at a rate ladder (host path and device thread), "
+                "and the highest rate it held, relay and baseline",
+            ),
             "steady-load": (
                 "relaygr.bench.steady_load",
                 "returning users at steady rates and in a burst: relay share by visit, pre-inferences "

@@ -125,6 +125,7 @@ def test_vocabularies_map_both_ways_and_count_the_unknown() -> None:
     ident = ItemVocab.identity_of(10)
     mapped, unknown = ident.to_model_tensor(torch.tensor([1, 10, 11, 0]))
     assert mapped.tolist() == [1, 10, 0, 0] and unknown == 2
+    assert mapped.dtype == torch.int64 and unknown == ident.to_model_tensor(torch.tensor([-3, 5]))[1] + 1
 
 
 def test_item_keys_stand_for_raw_ids_in_integer_columns() -> None:

@@ -542,3 +542,18 @@ def test_put_rejects_a_foreign_model_version() -> None:
     store.close()
     with pytest.raises(RuntimeError, match="closed"):
         store.put(1, prefix_for(history(1, 4)))
+
+
+def test_a_prefix_checked_again_against_the_history_it_matched_needs_no_hash(monkeypatch) -> None:
+    import relaygr.workers.prefix_kv as prefix_kv
+
+    hist = Events.from_lists([1, 2, 3, 4], [10.0, 11.0, 12.0, 13.0])
+    prefix = PrefixKV([], [], torch.arange(3), torch.zeros(3), 3, history_fingerprint(hist, 3), "v")
+    hashed: list[int] = []
+    real = prefix_kv.history_fingerprint
+    monkeypatch.setattr(prefix_kv, "history_fingerprint", lambda h, n=None: hashed.append(n) or real(h, n))
+    assert prefix.matches(hist) and prefix.matches(hist) and hashed == [3]
+    # Another history (equal or not) is hashed: only the very events it matched are remembered.
+    other = Events.from_lists([1, 2, 9, 4], [10.0, 11.0, 12.0, 13.0])
+    assert not prefix.matches(other) and hashed == [3, 3]
+    assert prefix.matches(Events.from_lists([1, 2, 3], [10.0, 11.0, 12.0])) and hashed == [3, 3, 3]

@@ -147,3 +147,55 @@ async def test_a_prefill_that_cannot_finish_in_time_is_abandoned_at_once() -> No
 async def test_a_request_does_not_wait_for_a_prefix_it_nearly_has() -> None:
     h = handler(Engine(cached=len(HISTORY) - 16))
     assert await h._await_prefill(request(FAR), HISTORY) is None  # not even for its signal
+
+
+class MappingEngine(Engine):
+    """The engine as ``served_history`` sees it: raw item keys map to model ids one to one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mapped = 0
+
+    def to_model_ids(self, keys: torch.Tensor) -> tuple[torch.Tensor, int]:
+        self.mapped += 1
+        return keys.clone(), 0
+
+
+def _append(table, user: str, items: list[int], ts0: float, offset: int) -> int:
+    from relaygr.schemas import BehaviorBatch
+
+    n = len(items)
+    batch = BehaviorBatch(
+        user_id=user,
+        item_ids=items,
+        timestamps=[ts0 + i for i in range(n)],
+        actions=[1] * n,
+        source_partitions=[0] * n,
+        source_offsets=list(range(offset, offset + n)),
+    )
+    table.append_many(0, [(offset + n, batch)], progress={0: offset + n})
+    return offset + n
+
+
+def test_a_users_unchanged_history_is_served_as_the_same_events_and_a_changed_one_anew(tmp_path) -> None:
+    from relaygr.streams.history import HistoryTable
+
+    table = HistoryTable(tmp_path / "history")
+    engine = MappingEngine()
+    h = RankHandler(engine, table, None, PipelineSettings(), "w0", lambda **_: None, lambda _p: None)  # type: ignore[arg-type]
+    try:
+        offset = _append(table, "u", [5, 6, 7], 1000.0, 0)
+        first = h.served_history("u", 2000.0)
+        again = h.served_history("u", 2000.0)
+        # The same events (a request's signal and the request read one history): mapped once.
+        assert again.events is first.events and engine.mapped == 1
+        again.wait_ms, again.complete = 5.0, False  # a request's own flags stay its own
+        assert h.served_history("u", 2000.0).complete and first.wait_ms == 0.0
+        # An earlier cut of the history, then a new behaviour: new events with it.
+        assert h.served_history("u", 1001.5).events.item_ids.tolist() == [5, 6]
+        _append(table, "u", [8], 1500.0, offset)
+        after = h.served_history("u", 2000.0)
+        assert after.events.item_ids.tolist() == [5, 6, 7, 8] and after.total == 4
+        assert engine.mapped == 3
+    finally:
+        table.close()

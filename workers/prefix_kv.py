@@ -24,6 +24,7 @@ prefix store (which keeps it in device memory, host memory or RocksDB). It impor
 from __future__ import annotations
 
 import hashlib
+import weakref
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -122,6 +123,9 @@ class PrefixKV:
     kv_format: str = "exact"
     scales: list[torch.Tensor] = field(default_factory=list)
     exact_dtype: torch.dtype | None = None
+    # The last history found to match (``matches``): a ranking checks one history several times
+    # (the cached length, then the lookup), and hashing thousands of events is the costly part.
+    _matched: weakref.ref[Events] | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def device(self) -> torch.device:
@@ -164,7 +168,12 @@ class PrefixKV:
 
     def matches(self, history: Events) -> bool:
         """True when this prefix was computed from the first ``length`` events of ``history``."""
-        return len(history) >= self.length and history_fingerprint(history, self.length) == self.fingerprint
+        if self._matched is not None and self._matched() is history:  # an ``Events`` is a value
+            return True
+        ok = len(history) >= self.length and history_fingerprint(history, self.length) == self.fingerprint
+        if ok:
+            self._matched = weakref.ref(history)
+        return ok
 
 
 # ---------------------------------------------------------------- the served window

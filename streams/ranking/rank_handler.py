@@ -32,14 +32,14 @@ import contextlib
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from prometheus_client import Counter as PCounter
 
 from relaygr.schemas import PrefillSignal, RankedResult, RankPath, RankRequest, ScoredItem, TriggerReason
 from relaygr.streams.config import PipelineSettings
-from relaygr.streams.history import HistoryAlignment, HistoryTable
+from relaygr.streams.history import HistoryAlignment, HistoryTable, to_events
 from relaygr.workers.engine.ranker import RankingEngine, RankOutcome
 from relaygr.workers.model.vocab import item_keys
 from relaygr.workers.prefix_kv import Events, served, window_step
@@ -71,6 +71,10 @@ UNKNOWN_ITEMS = PCounter(
 PREFILL_RECHECK_S = 0.005
 # Without routing headers, a request waits at most this long for the partition's known log end.
 LOG_END_WAIT_S = 0.2
+# Users whose last served history is kept: a request's prefill signal and the request itself read
+# one history moments apart, and the second reuses the first's events (and the prefix's check of
+# them) instead of converting, mapping and hashing thousands of events again.
+SERVED_MEMO_USERS = 64
 # Pre-inference outcomes that leave a prefix in the store.
 _PREFIX_READY = frozenset({"computed", "extended", "device", "host", "disk", "merged"})
 
@@ -160,22 +164,36 @@ class RankHandler:
         # Serve at most the model's max_seq_len most recent events, in a window moving by steps.
         self.max_seq_len = engine.max_seq_len
         self.window_step = window_step(self.max_seq_len)
+        self._served: OrderedDict[str, tuple[tuple[int, bytes], ServedHistory]] = OrderedDict()
 
     # ------------------------------------------------------------------ history
 
     def served_history(self, user_id: str, before_ts: float) -> ServedHistory:
         """The user's events before ``before_ts`` that a ranking reads (at most max_seq_len, the
-        most recent, in a window moving by whole steps) in model item ids."""
-        full = self.history.get(user_id, before_ts)
+        most recent, in a window moving by whole steps) in model item ids. The same records as the
+        user's last call give the same events (a fresh ``ServedHistory`` around them)."""
+        rec = self.history.records(user_id)
+        if len(rec):
+            rec = rec[rec["ts"] < before_ts]
         first = self.history.first(user_id)
+        key = (first, rec.tobytes())
+        memo = self._served.get(user_id)
+        if memo is not None and memo[0] == key:
+            self._served.move_to_end(user_id)
+            return replace(memo[1])
+        full = to_events(rec)
         hist, capped = served(full, first, self.max_seq_len, self.window_step)
         # The table keeps the raw ids' keys (``item_key``), whatever the model; the mapping is a
         # pure function of them, so a cached prefix of the mapped history stays the prefix of the
         # next one, and a new checkpoint with another vocabulary reads the same table.
         items, unknown = self.engine.to_model_ids(hist.item_ids)
-        return ServedHistory(
+        out = ServedHistory(
             Events(items, hist.action_ids, hist.timestamps), first + len(full), capped, unknown
         )
+        self._served[user_id] = (key, out)
+        if len(self._served) > SERVED_MEMO_USERS:
+            self._served.popitem(last=False)
+        return replace(out)
 
     async def await_history(
         self, partition: int, needed: dict[str, int] | None, until: float, user_id: str
@@ -304,7 +322,8 @@ class RankHandler:
             if signal_wait:
                 outcome.breakdown_ms["signal_wait"] = signal_wait
             order = torch.argsort(outcome.scores, descending=True, stable=True)[: r.top_k].tolist()
-            items = [ScoredItem(item_id=r.candidates[i], score=float(outcome.scores[i])) for i in order]
+            scores = outcome.scores.tolist()  # one read, not one tensor op per item on the loop
+            items = [ScoredItem(item_id=r.candidates[i], score=scores[i]) for i in order]
             path = RankPath(outcome.path)
             if outcome.in_ingest_burst:
                 PLANNED_IN_BURST.inc()

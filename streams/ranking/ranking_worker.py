@@ -112,6 +112,8 @@ PACE = Gauge(
 )
 INFLIGHT = Gauge("relaygr_rank_inflight", "Signals and requests being handled")
 INFLIGHT_PEAK = Gauge("relaygr_rank_inflight_peak", "Most signals and requests handled at once")
+# Read at scrape time: the device thread's CPU (what the model work costs the host) by priority.
+DEVICE_CPU = Gauge("relaygr_device_cpu_seconds", "Device thread CPU seconds spent on jobs", ["priority"])
 
 
 class RankingWorker:
@@ -138,6 +140,10 @@ class RankingWorker:
         # A standby builds the next generation of the state while the active process holds this one.
         self.state_dir = self.files.new_generation() if standby else self.files.state_dir()
         self.engine = self._engine()
+        for prio in Priority:
+            DEVICE_CPU.labels(prio.name.lower()).set_function(
+                lambda p=prio, d=self.engine.scheduler: d.cpu_s[p]
+            )
         self.history = HistoryTable(
             self.state_dir / "history",
             retain_events=pipeline.history_retain_events or 2 * self.engine.max_seq_len,

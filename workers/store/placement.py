@@ -398,7 +398,8 @@ class PrefixPlacement:
             entry = self._entries.get(key)
             if entry is not None and entry.prefix.length <= n:
                 length = entry.prefix.length
-                if not valid(length, entry.prefix.fingerprint):
+                # ``matches``: the same check, skipped for a history this prefix matched already.
+                if not entry.prefix.matches(history):
                     self._remove(key)  # the history changed under it: useless now and later
                     invalidated += 1
                 elif entry.tier == "device":
