@@ -10,11 +10,8 @@ Primitives:
 - ``KernelConfig``: block sizes, warps, pipeline stages, key splits and heads per program.
 - ``choose_config(...)``: the config for a call's shape and dtype on a device;
   ``kernel_constants(config, ...)``: the kernel it launches and its compile-time arguments.
-- ``causal_limits(batch)``: once per batch (kept in ``batch.scratch``), whether each user's keys
-  may be cut at a query block's last own key (the causal skip).
-- ``position_frames(batch)``: once per batch (kept in ``batch.scratch``), each token's position
-  relative to its user's smallest, in int32, and per user whether they span at most 2^30 (the
-  kernel then derives every pair's gap in int32; a user that spans more is read in int64).
+- The per-batch tensors it reads besides the batch's own (``frames``: the causal skip's limits,
+  int32 relative positions), derived once per batch for all layers.
 
 With a row index (``batch.k_rows``), ``k`` and ``v`` are whole tensors (a paged pool's layer) and
 each key tile is loaded through the index (one indirect row load per tile, no gathered copy); the
@@ -43,12 +40,12 @@ import triton.language as tl
 
 from relaygr.workers.kernels.batch import AttentionParams, JaggedBatch, check_key_rows
 from relaygr.workers.kernels.buckets import EXACT_POSITIONS, F32_EXP_BIAS
+from relaygr.workers.kernels.frames import POSITION_SPAN, causal_limits, position_frames
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_HEAD_DIM = 256
 MIN_BLOCK = 16  # tl.dot's smallest side
 # The bucket constants as the kernel sees them (buckets.py is the source of truth).
-POSITION_SPAN = 1 << 30  # the reference clamps position gaps here before the int32 cast
 MAX_POSITION_GAP = tl.constexpr(POSITION_SPAN)
 EXACT = tl.constexpr(EXACT_POSITIONS)
 # position_bucket's log part: (bits >> 21) - POSITION_LOG_OFFSET; time_bucket's likewise (>> 22).
@@ -393,70 +390,6 @@ def _sum_splits_kernel(
     for s in range(0, splits):
         total += tl.load(PARTIAL + s * stride_ps + offs, mask=ok, other=0.0)
     tl.store(OUT + offs, total.to(OUT.dtype.element_ty), mask=ok)
-
-
-def causal_limits(batch: JaggedBatch) -> torch.Tensor:
-    """``[B]`` int32, once per batch: 1 where a user's key positions never decrease and each query
-    sits at or before its own key's position, so every key after a query's own key is hidden from
-    it (``pos_j >= pos_i``) and the kernel may stop there; 0 where the kernel reads all the keys."""
-    key = ("triton", "causal_limits")
-    if key in batch.scratch:
-        return batch.scratch[key]
-    users = batch.users
-    device = batch.k_pos.device
-    k_pos, q_pos = batch.k_pos, batch.q_pos
-    total_k, total_q = int(k_pos.shape[0]), int(q_pos.shape[0])
-    bad = torch.zeros(users + 1, dtype=torch.int32, device=device)  # the last: keys of no user
-    q_user, k_user = _token_users(batch)
-    if total_k > 1:
-        drops = (k_pos[1:] < k_pos[:-1]) & (k_user[1:] == k_user[:-1])
-        bad.index_add_(0, k_user[1:], drops.to(torch.int32))
-    if total_q:
-        own = batch.k_offsets[q_user + 1] - batch.q_offsets[q_user + 1] + torch.arange(total_q, device=device)
-        bad.index_add_(0, q_user, (q_pos > k_pos[own]).to(torch.int32))
-    limits = (bad[:users] == 0).to(torch.int32)
-    batch.scratch[key] = limits
-    return limits
-
-
-def _token_users(batch: JaggedBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each query's and each key's user (``[Tq]``, ``[Tk]``), once per batch; a key past the last
-    user's (``k_rows``' unused tail) is user ``B``, which no program reads."""
-    key = ("triton", "token_users")
-    if key not in batch.scratch:
-        batch.scratch[key] = tuple(
-            torch.searchsorted(offsets[1:], torch.arange(int(pos.shape[0]), device=pos.device), right=True)
-            for offsets, pos in ((batch.q_offsets, batch.q_pos), (batch.k_offsets, batch.k_pos))
-        )
-    return batch.scratch[key]
-
-
-def position_frames(batch: JaggedBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Once per batch, on the device (no host sync): ``[Tq]`` and ``[Tk]`` int32 positions relative
-    to their user's smallest, and ``[B]`` int32 1 where the user's positions span at most 2^30 (so
-    a pair's gap is an int32 difference), 0 where they do not (that user's relative positions are 0
-    and the kernel reads the int64 ones)."""
-    key = ("triton", "position_frames")
-    if key in batch.scratch:
-        return batch.scratch[key]
-    limit = torch.iinfo(torch.int64)
-    users = batch.users
-    q_user, k_user = _token_users(batch)
-    low = batch.k_pos.new_full((users + 1,), limit.max)  # the last: keys of no user
-    low = low.scatter_reduce_(0, k_user, batch.k_pos, "amin").scatter_reduce_(0, q_user, batch.q_pos, "amin")
-    high = batch.k_pos.new_full((users + 1,), limit.min)
-    high = high.scatter_reduce_(0, k_user, batch.k_pos, "amax").scatter_reduce_(
-        0, q_user, batch.q_pos, "amax"
-    )
-    # high - low <= 2^30 without overflow (an empty user has high < low: it fits).
-    fits = high <= low.clamp(max=limit.max - POSITION_SPAN) + POSITION_SPAN
-
-    def relative(pos: torch.Tensor, owner: torch.Tensor) -> torch.Tensor:
-        return torch.where(fits[owner], pos - low[owner], 0).to(torch.int32)
-
-    frames = (relative(batch.q_pos, q_user), relative(batch.k_pos, k_user), fits[:users].to(torch.int32))
-    batch.scratch[key] = frames
-    return frames
 
 
 @functools.cache
