@@ -475,3 +475,31 @@ def test_the_engine_warm_up_builds_the_buckets() -> None:
         assert relay.warmed is not None and len(relay.runners) == relay.warmed["buckets"] > 0
     finally:
         model.use_graph_relay(False)
+
+
+# ------------------------------------------------------------------- the shared rows of new tokens
+def test_buckets_share_one_reservation_for_their_new_tokens_and_score_right_in_turn() -> None:
+    """With room beyond one longest prefix, every bucket writes its new tokens to one shared
+    reservation: alternating buckets (a second bucket overwrites what the first wrote) still score
+    as the eager path and full ranking, and the pool holds that one reservation only."""
+    model = model32()
+    relay = model.use_graph_relay(True, pool_tokens=POOL, block_tokens=BLOCK, prefix_tokens=256)
+    shared = POOL - 256  # at most the grid's largest bucket's rows (12,288): here the pool's rest
+    try:
+        report = relay.warm_up(users=4, suffix=20, candidates=100)
+        assert report["left_to_demand"] == 0 and report["pool_rows_reserved"] == shared
+        assert all(r.own_key is None for r in relay.runners.values())
+        one = _requests(model, [(40, 31, 7)], seed=11)
+        three = _requests(model, [(15, 13, 90), (72, 61, 4), (9, 0, 3)], seed=12)
+        runs = [(requests, model.rank_users(requests)) for requests in (one, three, one, three)]
+        assert relay.counters()["graphed_rankings"] == 4 and relay.counters()["fallbacks"] == 0
+        assert relay.pool.counters()["blocks_reserved"] * BLOCK == shared
+    finally:
+        model.use_graph_relay(False)
+    for requests, graphed in runs:
+        _assert_same(graphed, requests, model, RTOL32)
+
+
+def test_a_prefix_capacity_that_fills_the_pool_leaves_no_shared_rows() -> None:
+    relay = GraphRelay(model32(), pool_tokens=POOL, block_tokens=BLOCK)  # max_seq_len >= the pool
+    assert relay.new_rows is None and relay.pool.counters()["blocks_reserved"] == 0

@@ -24,8 +24,9 @@ Primitives:
 - ``BucketRunner``: a bucket's static buffers, ``load(users)`` (the host's inputs in two copies),
   ``forward()`` (the layers of ``inference.LayerPass``; no host sync, no shape that depends on the
   data), ``capture()`` (CUDA only), ``run()`` (replay or eager), ``results(users)`` and ``close()``.
-  Its new tokens' keys and values go to rows it reserves in the pool, so that the attention reads
-  every user's prefix and new keys in place, through one row index.
+  Its new tokens' keys and values go to pool rows (the ones all buckets share, or its own where it
+  is larger), so that the attention reads every user's prefix and new keys in place, through one
+  row index.
 - ``GraphRelay``: the policy: which prefixes enter the pool, which bucket a call takes, one runner
   per bucket (captured when ``capture``), and ``None`` (the caller's eager path) for what fits no
   bucket, no prefix capacity or no pool; ``warm_up()`` builds (captures) every bucket first.
@@ -62,6 +63,8 @@ DEFAULT_MAX_BUCKETS = 8
 NewKV = list[tuple[torch.Tensor, torch.Tensor]]
 
 
+NEW_ROWS_KEY = ("new-rows",)
+"""The pool reservation that every bucket's new tokens share (``GraphRelay``)."""
 INDEX_BYTES_PER_KEY = 48
 """A bucket's index buffers per key slot: pool row and position (16 bytes), timestamp (8), and
 per user's slot its row and position (16) and where it goes (8)."""
@@ -144,6 +147,7 @@ class BucketRunner(LayerPass):
         pool: PagedPrefixPool,
         bucket: RelayBucket,
         prefix_blocks: int,
+        new_rows: PageTable | None = None,
     ) -> None:
         dev, bt = pool.device, pool.block_tokens
         users, rows, slots = bucket.users, bucket.suffix + bucket.candidates, prefix_blocks * bt
@@ -189,8 +193,13 @@ class BucketRunner(LayerPass):
         self.score_buf = torch.zeros(users * bucket.candidates, dtype=torch.float32, device=dev)
         # Pool rows of the bucket's new tokens, written each layer: the attention reads a user's
         # prefix and its new keys in place, and the layers' new keys stay there for ``results``.
-        self.own_key = ("bucket", bucket)
-        self.own_rows = torch.from_numpy(pool.reserve(self.own_key, users * rows).rows(users * rows)).to(dev)
+        # ``new_rows`` where they hold them (shared with other buckets), else a reservation.
+        self.own_key: Hashable | None = None
+        table = new_rows
+        if table is None or table.length < users * rows:
+            self.own_key = ("bucket", bucket)
+            table = pool.reserve(self.own_key, users * rows)
+        self.own_rows = torch.from_numpy(table.rows(table.length)[: users * rows]).to(dev)
         self._key_buffers()
         batch = JaggedBatch(
             q_offsets=(torch.arange(users + 1) * rows).to(dev),
@@ -223,8 +232,9 @@ class BucketRunner(LayerPass):
         self.own_steps = torch.arange(-rows, 0, device=dev)  # own row r: r - rows from the user's end
 
     def close(self) -> None:
-        """Gives the pool back the rows of the bucket's new tokens."""
-        self.pool.release(self.own_key)
+        """Gives the pool back the rows of the bucket's new tokens (if they were its own)."""
+        if self.own_key is not None:
+            self.pool.release(self.own_key)
 
     def static_buffers(self) -> list[torch.Tensor]:
         """Every buffer a forward reads or writes (the same ones, at the same addresses, each run)."""
@@ -384,6 +394,14 @@ class GraphRelay:
         # ``prefix_tokens``), at most the pool, in whole blocks.
         longest = min(cfg.max_seq_len if prefix_tokens is None else prefix_tokens, self.pool.capacity_tokens)
         self.prefix_blocks = max(1, -(-longest // block_tokens))
+        # The new tokens' rows of whichever bucket runs, shared by all the buckets: one forward
+        # runs at a time (on the device thread) and its results are copied out before the next
+        # one writes there. The grid's largest bucket's rows, at most what the pool holds beyond
+        # one longest prefix; a bucket larger than that reserves rows of its own.
+        top = BUCKET_USERS[-1] * (BUCKET_SUFFIX[-1] + BUCKET_CANDIDATES[-1])
+        spare = self.pool.capacity_tokens - self.prefix_blocks * block_tokens
+        shared = min(top, spare) // block_tokens * block_tokens
+        self.new_rows = self.pool.reserve(NEW_ROWS_KEY, shared) if shared > 0 else None
         self.runners: OrderedDict[RelayBucket, BucketRunner] = OrderedDict()
         self.warmed: dict[str, object] | None = None
         self.graph_error: str | None = None
@@ -401,8 +419,21 @@ class GraphRelay:
             and self.graph_error is None
             and bucket_for(1, suffix, candidates) is not None
             and prefix_tokens <= self.prefix_blocks * bt
-            and pool_tokens_for(prefix_tokens, 1, bt) <= self.pool.capacity_tokens
+            and -(-prefix_tokens // bt) * bt + self._reserved(bucket_for(1, suffix, candidates))
+            <= self.pool.capacity_tokens
         )
+
+    def _shared_rows(self) -> int:
+        return 0 if self.new_rows is None else self.new_rows.length
+
+    def _own_rows(self, bucket: RelayBucket) -> int:
+        """Pool rows ``bucket`` reserves for itself: none where the shared rows hold its rows."""
+        bt = self.pool.block_tokens
+        return 0 if bucket.rows <= self._shared_rows() else -(-bucket.rows // bt) * bt
+
+    def _reserved(self, bucket: RelayBucket | None) -> int:
+        """Pool rows held for new tokens while ``bucket`` runs: the shared ones and its own."""
+        return self._shared_rows() + (0 if bucket is None else self._own_rows(bucket))
 
     def bucket_of(self, slots: list[UserSlot]) -> RelayBucket | None:
         if any(s.reads is not None for s in slots):
@@ -459,7 +490,7 @@ class GraphRelay:
             return runner
         while len(self.runners) >= self.max_buckets:
             self.runners.popitem(last=False)[1].close()
-        runner = BucketRunner(model, sv, self.pool, bucket, self.prefix_blocks)
+        runner = BucketRunner(model, sv, self.pool, bucket, self.prefix_blocks, self.new_rows)
         if self.capture:
             try:
                 runner.capture(self._mempool)
@@ -479,19 +510,20 @@ class GraphRelay:
     ) -> dict[str, object]:
         """Builds every bucket up to these maxima (``grid_buckets``) before traffic, fewest rows
         first, each captured (CUDA) or run once eagerly, so that no ranking pays for building its
-        bucket. A bucket whose rows would bring the buckets' reservations over half the pool is
-        left to be built on demand (the rest is for prefixes). Returns (and logs) what it built:
+        bucket. Buckets share one reservation of rows for their new tokens; a bucket larger than
+        it, whose own rows would bring the reservations over half the pool, is left to be built on
+        demand (the rest is for prefixes). Returns (and logs) what it built:
         buckets, those left, seconds, index and pool bytes, and on CUDA the device memory taken."""
         started, device = time.perf_counter(), self.pool.device
         before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-        sv, bt = self.model.serving(), self.pool.block_tokens
+        sv = self.model.serving()
         wanted = grid_buckets(users, suffix, candidates)
         self.max_buckets = max(self.max_buckets, len(self.runners) + len(wanted))
-        reserved = sum(-(-r.bucket.rows // bt) * bt for r in self.runners.values())
+        reserved = self._shared_rows() + sum(self._own_rows(r.bucket) for r in self.runners.values())
         built, left = [], []
         for bucket in wanted:
-            rows = -(-bucket.rows // bt) * bt
-            if bucket not in self.runners and reserved + rows > self.pool.capacity_tokens // 2:
+            rows = self._own_rows(bucket)
+            if bucket not in self.runners and rows and reserved + rows > self.pool.capacity_tokens // 2:
                 left.append(bucket)
                 continue
             reserved += 0 if bucket in self.runners else rows
