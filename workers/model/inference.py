@@ -401,10 +401,11 @@ class RelayInference:
                 for (scores, kv), r in zip(graphed, requests, strict=True)
             ]
         done = self._pass(slots).run()
+        scores = _on_host(done.scores)
         out = []
         for user, r in enumerate(requests):
             kv = self._events_kv(done, user)
-            out.append((done.scores[user].cpu(), _grower(self, r.prefix, kv, r.history)))
+            out.append((scores[user], _grower(self, r.prefix, kv, r.history)))
         return out
 
     @torch.inference_mode()
@@ -442,8 +443,8 @@ class RelayInference:
                 )
         done = self._pass(slots).run()
         scores = [torch.empty(0)] * len(requests)
-        for user, i in enumerate(order):
-            scores[i] = done.scores[user].cpu()
+        for i, got in zip(order, _on_host(done.scores), strict=True):  # i: the request's index
+            scores[i] = got
         return scores, _grower(self, prefix, self._events_kv(done, 0), longest)
 
     def rank_full(
@@ -452,6 +453,13 @@ class RelayInference:
         """The no-cache baseline: the whole history and the candidates in one inference (the same
         code as ``rank``)."""
         return self.rank(None, history, candidates, request_ts)
+
+
+def _on_host(scores: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Every user's scores on the host in one device read (one wait, not one a user)."""
+    if not scores or scores[0].device.type == "cpu":
+        return scores
+    return list(torch.cat(scores).cpu().split([int(s.shape[0]) for s in scores]))
 
 
 def _raw_ids(candidates) -> np.ndarray:
