@@ -101,6 +101,8 @@ FULL_SIZES = {
     "store_lengths": "4096,16384",
     "xl_store_lengths": "4096",
     "profile_lengths": "2048,8192",
+    "users_length": "8192",
+    "users": "16",
     "repeats": "5",
     "xl_repeats": "3",
     "store_repeats": "10",
@@ -115,6 +117,8 @@ QUICK_SIZES = {
     "model_lengths": "32,64,128",
     "store_lengths": "64",
     "profile_lengths": "64,128",
+    "users_length": "64",
+    "users": "4",
     "repeats": "2",
     "store_repeats": "2",
     "hit_repeats": "5",
@@ -266,8 +270,11 @@ def _model_commands(args: argparse.Namespace, sizes: dict) -> list[list[str]]:
     later still keeps the preset's lengths measured so far (one line each); then the preset at
     every length in both dtypes."""
     budget = ["--budget-ms", f"{args.budget_ms:g}"]
+    # At one length, a ranking worker's batch too: users' relay rankings in one forward, eager and
+    # as one bucket's graph replay (the rankings a second the device serves).
+    users = ["--users", sizes["users"], "--users-lengths", sizes["users_length"]]
     commands = [_bench_model(args, sizes, sizes["model_lengths"], sizes["repeats"], "--dtype", "bfloat16,float32",
-                             *budget)]  # fmt: skip
+                             *budget, *users)]  # fmt: skip
     if not args.quick and args.preset != XL_PRESET:
         xl = _bench_model(args, sizes, sizes["xl_model_lengths"], sizes["xl_repeats"], "--dtype", "bfloat16",
                           *budget, preset=XL_PRESET)  # fmt: skip

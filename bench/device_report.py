@@ -65,9 +65,16 @@ MODEL_FIELDS = (
 )  # fmt: skip
 
 
+USERS_FIELDS = (
+    "dtype", "prefix_len", "users", "alone_ms_per_request_p50", "batched_ms_per_request_p50",
+    "batched_graphed_ms_per_request_p50", "device_rankings_per_s", "batched_graphed_max_abs_diff",
+)  # fmt: skip
+
+
 def _model(rows: list[dict]) -> dict:
     ranks = [r for r in rows if r.get("bench") == "model" and r.get("kind") == "rank"]
     budgets = [r for r in rows if r.get("bench") == "model" and r.get("kind") == "budget"]
+    users = [r for r in rows if r.get("bench") == "model" and r.get("kind") == "users"]
     # The targets are the check's preset's; xl (fewer lengths, bf16 only) is reported beside them.
     main = [r for r in ranks if r.get("preset") != XL]
     long = [r["speedup_of_flop_bound"] for r in main if r["prefix_len"] >= 8192]
@@ -85,8 +92,10 @@ def _model(rows: list[dict]) -> dict:
             }
             for b in budgets
         ],
+        # A ranking worker's batch: users' relay rankings in one forward, eager and replayed.
+        "users": [{k: u.get(k) for k in USERS_FIELDS} for u in users],
         # A bucketed relay ranking whose CUDA graph capture failed (it ran eagerly): why.
-        "graph_errors": sorted({r["graph_error"] for r in ranks if r.get("graph_error")}),
+        "graph_errors": sorted({r["graph_error"] for r in ranks + users if r.get("graph_error")}),
         "worst_speedup_of_flop_bound_from_8k": min(long) if long else None,
         "xl_speedup_of_flop_bound": [r["speedup_of_flop_bound"] for r in ranks if r.get("preset") == XL],
         # None: not measured (no length of 8k or more; no length that fits the budget on both paths).
@@ -281,6 +290,11 @@ def _step_md(step: dict) -> list[str]:
             f"(target ≥ {TARGETS['speedup_of_flop_bound_from_8k']}: {fmt(s['meets_flop_bound_target'])}); "
             f"history ratio within the budget ≥ {TARGETS['budget_history_ratio']:g}: "
             f"{fmt(s['meets_budget_ratio_target'])}",
+            *(
+                ["", table(list(USERS_FIELDS), [[u[k] for k in USERS_FIELDS] for u in s["users"]], 3)]
+                if s.get("users")
+                else []
+            ),
             *(f"- relay_graphed: the CUDA graph was not captured: {e}" for e in s.get("graph_errors", [])),
         ]
     if name == "store" and s.get("rows"):

@@ -18,10 +18,12 @@ prefix pool (``relay_graphed_ms_p50``: replayed from a CUDA graph on CUDA, the s
 elsewhere; ``graph_error`` when a capture failed, which never fails the run). ``--budget-ms`` adds a ``budget`` line: the largest history each path ranked
 within that P99. ``--users N`` adds a ``users`` line per length: N users' relay rankings (each its
 own prefix of that length, suffix and candidates) one ``rank_and_extend`` at a time vs one
-``rank_users`` forward (the ranking worker's batch), in ms per request. ``--preset`` takes a model shape of ``workers.presets``; ``--dtype`` one or more.
+``rank_users`` forward (the ranking worker's batch), in ms per request, and that forward as one
+bucket's graph replay (``batched_graphed_ms_per_request_p50``; ``device_rankings_per_s``: the
+rankings a second the device serves at that batch, the host's work aside). ``--preset`` takes a model shape of ``workers.presets``; ``--dtype`` one or more.
 One JSON line per measurement with ``--json``; a table otherwise.
 
-Primitives: ``synthetic_history``, ``matmul_roofline``, ``kv_bytes_per_layer``, ``top_k_agreement``,
+Primitives: ``batched_graphed_columns``, ``synthetic_history``, ``matmul_roofline``, ``kv_bytes_per_layer``, ``top_k_agreement``,
 ``budget_row``, ``users_row``;
 ``add_arguments`` / ``run``.
 """
@@ -102,6 +104,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--users", type=int, default=0, help="also rank this many users one at a time vs batched (0: no)"
+    )
+    parser.add_argument(
+        "--users-lengths", default="", help="the lengths of --lengths with a users line (default: every one)"
     )
 
 
@@ -319,13 +324,17 @@ def users_row(model: HSTURanker, p: int, args: argparse.Namespace, gen: torch.Ge
     def batched() -> list[torch.Tensor]:
         return [scores for scores, _ in model.rank_users(reqs)]
 
-    diff = max(float((a - b).abs().max()) for a, b in zip(alone(), batched(), strict=True))  # and warm-up
+    alone_scores = alone()
+    diff = max(
+        float((a - b).abs().max()) for a, b in zip(alone_scores, batched(), strict=True)
+    )  # and warm-up
     one, many = [], []
     for _ in range(args.repeats):
         one.append(_timed(alone, model.device))
         many.append(_timed(batched, model.device))
     o50, _ = _stats(one)
     m50, _ = _stats(many)
+    graphed = batched_graphed_columns(model, batched, alone_scores, p, args) if args.graphs else {}
     return {
         "kind": "users",
         "prefix_len": p,
@@ -337,7 +346,43 @@ def users_row(model: HSTURanker, p: int, args: argparse.Namespace, gen: torch.Ge
         "speedup": round(o50 / m50, 2),
         "max_abs_diff": diff,
         "repeats": args.repeats,
+        **graphed,
     }
+
+
+def batched_graphed_columns(
+    model: HSTURanker, batched: Callable[[], list[torch.Tensor]], alone: list[torch.Tensor], p: int, args
+) -> dict:
+    """The users' one forward through ``use_graph_relay`` (one bucket's replay on CUDA): ms per
+    request, the rankings a second the device then serves (its time only, the host's aside), the
+    worst difference from ranking each user alone, and the error of a capture that failed."""
+    users = len(alone)
+    out: dict = {
+        "batched_graphed_ms_per_request_p50": None,
+        "device_rankings_per_s": None,
+        "graph_error": None,
+    }
+    try:
+        relay = model.use_graph_relay(True, pool_tokens=pool_tokens_for(p, users), prefix_tokens=p)
+        assert relay is not None
+        got = batched()  # the capture, and the exactness check
+        g50, _ = _stats([_timed(batched, model.device) for _ in range(args.repeats)])
+        counters = relay.counters()
+        out |= {
+            "batched_graphed_ms_per_request_p50": round(g50 / users, 3),
+            "device_rankings_per_s": round(1000 * users / g50, 1),
+            "graph_captured": counters["captured"],
+            "graph_error": counters["graph_error"],
+            "batched_graphed_rankings": counters["graphed_rankings"],
+            "batched_graphed_max_abs_diff": max(
+                float((a.float() - b.float()).abs().max()) for a, b in zip(got, alone, strict=True)
+            ),
+        }
+    except Exception as e:  # a failure here must not cost the eager columns
+        out["graph_error"] = f"{type(e).__name__}: {e}"[:500]
+    finally:
+        model.graph_relay = None
+    return out
 
 
 def budget_row(rank_rows: list[dict], budget_ms: float) -> dict:
@@ -383,6 +428,12 @@ def _print_table(rows: list[dict], lengths: list[int]) -> None:
                 f"{r['dtype']}: {r['users']} users at prefix {r['prefix_len']}: "
                 f"{r['alone_ms_per_request_p50']:.2f} ms/request alone, "
                 f"{r['batched_ms_per_request_p50']:.2f} batched ({r['speedup']}x)"
+                + (
+                    f", {r['batched_graphed_ms_per_request_p50']:.2f} graphed "
+                    f"({r['device_rankings_per_s']:.0f} rankings/s on the device)"
+                    if r.get("batched_graphed_ms_per_request_p50") is not None
+                    else ""
+                )
             )
         if r["kind"] == "budget":
             print(
@@ -399,6 +450,11 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"relaygr bench model: --users must be >= 0, got {args.users}")
     device = resolve_device(args.device)
     lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
+    users_at = {int(x) for x in args.users_lengths.split(",") if x.strip()} or set(lengths)
+    if not users_at <= set(lengths):
+        raise SystemExit(
+            f"relaygr bench model: --users-lengths {sorted(users_at - set(lengths))} not in --lengths"
+        )
     dtypes = [d.strip() for d in args.dtype.split(",") if d.strip()]
     for d in dtypes:
         resolve_dtype(d)  # a bad name fails before anything is measured
@@ -431,7 +487,7 @@ def run(args: argparse.Namespace) -> int:
             emit({**common, **row})
             for r in _prefill_extend_rows(model, p, args, reuse):
                 emit({**common, **r})
-            if args.users > 0:
+            if args.users > 0 and p in users_at:
                 emit({**common, **users_row(model, p, args, gen)})
         if args.budget_ms is not None:
             emit({**common, **budget_row(ranks, args.budget_ms)})

@@ -68,6 +68,14 @@ def test_the_dry_run_runs_every_step_and_reports_each(kafka_settings, tmp_path: 
     # The bucketed relay ranking, eagerly on a CPU (no capture, so no capture error).
     assert all(r["relay_graphed_ms_p50"] > 0 and r["graph_captured"] is False for r in model["rows"])
     assert model["graph_errors"] == []
+    # A ranking worker's batch at one length: 4 users in one forward, eager and bucketed.
+    assert [(u["dtype"], u["prefix_len"], u["users"]) for u in model["users"]] == [
+        ("bfloat16", 64, 4),
+        ("float32", 64, 4),
+    ]
+    assert all(u["device_rankings_per_s"] > 0 for u in model["users"])
+    (fp32,) = [u for u in model["users"] if u["dtype"] == "float32"]
+    assert fp32["batched_graphed_max_abs_diff"] <= 1e-4  # each user scores as it does alone
     assert {b["dtype"] for b in model["budget"]} == {"float32", "bfloat16"}
     store = steps["store"]["summary"]["rows"]
     assert [r["length"] for r in store] == [64] and store[0]["recompute_ms"] > 0
@@ -142,6 +150,7 @@ def test_the_full_check_fits_its_budget_and_measures_the_issues_lengths(tmp_path
     assert (
         "--lengths 4096,8192,16384,32768" in model and "--budget-ms 50" in model and "--device cuda" in model
     )
+    assert "--users 16 --users-lengths 8192" in model  # the 16-user bucket at 8k: the rate target's
     xl_model = " ".join(steps["model"].commands[0])
     assert "--preset xl" in xl_model and "--lengths 2048,8192" in xl_model and steps["model"].independent
     store, xl_store = (" ".join(c) for c in steps["store"].commands)

@@ -503,3 +503,32 @@ def test_buckets_share_one_reservation_for_their_new_tokens_and_score_right_in_t
 def test_a_prefix_capacity_that_fills_the_pool_leaves_no_shared_rows() -> None:
     relay = GraphRelay(model32(), pool_tokens=POOL, block_tokens=BLOCK)  # max_seq_len >= the pool
     assert relay.new_rows is None and relay.pool.counters()["blocks_reserved"] == 0
+
+
+def test_bench_model_batched_graphed_users_score_as_each_alone_and_a_failure_is_reported(monkeypatch) -> None:
+    import argparse
+
+    from relaygr.bench.model import batched_graphed_columns
+
+    model = _model(torch.float32, 4)
+    requests = _requests(model, [(40, 32, 5), (35, 32, 9), (50, 32, 2)], seed=6)
+    alone = [model.rank_and_extend(r.prefix, r.history, r.candidates, r.request_ts)[0] for r in requests]
+
+    def batched() -> list[torch.Tensor]:
+        return [scores for scores, _ in model.rank_users(requests)]
+
+    args = argparse.Namespace(repeats=2)
+    ok = batched_graphed_columns(model, batched, alone, 32, args)
+    assert ok["graph_error"] is None and ok["batched_graphed_rankings"] == 3  # the capture + 2 timed
+    assert ok["batched_graphed_max_abs_diff"] <= 1e-5 and model.graph_relay is None
+    assert ok["device_rankings_per_s"] == pytest.approx(
+        1000 / ok["batched_graphed_ms_per_request_p50"], rel=0.01
+    )
+
+    def broken(*a, **kw):
+        raise RuntimeError("CUDA error: out of memory")
+
+    monkeypatch.setattr(model, "use_graph_relay", broken)
+    bad = batched_graphed_columns(model, batched, alone, 32, args)
+    assert bad["graph_error"] == "RuntimeError: CUDA error: out of memory"
+    assert bad["device_rankings_per_s"] is None and model.graph_relay is None

@@ -19,7 +19,7 @@ Primitives:
 - ``RelayBucket``; ``bucket_for(users, suffix, candidates)``: the smallest bucket on the grids
   (``BUCKET_USERS``, ``BUCKET_SUFFIX``, ``BUCKET_CANDIDATES``), or ``None``; ``grid_buckets(users,
   suffix, candidates)``: every bucket up to those maxima, smallest first;
-  ``pool_tokens_for(prefix_tokens, users)``: a pool that holds them and a bucket's reserved rows.
+  ``pool_tokens_for(prefix_tokens, users)``: a pool that holds them and the buckets' shared rows.
 - ``GraphUser``: one user of a bucketed forward (its page table, new events, candidates, time).
 - ``BucketRunner``: a bucket's static buffers, ``load(users)`` (the host's inputs in two copies),
   ``forward()`` (the layers of ``inference.LayerPass``; no host sync, no shape that depends on the
@@ -63,6 +63,8 @@ DEFAULT_MAX_BUCKETS = 8
 NewKV = list[tuple[torch.Tensor, torch.Tensor]]
 
 
+NEW_ROWS = BUCKET_USERS[-1] * (BUCKET_SUFFIX[-1] + BUCKET_CANDIDATES[-1])
+"""The rows the grid's largest bucket's new tokens take: what the buckets' shared rows hold."""
 NEW_ROWS_KEY = ("new-rows",)
 """The pool reservation that every bucket's new tokens share (``GraphRelay``)."""
 INDEX_BYTES_PER_KEY = 48
@@ -113,12 +115,10 @@ def grid_buckets(
 
 
 def pool_tokens_for(prefix_tokens: int, users: int = 1, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> int:
-    """Pool tokens that hold ``users`` prefixes of ``prefix_tokens`` and the rows any bucket of
-    that many users reserves for its new tokens (at most ``BUCKET_SUFFIX[-1] + BUCKET_CANDIDATES[-1]``
-    per user)."""
+    """Pool tokens that hold ``users`` prefixes of ``prefix_tokens`` and the rows every bucket's new
+    tokens share (``NEW_ROWS``, the grid's largest bucket's)."""
     per_user = -(-prefix_tokens // block_tokens) * block_tokens
-    reserved = -(-users * (BUCKET_SUFFIX[-1] + BUCKET_CANDIDATES[-1]) // block_tokens) * block_tokens
-    return max(1, users * per_user + reserved)
+    return max(1, users * per_user + -(-NEW_ROWS // block_tokens) * block_tokens)
 
 
 @dataclass(frozen=True)
@@ -398,9 +398,8 @@ class GraphRelay:
         # runs at a time (on the device thread) and its results are copied out before the next
         # one writes there. The grid's largest bucket's rows, at most what the pool holds beyond
         # one longest prefix; a bucket larger than that reserves rows of its own.
-        top = BUCKET_USERS[-1] * (BUCKET_SUFFIX[-1] + BUCKET_CANDIDATES[-1])
         spare = self.pool.capacity_tokens - self.prefix_blocks * block_tokens
-        shared = min(top, spare) // block_tokens * block_tokens
+        shared = min(-(-NEW_ROWS // block_tokens) * block_tokens, spare // block_tokens * block_tokens)
         self.new_rows = self.pool.reserve(NEW_ROWS_KEY, shared) if shared > 0 else None
         self.runners: OrderedDict[RelayBucket, BucketRunner] = OrderedDict()
         self.warmed: dict[str, object] | None = None
