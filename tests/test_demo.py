@@ -37,7 +37,7 @@ def test_verdict_says_when_full_ranking_fits_the_machine() -> None:
     assert verdict({"relay": summaries["relay"]}).startswith("relay held 58 %")
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=240)
 def test_tiny_demo_runs_both_modes_on_one_trace(kafka_settings, model_dir, tmp_path) -> None:
     env = {
         **os.environ,
