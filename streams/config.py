@@ -24,7 +24,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from relaygr.infra.settings import default_home, settings_env
 from relaygr.streams.trigger import TriggerConfig
 from relaygr.workers.engine.engine_config import EngineConfig
-from relaygr.workers.store.prefix_store import PrefixStoreConfig
+from relaygr.workers.store.store_config import PrefixStoreConfig
 
 MiB = 1 << 20
 

@@ -99,11 +99,27 @@ def one_torch_thread():
     torch.set_num_threads(before)
 
 
+# What a test marked ``slow`` without ``seconds=`` is expected to take in ``./dev test``.
+DEFAULT_SLOW_S = 60.0
+
+
+def expected_seconds(item: pytest.Item) -> float:
+    """What ``item`` is expected to take in ``./dev test`` (set-up included, under the load of the
+    parallel run): its ``slow`` mark's ``seconds``, ``DEFAULT_SLOW_S`` for a slow test that names
+    none, 0 for the others (a fraction of a second to a few seconds each)."""
+    mark = item.get_closest_marker("slow")
+    if mark is None:
+        return 0.0
+    return float(mark.kwargs.get("seconds", DEFAULT_SLOW_S))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Files with slow tests first: ``./dev test`` hands whole files to its worker processes in
-    this order, so the longest ones start at once instead of last. ``RELAYGR_TEST_PHASE``
-    (``./dev test`` sets it) keeps the tests marked ``alone`` out of its parallel run
-    (``parallel``) and runs only them afterwards (``alone``); whatever ``-m`` selects applies too."""
+    """Files in the order of the seconds they are expected to take, the longest first: ``./dev
+    test`` hands whole files to its worker processes in this order (``--no-loadscope-reorder``;
+    xdist would otherwise order them by their number of tests), so the longest ones start at once
+    and the last ones handed out are short. ``RELAYGR_TEST_PHASE`` (``./dev test`` sets it) keeps
+    the tests marked ``alone`` out of its parallel run (``parallel``) and runs only them afterwards
+    (``alone``); whatever ``-m`` selects applies too."""
     phase = os.environ.get("RELAYGR_TEST_PHASE", "")
     if phase in ("parallel", "alone"):
         keep = [
@@ -112,5 +128,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if len(keep) != len(items):
             config.hook.pytest_deselected(items=[item for item in items if item not in keep])
             items[:] = keep
-    slow_files = {item.path for item in items if item.get_closest_marker("slow") is not None}
-    items.sort(key=lambda item: item.path not in slow_files)  # stable: file order kept otherwise
+    per_file: dict[object, float] = {}
+    for item in items:
+        per_file[item.path] = per_file.get(item.path, 0.0) + expected_seconds(item)
+    items.sort(key=lambda item: -per_file[item.path])  # stable: file order kept otherwise

@@ -22,6 +22,7 @@ def _cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow(seconds=40)
 def test_start_status_stop_cycle(tmp_path: Path) -> None:
     env = {**os.environ, "RELAYGR_HOME": str(tmp_path / "home")}
     env.pop("RELAYGR_BOOTSTRAP", None)

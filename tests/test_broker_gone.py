@@ -106,7 +106,7 @@ def _env(model_dir: Path) -> dict[str, str]:
     }
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=60)
 async def test_every_stage_stops_within_its_grace_once_the_broker_is_gone(
     tmp_path_factory: pytest.TempPathFactory, model_dir: Path
 ) -> None:

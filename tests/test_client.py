@@ -139,7 +139,7 @@ async def test_missing_topics_and_a_closed_client_are_clear_errors(kafka_setting
         await RelayClient(kafka_settings).publish_behaviors([])
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=25)
 async def test_round_trip_through_the_pipeline(kafka_settings, tmp_path, model_dir) -> None:
     """The client against the real stages: retrieval, pre-processing and one ranking worker."""
     prefix = f"client-{uuid.uuid4().hex[:8]}"

@@ -122,6 +122,7 @@ def _cli(args: list[str], home: Path) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow(seconds=300)  # the cluster's start (three brokers) included
 async def test_broker_crash_during_a_replay_loses_nothing(cluster, tmp_path, model_dir, ml) -> None:
     s, reg = await deployment(cluster, tmp_path)
     first_users, later_users = range(1, 101), range(101, 161)
@@ -208,6 +209,7 @@ async def _until_in_sync(s: Settings, prefix: str, node_id: int, timeout_s: floa
     return False
 
 
+@pytest.mark.slow(seconds=95)
 async def test_a_worker_joins_and_leaves_under_load(cluster, tmp_path, model_dir, ml) -> None:
     """Two ranking workers, then a third on a host of its own (its own RELAYGR_HOME), then the two.
     The trigger's token bucket admits its burst of 50 pre-inferences and then (about) none: the
@@ -308,6 +310,7 @@ async def test_a_worker_joins_and_leaves_under_load(cluster, tmp_path, model_dir
         await delete_topics_with_prefix(s, s.topic_prefix)
 
 
+@pytest.mark.slow(seconds=20)
 def test_stop_ends_every_node_and_removes_the_data(cluster) -> None:
     """Last in the module: the fixture's own stop then finds nothing left to do."""
     state = broker.read_state(cluster.nodes)

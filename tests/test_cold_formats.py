@@ -184,6 +184,7 @@ def trained():
     return model, history
 
 
+@pytest.mark.slow(seconds=35)  # training its model included
 def test_each_format_ranks_within_its_bound_on_a_trained_model(trained) -> None:
     model, history = trained
     gen = torch.Generator().manual_seed(1)

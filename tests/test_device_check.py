@@ -20,7 +20,7 @@ STEPS = ["environment", "kernels", "exactness", "model", "store", "profile", "pi
 
 
 @pytest.mark.broker
-@pytest.mark.slow
+@pytest.mark.slow(seconds=300)
 def test_the_dry_run_runs_every_step_and_reports_each(kafka_settings, tmp_path: Path) -> None:
     out = tmp_path / "out"
     env = {

@@ -132,7 +132,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.broker
-@pytest.mark.slow
+@pytest.mark.slow(seconds=45)
 async def test_trace_replay_report_end_to_end(kafka_settings, tmp_path_factory, tiny_model) -> None:
     prefix = f"smoke-{uuid.uuid4().hex[:8]}"
     home = tmp_path_factory.mktemp("smoke-home")

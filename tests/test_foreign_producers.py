@@ -27,7 +27,7 @@ from relaygr.workers.training.movielens import load_movielens
 
 confluent_kafka = pytest.importorskip("confluent_kafka")
 
-pytestmark = [pytest.mark.broker, pytest.mark.slow]
+pytestmark = [pytest.mark.broker, pytest.mark.slow(seconds=40)]
 
 UNSEEN_ITEMS = 5  # item ids far beyond the catalogue, appended to every history
 

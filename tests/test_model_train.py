@@ -40,6 +40,7 @@ def test_movielens_is_read_from_the_recbole_wheel(movielens) -> None:
     assert all(len(test[u]) == 1 and len(history[u]) == len(ml.histories[u]) - 1 for u in history)
 
 
+@pytest.mark.slow(seconds=50)
 def test_short_training_learns_and_checkpoint_ranks(movielens, tmp_path) -> None:
     ml, history, test = movielens
     torch.manual_seed(0)

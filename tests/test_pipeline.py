@@ -24,7 +24,7 @@ from relaygr.tools.up import Pipeline
 from relaygr.workers.model.model import HSTURanker
 from relaygr.workers.training.movielens import load_movielens
 
-pytestmark = [pytest.mark.broker, pytest.mark.slow]
+pytestmark = [pytest.mark.broker, pytest.mark.slow(seconds=12)]  # two pipelines, for 8 tests
 
 USERS = list(range(1, 41))  # 40 real users, 20..700 events each
 

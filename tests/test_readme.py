@@ -224,7 +224,7 @@ def test_every_docs_page_begins_with_what_it_is_for(name: str) -> None:
 
 
 @pytest.mark.broker
-@pytest.mark.slow
+@pytest.mark.slow(seconds=30)
 async def test_the_client_examples_run_as_written(kafka_settings, tmp_path, model_dir) -> None:
     """RelayClient, then the schema export and confluent-kafka, against the real stages."""
     from relaygr.infra.kafka import delete_topics_with_prefix, ensure_topics

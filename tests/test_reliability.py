@@ -47,6 +47,7 @@ async def deployment(settings: Settings, tmp_path: Path) -> tuple[Settings, Topi
     return s, reg
 
 
+@pytest.mark.slow(seconds=65)
 async def test_sigkill_of_a_ranking_worker_loses_nothing(kafka_settings, tmp_path, model_dir, ml) -> None:
     """`relaygr up`'s supervisor restarts a ranking worker killed with SIGKILL mid-replay; every
     request is answered, and the results read as a table hold one answer per request."""
@@ -83,6 +84,7 @@ async def test_sigkill_of_a_ranking_worker_loses_nothing(kafka_settings, tmp_pat
     )
 
 
+@pytest.mark.slow(seconds=45)
 async def test_a_pipeline_stopped_past_its_sessions_serves_again_once_resumed(
     kafka_settings, tmp_path, model_dir, ml
 ) -> None:
@@ -109,6 +111,7 @@ async def test_a_pipeline_stopped_past_its_sessions_serves_again_once_resumed(
     assert len(results) == len(sent)
 
 
+@pytest.mark.slow(seconds=100)
 async def test_broker_restart_mid_run_loses_nothing(kafka_settings, tmp_path, model_dir, ml) -> None:
     own = Settings(home=tmp_path / "broker-home")  # a broker of this test's own, to restart
     state = broker.start(own, quiet=True)

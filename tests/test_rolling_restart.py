@@ -23,7 +23,7 @@ from relaygr.workers.training.movielens import load_movielens
 
 pytest.importorskip("confluent_kafka")
 
-pytestmark = [pytest.mark.broker, pytest.mark.slow]
+pytestmark = [pytest.mark.broker, pytest.mark.slow(seconds=40)]
 
 
 async def test_roll_one_worker_under_load(kafka_settings, tmp_path, model_dir) -> None:

@@ -39,7 +39,7 @@ from relaygr.workers.training.movielens import load_movielens
 
 pytest.importorskip("confluent_kafka")
 
-pytestmark = [pytest.mark.broker, pytest.mark.slow]
+pytestmark = [pytest.mark.broker, pytest.mark.slow(seconds=40)]
 
 STALL_S = 600.0  # the old process stays blocked this long after handover.json: killed long before
 

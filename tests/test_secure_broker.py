@@ -193,7 +193,7 @@ async def _dead_letters(settings: Settings, reg: TopicRegistry, timeout_s: float
     return out
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=110)  # the secure broker's start included
 async def test_pipeline_answers_over_the_secure_broker_without_leaking_secrets(
     secure: SecureBroker, model_dir: Path, tmp_path: Path
 ) -> None:

@@ -436,7 +436,7 @@ def _env(model_dir: Path) -> dict[str, str]:
 
 
 @pytest.mark.broker
-@pytest.mark.slow
+@pytest.mark.slow(seconds=420)
 async def test_recreated_topics_a_wiped_broker_and_a_new_prefix_under_one_home(
     tmp_path, model_dir, ml
 ) -> None:

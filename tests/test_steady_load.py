@@ -38,7 +38,7 @@ from relaygr.workers.training.movielens import load_movielens
 
 pytest.importorskip("confluent_kafka")
 
-pytestmark = [pytest.mark.broker, pytest.mark.slow]
+pytestmark = [pytest.mark.broker, pytest.mark.slow(seconds=75)]
 
 USERS, EVENTS, VISITS = 8, 300, 3
 LATE_EVENTS = 1500  # the histories whose pre-inference is made late

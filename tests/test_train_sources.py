@@ -22,7 +22,7 @@ from relaygr.workers.training import train
 from relaygr.workers.training.interactions import Columns, build_log, read_interactions
 from tests.synthetic import write_csv
 
-pytestmark = [pytest.mark.broker, pytest.mark.slow]
+pytestmark = [pytest.mark.broker, pytest.mark.slow(seconds=50)]
 
 USERS, EVENTS = 10, 8
 UNKNOWN = [7, 999_999]  # not in the catalogue: 7 would have been an ML-100K movie

@@ -74,6 +74,7 @@ def fresh_venv(path: Path) -> Path:
     return path / "bin" / "python"
 
 
+@pytest.mark.slow(seconds=35)
 @pytest.mark.parametrize("source", ["repository", "docker-context"])
 def test_wheel_installs_the_whole_program(tmp_path: Path, source: str) -> None:
     # Built from a copy: an in-place build leaves build/ behind, whose stale modules a later

@@ -49,6 +49,7 @@ async def wait_groups_caught_up(settings: Settings, reg: TopicRegistry, *, timeo
     cons = consumer(settings, group_id=None)
     await client.start()
     await cons.start()
+    last_note = 0.0
     try:
         while True:
             lags = await ingest_lags(client, cons, reg)
@@ -56,12 +57,17 @@ async def wait_groups_caught_up(settings: Settings, reg: TopicRegistry, *, timeo
                 return time.monotonic() - t0
             if time.monotonic() - t0 > timeout_s:
                 raise TimeoutError(f"behaviours not ingested after {timeout_s:.0f} s: lag {lags}")
-            print(
-                "   ingesting behaviours, still to apply: " + ", ".join(f"{k} {v}" for k, v in lags.items()),
-                file=sys.stderr,
-                flush=True,
-            )
-            await asyncio.sleep(1.0)
+            if time.monotonic() - last_note >= 1.0:
+                last_note = time.monotonic()
+                print(
+                    "   ingesting behaviours, still to apply: "
+                    + ", ".join(f"{k} {v}" for k, v in lags.items()),
+                    file=sys.stderr,
+                    flush=True,
+                )
+            # A few group-offset reads a look: often enough that a caller waits for the lag's end,
+            # not for the next look (a second, before).
+            await asyncio.sleep(0.2)
     finally:
         await cons.stop()
         await client.close()

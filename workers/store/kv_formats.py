@@ -4,8 +4,8 @@ The device tier always holds a prefix exactly as the model computed it. A colder
 keys and values in fewer bytes; a promotion decodes them back to the model's dtype on the device.
 
 Primitives:
-- ``ColdFormat``: ``exact`` (the model's dtype, bit for bit), ``bf16`` (bfloat16 keys and values)
-  or ``int8`` (symmetric int8 with one float16 scale per block; a block is one head's key or
+- ``ColdFormat`` (named in ``store_config``, without torch): ``exact`` (the model's dtype, bit for
+  bit), ``bf16`` (bfloat16 keys and values) or ``int8`` (symmetric int8 with one float16 scale per block; a block is one head's key or
   value vector of one token, so an outlier token costs precision only to itself).
 - ``to_cold(prefix, fmt) -> PrefixKV``: the cold form, on the prefix's device (an exact or
   already-cold prefix in that format is returned as it is). Positions are stored as int32 when
@@ -23,14 +23,11 @@ Primitives:
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Literal, get_args
 
 import torch
 
 from relaygr.workers.prefix_kv import PrefixKV
-
-ColdFormat = Literal["exact", "bf16", "int8"]
-COLD_FORMATS: tuple[str, ...] = get_args(ColdFormat)
+from relaygr.workers.store.store_config import COLD_FORMATS, ColdFormat
 
 _INT8_MAX = 127
 _SCALE_DTYPE = torch.float16

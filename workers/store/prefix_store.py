@@ -1,7 +1,8 @@
 """The memory-aware expander: a tiered store of ``PrefixKV`` with leases, promotion and single-flight.
 
 Primitives:
-- ``PrefixStoreConfig``: devices, byte budgets per tier, disk folder, lease TTL, disk policy, the
+- ``PrefixStoreConfig`` (defined in ``store_config``, which the settings of every stage import
+  without torch): devices, byte budgets per tier, disk folder, lease TTL, disk policy, the
   cold tiers' format (``cold_kv_format``: exact, bf16 or int8; promotion decodes to the model's dtype).
 - ``PrefixStore``: the asynchronous orchestration over the placement core (``placement``: which
   tier holds each prefix, leases, room-making, demotion, spill, all synchronous and testable
@@ -50,13 +51,11 @@ from functools import partial
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
 from relaygr.workers.prefix_kv import Events, PrefixKV, history_fingerprint
 from relaygr.workers.store.blob_files import RecyclingBuffers
 from relaygr.workers.store.kv_codec import CodecError, decode
-from relaygr.workers.store.kv_formats import ColdFormat, to_cold, to_warm
-from relaygr.workers.store.leases import DEFAULT_LEASE_TTL_S
+from relaygr.workers.store.kv_formats import to_cold, to_warm
 from relaygr.workers.store.placement import (
     Entry,
     LeaseResult,
@@ -68,6 +67,7 @@ from relaygr.workers.store.placement import (
 )
 from relaygr.workers.store.single_flight import FlightAbandoned, SingleFlight
 from relaygr.workers.store.staging import PinnedStaging, staging_for
+from relaygr.workers.store.store_config import PrefixStoreConfig
 from relaygr.workers.store.tier_costs import TierChoice
 from relaygr.workers.store.tiers import DiskMeta, StoreKey
 
@@ -94,56 +94,6 @@ class Lookup:
     @property
     def length(self) -> int:
         return 0 if self.prefix is None else self.prefix.length
-
-
-class PrefixStoreConfig(BaseModel):
-    """Configuration of one worker's prefix store."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    device: str = Field(
-        "cpu", description="Device of the device tier: the model's device ('cpu', 'cuda', 'cuda:1', 'npu:0')."
-    )
-    device_budget_bytes: int = Field(
-        1 << 30, ge=0, description="Byte budget of the device tier (pinned and unpinned entries together)."
-    )
-    host_budget_bytes: int = Field(4 << 30, ge=0, description="Byte budget of the host-memory tier.")
-    disk_path: str | None = Field(
-        None, description="Folder of the disk tier (blob files and their index); None disables it."
-    )
-    disk_budget_bytes: int = Field(16 << 30, ge=0, description="Byte budget of the disk tier (stored bytes).")
-    default_lease_ttl_s: float = Field(
-        DEFAULT_LEASE_TTL_S, gt=0, description="Lease lifetime when lease() is called without a TTL."
-    )
-    pin_host_memory: bool | None = Field(
-        None,
-        description="Pin host-tier tensors for fast host-to-device copies; None: when the device is CUDA.",
-    )
-    disk_write_policy: Literal["write_back", "write_through"] = Field(
-        "write_back",
-        description=(
-            "write_back: an entry is written to disk when it is demoted from host (and at close); "
-            "write_through: every put is also written to disk in the background."
-        ),
-    )
-    disk_backlog_bytes: int = Field(
-        512 << 20,
-        ge=0,
-        description="Most bytes of prefixes waiting for the disk writer; a write beyond it is dropped and counted.",
-    )
-    cold_kv_format: ColdFormat = Field(
-        "exact",
-        description=(
-            "How the host and disk tiers store keys and values: exact (the model's dtype), bf16, or "
-            "int8 with a float16 scale per token and head. The device tier is always exact."
-        ),
-    )
-    persist_on_close: bool = Field(
-        True, description="At close, write memory entries that the disk lacks so that a restart finds them."
-    )
-    purge_other_model_versions: bool = Field(
-        True, description="At open, delete disk entries computed by another model version."
-    )
 
 
 class PrefixStore:
