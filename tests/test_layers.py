@@ -98,3 +98,11 @@ def test_a_bad_import_breaks_its_contract(tmp_path: Path, contract: str, where: 
 
 def test_every_contract_has_a_bad_import() -> None:
     assert {contract for contract, _, _ in BAD_IMPORTS} == set(CONTRACTS)
+
+
+@pytest.mark.parametrize("module", ["relaygr.streams.ingress", "relaygr.streams.preprocess", "relaygr.cli"])
+def test_stages_before_ranking_start_without_torch(module: str) -> None:
+    # torch costs a process about 2 CPU-seconds and 250 MB to import: only what runs a model pays it.
+    code = f"import sys, {module}; sys.exit('torch' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, f"{module} imports torch: {proc.stderr[-2000:]}"

@@ -27,11 +27,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # torch is imported where tensors are used: the stages before ranking never do
+    import torch
 
 VOCAB_FILE = "vocab.json"
 OOV = 0
@@ -136,7 +140,8 @@ class ItemVocab:
     def to_model(self, raw: Sequence[RawId] | np.ndarray | torch.Tensor) -> tuple[np.ndarray, int]:
         """Model ids of ``raw`` (``OOV`` for ids not in the vocabulary) and how many were unknown.
         ``raw`` holds raw ids, or keys (``item_key``) in an integer array or tensor."""
-        if isinstance(raw, torch.Tensor):
+        torch = sys.modules.get("torch")  # a tensor exists only where torch is imported
+        if torch is not None and isinstance(raw, torch.Tensor):
             keys = raw.detach().cpu().numpy().astype(np.int64, copy=False).reshape(-1)
         elif isinstance(raw, np.ndarray) and raw.dtype.kind in "iu":
             keys = raw.astype(np.int64, copy=False).reshape(-1)
@@ -153,6 +158,8 @@ class ItemVocab:
 
     def to_model_tensor(self, keys: torch.Tensor) -> tuple[torch.Tensor, int]:
         """``to_model`` for a tensor of keys (``item_key``); the identity vocabulary is a no-op."""
+        import torch
+
         if self.identity:
             if keys.device.type == "cpu":  # numpy: a few microseconds, not a torch dispatch per op
                 a = keys.numpy()
