@@ -237,6 +237,18 @@ def _key_range(CAUSAL_OK, user, n_q, n_k, m0, split, num_splits, BLOCK_M: tl.con
 
 
 @triton.jit
+def _user_keys(K, V, k_start, stride_kt, stride_vt, HAS_ROWS: tl.constexpr):
+    """Where a user's keys and values start; with a row index, ``K`` and ``V`` whole (the user's
+    keys are rows ``K_ROWS[k_start:]``)."""
+    k_user = K
+    v_user = V
+    if not HAS_ROWS:
+        k_user = K + k_start * stride_kt
+        v_user = V + k_start * stride_vt
+    return k_user, v_user
+
+
+@triton.jit
 def _hstu_fwd_kernel(
     Q, K, V, OUT, BIAS, Q_OFFSETS, K_OFFSETS, Q_POS, Q_TS, K_POS, K_TS, Q_REL, K_REL, POS32_OK, CAUSAL_OK,
     K_ROWS,
@@ -274,12 +286,7 @@ def _hstu_fwd_kernel(
     q_ts, far_scale = _query_terms(Q_POS, Q_TS, q_tok, row_ok, near_keys, far_keys)
     own = n_k - n_q + rows  # each query's own key, counted within the user's keys
     lo, hi = _key_range(CAUSAL_OK, user, n_q, n_k, m0, split, num_splits, BLOCK_M, BLOCK_N)
-    if HAS_ROWS:  # K and V whole: the user's keys are rows K_ROWS[k_start:]
-        k_user = K
-        v_user = V
-    else:
-        k_user = K + k_start * stride_kt
-        v_user = V + k_start * stride_vt
+    k_user, v_user = _user_keys(K, V, k_start, stride_kt, stride_vt, HAS_ROWS)
     if tl.load(POS32_OK + user) != 0:  # int32 positions relative to the user's first
         q_rel = tl.load(Q_REL + q_tok, mask=row_ok, other=0)
         acc = _head_keys(
@@ -345,12 +352,7 @@ def _hstu_fwd_grouped_kernel(
     q_ts, far_scale = _query_terms(Q_POS, Q_TS, q_tok, row_ok, near_keys, far_keys)
     own = n_k - n_q + rows  # each query's own key, counted within the user's keys
     lo, hi = _key_range(CAUSAL_OK, user, n_q, n_k, m0, split, num_splits, BLOCK_M, BLOCK_N)
-    if HAS_ROWS:  # K and V whole: the user's keys are rows K_ROWS[k_start:]
-        k_user = K
-        v_user = V
-    else:
-        k_user = K + k_start * stride_kt
-        v_user = V + k_start * stride_vt
+    k_user, v_user = _user_keys(K, V, k_start, stride_kt, stride_vt, HAS_ROWS)
     if tl.load(POS32_OK + user) != 0:  # int32 positions relative to the user's first
         q_rel = tl.load(Q_REL + q_tok, mask=row_ok, other=0)
         acc = _group_keys(
