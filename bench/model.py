@@ -57,7 +57,9 @@ BENCH_SHAPE = {"layers": 4, "dim": 128, "heads": 1}  # without --preset
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="one JSON object per line")
-    parser.add_argument("--lengths", default=DEFAULT_LENGTHS, help="prefix lengths, comma separated")
+    parser.add_argument(
+        "--lengths", type=event_counts, default=DEFAULT_LENGTHS, help="prefix lengths, comma separated"
+    )
     parser.add_argument("--repeats", type=int, default=10, help="timed runs per path and length")
     parser.add_argument("--suffix", type=int, default=64, help="short-term (suffix) events")
     parser.add_argument("--candidates", type=int, default=128)
@@ -106,8 +108,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--users", type=int, default=0, help="also rank this many users one at a time vs batched (0: no)"
     )
     parser.add_argument(
-        "--users-lengths", default="", help="the lengths of --lengths with a users line (default: every one)"
+        "--users-lengths",
+        type=event_counts,
+        default=[],
+        help="the lengths of --lengths with a users line (default: every one)",
     )
+
+
+def event_counts(text: str) -> list[int]:
+    """An argument of comma-separated positive event counts (a usage error otherwise)."""
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        out = [0]
+    if not out or any(n < 1 for n in out):
+        raise argparse.ArgumentTypeError(f"positive event counts, comma separated, got {text!r}")
+    return out
 
 
 def synthetic_history(n: int, num_items: int, gen: torch.Generator) -> Events:
@@ -449,8 +465,8 @@ def run(args: argparse.Namespace) -> int:
     if args.users < 0:
         raise SystemExit(f"relaygr bench model: --users must be >= 0, got {args.users}")
     device = resolve_device(args.device)
-    lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
-    users_at = {int(x) for x in args.users_lengths.split(",") if x.strip()} or set(lengths)
+    lengths = args.lengths
+    users_at = set(args.users_lengths) or set(lengths)
     if not users_at <= set(lengths):
         raise SystemExit(
             f"relaygr bench model: --users-lengths {sorted(users_at - set(lengths))} not in --lengths"

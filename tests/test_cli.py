@@ -40,6 +40,12 @@ def test_int_at_least() -> None:
         (["up", "--max-restarts", "-1"], "--max-restarts: must be at least 0, got -1"),
         (["up", "--restart-window", "0"], "--restart-window: must be greater than 0, got 0"),
         (["bench", "noisy-neighbour", "--block-s", "0"], "--block-s: must be greater than 0, got 0"),
+        (
+            ["bench", "model", "--lengths", "64,-3"],
+            "--lengths: positive event counts, comma separated, got '64,-3'",
+        ),
+        (["bench", "model", "--users-lengths", "x"], "--users-lengths: positive event counts"),
+        (["bench", "model", "--lengths", ""], "--lengths: positive event counts"),
     ],
 )
 def test_bad_numbers_are_usage_errors(argv: list[str], message: str, capsys) -> None:
