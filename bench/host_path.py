@@ -51,7 +51,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from relaygr.infra.settings import Settings
@@ -140,6 +140,8 @@ class Window:
     device_prefill_s: float
     wall_s: float
     idle_cpu_s_per_s: float = 0.0  # what the worker spends with nothing to do (polls, stats)
+    # CPU seconds of every process of the cascade over the window, by stage (``stage_pids``).
+    stages_cpu_s: dict[str, float] = field(default_factory=dict)
 
 
 def point_figures(
@@ -167,6 +169,14 @@ def point_figures(
         "device_thread_rank_ms_per_ranking": round(window.device_rank_s * per, 3),
         "host_ms_per_ranking": round(cpu - device, 3),
         "device_share": round(device / cpu, 3) if cpu > 0 else math.nan,
+        # Every process of the cascade, CPU ms per request sent (the ranking worker's whole
+        # process as ``ranker``), and their sum: what one request costs the machine.
+        "stages_cpu_ms_per_request": {k: round(v * 1000 / sent, 3) for k, v in window.stages_cpu_s.items()}
+        if sent
+        else {},
+        "cascade_cpu_ms_per_request": round(sum(window.stages_cpu_s.values()) * 1000 / sent, 3)
+        if sent and window.stages_cpu_s
+        else math.nan,
         "worker_cpu_share": round(window.cpu_s / window.wall_s, 3) if window.wall_s > 0 else math.nan,
         "late_s": round(late_s, 3),
         "paths": dict(Counter(r.path.value for r in results).most_common()),
@@ -264,6 +274,40 @@ def sampled(pid: int, out: Path, seconds: float) -> Iterator[None]:
             raise RuntimeError(f"py-spy wrote no samples: {err.decode(errors='replace')[-500:]}")
 
 
+# The pipeline's processes by stage name (``relaygr up``'s), shown under these shorter names.
+STAGE_NAMES = {"ingress-requests": "ingress_requests", "ingress-behaviors": "ingress_behaviours"}
+
+
+def stage_pids(pipe, settings: Settings) -> dict[str, list[int]]:
+    """The processes of the cascade by stage: every pipeline process (``ranker-i`` as ``ranker``,
+    summed over workers), the local broker's nodes (none when ``settings`` name another cluster)
+    and this process (the load generator and the results' reader)."""
+    from relaygr.infra.local.broker_files import read_state
+    from relaygr.infra.settings import get_settings
+
+    out: dict[str, list[int]] = {}
+    for name, proc in pipe.procs.items():
+        stage = "ranker" if name.startswith("ranker-") else STAGE_NAMES.get(name, name)
+        out.setdefault(stage, []).append(proc.pid)
+    state = read_state(get_settings())  # the deployment's own home holds no broker state
+    if state is not None and state.bootstrap == settings.bootstrap:
+        out["broker"] = [n.pid for n in state.nodes] or [state.pid]
+    out["load_generator"] = [os.getpid()]
+    return out
+
+
+def stages_cpu_s(pids: dict[str, list[int]]) -> dict[str, float]:
+    """CPU seconds so far of each stage's processes (a process gone counts as none)."""
+    out = {}
+    for stage, group in pids.items():
+        total = 0.0
+        for pid in group:
+            with contextlib.suppress(OSError, ValueError):
+                total += process_cpu_s(pid)
+        out[stage] = total
+    return out
+
+
 def _device_cpu(pipe) -> tuple[float, float]:
     """The ranking worker's device thread CPU seconds so far: (ranking jobs, pre-inference jobs)."""
     m = pipe.scrape("ranker-0")
@@ -288,6 +332,8 @@ async def _load(
     got: dict[str, RankedResult] = {}
     try:
         await cons.seek_to_end()
+        pids = stage_pids(pipe, settings)
+        stages0 = stages_cpu_s(pids)
         (rank0, prefill0), cpu0, t0 = _device_cpu(pipe), process_cpu_s(pid), time.monotonic()
         sending = asyncio.create_task(
             asyncio.to_thread(send_visits, settings, reg.name("requests"), plan, rate)
@@ -301,11 +347,15 @@ async def _load(
                     if r.request_id in ids:
                         got.setdefault(r.request_id, r)
         cpu1, t1 = process_cpu_s(pid), time.monotonic()
+        stages1 = stages_cpu_s(pids)
         rank1, prefill1 = _device_cpu(pipe)
         await sending
     finally:
         await cons.stop()
-    window = Window(cpu1 - cpu0, rank1 - rank0, prefill1 - prefill0, t1 - t0)
+    window = Window(
+        cpu1 - cpu0, rank1 - rank0, prefill1 - prefill0, t1 - t0,
+        stages_cpu_s={k: stages1[k] - stages0[k] for k in stages1},
+    )  # fmt: skip
     return list(got.values()), window, max(0.0, t1 - due)
 
 

@@ -9,6 +9,9 @@ Primitives:
   agrees with the payload's key field.
 - ``routing_headers(headers)``: the behaviours a routed request must see, and when it was routed.
 - ``guarded(stage, ev, handler, to_dlq)``: per-message isolation of failures.
+- ``PendingSends`` / ``handle_events(stage, stream, handler, to_dlq)``: a faust stage's
+  requests, each one's outputs sent without a wait each and acknowledged together before faust
+  acks the event (so before its offset commits): nothing lost, one round trip per event.
 - ``apply_in_slices(records, take, flush, ...)``: the one slicing loop of every behaviour
   applier: records taken one by one, applied a slice at a time with the event loop free between.
 - ``ingest_batches(stage, stream, decode_one, apply, to_dlq)``: behaviours applied a batch at a
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import gc
 import logging
 import math
@@ -255,6 +259,59 @@ async def guarded(stage: str, ev: Any, handler: Any, to_dlq: Any) -> None:
     except Exception as e:
         log.exception("%s: handling %s@%s failed", stage, ev.message.topic, ev.message.offset)
         await to_dlq(ev, f"internal error in {stage}: {type(e).__name__}: {e}")
+
+
+class PendingSends:
+    """Sends on faust topics that are enqueued at once (``await send(...)`` returns as soon as
+    the producer holds the record) and acknowledged together (``await acknowledged()``). A send
+    the broker refused, or one that could not even be enqueued, is delivered again with
+    ``deliver``'s retries: a batch is acknowledged only once every one of its records is."""
+
+    def __init__(self) -> None:
+        self._sent: list[tuple[Any, bytes, bytes, str, Any]] = []
+
+    def __len__(self) -> int:
+        return len(self._sent)
+
+    async def send(self, topic: Any, key: bytes, value: bytes, *, what: str) -> None:
+        from aiokafka.errors import KafkaError
+
+        try:
+            fut = await topic.send(key=key, value=value)
+        except (TimeoutError, KafkaError, OSError):
+            fut = None  # delivered with retries in ``acknowledged``
+        self._sent.append((topic, key, value, what, fut))
+
+    async def acknowledged(self) -> None:
+        from aiokafka.errors import KafkaError
+
+        sent, self._sent = self._sent, []
+        for topic, key, value, what, fut in sent:
+            if fut is not None:
+                try:
+                    await fut
+                    continue
+                except (TimeoutError, KafkaError, OSError) as e:
+                    log.warning("sending %s failed (%s: %s); sending it again", what, type(e).__name__, e)
+            await deliver(lambda t=topic, k=key, v=value: send_acked(t, k, v), what=what)
+
+
+async def handle_events(
+    stage: str, stream: Any, handler: Callable[[Any, PendingSends], Awaitable[None]], to_dlq: Any
+) -> None:
+    """Consume ``stream`` event by event: ``handler(ev, sends)`` (``guarded``: bad input to the
+    dead letters) sends its outputs through ``sends`` without a wait each, and they are
+    acknowledged together before faust acks the event (so before its offset commits). The
+    outputs of one event (retrieval's prefill signal and retrieved request) share a produce
+    request, and the producer's linger lets concurrent events' outputs share one too."""
+    async for ev in stream.events():
+        sends = PendingSends()
+        await guarded(stage, ev, functools.partial(_with_sends, handler, sends), to_dlq)
+        await sends.acknowledged()
+
+
+async def _with_sends(handler: Any, sends: PendingSends, ev: Any) -> None:
+    await handler(ev, sends)
 
 
 def routing_headers(headers: Any) -> tuple[dict[str, int] | None, float | None]:

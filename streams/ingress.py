@@ -145,7 +145,7 @@ class Ingress:
             )
             # The end-offset look-ups of requests on a connection of their own as well.
             self.offsets = consumer(self.settings, group_id=None)
-            self.req_producer = producer(self.settings, linger_ms=0)
+            self.req_producer = producer(self.settings, linger_ms=self.settings.request_linger_ms)
             clients += [self.req_producer, self.req_consumer, self.offsets]
             loops.append(self._requests)
         if "behaviors" in self.inputs:
@@ -280,36 +280,52 @@ class Ingress:
         beh = self.reg.name("behaviors")
         n_out = self.reg.partitions
         last_commit = time.monotonic()
-        while True:
-            batch = await self.req_consumer.getmany(timeout_ms=20, max_records=500)
-            records = [m for msgs in batch.values() for m in msgs]
-            if records:
-                needs = await self._behaviour_ends(beh)
-                needs_raw = encode_positions(needs)
-                count = len(self.req_consumer.partitions_for_topic(src) or ()) or n_out
-                futs = []
-                for m in records:
-                    try:
-                        r = decode_keyed(RecommendationRequest, m.key, m.value, self.limit)
-                    except SchemaError as e:
-                        futs.append(asyncio.ensure_future(self._dead_letter(m, str(e))))
-                        continue
-                    key = r.key()
-                    self._check_partition(src, m.partition, key, count)
-                    now = time.time()
-                    headers = [(HEADER_NEEDS, needs_raw), (HEADER_ROUTED_AT, repr(now).encode())]
-                    futs.append(
-                        asyncio.ensure_future(
-                            self._send_request(dst, m.value, key, partition_for(key, n_out), headers)
-                        )
-                    )
-                    HOP.observe(max(0.0, now - r.ts))
-                await asyncio.gather(*futs)
-                ROUTED.labels(src).inc(len(records))
-            if records or time.monotonic() - last_commit > COMMIT_EVERY_S:
-                # Every record read so far is forwarded (acknowledged) or dead-lettered.
-                await _commit(self.req_consumer, self.incarnations)
-                last_commit = time.monotonic()
+        forwarding = False  # a fetch read but not yet all forwarded: its position is no commit
+        try:
+            while True:
+                forwarding = False
+                batch = await self.req_consumer.getmany(timeout_ms=20, max_records=500)
+                forwarding = True
+                await self._route_requests(batch, src, dst, beh, n_out)
+                forwarding = False
+                if time.monotonic() - last_commit > COMMIT_EVERY_S:
+                    # Every record read so far is forwarded (acknowledged) or dead-lettered. Not
+                    # after every fetch: a commit is a broker round trip, and at a few requests
+                    # a fetch it cost as much as forwarding them.
+                    await _commit(self.req_consumer, self.incarnations)
+                    last_commit = time.monotonic()
+        finally:
+            if not forwarding:  # stopping: what was forwarded is not forwarded again
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(_commit(self.req_consumer, self.incarnations), 2.0)
+
+    async def _route_requests(self, batch: dict, src: str, dst: str, beh: str, n_out: int) -> None:
+        """Forward one fetch's requests (bad ones to the dead letters), all acknowledged."""
+        records = [m for msgs in batch.values() for m in msgs]
+        if not records:
+            return
+        needs = await self._behaviour_ends(beh)
+        needs_raw = encode_positions(needs)
+        count = len(self.req_consumer.partitions_for_topic(src) or ()) or n_out
+        futs = []
+        for m in records:
+            try:
+                r = decode_keyed(RecommendationRequest, m.key, m.value, self.limit)
+            except SchemaError as e:
+                futs.append(asyncio.ensure_future(self._dead_letter(m, str(e))))
+                continue
+            key = r.key()
+            self._check_partition(src, m.partition, key, count)
+            now = time.time()
+            headers = [(HEADER_NEEDS, needs_raw), (HEADER_ROUTED_AT, repr(now).encode())]
+            futs.append(
+                asyncio.ensure_future(
+                    self._send_request(dst, m.value, key, partition_for(key, n_out), headers)
+                )
+            )
+            HOP.observe(max(0.0, now - r.ts))
+        await asyncio.gather(*futs)
+        ROUTED.labels(src).inc(len(records))
 
     async def _send_request(self, topic: str, value: bytes, key: bytes, partition: int, headers) -> None:
         await deliver(

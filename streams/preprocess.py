@@ -33,13 +33,12 @@ from relaygr.schemas import (
     encode,
 )
 from relaygr.streams.common import (
+    PendingSends,
     decode_keyed,
-    deliver,
     faust_dead_letterer,
-    guarded,
+    handle_events,
     ingest_batches,
     raw_topic,
-    send_acked,
 )
 from relaygr.streams.config import PipelineSettings
 from relaygr.streams.stage_app import make_app
@@ -200,7 +199,7 @@ def build(settings: Settings, pipeline: PipelineSettings, worker_id: str = "0"):
                 delete=lambda k: seen.pop(k, None),
             )
 
-    async def on_retrieved(ev) -> None:
+    async def on_retrieved(ev, sends: PendingSends) -> None:
         r = decode_keyed(RetrievedRequest, ev.key, ev.value, limit)
         t0 = time.time()
         before = await seen_before(seen.get, r.user_id, r.model_ts)
@@ -209,7 +208,7 @@ def build(settings: Settings, pipeline: PipelineSettings, worker_id: str = "0"):
         cands = [c for c in r.candidates if seen_key(c) not in before]
         DROPPED.inc(len(r.candidates) - len(cands))
         out = rank_request(r, cands[: pipeline.max_rank_candidates], t0, pipeline.budget_ms)
-        await deliver(lambda: send_acked(out_rank, out.key(), encode(out)), what="rank request")
+        await sends.send(out_rank, out.key(), encode(out), what="rank request")
         RANKREQ.inc()
 
     @app.agent(behaviors)
@@ -218,7 +217,6 @@ def build(settings: Settings, pipeline: PipelineSettings, worker_id: str = "0"):
 
     @app.agent(retrieved, concurrency=pipeline.concurrency)
     async def preprocess(stream):
-        async for ev in stream.events():
-            await guarded(STAGE, ev, on_retrieved, to_dlq)
+        await handle_events(STAGE, stream, on_retrieved, to_dlq)
 
     return app

@@ -43,14 +43,13 @@ from relaygr.schemas import (
 )
 from relaygr.schemas.events import is_item_id
 from relaygr.streams.common import (
+    PendingSends,
     decode_keyed,
-    deliver,
     faust_dead_letterer,
-    guarded,
+    handle_events,
     ingest_batches,
     raw_topic,
     routing_headers,
-    send_acked,
 )
 from relaygr.streams.config import PipelineSettings, trigger_config
 from relaygr.streams.stage_app import make_app
@@ -290,7 +289,7 @@ def build(settings: Settings, pipeline: PipelineSettings, worker_id: str = "0"):
         for _, b in batch:
             gen.observe_many(b.item_ids)
 
-    async def on_request(ev) -> None:
+    async def on_request(ev, sends: PendingSends) -> None:
         r = decode_keyed(RecommendationRequest, ev.key, ev.value, limit)
         t0 = time.time()
         needs, routed_at = routing_headers(ev.headers)
@@ -302,12 +301,13 @@ def build(settings: Settings, pipeline: PipelineSettings, worker_id: str = "0"):
             JOINED.inc()
         if decision.admitted:
             sig = prefill_signal(r, n, decision, trigger.config.lease_ttl_s, needs)
-            await deliver(lambda: send_acked(out_prefill, sig.key(), encode(sig)), what="prefill signal")
+            # Out before the feature fetch: the pre-inference overlaps it.
+            await sends.send(out_prefill, sig.key(), encode(sig), what="prefill signal")
         if pipeline.feature_fetch_ms:
             await asyncio.sleep(pipeline.feature_fetch_ms / 1000)
         cands = gen.candidates(recent, 2 * r.num_candidates)
         out = retrieved(r, cands[:2000], n, decision, t0, routed_at, needs)
-        await deliver(lambda: send_acked(out_retrieved, out.key(), encode(out)), what="retrieved request")
+        await sends.send(out_retrieved, out.key(), encode(out), what="retrieved request")
         REQS.inc()
         LAT.observe(time.time() - t0)
 
@@ -317,8 +317,7 @@ def build(settings: Settings, pipeline: PipelineSettings, worker_id: str = "0"):
 
     @app.agent(requests, concurrency=pipeline.concurrency)
     async def retrieve(stream):
-        async for ev in stream.events():
-            await guarded(STAGE, ev, on_request, to_dlq)
+        await handle_events(STAGE, stream, on_request, to_dlq)
 
     @app.task
     async def calibrate_trigger() -> None:

@@ -18,6 +18,8 @@ from relaygr.bench.host_path import (
     parse_fractions,
     point_figures,
     process_cpu_s,
+    stage_pids,
+    stages_cpu_s,
 )
 from relaygr.cli import main
 from relaygr.schemas import RankedResult
@@ -93,3 +95,35 @@ def test_a_bad_number_is_a_usage_error(capsys) -> None:
         main(["bench", "host-path", "--seconds", "0"])
     assert exit_.value.code == 2
     assert "--seconds: must be greater than 0, got 0" in capsys.readouterr().err
+
+
+def test_every_stage_s_cpu_is_per_request_sent_and_sums_to_the_cascade_s() -> None:
+    window = Window(
+        cpu_s=0.05, device_rank_s=0.01, device_prefill_s=0.0, wall_s=1.0,
+        stages_cpu_s={"retrieval": 0.02, "preprocess": 0.01, "ranker": 0.05, "broker": 0.04},
+    )  # fmt: skip
+    fig = point_figures(10.0, 512, 20, [_result(i, 10.0) for i in range(10)], window, late_s=0.0)
+    assert fig["stages_cpu_ms_per_request"] == {
+        "retrieval": 1.0,
+        "preprocess": 0.5,
+        "ranker": 2.5,
+        "broker": 2.0,
+    }
+    assert fig["cascade_cpu_ms_per_request"] == 6.0
+
+
+def test_the_stages_processes_are_named_by_stage_and_a_gone_one_counts_as_none() -> None:
+    import subprocess
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    me = type("Proc", (), {"pid": os.getpid()})()
+    pipe = type("Pipe", (), {"procs": {"ranker-0": gone, "ranker-1": me, "ingress-requests": me}})()
+    from relaygr.infra.settings import Settings
+
+    pids = stage_pids(pipe, Settings(bootstrap="127.0.0.1:1"))
+    assert set(pids) == {"ranker", "ingress_requests", "load_generator"}  # no local broker at that address
+    assert len(pids["ranker"]) == 2
+    cpu = stages_cpu_s(pids)
+    assert cpu["ingress_requests"] == cpu["load_generator"] > 0
+    assert cpu["ranker"] == cpu["load_generator"]  # the exited process adds nothing
