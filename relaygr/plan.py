@@ -15,8 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from relaygr.tools.args import float_above, int_at_least, open_fraction
+
+if TYPE_CHECKING:
+    from relaygr.streams.config import PipelineSettings
+    from relaygr.workers.engine.capacity import WorkerShape
 
 ASSUMPTIONS = (
     "cached users: those the trigger pre-infers (full ranking of min(history, max_seq_len) predicted "
@@ -30,7 +35,8 @@ ASSUMPTIONS = (
     "hit rate: LRU with equally active users holds the most recent ones, so hit rate = the share of "
     "at-risk users the workers' tiers hold together (skewed activity only raises it)",
     "workers: enough for the cached users in device + host + disk budgets, and for the device time "
-    "at --max-utilisation",
+    "at --max-utilisation; the workers on one device (--workers-per-device) share its time, each "
+    "with its share of its memory",
 )
 
 
@@ -62,6 +68,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-utilisation", type=open_fraction, default=0.7, help="device busy share a worker may run at"
     )
+    parser.add_argument(
+        "--workers-per-device",
+        type=int_at_least(1),
+        default=None,
+        help="ranking workers sharing a device (default RELAYGR_WORKERS_PER_DEVICE): they share its "
+        "time, and each has its share of its memory",
+    )
+    parser.add_argument(
+        "--device-memory-gb",
+        type=float_above(0),
+        default=None,
+        help="the accelerator's memory, GB, to size each sharing worker's device tier from it (as a "
+        "worker does); default: the RELAYGR_DEVICE_CACHE_MB budget split between them",
+    )
     parser.add_argument("--json", action="store_true", help="one JSON line")
 
 
@@ -70,7 +90,6 @@ def run(args: argparse.Namespace) -> int:
     from relaygr.streams.trigger import TriggerConfig
     from relaygr.workers.engine.capacity import (
         ModelShape,
-        WorkerShape,
         Workload,
         capacity_plan,
         lognormal_lengths,
@@ -104,13 +123,7 @@ def run(args: argparse.Namespace) -> int:
         slice_ms=settings.device_slice_ms,
         **paces,
     )
-    mib = 1 << 20
-    worker = WorkerShape(
-        device_bytes=int(settings.device_cache_mb * mib),
-        host_bytes=int(settings.host_cache_mb * mib),
-        disk_bytes=int(settings.disk_cache_mb * mib),
-        max_utilisation=args.max_utilisation,
-    )
+    worker = _worker_shape(args, settings)
     formats = ("exact", "bf16", "int8") if args.format == "all" else (args.format,)
     lengths = lognormal_lengths(args.history_p50, args.history_p99, shape.max_seq_len)
     plan = capacity_plan(shape, latency, lengths, workload, worker, formats)
@@ -137,6 +150,31 @@ def run(args: argparse.Namespace) -> int:
         return 0
     _print_table(out)
     return 0
+
+
+def _worker_shape(args: argparse.Namespace, settings: PipelineSettings) -> WorkerShape:
+    """One worker's budgets: the RELAYGR_*_CACHE_MB settings, its device tier the share of a
+    device it shares with ``--workers-per-device`` - 1 others (``split_device``)."""
+    from relaygr.workers.engine.capacity import WorkerShape
+    from relaygr.workers.engine.device_split import split_device
+
+    mib = 1 << 20
+    per_device = args.workers_per_device or settings.workers_per_device
+    share = split_device(
+        per_device,
+        settings.device_cache_mb,
+        settings.graph_pool_mb,
+        int(args.device_memory_gb * 1e9) if args.device_memory_gb else None,
+    )
+    device_mb = share.cache_mb if per_device > 1 or args.device_memory_gb else settings.device_cache_mb
+    worker = WorkerShape(
+        workers_per_device=per_device,
+        device_bytes=int(device_mb * mib),
+        host_bytes=int(settings.host_cache_mb * mib),
+        disk_bytes=int(settings.disk_cache_mb * mib),
+        max_utilisation=args.max_utilisation,
+    )
+    return worker
 
 
 def _model_config(model_dir: Path):
@@ -216,17 +254,19 @@ def _print_table(out: dict) -> None:
     )
     print(
         f"device time: pre-inference {plan['preinfer_device_ms_per_s']:.1f} ms/s, ranking "
-        f"{plan['rank_device_ms_per_s']:.1f} ms/s -> {plan['workers_for_device_time']} worker(s)"
+        f"{plan['rank_device_ms_per_s']:.1f} ms/s -> {plan['devices_for_device_time']} device(s), "
+        f"{plan['workers_for_device_time']} worker(s) at {plan['workers_per_device']} a device"
     )
     print(
         f"{'format':7s} {'device B/user':>14s} {'host B/user':>12s} {'disk B/user':>12s} "
-        f"{'host users/GB':>14s} {'disk users/GB':>14s} {'for cache':>10s} {'workers':>8s}"
+        f"{'host users/GB':>14s} {'disk users/GB':>14s} {'for cache':>10s} {'workers':>8s} {'devices':>8s}"
     )
     for fmt, f in plan["formats"].items():
         b, u = f["bytes_per_cached_user"], f["users_per_gb"]
         print(
             f"{fmt:7s} {b['device']:14.0f} {b['host']:12.0f} {b['disk']:12.0f} "
-            f"{u['host'] or 0:14.0f} {u['disk'] or 0:14.0f} {f['workers_for_cache']:10d} {f['workers']:8d}"
+            f"{u['host'] or 0:14.0f} {u['disk'] or 0:14.0f} {f['workers_for_cache']:10d} {f['workers']:8d} "
+            f"{f['devices']:8d}"
         )
     for line in out["assumptions"]:
         print(f"  - {line}")

@@ -158,6 +158,14 @@ class PipelineSettings(BaseSettings):
         ge=1,
         description="Tokens per pre-inference job on the device.",
     )
+    workers_per_device: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="Ranking workers sharing this worker's device (``relaygr up --workers-per-device``): "
+        "with more than one, each takes its share of the device for its tier and graph pool, sized "
+        "from the accelerator's memory (on a CPU: the device cache and graph pool budgets, split).",
+    )
     device_cache_mb: float = Field(
         default=_default(PrefixStoreConfig, "device_budget_bytes", MiB),
         ge=0,

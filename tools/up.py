@@ -402,13 +402,33 @@ rebuilds the histories of its partitions (and pre-infers their prefill signals) 
 the group; the old process then finishes and commits what it holds and hands over; the standby
 ranks from the committed offsets at once and joins the group under the same static member id (no
 rebalance). Each request is answered once; none waits for a process to start.
+
+Several workers per device (--workers-per-device N): one Python process keeps one core busy with
+Kafka, decoding and scheduling, while a GPU host has many cores and one accelerator. N worker
+processes share it: the consumer group gives each its own partitions (a user's signal and request
+still meet on one worker), and each takes 1/N of the device for its prefix tier and graph pool,
+sized from the accelerator's memory (on a CPU: the RELAYGR_DEVICE_CACHE_MB and
+RELAYGR_GRAPH_POOL_MB budgets, split). `relaygr plan --workers-per-device N` plans with it.
 """
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = DESCRIPTION
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument("--ranking-workers", type=int, default=2, help="ranking worker processes (default 2)")
+    parser.add_argument(
+        "--ranking-workers",
+        type=int_at_least(1),
+        default=None,
+        help="ranking worker processes (default 2, or --workers-per-device)",
+    )
+    parser.add_argument(
+        "--workers-per-device",
+        type=int_at_least(1),
+        default=None,
+        help="ranking workers that share one device (RELAYGR_WORKERS_PER_DEVICE): each owns its own "
+        "partitions and takes 1/N of the device for its prefix tier and graph pool, sized from the "
+        "device; on a CPU they share its cores (default 1)",
+    )
     parser.add_argument("--mode", choices=["relay", "baseline"], help="override RELAYGR_MODE")
     parser.add_argument(
         "--metrics-base-port", type=int, default=0, help="Prometheus ports from here, one per stage"
@@ -449,6 +469,12 @@ def run(args: argparse.Namespace) -> int:
             return 1
         print(f"asked relaygr up (pid {pid}) for a rolling restart of its ranking workers; see its output")
         return 0
+    try:
+        workers, env = ranking_layout(args.ranking_workers, args.workers_per_device)
+    except ValueError as e:
+        print(f"relaygr up: {e}", file=sys.stderr)
+        return 2
+    args.ranking_workers = workers
     stop, roll = False, False
 
     def on_signal(*_: object) -> None:
@@ -470,6 +496,7 @@ def run(args: argparse.Namespace) -> int:
             settings,
             ranking_workers=args.ranking_workers,
             mode=args.mode,
+            env=env,
             metrics_base_port=args.metrics_base_port,
             restart_policy=RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window),
             cores=plan_cores(args.ranking_workers, pin=args.pin_cores),
@@ -503,6 +530,20 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def ranking_layout(workers: int | None, per_device: int | None) -> tuple[int, dict[str, str]]:
+    """How many ranking workers ``relaygr up`` starts, and the settings that tell each how many
+    share its device: ``--workers-per-device N`` starts N on the one device the settings name
+    (``RELAYGR_DEVICE``; one ``relaygr up`` a device)."""
+    if per_device is None:
+        return (workers if workers is not None else 2), {}
+    if workers is not None and workers != per_device:
+        raise ValueError(
+            f"--ranking-workers {workers} with --workers-per-device {per_device}: the workers of one "
+            "`relaygr up` share one device (run one per device)"
+        )
+    return per_device, PipelineSettings.to_env(workers_per_device=per_device)
 
 
 def _rolling_restart(pipe: Pipeline, stopping: Callable[[], bool] = lambda: False) -> None:

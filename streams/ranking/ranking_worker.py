@@ -74,8 +74,9 @@ from relaygr.schemas import (
     encode,
 )
 from relaygr.streams.common import DEAD_LETTERS, commit_existing, dead_letter, decode_keyed, deliver
-from relaygr.streams.config import PipelineSettings, engine_config
+from relaygr.streams.config import PipelineSettings
 from relaygr.streams.history import HistoryAlignment, HistoryTable
+from relaygr.streams.ranking.engine_factory import build_engine
 from relaygr.streams.ranking.history_applier import BehaviourApplier, ahead_record
 from relaygr.streams.ranking.offset_tracker import OffsetTracker
 from relaygr.streams.ranking.rank_handler import RankHandler
@@ -83,17 +84,10 @@ from relaygr.streams.ranking.rank_rebalance import STAGE, RankRebalance
 from relaygr.streams.ranking.standby import hand_over, spill_for_standby, stand_aside
 from relaygr.streams.ranking.worker_files import WorkerFiles
 from relaygr.streams.state_lineage import HistoryLineage, deployment_dir
-from relaygr.workers.engine.calibration import calibrate
-from relaygr.workers.engine.cores import pin_this_thread
-from relaygr.workers.engine.latency_model import LatencyModel
 from relaygr.workers.engine.prefill_ledger import device_share
-from relaygr.workers.engine.ranker import RankingEngine
-from relaygr.workers.engine.scheduler import DeviceScheduler, Priority
+from relaygr.workers.engine.scheduler import Priority
 from relaygr.workers.model.devices import keep_host_pages
-from relaygr.workers.model.model import HSTURanker
 from relaygr.workers.prefix_kv import window_step
-from relaygr.workers.store.prefix_store import PrefixStore, PrefixStoreConfig
-from relaygr.workers.store.tier_costs import TierChoice, TierCosts
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +133,7 @@ class RankingWorker:
         self.files = WorkerFiles(self.dir)
         # A standby builds the next generation of the state while the active process holds this one.
         self.state_dir = self.files.new_generation() if standby else self.files.state_dir()
-        self.engine = self._engine()
+        self.engine, self.pipeline = build_engine(pipeline, worker_id, self.state_dir)
         for prio in Priority:
             DEVICE_CPU.labels(prio.name.lower()).set_function(
                 lambda p=prio, d=self.engine.scheduler: d.cpu_s[p]
@@ -176,58 +170,6 @@ class RankingWorker:
         self.fetching: asyncio.Future | None = None  # the loop's fetch (``_fetch``)
         self.handing_over = 0.0  # when (epoch s) it was told to hand over; 0: it was not
         self.lineage_task: asyncio.Task | None = None
-
-    def _engine(self) -> RankingEngine:
-        """The model on its device thread (a core of its own when emulating an accelerator), the
-        prefix store of a relay worker, and the latency model they plan with."""
-        pipeline = self.pipeline
-        model = HSTURanker.load(pipeline.model_dir, device=pipeline.device)
-        threads, core = pipeline.torch_threads, pipeline.device_core
-
-        def device_thread_setup() -> None:
-            if core is not None:  # the emulated accelerator: a core of its own (``workers.cores``)
-                pin_this_thread(core)
-            if threads:
-                torch.set_num_threads(threads)
-
-        scheduler = DeviceScheduler(self.worker_id, on_start=device_thread_setup)
-        store: PrefixStore | None = None
-        if pipeline.mode == "relay":
-            mib = 1 << 20
-            store = PrefixStore(
-                PrefixStoreConfig(
-                    device=str(model.device),
-                    device_budget_bytes=int(pipeline.device_cache_mb * mib),
-                    host_budget_bytes=int(pipeline.host_cache_mb * mib),
-                    disk_path=str(self.state_dir / "prefix-store") if pipeline.disk_cache_mb > 0 else None,
-                    disk_budget_bytes=int(pipeline.disk_cache_mb * mib),
-                    cold_kv_format=pipeline.cold_kv_format,
-                    default_lease_ttl_s=pipeline.lease_ttl_s,
-                ),
-                model_version=model.model_version,
-                clock=time.time,
-            )
-        latency = self._latency_model(model)
-        if store is not None:
-            store.set_tier_choice(self._tier_choice(latency))
-        return RankingEngine(model, store, scheduler, engine_config(pipeline), latency)
-
-    def _latency_model(self, model: HSTURanker) -> LatencyModel:
-        calibration = self.pipeline.calibration_file
-        if calibration is not None and calibration.exists():
-            return LatencyModel.load(calibration)
-        fitted, samples = calibrate(model, repeats=2)
-        log.info("calibrated full ranking on this machine: %s -> %s", samples, fitted)
-        return fitted
-
-    def _tier_choice(self, latency: LatencyModel) -> TierChoice | None:
-        """The store's tier choice when the calibration file holds measured tier costs
-        (``relaygr calibrate --tier-costs``): recomputing n events costs ``predict(n) - predict(0)``."""
-        calibration = self.pipeline.calibration_file
-        costs = TierCosts.from_calibration(calibration) if calibration and calibration.exists() else None
-        if costs is None:
-            return None
-        return TierChoice(costs, lambda n: latency.predict_ms(n) - latency.predict_ms(0))
 
     def note(self, **fields: object) -> None:
         """One JSON line per signal handled / result produced (the worker's own audit trail); a
@@ -291,7 +233,7 @@ class RankingWorker:
         took = await self.engine.warm_up()
         log.info("%s: warmed up the device in %.2f s", self.worker_id, took)
         self.consumer, _ = self.group_consumer()
-        self.producer = producer(self.settings)
+        self.producer = producer(self.settings, linger_ms=self.settings.request_linger_ms)
         await self.producer.start()
         await self.consumer.start()
         self.watch_lineage()

@@ -99,6 +99,7 @@ class WorkerShape:
     host_bytes: int
     disk_bytes: int
     max_utilisation: float = 0.7
+    workers_per_device: int = 1  # workers sharing one device (its time; each its own budgets)
 
 
 def lognormal_lengths(p50: float, p99: float, cap: int, points: int = 2000) -> np.ndarray:
@@ -202,7 +203,9 @@ def capacity_plan(
     mean_len = float(cached_len.mean()) if len(cached_len) else 0.0
     preinfer_ms_s = workload.qps * float(per["preinfer_ms"].mean())
     rank_ms_s = workload.qps * float(per["rank_ms"].mean())
-    device_workers = math.ceil((preinfer_ms_s + rank_ms_s) / (1000.0 * worker.max_utilisation))
+    # The device's time is shared by the workers on it: devices for the load, then their workers.
+    devices_for_time = math.ceil((preinfer_ms_s + rank_ms_s) / (1000.0 * worker.max_utilisation))
+    device_workers = devices_for_time * worker.workers_per_device
     at_risk_users = workload.users * share
     cached_users = workload.hit_rate * at_risk_users
     device_user = shape.token_bytes("exact") * mean_len
@@ -229,7 +232,8 @@ def capacity_plan(
             },
             "cached_users_per_worker": per_worker,
             "workers_for_cache": cache_workers,
-            "workers": max(1, cache_workers, device_workers),
+            "workers": (workers := max(1, cache_workers, device_workers)),
+            "devices": math.ceil(workers / worker.workers_per_device),
         }
     return {
         "users": workload.users,
@@ -241,5 +245,7 @@ def capacity_plan(
         "preinfer_device_ms_per_s": preinfer_ms_s,
         "rank_device_ms_per_s": rank_ms_s,
         "workers_for_device_time": device_workers,
+        "devices_for_device_time": devices_for_time,
+        "workers_per_device": worker.workers_per_device,
         "formats": out_formats,
     }
