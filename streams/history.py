@@ -127,6 +127,7 @@ class HistoryTable:
         self._offsets: dict[int, int] = {}
         self._progress: dict[int, Positions] = {}  # routed partition -> the ingress's progress
         self._cache: OrderedDict[str, bytearray] = OrderedDict()
+        self._changes, self._versions = 0, {}  # user -> number of its last change (``version``)
         self._cache_bytes, self._cache_limit = 0, cache_bytes
         self._retain, self._align = retain_events, max(1, retain_align)
         self.trimmed_events = 0  # events dropped by retention, since start
@@ -235,6 +236,7 @@ class HistoryTable:
             self._db.write(wb)
             self._offsets[partition] = got.last
             self._cache_appended(got.new, trims)
+            self._changed([*got.new, *trims])
             return got.applied
 
     def _collect(self, partition: int, batch: Iterable[tuple], wb: WriteBatch) -> _Collected:
@@ -373,6 +375,14 @@ class HistoryTable:
             _, buf = self._cache.popitem(last=False)
             self._cache_bytes -= len(buf)
 
+    def _changed(self, users: Iterable[str]) -> None:
+        self._changes += 1
+        self._versions.update(dict.fromkeys(users, self._changes))
+
+    def version(self, user_id: str) -> int:
+        """Changes whenever ``user_id``'s records do: equal versions, equal records, at any length."""
+        return self._versions.get(user_id, 0)
+
     def records(self, user_id: str) -> np.ndarray:
         with self._lock:
             return unpack(self._load(user_id))
@@ -416,6 +426,7 @@ class HistoryTable:
                 cached = self._cache.pop(u, None)
                 if cached is not None:
                     self._cache_bytes -= len(cached)
+                self._changed([u])
             wb.delete(self._okey(partition))
             wb.delete(b"m/" + str(partition).encode())  # the ingress's progress in the old topic
             self._db.write(wb)

@@ -95,3 +95,21 @@ def test_runs_keep_every_event_retention_keeps_whatever_the_alignment(tmp_path) 
             assert kept == items[first:], (align, u)
             assert 700 <= len(kept) <= 700 + 175 + align or len(items) < 700
         t.close()
+
+
+def test_a_user_s_version_changes_with_its_records_and_only_with_them(tmp_path) -> None:
+    t = HistoryTable(tmp_path / "h")
+    v0 = t.version("u")
+    assert t.append(0, 0, ev("u", 10, 1.0))
+    v1 = t.version("u")
+    assert v1 != v0
+    assert t.append(0, 1, ev("w", 11, 1.0))
+    assert t.version("u") == v1  # another user's behaviour
+    assert not t.append(0, 1, ev("u", 12, 2.0))  # a replayed offset changes nothing
+    assert t.version("u") == v1
+    assert t.append(0, 2, ev("u", 12, 2.0))
+    v2 = t.version("u")
+    assert v2 not in (v0, v1)
+    t.discard_partition(0)
+    assert t.version("u") not in (v0, v1, v2) and len(t.get("u")) == 0
+    t.close()

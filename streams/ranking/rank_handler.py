@@ -164,7 +164,7 @@ class RankHandler:
         # Serve at most the model's max_seq_len most recent events, in a window moving by steps.
         self.max_seq_len = engine.max_seq_len
         self.window_step = window_step(self.max_seq_len)
-        self._served: OrderedDict[str, tuple[tuple[int, bytes], ServedHistory]] = OrderedDict()
+        self._served: OrderedDict[str, tuple[tuple[int, int, int], ServedHistory]] = OrderedDict()
 
     # ------------------------------------------------------------------ history
 
@@ -172,11 +172,14 @@ class RankHandler:
         """The user's events before ``before_ts`` that a ranking reads (at most max_seq_len, the
         most recent, in a window moving by whole steps) in model item ids. The same records as the
         user's last call give the same events (a fresh ``ServedHistory`` around them)."""
+        version = self.history.version(user_id)
         rec = self.history.records(user_id)
         if len(rec):
             rec = rec[rec["ts"] < before_ts]
         first = self.history.first(user_id)
-        key = (first, rec.tobytes())
+        # The records before a time are a down-set of the user's records by timestamp: with the
+        # records unchanged (``version``), as many of them are the same ones.
+        key = (first, version, len(rec))
         memo = self._served.get(user_id)
         if memo is not None and memo[0] == key:
             self._served.move_to_end(user_id)
