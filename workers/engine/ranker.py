@@ -35,7 +35,7 @@ Primitives:
 - ``kv_bytes_per_token(model)``: device bytes one cached token takes.
 
 How long device work runs (slices, paces, truncation, re-planning) is the policy of
-``workers.pacing``; running and timing jobs on the scheduler is ``workers.device_jobs``; this
+``workers.engine.pacing``; running and timing jobs on the scheduler is ``workers.engine.device_jobs``; this
 module chooses the paths.
 """
 
