@@ -6,9 +6,10 @@ HSTU ranker (4 layers, dim 128 by default, or a ``--preset`` shape; random weigh
 not depend on training) and measures, in one run:
 
 - ``links`` (once per run, in the disk folder; measured and checked by ``bench.links``):
-  ``host_to_device``, a large pinned buffer copied to the device (on a CPU-only machine: a single-threaded memory copy); ``disk``, the sequential read
-  of a large file in the same folder, cold: the better of ``O_DIRECT`` reads and buffered reads
-  after its pages were dropped (``posix_fadvise(DONTNEED)``);
+  ``host_to_device``, a large pinned buffer copied to the device (on a CPU-only machine: a
+  single-threaded memory copy); ``disk``, the sequential read of a large file in the same folder,
+  cold: the better of ``O_DIRECT`` reads and buffered reads after its pages were dropped
+  (``posix_fadvise(DONTNEED)``);
 - ``recompute``: ``HSTURanker.prefill`` of the whole history (what a miss costs);
 - ``device``: ``PrefixStore.lookup`` of an entry already in the device tier, through the full
   lookup path; ``validate`` is the history's fingerprint alone, and ``store_overhead`` the same
