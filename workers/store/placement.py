@@ -33,6 +33,13 @@ a leased prefix always has room when it arrives.
 An entry placed on host is handed to ``on_host(key, entry)``: the orchestration moves its tensors
 off the device on its copy thread (until then the entry keeps them, and a promotion back needs no
 copy). Placing on the device moves a prefix that lives elsewhere (``PrefixKV.to``).
+
+One job in one module: every method reads and changes the same entries, tier byte counts and
+reservations under one lock, and the invariants above (an entry in at most one memory tier, the
+reservations within the device budget, pins respected by every demotion) hold across all of them
+at once; splitting the methods would split one invariant's code. What stands apart is apart
+already: leases (``leases``), the tiers' storage (``tiers``), the disk writer, the tier choice
+(``tier_costs``) and the asynchronous orchestration (``prefix_store``).
 """
 
 from __future__ import annotations
