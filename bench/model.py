@@ -20,7 +20,7 @@ within that P99. ``--users N`` adds a ``users`` line per length: N users' relay 
 own prefix of that length, suffix and candidates) one ``rank_and_extend`` at a time vs one
 ``rank_users`` forward (the ranking worker's batch), in ms per request, and that forward as one
 bucket's graph replay (``batched_graphed_ms_per_request_p50``; ``device_rankings_per_s``: the
-rankings a second the device serves at that batch, the host's work aside). ``--preset`` takes a model shape of ``workers.presets``; ``--dtype`` one or more.
+rankings a second the device serves at that batch, the host's work aside). ``--preset`` takes a model shape of ``workers.model.presets``; ``--dtype`` one or more.
 One JSON line per measurement with ``--json``; a table otherwise.
 
 Primitives: ``batched_graphed_columns``, ``synthetic_history``, ``matmul_roofline``, ``kv_bytes_per_layer``, ``top_k_agreement``,
@@ -67,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--preset",
         choices=sorted(PRESETS),
         default=None,
-        help="model shape (workers.presets); explicit --layers / --dim / --heads win "
+        help="model shape (workers.model.presets); explicit --layers / --dim / --heads win "
         f"(without a preset: {BENCH_SHAPE['layers']} layers, d={BENCH_SHAPE['dim']}, {BENCH_SHAPE['heads']} head)",
     )
     parser.add_argument("--layers", type=int, default=None)

@@ -1,6 +1,6 @@
 """Which of the project's files one rank request runs through, and how many lines they hold.
 
-The rank handler of a ranking worker (``streams.rank_handler.RankHandler``, without Kafka) handles
+The rank handler of a ranking worker (``streams.ranking.rank_handler.RankHandler``, without Kafka) handles
 one request of a user whose behaviours are in a real history table (RocksDB), against a tiny
 ranker on its device thread and a real prefix store. On the relay path (the default) the user's
 prefill signal is handled first, as the worker would; ``--path full`` sends no signal. A warm-up

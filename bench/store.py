@@ -5,10 +5,11 @@ For each prefix length (``--lengths``, default 1k, 4k and 8k events) the benchma
 HSTU ranker (4 layers, dim 128 by default, or a ``--preset`` shape; random weights: timing does
 not depend on training) and measures, in one run:
 
-- ``links`` (once per run, in the disk folder): ``host_to_device``, a large pinned buffer copied to
-  the device (on a CPU-only machine: a single-threaded memory copy); ``disk``, the sequential read
-  of a large file in the same folder, cold: the better of ``O_DIRECT`` reads and buffered reads
-  after its pages were dropped (``posix_fadvise(DONTNEED)``);
+- ``links`` (once per run, in the disk folder; measured and checked by ``bench.links``):
+  ``host_to_device``, a large pinned buffer copied to the device (on a CPU-only machine: a
+  single-threaded memory copy); ``disk``, the sequential read of a large file in the same folder,
+  cold: the better of ``O_DIRECT`` reads and buffered reads after its pages were dropped
+  (``posix_fadvise(DONTNEED)``);
 - ``recompute``: ``HSTURanker.prefill`` of the whole history (what a miss costs);
 - ``device``: ``PrefixStore.lookup`` of an entry already in the device tier, through the full
   lookup path; ``validate`` is the history's fingerprint alone, and ``store_overhead`` the same
@@ -33,7 +34,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import mmap
 import os
 import statistics
 import sys
@@ -45,13 +45,14 @@ from typing import Any
 
 import torch
 
+from relaygr.bench.links import check_links, measure_links, one_thread, timed
 from relaygr.workers.model.devices import keep_host_pages, synchronize
 from relaygr.workers.model.presets import PRESETS, resolve_shape
 from relaygr.workers.prefix_kv import Events, PrefixKV, history_fingerprint
 from relaygr.workers.store import prefix_store as prefix_store_module
 from relaygr.workers.store.kv_formats import COLD_FORMATS, cold_nbytes
 from relaygr.workers.store.prefix_store import PrefixStore, PrefixStoreConfig
-from relaygr.workers.store.tier_costs import TierCosts, measure_tier_costs
+from relaygr.workers.store.tier_costs import TierCosts
 
 STORE_SHAPE = {"layers": 4, "dim": 128, "heads": 2}  # without --preset
 
@@ -62,7 +63,6 @@ TARGETS = {
     "disk_fraction_of_link": 0.5,
     "host_to_device_fraction_of_link": 0.7,
 }
-LINK_CHUNK = 64 << 20  # one read request of the disk link measurement
 CPU_CACHE_BYTES = 64 << 20  # a CPU memory copy of fewer bytes may run from the caches, past DRAM
 
 
@@ -123,14 +123,6 @@ def _history(n: int, num_items: int, gen: torch.Generator) -> Events:
     )
 
 
-def _timed(fn: Callable[[], Any], device: torch.device) -> float:
-    synchronize(device)
-    t0 = time.perf_counter()
-    fn()
-    synchronize(device)
-    return time.perf_counter() - t0
-
-
 async def _timed_async(fn: Callable[[], Awaitable[Any]], device: torch.device) -> float:
     synchronize(device)
     t0 = time.perf_counter()
@@ -152,129 +144,11 @@ def _clone(p: PrefixKV, device: torch.device) -> PrefixKV:
     )
 
 
-# -- links ----------------------------------------------------------------------------------------
-
-
-def _one_thread(fn: Callable[[], float]) -> float:
-    """A memory-bound copy on one thread: a busy machine's thread barriers do not dominate."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return fn()
-    finally:
-        torch.set_num_threads(threads)
-
-
-def host_to_device_link(device: torch.device, nbytes: int, repeats: int = 5) -> tuple[float, float]:
-    """Bytes per second of a large copy to ``device`` into a buffer allocated beforehand: from
-    pinned memory on CUDA; on a CPU a single-threaded memory copy (the stand-in for a transfer).
-    The median and the best of ``repeats``."""
-    src = torch.ones(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
-    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
-
-    def measure() -> list[float]:
-        dst.copy_(src, non_blocking=True)  # warm-up: first touch of the destination's pages
-        return [_timed(lambda: dst.copy_(src, non_blocking=True), device) for _ in range(repeats)]
-
-    times = _one_thread(measure) if device.type == "cpu" else measure()  # type: ignore[arg-type]
-    return nbytes / statistics.median(times), nbytes / min(times)
-
-
-def _read_file(path: str, buf: memoryview, direct: bool) -> float:
-    flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
-    fd = os.open(path, flags)
-    try:
-        if not direct:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        t0, done = time.perf_counter(), 0
-        while done < len(buf):
-            n = os.preadv(fd, [buf[done : done + LINK_CHUNK]], done)
-            if n == 0:
-                break
-            done += n
-        return done / (time.perf_counter() - t0)
-    finally:
-        os.close(fd)
-
-
-def disk_link(folder: str, nbytes: int, repeats: int = 3) -> dict[str, float | None]:
-    """Cold sequential read speed of a file of ``nbytes`` in ``folder``: ``O_DIRECT`` reads (None
-    where the filesystem refuses them) and buffered reads after dropping its pages; ``bytes_per_s``
-    is the better of the two medians, ``best_bytes_per_s`` the fastest read seen."""
-    nbytes -= nbytes % mmap.PAGESIZE
-    buf = memoryview(mmap.mmap(-1, nbytes))  # page-aligned, as O_DIRECT needs
-    fd, path = tempfile.mkstemp(prefix="link-", dir=folder)
-    try:
-        block = os.urandom(1 << 20)
-        for _ in range(nbytes >> 20):
-            os.write(fd, block)
-        os.fsync(fd)  # dirty pages cannot be dropped
-        os.close(fd)
-        buffered = [_read_file(path, buf, direct=False) for _ in range(repeats)]
-        try:
-            direct = [_read_file(path, buf, direct=True) for _ in range(repeats)]
-        except OSError:
-            direct = []
-    finally:
-        os.unlink(path)
-    medians = [statistics.median(buffered), statistics.median(direct) if direct else 0.0]
-    return {
-        "direct_bytes_per_s": medians[1] or None,
-        "buffered_cold_bytes_per_s": medians[0],
-        "bytes_per_s": max(medians),
-        "best_bytes_per_s": max(buffered + direct),
-    }
-
-
-def measure_links(device: torch.device, folder: str, nbytes: int) -> dict[str, Any]:
-    """The links, and the store's tier costs as ``relaygr calibrate --tier-costs`` measures them."""
-    return {
-        "tier_costs": measure_tier_costs(folder, device, min(nbytes, 64 << 20)).to_dict(),
-        **dict(
-            zip(
-                ("host_to_device_bytes_per_s", "host_to_device_best_bytes_per_s"),
-                host_to_device_link(device, nbytes),
-                strict=True,
-            )
-        ),
-        "disk": disk_link(folder, nbytes),
-        "bytes": nbytes,
-    }
-
-
-def check_links(
-    figures: dict[str, tuple[int, float]], links: dict[str, tuple[float, float]], tolerance: float
-) -> tuple[dict[str, dict[str, Any]], list[str]]:
-    """Each figure ``name -> (bytes moved, median seconds)`` against its link ``links[name] =
-    (median, best bytes per second)``: its speed, the fraction of the link's median, and whether
-    it is accepted (at most ``1 + tolerance`` times the fastest the link was seen to go). Returns
-    the checks and an error line per refused figure."""
-    checks: dict[str, dict[str, Any]] = {}
-    errors: list[str] = []
-    for name, (nbytes, seconds) in figures.items():
-        link, best = links[name]
-        speed = nbytes / seconds if seconds > 0 else float("inf")
-        accepted = speed <= best * (1 + tolerance)
-        checks[name] = {
-            "bytes_per_s": speed,
-            "link_bytes_per_s": link,
-            "link_best_bytes_per_s": best,
-            "fraction_of_link": speed / link,
-            "accepted": accepted,
-        }
-        if not accepted:
-            errors.append(
-                f"{name}: {nbytes / 1e6:.1f} MB in {seconds * 1e3:.3f} ms is {speed / 1e9:.2f} GB/s, faster "
-                f"than its link ever went ({best / 1e9:.2f} GB/s): the timing ends before the transfer does"
-            )
-    return checks, errors
-
-
 # -- per length -----------------------------------------------------------------------------------
 
 
 def _recompute(model: Any, h: Events, repeats: int) -> list[float]:
-    return [_timed(lambda: model.prefill(h), model.device) for _ in range(repeats)]
+    return [timed(lambda: model.prefill(h), model.device) for _ in range(repeats)]
 
 
 async def _device_hits(
@@ -296,7 +170,7 @@ async def _device_hits(
             overhead = [await _timed_async(lambda: s.lookup("a", ha), device) for _ in range(repeats)]
         finally:
             prefix_store_module.history_fingerprint = real_fp
-    validate = [_timed(lambda: history_fingerprint(ha, n), torch.device("cpu")) for _ in range(repeats)]
+    validate = [timed(lambda: history_fingerprint(ha, n), torch.device("cpu")) for _ in range(repeats)]
     return {"device_hit": hits, "store_overhead": overhead, "validate": validate}
 
 
@@ -404,7 +278,7 @@ async def _disk(
 
 def _host_copy(pa: PrefixKV, repeats: int) -> list[float]:
     """A single-threaded copy of every tensor of the prefix: what moving its bytes costs."""
-    return _one_thread(lambda: [_timed(lambda: _clone(pa, pa.device), pa.device) for _ in range(repeats)])  # type: ignore[return-value]
+    return one_thread(lambda: [timed(lambda: _clone(pa, pa.device), pa.device) for _ in range(repeats)])  # type: ignore[return-value]
 
 
 async def _measure_length(

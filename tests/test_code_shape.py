@@ -1,7 +1,7 @@
 """The code keeps its shape: no module of the program over MAX_MODULE_LINES lines; no function over
 MAX_FUNCTION_LINES lines, from its ``def`` line to its last line, in any folder of the program; no
-module that reaches into the private members (``x._name``) of another module's classes; no import
-cycle, whether the imports sit at the top, inside functions or under ``TYPE_CHECKING``. A failure
+module that reaches into the private members (``x._name``) of another module's classes or imports
+another module's underscore names (``from x import _name``); no import cycle, whether the imports sit at the top, inside functions or under ``TYPE_CHECKING``. A failure
 names every offender."""
 
 from __future__ import annotations
@@ -29,6 +29,15 @@ ALLOWED_REACHES: dict[str, str] = {
     "infra/kafka.py:_metadata_update": "aiokafka's metadata update, made to wait out its backoff",
     "workers/store/kv_formats.py:_base": "torch's base tensor of a view: views of one buffer, back to back",
     "workers/model/inference_state.py:_version": "torch's version counter of a parameter: weights changed",
+}
+
+# Underscore names imported from another module ("path:module:name"), each with its reason.
+ALLOWED_PRIVATE_IMPORTS: dict[str, str] = {
+    # quality.py's progress printer, shared with the training loop; workers/training/ is being
+    # rewritten elsewhere, where it becomes a public name of the module both import.
+    "workers/training/fit.py:relaygr.workers.training.quality:_log": "training's log line, shared",
+    # Outside the project: a library's class that it keeps in a private module, with no public path.
+    "bench/launches.py:torch.utils._python_dispatch:TorchDispatchMode": "torch's dispatch mode",
 }
 
 # Import cycles (their modules, sorted), each with its reason.
@@ -167,6 +176,65 @@ def test_allowed_reaches_still_exist() -> None:
         rel, name = key.split(":")
         names = {expr.rpartition(".")[2] for _, expr in private_reaches((ROOT / rel).read_text())}
         assert name in names, f"{key} no longer reaches: remove it from the list"
+
+
+# ---------------------------------------------------------------------- imports of underscore names
+
+
+def private_imports(source: str) -> list[tuple[int, str, str]]:
+    """(line, module, name) of every ``from module import _name`` and every ``import a._b``: a name
+    another module keeps to itself (``from __future__`` and dunder names aside)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module != "__future__":
+            module = "." * node.level + (node.module or "")
+            hidden_module = any(_private(part) for part in module.split("."))
+            found += [(node.lineno, module, a.name) for a in node.names if hidden_module or _private(a.name)]
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if any(_private(part) for part in alias.name.split(".")):
+                    head, _, last = alias.name.rpartition(".")
+                    found.append((node.lineno, head, last))
+    return found
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def test_no_module_imports_another_modules_underscore_names() -> None:
+    imports: dict[str, list[str]] = {}
+    for path in program_files():
+        rel = path.relative_to(ROOT).as_posix()
+        for line, module, name in private_imports(path.read_text()):
+            if f"{rel}:{module}:{name}" not in ALLOWED_PRIVATE_IMPORTS:
+                imports.setdefault(rel, []).append(f"{line}: from {module} import {name}")
+    assert not imports, f"imports of another module's underscore names: {imports}"
+
+
+def test_the_private_import_check_sees_one() -> None:
+    source = (
+        "from __future__ import annotations\n"
+        "from a.b import public, _private, __version__\n"
+        "from . import _sibling\n"
+        "import os._hidden\n"
+        "from torch._inner import Public\n"
+        "def f():\n    from x import _late\n"
+    )
+    assert sorted(private_imports(source)) == [
+        (2, "a.b", "_private"),
+        (3, ".", "_sibling"),
+        (4, "os", "_hidden"),
+        (5, "torch._inner", "Public"),
+        (7, "x", "_late"),
+    ]
+
+
+def test_allowed_private_imports_still_exist() -> None:
+    for key in ALLOWED_PRIVATE_IMPORTS:
+        rel, module, name = key.split(":")
+        found = {(m, n) for _, m, n in private_imports((ROOT / rel).read_text())}
+        assert (module, name) in found, f"{key} is no longer imported: remove it from the list"
 
 
 # ---------------------------------------------------------------------- import cycles

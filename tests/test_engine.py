@@ -154,7 +154,7 @@ async def test_a_waiting_request_lends_its_priority_to_the_prefix_it_waits_for(m
     assert res.path == "relay_waited" and res.prefix_len == 590
     assert done.index("u") < 3, done  # not behind every full ranking queued before it
     torch.testing.assert_close(res.scores, model.rank_full(h, cands, 2e9), rtol=1e-5, atol=1e-5)
-    assert not e._urgent  # the loan ends with the pre-inference
+    assert not e.preinference._urgent  # the loan ends with the pre-inference
     e.scheduler.close()
 
 
@@ -179,7 +179,7 @@ async def test_expedite_prefill_moves_a_pre_inference_ahead_of_queued_rankings(m
     e.expedite_prefill("u", time.time() + 30)
     await asyncio.gather(pre, *others)
     assert done.index("u") < 3, done
-    assert not e._urgent
+    assert not e.preinference._urgent
     e.scheduler.close()
 
 

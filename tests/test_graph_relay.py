@@ -1,7 +1,8 @@
-"""Bucketed relay rankings over a paged device prefix pool (``graph_runner``, ``prefix_pool``): the
-same scores as the eager relay path and as full ranking, padding included; the pool's admission,
-eviction and refusals; and the captured forward's guarantees (the same buffers every run, no
-transfer, an operation count independent of the prefix length), checked on the CPU twin."""
+"""Bucketed relay rankings over a paged device prefix pool (``graph_relay``, ``graph_runner``,
+``prefix_pool``): the same scores as the eager relay path and as full ranking, padding included;
+the pool's admission, eviction and refusals; and the captured forward's guarantees (the same
+buffers every run, no transfer, an operation count independent of the prefix length), checked on
+the CPU twin."""
 
 from __future__ import annotations
 
@@ -21,10 +22,10 @@ from hypothesis import strategies as st
 from test_model_relay import NUM_ITEMS, history  # histories with unknown ids, 40 items
 
 from relaygr.bench.launches import count_graphed, on_meta
+from relaygr.workers.model.graph_relay import GraphRelay
 from relaygr.workers.model.graph_runner import (
     INDEX_BYTES_PER_KEY,
     BucketRunner,
-    GraphRelay,
     RelayBucket,
     bucket_for,
     grid_buckets,
@@ -397,7 +398,7 @@ def test_a_failed_capture_is_reported_once_and_every_bucket_runs_eagerly(monkeyp
     monkeypatch.setattr(BucketRunner, "capture", broken)
     model.graph_relay = relay
     try:
-        with caplog.at_level(logging.WARNING, logger="relaygr.workers.model.graph_runner"):
+        with caplog.at_level(logging.WARNING, logger="relaygr.workers.model.graph_relay"):
             first = _requests(model, [(20, 12, 4), (30, 5, 9)], seed=8)
             other = _requests(model, [(90, 10, 3)], seed=9)  # another bucket: no second capture
             got_first, got_other = model.rank_users(first), model.rank_users(other)

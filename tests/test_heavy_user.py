@@ -291,7 +291,7 @@ async def test_a_ranking_that_gives_up_waiting_is_not_queued_behind_its_prefill(
     await pre
     assert res.path in ("full", "full_truncated")
     assert done == ["rank", "prefill"]
-    assert not e._urgent and not e._waiters  # the loan was returned
+    assert not e.preinference._urgent and not e.preinference._waiters  # the loan was returned
     e.scheduler.close()
 
 

@@ -1,4 +1,4 @@
-"""The ranking worker's behaviour applier (``streams.history_applier``) on a real history table:
+"""The ranking worker's behaviour applier (``streams.ranking.history_applier``) on a real history table:
 slices, progress records and their forward rate, dead letters, the device told of bursts, giving
 way to rankings, and the catch-up of an assigned partition."""
 

@@ -1,4 +1,4 @@
-"""The rank handler (``streams.rank_handler``) without Kafka: where a request meets its prefill
+"""The rank handler (``streams.ranking.rank_handler``) without Kafka: where a request meets its prefill
 signal, the one policy for waiting on a pre-inference, and what a request waits for before the
 engine ranks it. The engine is stubbed here: its paths are tested in test_engine/test_heavy_user."""
 

@@ -17,7 +17,7 @@ Primitives:
 - ``publish_trace(settings, topics, trace)``: create the topics and write the trace.
 - ``load_trace(settings, topics, start=...)``: a trace back from its topics
   (``infra.topic_reader``).
-- ``log_as_dataset(log, name)``: an interaction log (``workers.interactions``) in the form
+- ``log_as_dataset(log, name)``: an interaction log (``workers.training.interactions``) in the form
   ``build_trace`` reads, its items named by their raw ids again (integers or strings).
 - CLI: ``relaygr trace build (--dataset ml-100k | --interactions PATH [column flags])
   [--topic NAME] [--min-prior N] [--synth-len L]``.

@@ -6,7 +6,7 @@ Primitives:
   beginning, or a time) up to its end when reading starts, as rows, with the records that did not
   decode counted as bad rows.
 - ``add_arguments`` / ``run``: ``relaygr.workers.training.train``'s flags plus ``--preset`` (a named model
-  shape, ``workers.presets``; explicit ``--layers`` / ``--heads`` / ``--dim`` / ``--max-seq-len``
+  shape, ``workers.model.presets``; explicit ``--layers`` / ``--heads`` / ``--dim`` / ``--max-seq-len``
   win), ``--from-topic`` and ``--from-timestamp``; without ``--from-topic`` it is
   ``relaygr.workers.training.train.run`` on the resolved shape.
 
@@ -59,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         + " (default: small's layers and serving cap, width and heads sized from the log; --layers, "
         "--heads, --dim, --max-seq-len given explicitly win)",
     )
-    # None = not given: the preset decides (workers.train's own defaults are the small preset).
+    # None = not given: the preset decides (workers.training.train's own defaults are the small preset).
     parser.set_defaults(**dict.fromkeys(SHAPE_FIELDS))
     topic = parser.add_argument_group("training from the cascade's behaviours topic")
     topic.add_argument(
@@ -81,7 +81,7 @@ def apply_preset(args: argparse.Namespace) -> argparse.Namespace:
     given = {k: getattr(args, k, None) for k in SHAPE_FIELDS}
     if args.preset is None:
         # No preset: the small one's depth and serving cap; width and heads stay for training to
-        # size from the log (``workers.sizing``) unless given.
+        # size from the log (``workers.training.sizing``) unless given.
         small = PRESETS["small"].shape()
         return argparse.Namespace(
             **{**vars(args), **{k: small[k] for k in ("layers", "max_seq_len") if given[k] is None}}

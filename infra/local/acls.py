@@ -13,7 +13,7 @@ Primitives:
   - ``results-consumer``: read ``results``, in consumer groups named ``<results topic>.<anything>``.
 - ``create_acls(client, bindings)`` / ``describe_acls(client, user)``: on the broker, through a
   started admin client signed in as an admin (a super user, or one allowed to ALTER the cluster).
-  (The command line, ``relaygr acl``, is ``infra.acls_cli``.)
+  (The command line, ``relaygr acl``, is ``infra.local.acls_cli``.)
 
 aiokafka's admin client has no ACL calls, so the requests are aiokafka's own protocol structs
 (CreateAcls v1+, DescribeAcls v1+: the versions that know prefixed patterns), sent through it.

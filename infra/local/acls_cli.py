@@ -1,4 +1,4 @@
-"""``relaygr acl``: show, grant or list the Kafka ACLs of RelayGR's access roles (``infra.acls``).
+"""``relaygr acl``: show, grant or list the Kafka ACLs of RelayGR's access roles (``infra.local.acls``).
 
 Primitives: ``add_arguments(parser)``, ``run(args)``.
 """

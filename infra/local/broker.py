@@ -24,6 +24,11 @@ client sign-in: ``ensure_jars``, ``replication_for``, ``BrokerState``, ``read_st
 Secrets of the secure broker (passwords, the keystore) live in files of mode 0600 inside its data
 directory, never on a command line: the JVM reads the storage tool's arguments from an argument
 file that is deleted right after, and the broker reads its JAAS settings from server.properties.
+
+One job in one module: the broker's processes. Starting (one node, a cluster, or reviving one),
+waiting until they serve, restarting, killing and starting one node, and stopping them all share
+the launch, the readiness wait and the termination below; what a broker is made of is
+``broker_files``, its certificate ``tls``, its access roles ``acls``.
 """
 
 from __future__ import annotations

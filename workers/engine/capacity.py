@@ -25,7 +25,7 @@ The models behind the figures, stated so that they can be checked:
 - Bytes: the device tier holds the model's dtype (``kv_formats.token_bytes(..., "exact")`` per
   event, as ``PrefixKV.nbytes``), the host tier the cold format, the disk tier the cold format
   plus the blob's overhead.
-- Device time (the latency model's own arithmetic, as ``workers.pacing`` plans with it): a
+- Device time (the latency model's own arithmetic, as ``workers.engine.pacing`` plans with it): a
   pre-inference of p events costs ``(predict(p) - predict(0)) × prefill_pace``; a relay ranking
   of s new events and C candidates against p cached ones ``(predict(p + s + C) - predict(p)) ×
   relay_pace``; a full ranking of n events ``predict(n)``. The paces are measured by calibration

@@ -26,6 +26,12 @@ softmax, so a user's keys can be split across programs and their partial sums si
 is the split-K path, taken when the grid alone would leave multiprocessors idle (a relay ranking:
 few queries, many keys). Each user's keys are split by its own key count, so that a batch sized
 for a larger capacity than its users fill still keeps every split busy.
+
+One job in one module: the kernel and its launch. The jitted helpers are the kernel's body, and
+``KernelConfig``, ``choose_config`` and ``kernel_constants`` are the compile-time constants that
+body is written for (block sizes, key splits, heads per program), so a change to either is a
+change to both. The batch's layout is ``batch``, its per-batch frames ``frames``, the entry point
+that picks this kernel ``interface``.
 """
 
 from __future__ import annotations

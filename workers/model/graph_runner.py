@@ -3,10 +3,10 @@ replayed for any users; elsewhere (CPU, NPU, a failed capture) run eagerly on th
 
 A bucket fixes every shape of the forward: users ``B``, suffix events ``S`` and candidates ``C``
 per user; the prefix capacity ``P`` blocks per user is one for all the buckets of a
-``GraphRelay`` (the model's longest history, at most the pool, in whole blocks): a capacity no user
+``graph_relay.GraphRelay`` (the model's longest history, at most the pool, in whole blocks): a capacity no user
 fills costs index slots (48 bytes a key slot), never a key read or computed, so buckets have no
 prefix dimension and every one the worker uses is built, and captured, before it takes traffic
-(``GraphRelay.warm_up``). Each user owns a fixed stretch of rows: ``S`` event
+(``graph_relay.GraphRelay.warm_up``). Each user owns a fixed stretch of rows: ``S`` event
 rows (its events, then padding) and ``C`` candidate rows. Its keys are read in place from a
 ``PagedPrefixPool`` through a row index (``JaggedBatch.k_rows``): its real cached tokens, then its
 own ``S + C`` rows, the users packed one after another by offsets computed from the loaded prefix
@@ -27,17 +27,14 @@ Primitives:
   Its new tokens' keys and values go to pool rows (the ones all buckets share, or its own where it
   is larger), so that the attention reads every user's prefix and new keys in place, through one
   row index.
-- ``GraphRelay``: the policy: which prefixes enter the pool, which bucket a call takes, one runner
-  per bucket (captured when ``capture``), and ``None`` (the caller's eager path) for what fits no
-  bucket, no prefix capacity or no pool; ``warm_up()`` builds (captures) every bucket first.
+
+This module is one bucket's forward; which prefixes enter the pool, which bucket a call takes and
+which runners are kept is the policy of ``graph_relay.GraphRelay``.
 """
 
 from __future__ import annotations
 
 import itertools
-import logging
-import time
-from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass
 
@@ -48,25 +45,19 @@ import torch.nn.functional as F
 from relaygr.workers.kernels import JaggedBatch
 from relaygr.workers.model.inference import LayerPass, RelayInference
 from relaygr.workers.model.inference_state import Serving
-from relaygr.workers.model.jagged import UserSlot, host_ids
-from relaygr.workers.model.prefix_pool import PagedPrefixPool, PageTable, PoolFull
-from relaygr.workers.prefix_kv import Events, PrefixKV
-
-log = logging.getLogger(__name__)
+from relaygr.workers.model.jagged import host_ids
+from relaygr.workers.model.prefix_pool import PagedPrefixPool, PageTable
+from relaygr.workers.prefix_kv import Events
 
 BUCKET_USERS = (1, 2, 4, 8, 16)
 BUCKET_SUFFIX = (16, 64, 256)
 BUCKET_CANDIDATES = (32, 128, 512)
 DEFAULT_BLOCK_TOKENS = 256
-DEFAULT_POOL_TOKENS = 1 << 18
-DEFAULT_MAX_BUCKETS = 8
 NewKV = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 NEW_ROWS = BUCKET_USERS[-1] * (BUCKET_SUFFIX[-1] + BUCKET_CANDIDATES[-1])
 """The rows the grid's largest bucket's new tokens take: what the buckets' shared rows hold."""
-NEW_ROWS_KEY = ("new-rows",)
-"""The pool reservation that every bucket's new tokens share (``GraphRelay``)."""
 INDEX_BYTES_PER_KEY = 48
 """A bucket's index buffers per key slot: pool row and position (16 bytes), timestamp (8), and
 per user's slot its row and position (16) and where it goes (8)."""
@@ -362,206 +353,3 @@ class BucketRunner(LayerPass):
             b = a + len(user.events)
             out.append((scores[u, : len(user.candidates)], [(k[a:b], v[a:b]) for k, v in kv]))
         return out
-
-
-class GraphRelay:
-    """Bucketed relay rankings over a paged prefix pool (see the module docstring)."""
-
-    def __init__(
-        self,
-        model: RelayInference,
-        *,
-        pool_tokens: int = DEFAULT_POOL_TOKENS,
-        block_tokens: int = DEFAULT_BLOCK_TOKENS,
-        capture: bool | None = None,
-        max_buckets: int = DEFAULT_MAX_BUCKETS,
-        prefix_tokens: int | None = None,
-    ) -> None:
-        cfg, device = model.config, model.device
-        if pool_tokens < block_tokens or max_buckets < 1:
-            raise ValueError(
-                f"pool_tokens ({pool_tokens}) must hold a block ({block_tokens}); max_buckets >= 1"
-            )
-        self.pool = PagedPrefixPool(
-            cfg.layers, cfg.heads, cfg.attn_dim, cfg.linear_dim, block_tokens,
-            pool_tokens // block_tokens + 1, model.dtype, device,
-        )  # fmt: skip
-        self.capture = device.type == "cuda" if capture is None else capture
-        if self.capture and device.type != "cuda":
-            raise ValueError(f"CUDA graphs need a CUDA model, this one is on {device}")
-        self.model, self.max_buckets = model, max_buckets
-        # Every bucket's prefix capacity per user: the longest history the model serves (or
-        # ``prefix_tokens``), at most the pool, in whole blocks.
-        longest = min(cfg.max_seq_len if prefix_tokens is None else prefix_tokens, self.pool.capacity_tokens)
-        self.prefix_blocks = max(1, -(-longest // block_tokens))
-        # The new tokens' rows of whichever bucket runs, shared by all the buckets: one forward
-        # runs at a time (on the device thread) and its results are copied out before the next
-        # one writes there. The grid's largest bucket's rows, at most what the pool holds beyond
-        # one longest prefix; a bucket larger than that reserves rows of its own.
-        spare = self.pool.capacity_tokens - self.prefix_blocks * block_tokens
-        shared = min(-(-NEW_ROWS // block_tokens) * block_tokens, spare // block_tokens * block_tokens)
-        self.new_rows = self.pool.reserve(NEW_ROWS_KEY, shared) if shared > 0 else None
-        self.runners: OrderedDict[RelayBucket, BucketRunner] = OrderedDict()
-        self.warmed: dict[str, object] | None = None
-        self.graph_error: str | None = None
-        self.ranked = self.fallbacks = 0
-        self._weights: tuple | None = None
-        self._mempool = torch.cuda.graph_pool_handle() if self.capture else None
-
-    def replays(self, suffix: int, candidates: int, prefix_tokens: int) -> bool:
-        """Whether one user's relay ranking of this shape is a graph replay: captured buckets (CUDA)
-        and a bucket and pool that hold it. Such a ranking is one launch of a few milliseconds at
-        most: slicing it (``pacing.slice_relay``) would only run it eagerly, a layer a slice."""
-        bt = self.pool.block_tokens
-        return (
-            self.capture
-            and self.graph_error is None
-            and bucket_for(1, suffix, candidates) is not None
-            and prefix_tokens <= self.prefix_blocks * bt
-            and -(-prefix_tokens // bt) * bt + self._reserved(bucket_for(1, suffix, candidates))
-            <= self.pool.capacity_tokens
-        )
-
-    def _shared_rows(self) -> int:
-        return 0 if self.new_rows is None else self.new_rows.length
-
-    def _own_rows(self, bucket: RelayBucket) -> int:
-        """Pool rows ``bucket`` reserves for itself: none where the shared rows hold its rows."""
-        bt = self.pool.block_tokens
-        return 0 if bucket.rows <= self._shared_rows() else -(-bucket.rows // bt) * bt
-
-    def _reserved(self, bucket: RelayBucket | None) -> int:
-        """Pool rows held for new tokens while ``bucket`` runs: the shared ones and its own."""
-        return self._shared_rows() + (0 if bucket is None else self._own_rows(bucket))
-
-    def bucket_of(self, slots: list[UserSlot]) -> RelayBucket | None:
-        if any(s.reads is not None for s in slots):
-            return None
-        if max(s.cached for s in slots) > self.prefix_blocks * self.pool.block_tokens:
-            return None
-        return bucket_for(
-            len(slots), max(len(s.events) for s in slots), max(len(s.candidates) for s in slots)
-        )
-
-    def rank(
-        self, model: RelayInference, sv: Serving, slots: list[UserSlot], keep_kv: bool = True
-    ) -> list[tuple[torch.Tensor, NewKV]] | None:
-        """Per slot, its scores and its events' keys and values, in one bucketed forward; ``None``
-        when the slots fit no bucket or their prefixes no pool (the caller's eager path)."""
-        bucket = self.bucket_of(slots) if slots else None
-        if bucket is None:
-            self.fallbacks += 1
-            return None
-        keys = [_pool_key(s.prefix) for s in slots]
-        once = {
-            k for k, s in zip(keys, slots, strict=True) if s.prefix is not None and not s.prefix.fingerprint
-        }
-        try:
-            with self.pool.pinned(keys):
-                users = []
-                for key, s in zip(keys, slots, strict=True):
-                    table = PageTable(0, (), self.pool.block_tokens)
-                    if s.prefix is not None:
-                        table = self.pool.admit(key, s.prefix)
-                    users.append(GraphUser(table, s.events, s.candidates, s.request_ts))
-                runner = self._runner(model, sv, bucket)
-                runner.load(users)
-                runner.run()
-                out = runner.results(users, keep_kv)
-        except (PoolFull, ValueError) as e:
-            log.debug("relay ranking outside the graphed path: %s", e)
-            self.fallbacks += 1
-            return None
-        finally:
-            for k in once:
-                self.pool.release(k)
-        self.ranked += 1
-        return out
-
-    def _runner(self, model: RelayInference, sv: Serving, bucket: RelayBucket) -> BucketRunner:
-        if sv.key != self._weights:  # new weights: graphs hold the old ones' addresses
-            while self.runners:
-                self.runners.popitem()[1].close()
-            self._weights = sv.key
-        runner = self.runners.get(bucket)
-        if runner is not None:
-            self.runners.move_to_end(bucket)
-            return runner
-        while len(self.runners) >= self.max_buckets:
-            self.runners.popitem(last=False)[1].close()
-        runner = BucketRunner(model, sv, self.pool, bucket, self.prefix_blocks, self.new_rows)
-        if self.capture:
-            try:
-                runner.capture(self._mempool)
-            except Exception as e:  # the eager forward on the same buffers still serves
-                self.graph_error = f"{type(e).__name__}: {e}"
-                log.warning("CUDA graph capture failed, relay rankings run eagerly: %s", self.graph_error)
-                self.capture = False
-                runner.graph = None
-        self.runners[bucket] = runner
-        return runner
-
-    def warm_up(
-        self,
-        users: int = BUCKET_USERS[-1],
-        suffix: int = BUCKET_SUFFIX[-1],
-        candidates: int = BUCKET_CANDIDATES[-1],
-    ) -> dict[str, object]:
-        """Builds every bucket up to these maxima (``grid_buckets``) before traffic, fewest rows
-        first, each captured (CUDA) or run once eagerly, so that no ranking pays for building its
-        bucket. Buckets share one reservation of rows for their new tokens; a bucket larger than
-        it, whose own rows would bring the reservations over half the pool, is left to be built on
-        demand (the rest is for prefixes). Returns (and logs) what it built:
-        buckets, those left, seconds, index and pool bytes, and on CUDA the device memory taken."""
-        started, device = time.perf_counter(), self.pool.device
-        before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-        sv = self.model.serving()
-        wanted = grid_buckets(users, suffix, candidates)
-        self.max_buckets = max(self.max_buckets, len(self.runners) + len(wanted))
-        reserved = self._shared_rows() + sum(self._own_rows(r.bucket) for r in self.runners.values())
-        built, left = [], []
-        for bucket in wanted:
-            rows = self._own_rows(bucket)
-            if bucket not in self.runners and rows and reserved + rows > self.pool.capacity_tokens // 2:
-                left.append(bucket)
-                continue
-            reserved += 0 if bucket in self.runners else rows
-            runner = self._runner(self.model, sv, bucket)
-            if runner.graph is None:
-                runner.forward()  # the eager twin: its one-off costs paid here
-            built.append(runner)
-        row_bytes = sum(t[:, 0].nbytes for t in self.pool.layer_stores()) + 8  # a row of every layer
-        self.warmed = {
-            "buckets": len(built),
-            "left_to_demand": len(left),
-            "captured": self.capture,
-            "seconds": round(time.perf_counter() - started, 3),
-            "index_bytes": sum(r.capacity * INDEX_BYTES_PER_KEY for r in built),
-            "pool_rows_reserved": reserved,
-            "pool_bytes_reserved": reserved * row_bytes,
-            "device_bytes": torch.cuda.memory_allocated(device) - before if device.type == "cuda" else None,
-        }
-        log.info("relay buckets warmed up: %s", self.warmed)
-        return self.warmed
-
-    def counters(self) -> dict[str, object]:
-        return {
-            "graphed_rankings": self.ranked,
-            "fallbacks": self.fallbacks,
-            "buckets": [list(b.__dict__.values()) for b in self.runners],
-            "prefix_capacity": self.prefix_blocks * self.pool.block_tokens,
-            "warm_up": self.warmed,
-            "captured": self.capture,
-            "graph_error": self.graph_error,
-            **{f"pool_{k}": v for k, v in self.pool.counters().items()},
-        }
-
-
-def _pool_key(prefix: PrefixKV | None) -> Hashable:
-    """A prefix's key in the pool: its model, history fingerprint and length (the same for every
-    copy of it); a prefix without a fingerprint is admitted for one call only."""
-    if prefix is None:
-        return None
-    if not prefix.fingerprint:
-        return ("once", id(prefix))
-    return (prefix.model_version, prefix.fingerprint, prefix.length)

@@ -13,7 +13,7 @@ Primitives (methods of ``HSTURanker``, through ``RelayInference``; all under
 - ``UserRanking``: one user's request to ``rank_users``.
 - ``graph_relay``: when set (``HSTURanker.use_graph_relay``), ``rank``, ``rank_and_extend`` and
   ``rank_users`` run as a bucketed static forward over a paged device prefix pool
-  (``graph_runner.GraphRelay``: a CUDA graph's replay on CUDA), falling back to the forward below
+  (``graph_relay.GraphRelay``: a CUDA graph's replay on CUDA), falling back to the forward below
   for what fits no bucket; ``LayerPass`` is the per-layer forward both run; ``serving()`` what
   it reads of the weights.
 
@@ -41,7 +41,7 @@ from relaygr.workers.prefix_kv import Events, PrefixKV, history_fingerprint
 
 
 class GraphedRelay(Protocol):
-    """What the relay paths call when bucketed rankings are on (``graph_runner.GraphRelay``)."""
+    """What the relay paths call when bucketed rankings are on (``graph_relay.GraphRelay``)."""
 
     def rank(
         self, model: RelayInference, sv: Serving, slots: list[UserSlot], keep_kv: bool = True
@@ -166,7 +166,7 @@ class RelayInference:
     def _init_inference(self) -> None:
         self._params = list(self.parameters())
         self._serving_cache: Serving | None = None
-        # Bucketed relay rankings over a paged prefix pool (``graph_runner.GraphRelay``), when on.
+        # Bucketed relay rankings over a paged prefix pool (``graph_relay.GraphRelay``), when on.
         self.graph_relay: GraphedRelay | None = None
 
     def _serving(self) -> Serving:

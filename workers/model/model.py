@@ -18,7 +18,7 @@ Primitives:
   attention interface ``kernels.hstu_mha``); the dense path that training
   differentiates, and the oracle of serving, in ``dense``. Here: the modules, ``model_version``,
   ``item_embeddings``, ``flops`` (what one call computes), ``use_graph_relay`` (relay rankings
-  replayed from CUDA graphs over a paged prefix pool, ``graph_runner``) and the checkpoint,
+  replayed from CUDA graphs over a paged prefix pool, ``graph_relay``) and the checkpoint,
   ``save`` / ``load``.
 
 Relay exactness: every history token's keys and values depend only on the tokens before it
@@ -46,7 +46,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from relaygr.workers.model.devices import resolve_device, resolve_dtype
-from relaygr.workers.model.graph_runner import DEFAULT_BLOCK_TOKENS, DEFAULT_POOL_TOKENS, GraphRelay
+from relaygr.workers.model.graph_relay import DEFAULT_POOL_TOKENS, GraphRelay
+from relaygr.workers.model.graph_runner import DEFAULT_BLOCK_TOKENS
 from relaygr.workers.model.hstu_attention import is_bucket_boundary
 from relaygr.workers.model.inference import RelayInference
 from relaygr.workers.model.vocab import ItemVocab
@@ -251,7 +252,7 @@ class HSTURanker(RelayInference, nn.Module):
         prefix_tokens: int | None = None,
     ) -> GraphRelay | None:
         """Relay rankings (``rank``, ``rank_and_extend``, ``rank_users``) in bucketed static
-        forwards over a paged device pool of ``pool_tokens`` cached tokens (``graph_runner``),
+        forwards over a paged device pool of ``pool_tokens`` cached tokens (``graph_relay``),
         captured as CUDA graphs when ``capture`` (default: on CUDA); what fits no bucket runs the
         eager path. ``enabled`` None: on for a CUDA model, off elsewhere; False turns it off.
         ``prefix_tokens``: the buckets' prefix capacity per user (default ``max_seq_len``)."""

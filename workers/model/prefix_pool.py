@@ -18,7 +18,7 @@ Primitives:
   ``lookup(key)``, ``release(key)``, ``pinned(keys)``, ``counters()``.
 
 The pool is a data structure only: which prefixes to admit, and when, is its caller's policy
-(``graph_runner.GraphRelay``).
+(``graph_relay.GraphRelay``).
 """
 
 from __future__ import annotations

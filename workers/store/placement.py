@@ -1,39 +1,39 @@
 """The prefix store's placement core: which tier holds each user's prefix, decided synchronously.
 
 Primitives:
-- ``PrefixPlacement(config, model_version, device=, clock=, on_host=, tier_choice=)``: one entry
-  per key ``(user_id, model_version)`` in at most one memory tier (device or host) plus, optionally,
-  a copy on disk (``tiers.DiskTier`` and its write-back queue, ``disk_writer``). Every method takes
-  ``lock`` (reentrant) and returns without waiting for anything but the lock; no asyncio here.
-  - ``lease(user_id, ttl_s, expected_bytes) -> LeaseResult`` / ``release(user_id)`` /
-    ``expire(now)``: pins and their device-byte reservations.
-  - ``put(user_id, prefix, keep_longer=False) -> tier`` and ``put_computed(user_id, prefix,
-    history)``: place a prefix in the highest tier that takes it.
-  - ``plan(key, history) -> Plan``: what a lookup must do (done on the device, copy from host or
-    from a pending disk write, read the disk, or miss), dropping entries whose history changed.
-  - ``promoted(key, plan, moved)`` / ``loaded(key, prefix)`` / ``corrupt(key, seq)``: the
-    outcome of the copy or read a plan asked for.
+- ``PrefixPlacement(config, model_version, device=, clock=, on_host=, tier_choice=)``: one entry per key
+  ``(user_id, model_version)`` in at most one memory tier (device or host) plus, optionally, a copy on
+  disk (``tiers.DiskTier`` and its write-back queue, ``disk_writer``). Every method takes ``lock``
+  (reentrant) and returns without waiting for anything but the lock; no asyncio here.
+  - ``lease(user_id, ttl_s, expected_bytes) -> LeaseResult`` / ``release(user_id)`` / ``expire(now)``:
+    pins and their device-byte reservations.
+  - ``put(user_id, prefix, keep_longer=False) -> tier`` and ``put_computed(user_id, prefix, history)``:
+    place a prefix in the highest tier that takes it.
+  - ``plan(key, history) -> Plan``: what a lookup must do (done on the device, copy from host or from a
+    pending disk write, read the disk, or miss), dropping entries whose history changed.
+  - ``promoted(key, plan, moved)`` / ``loaded(key, prefix)`` / ``corrupt(key, seq)``: the outcome of the
+    copy or read a plan asked for.
   - ``forget(user_ids)``, ``cached_length``, ``where``, ``metrics``, ``layout``, ``persist_unwritten``.
 - ``Entry``, ``Plan``: its records (``LeaseResult``: ``leases``').
 
-The device tier holds prefixes as computed, host and disk in the cold format (``kv_formats``);
-every tier's byte counts (budgets, room-making, metrics) are the bytes it stores.
+The device tier holds prefixes as computed, host and disk in the cold format (``kv_formats``); every
+tier's byte counts (budgets, room-making, metrics) are the bytes it stores.
 
-Placement and eviction policy (LRU per tier, pins respected): an entry goes to the highest tier
-whose budget can take it; a tier the tier choice (``tier_costs``) predicts slower than recomputing
-serves no lookup and (disk) takes no write. Making room on the device demotes the least recently used *unpinned*
-device entry to host; making room on host demotes the least recently used *unleased* host entry
-to disk (an asynchronous write, skipped when the disk already holds that exact prefix); the disk
-tier deletes its own least recently used entries. Any use promotes an entry back to the device.
+Placement and eviction policy (LRU per tier, pins respected): an entry goes to the highest tier whose
+budget can take it; a tier the tier choice (``tier_costs``) predicts slower than recomputing serves no
+lookup and (disk) takes no write. Making room on the device demotes the least recently used *unpinned*
+device entry to host; making room on host demotes the least recently used *unleased* host entry to disk
+(an asynchronous write, skipped when the disk already holds that exact prefix); the disk tier deletes
+its own least recently used entries. Any use promotes an entry back to the device.
 
-Leases reserve ``max(expected_bytes, resident bytes)`` of the device budget; the sum of
-reservations never exceeds it, and unpinned device entries only use what reservations leave, so
-a leased prefix always has room when it arrives.
+Leases reserve ``max(expected_bytes, resident bytes)`` of the device budget; the sum of reservations
+never exceeds it, and unpinned device entries only use what reservations leave, so a leased prefix
+always has room when it arrives.
 
-An entry placed on host is handed to ``on_host(key, entry)``: the orchestration moves its tensors
-off the device on its copy thread (until then the entry keeps them, and a promotion back needs no
-copy). Placing on the device moves a prefix that lives elsewhere (``PrefixKV.to``).
-"""
+An entry placed on host is handed to ``on_host(key, entry)``: the orchestration moves its tensors off
+the device on its copy thread (until then the entry keeps them, and a promotion back needs no copy).
+Placing on the device moves a prefix that lives elsewhere (``PrefixKV.to``).
+One job: every method keeps these invariants over the same entries and tiers, under one lock."""
 
 from __future__ import annotations
 
