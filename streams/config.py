@@ -287,14 +287,14 @@ class PipelineSettings(BaseSettings):
     cpu_cores: str | None = Field(
         default=None,
         description="Cores every thread of this stage process runs on, e.g. '0' or '0-2' (the "
-        "launcher's core layout, ``workers.cores``); None = wherever the OS puts them.",
+        "launcher's core layout, ``workers.engine.cores``); None = wherever the OS puts them.",
     )
     cpu_nice: int = Field(
         default=0,
         ge=0,
         le=19,
         description="Nice level this stage process sets for itself at start (every thread inherits "
-        "it); the local launcher gives the non-ranking stages ``workers.cores.STAGE_NICE`` when "
+        "it); the local launcher gives the non-ranking stages ``workers.engine.cores.STAGE_NICE`` when "
         "they share cores with ranking workers.",
     )
     device_core: int | None = Field(

@@ -46,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def place_this_process(pipeline) -> None:
-    """The launcher's core layout for this stage (``workers.cores``): its nice level and its
+    """The launcher's core layout for this stage (``workers.engine.cores``): its nice level and its
     cores, set before any thread starts, so that every thread inherits them (the ranking worker's
     device thread re-pins itself)."""
     if pipeline.cpu_nice:

@@ -32,24 +32,6 @@ DOTTED_RE = re.compile(r"(?<![\w.])((?:relaygr\.)?(?:\w+)(?:\.\w+)+)")
 _WORKER = "streams/ranking/ranking_worker.py"
 _REWRITE = "the ranking worker's modules are being rewritten into one owner per state"
 ALLOWED_STALE: dict[str, str] = {
-    f"{_WORKER}:streams.rank_rebalance": _REWRITE,
-    f"{_WORKER}:streams.rank_handler.RankHandler": _REWRITE,
-    f"{_WORKER}:streams.history_applier.BehaviourApplier": _REWRITE,
-    f"{_WORKER}:streams.standby": _REWRITE,
-    f"{_WORKER}:streams.worker_files": _REWRITE,
-    f"{_WORKER}:streams.worker_port.WorkerPort": _REWRITE,
-    f"{_WORKER}:workers.cores": _REWRITE,
-    "streams/ranking/standby.py:workers.tiers.DiskSnapshot": _REWRITE,
-    "streams/ranking/standby.py:workers.prefix_adoption": _REWRITE,
-    "streams/ranking/worker_port.py:streams.ranking_worker.RankingWorker": _REWRITE,
-    "streams/ranking/worker_port.py:streams.standby": _REWRITE,
-    "streams/ranking/worker_port.py:streams.rank_rebalance": _REWRITE,
-    "streams/stage_cli.py:workers.cores": "the stages' shared modules are being rewritten with the worker",
-    "docs/configuration.md:workers.cores": "generated from streams/config.py, rewritten with the worker",
-    "docs/configuration.md:workers.cores.STAGE_NICE": "generated from streams/config.py, as above",
-    "tools/up.py:workers.cores": "the launcher is being rewritten over one pipeline harness",
-    "tools/up.py:streams.standby": "the launcher is being rewritten over one pipeline harness",
-    "tools/experiment/command.py:workers.cores": "the experiments are being rewritten with bench's scenarios",
     "bench/device.py:workers.cores": "the device check is moving to a package of its own",
     "bench/pipeline.py:workers.cores": "the broker scenarios are becoming experiment kinds",
 }

@@ -8,13 +8,13 @@ counted; only a crash loop (too many exits of one stage in a short window) stops
 
 With ``--pin-cores`` (off by default; experiments and benchmarks pin), each ranking worker's device
 thread runs on a CPU core of its own and every other process on the other cores
-(``workers.cores``); otherwise the non-ranking stages run at a lower CPU priority (nice 10), so the
+(``workers.engine.cores``); otherwise the non-ranking stages run at a lower CPU priority (nice 10), so the
 ranking workers get the shared cores first.
 
 Rolling restart (``Pipeline.roll_worker``, ``rolling_restart``; SIGUSR1 to ``relaygr up``, or
 ``relaygr up --rolling-restart`` from another shell): each ranking worker in turn is replaced by a
 standby of the same id that warmed up beside it and takes over its partitions when it hands over
-(``streams.standby``), so no request waits for a process to start. A stop signal while a standby
+(``streams.ranking.standby``), so no request waits for a process to start. A stop signal while a standby
 warms up gives the restart up (``RollAbandoned``) rather than waiting for it.
 
 Primitives: ``Pipeline`` (start, wait_ready, scrape, check, pause, resume, stop, roll_worker,

@@ -40,7 +40,7 @@ def build_engine(
     threads, core = pipeline.torch_threads, pipeline.device_core
 
     def device_thread_setup() -> None:
-        if core is not None:  # the emulated accelerator: a core of its own (``workers.cores``)
+        if core is not None:  # the emulated accelerator: a core of its own (``workers.engine.cores``)
             pin_this_thread(core)
         if threads:
             torch.set_num_threads(threads)

@@ -30,15 +30,15 @@ or what broke an admitted relay (``signal_not_seen``, ``prefill_not_ready``, ``p
 abandoned between two chunks.
 
 This module is the Kafka shell (loop, offsets, commits, dead letters, stats; rebalances in
-``streams.rank_rebalance``). What a signal or a request means is
-``streams.rank_handler.RankHandler``'s (no Kafka; the ``RankingEngine`` is its only way to the
-device); ``streams.history_applier.BehaviourApplier`` writes behaviours.
+``streams.ranking.rank_rebalance``). What a signal or a request means is
+``streams.ranking.rank_handler.RankHandler``'s (no Kafka; the ``RankingEngine`` is its only way to the
+device); ``streams.ranking.history_applier.BehaviourApplier`` writes behaviours.
 Model work runs on the engine's device thread; this loop only fetches, schedules and publishes.
 
-Rolling restarts (``streams.standby``, ``streams.worker_files``): a standby of its id that warms up
+Rolling restarts (``streams.ranking.standby``, ``streams.ranking.worker_files``): a standby of its id that warms up
 finds the worker's cached prefixes on its disk tier; on SIGUSR1 the worker stops fetching, leaves its
 positions in ``handover.json``, finishes and commits what it holds, and exits, persisting nothing.
-The standby and the rebalance listener use the worker through ``streams.worker_port.WorkerPort``:
+The standby and the rebalance listener use the worker through ``streams.ranking.worker_port.WorkerPort``:
 its parts and the methods it offers them (``note``, ``take``, ``drain``, ``finish_appliers``,
 ``commit``, ``join_group``).
 """
@@ -257,7 +257,7 @@ class RankingWorker:
 
     async def _shut_down(self) -> None:
         if self.handing_over and self.in_group:
-            await hand_over(self)  # handover.json, requests drained and committed (streams.standby)
+            await hand_over(self)  # handover.json, requests drained and committed (streams.ranking.standby)
         else:
             await self.drain(set(self.assigned), timeout_s=30)
             await self.finish_appliers()
@@ -489,7 +489,7 @@ def main(
 ) -> int:
     """Run the worker until SIGTERM/SIGINT (stop) or SIGUSR1 (hand over to a standby). With
     ``standby``, first stand by for the active process of ``worker_id`` and take over from it
-    (``streams.standby``); its metrics are served once the active process is gone."""
+    (``streams.ranking.standby``); its metrics are served once the active process is gone."""
     from relaygr.streams.common import freeze_heap, serve_metrics
 
     keep_host_pages()  # scratch tensors reuse heap pages instead of faulting in fresh ones

@@ -12,8 +12,8 @@ process start on the request path (make before break, under the same static memb
    writer; nothing leaves its memory) and says so in ``spilled.json``, at once (the bulk) and again
    when the standby, caught up, removes that file (what came since); the standby, waiting for that
    at most ``standby_adopt_wait_s``, reads the folder read-only while the active process keeps it
-   open (``workers.tiers.DiskSnapshot``) and puts each prefix still valid for its own histories into
-   its store (``workers.prefix_adoption``; ``standby_adopted`` in ``events.jsonl``). Without a disk
+   open (``workers.store.tiers.DiskSnapshot``) and puts each prefix still valid for its own histories into
+   its store (``workers.store.prefix_adoption``; ``standby_adopted`` in ``events.jsonl``). Without a disk
    tier, or if anything goes wrong there, it adopts none. Then each user whose signal came within
    ``standby_warm_s`` (the users the active process keeps warm) is pre-inferred once: a cache hit
    for an adopted prefix (an extension where the history grew since), a computation for the rest;

@@ -1,8 +1,8 @@
 """What the standby and the rebalance listener use of a ranking worker: its parts, the state they
 move a partition through, and the methods it offers them.
 
-``streams.ranking_worker.RankingWorker`` has every member named here; ``streams.standby`` and
-``streams.rank_rebalance`` talk to it through this protocol, so they import neither the worker's
+``streams.ranking.ranking_worker.RankingWorker`` has every member named here; ``streams.ranking.standby`` and
+``streams.ranking.rank_rebalance`` talk to it through this protocol, so they import neither the worker's
 module (which imports them) nor any of its private members.
 
 Primitives: ``WorkerPort``.

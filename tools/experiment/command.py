@@ -49,7 +49,7 @@ in it depends on the mode:
   live);
 - cores (``--pin``, on by default where the machine has a core to spare): each ranking worker's
   device thread has a CPU core of its own, every other process of the experiment (stages,
-  broker, this load generator) the other cores (``workers.cores``); with ``--core-per-stage``,
+  broker, this load generator) the other cores (``workers.engine.cores``); with ``--core-per-stage``,
   each stage process a core of its own too, where the machine has enough;
 - several experiments (``relaygr experiment seq-len throughput``) run one after the other on one
   calibration, one B and one pair of pipelines, each on users of its own, each reported apart;
