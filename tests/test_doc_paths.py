@@ -29,8 +29,6 @@ DOTTED_RE = re.compile(r"(?<![\w.])((?:relaygr\.)?(?:\w+)(?:\.\w+)+)")
 
 # Stale names ("path:name") in files being rewritten elsewhere, each with its reason; an entry goes
 # once its file names the module as it is (test_allowed_stale_names_are_still_there says when).
-_WORKER = "streams/ranking/ranking_worker.py"
-_REWRITE = "the ranking worker's modules are being rewritten into one owner per state"
 ALLOWED_STALE: dict[str, str] = {
     "bench/device.py:workers.cores": "the device check is moving to a package of its own",
     "bench/pipeline.py:workers.cores": "the broker scenarios are becoming experiment kinds",
