@@ -21,6 +21,7 @@ from relaygr.tools.experiment.kinds import KINDS
 from relaygr.tools.experiment.protocol import PointRun, Protocol, best
 from relaygr.tools.experiment.report import write_experiment_report
 from relaygr.tools.replay import Replayer, plan_replay
+from relaygr.tools.report.figures import meets_slo, percentile, ranking_ms
 from relaygr.tools.report.summary import RunSummary
 from relaygr.tools.trace import Trace, TraceTopics, build_trace, load_trace, publish_trace
 from relaygr.tools.traffic import collect_results
@@ -187,10 +188,14 @@ async def test_trace_replay_report_end_to_end(kafka_settings, tmp_path_factory, 
     assert proc.returncode == 0, proc.stderr[-3000:]
     head = json.loads(proc.stdout.strip().splitlines()[-1])
     assert head["results"] == head["requests"] == 40
-    assert head["slo_compliance"] == 1.0 and head["slo_ms"] == 2000
+    # The report's compliance is the results' own (within 2 s with the whole history), whatever
+    # this machine's speed: a latency bound here would assert the machine, not the report.
+    compliant = sum(meets_slo(r, 2000.0) for r in got.values())
+    assert head["slo_ms"] == 2000 and head["slo_compliance"] == pytest.approx(compliant / 40)
     assert 0.9 <= head["admission_rate"] <= 1.0  # θ ~ 0: every request with history is admitted
     assert sum(v for k, v in head["paths"].items() if k.startswith("relay")) >= 30
-    assert 0.0 <= head["hr@10"] <= 1.0 and head["ranking_ms_p99"] < 2000
+    assert 0.0 <= head["hr@10"] <= 1.0
+    assert head["ranking_ms_p99"] == pytest.approx(percentile([ranking_ms(r) for r in got.values()], 99.0))
     rep = json.loads((out / "report.json").read_text())
     assert rep["summary"]["quality"]["labelled"] == 40
     assert rep["summary"]["hit_rates"]["prefill"]["n"] >= 30
