@@ -88,7 +88,7 @@ class _Aiokafka:
 
 
 class _Librdkafka:
-    def __init__(self, settings: Settings, linger_ms: int) -> None:
+    def __init__(self, settings: Settings) -> None:
         import confluent_kafka
 
         self.prod = confluent_kafka.Producer({"bootstrap.servers": settings.bootstrap})
@@ -119,7 +119,8 @@ class _Librdkafka:
 
 
 class PacedSender:
-    """Requests onto ``topic`` at their offsets, from ``client`` (see the module docstring)."""
+    """Requests onto ``topic`` at their offsets, from ``client`` (see the module docstring);
+    ``linger_ms`` is aiokafka's (librdkafka keeps its defaults)."""
 
     def __init__(
         self, settings: Settings, topic: str, *, client: Client = "aiokafka", linger_ms: int = 0
@@ -127,9 +128,7 @@ class PacedSender:
         if client not in ("aiokafka", "librdkafka"):
             raise ValueError(f"no client {client!r} (aiokafka or librdkafka)")
         self.topic = topic
-        self.client = (
-            _Aiokafka(settings, linger_ms) if client == "aiokafka" else _Librdkafka(settings, linger_ms)
-        )
+        self.client = _Aiokafka(settings, linger_ms) if client == "aiokafka" else _Librdkafka(settings)
 
     async def __aenter__(self) -> PacedSender:
         await self.client.start()
