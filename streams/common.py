@@ -70,11 +70,13 @@ async def deliver(send: Any, *, what: str, attempts: int = 0, max_backoff_s: flo
     offsets stay uncommitted) rather than losing the message."""
     from aiokafka.errors import KafkaError
 
+    from relaygr.infra.rdkafka_producer import DeliveryFailed
+
     backoff, n = 0.05, 0
     while True:
         try:
             return await send()
-        except (TimeoutError, KafkaError, OSError) as e:
+        except (TimeoutError, KafkaError, OSError, DeliveryFailed) as e:
             n += 1
             if attempts and n >= attempts:
                 raise

@@ -16,9 +16,10 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from relaygr.infra.incarnations import Incarnations
+from relaygr.infra.rdkafka_producer import RdProducer
 from relaygr.infra.settings import Settings
 from relaygr.schemas import TopicRegistry
 from relaygr.streams.config import PipelineSettings
@@ -50,7 +51,7 @@ class WorkerPort(Protocol):
     incarnations: Incarnations
     tracker: OffsetTracker
     consumer: AIOKafkaConsumer
-    producer: AIOKafkaProducer
+    producer: RdProducer
 
     # Where its partitions stand: assigned, held unfetched, or fetched and kept (a standby's).
     assigned: set[TopicPartition]
