@@ -49,6 +49,7 @@ from prometheus_client import Gauge, Histogram
 
 from relaygr.infra.incarnations import Incarnations
 from relaygr.infra.kafka import consumer, describe_partitions, partition_for, producer, stop_clients
+from relaygr.infra.rdkafka_producer import RdProducer
 from relaygr.infra.settings import Settings
 from relaygr.infra.stop_guard import StopDeadline
 from relaygr.schemas import (
@@ -145,7 +146,7 @@ class Ingress:
             )
             # The end-offset look-ups of requests on a connection of their own as well.
             self.offsets = consumer(self.settings, group_id=None)
-            self.req_producer = producer(self.settings, linger_ms=self.settings.request_linger_ms)
+            self.req_producer = RdProducer(self.settings, linger_ms=self.settings.request_linger_ms)
             clients += [self.req_producer, self.req_consumer, self.offsets]
             loops.append(self._requests)
         if "behaviors" in self.inputs:
