@@ -77,7 +77,8 @@ from relaygr.schemas import (
 )
 from relaygr.streams.common import DEAD_LETTERS, commit_existing, dead_letter, decode_keyed, deliver
 from relaygr.streams.config import PipelineSettings
-from relaygr.streams.history import HistoryAlignment, HistoryTable
+from relaygr.streams.history import HistoryTable
+from relaygr.streams.history_alignment import HistoryAlignment
 from relaygr.streams.ranking.engine_factory import build_engine
 from relaygr.streams.ranking.history_applier import BehaviourApplier, ahead_record
 from relaygr.streams.ranking.offset_tracker import OffsetTracker

@@ -23,7 +23,8 @@ from relaygr.infra.rdkafka_producer import RdProducer
 from relaygr.infra.settings import Settings
 from relaygr.schemas import TopicRegistry
 from relaygr.streams.config import PipelineSettings
-from relaygr.streams.history import HistoryAlignment, HistoryTable
+from relaygr.streams.history import HistoryTable
+from relaygr.streams.history_alignment import HistoryAlignment
 from relaygr.streams.ranking.history_applier import BehaviourApplier
 from relaygr.streams.ranking.offset_tracker import OffsetTracker
 from relaygr.streams.ranking.rank_handler import RankHandler
