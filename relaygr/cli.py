@@ -106,6 +106,11 @@ GROUPS: dict[str, tuple[str, dict[str, tuple[str, str]]]] = {
                 "the ranking worker's CPU per ranking at a rate ladder (host path and device thread), "
                 "and the highest rate it held, relay and baseline",
             ),
+            "kafka-clients": (
+                "relaygr.bench.kafka_clients",
+                "CPU per message of aiokafka and confluent-kafka producers and consumers at given rates, "
+                "side by side on the real broker (what a stage's round trips cost)",
+            ),
             **SCENARIOS,
         },
     ),

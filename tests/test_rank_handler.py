@@ -199,3 +199,21 @@ def test_a_users_unchanged_history_is_served_as_the_same_events_and_a_changed_on
         assert engine.mapped == 3
     finally:
         table.close()
+
+
+def test_top_items_are_the_best_scores_ties_in_candidate_order_and_reject_non_finite() -> None:
+    from relaygr.schemas import RankedResult, RankPath, decode, encode
+    from relaygr.streams.ranking.rank_handler import top_items
+
+    scores = torch.tensor([0.5, 2.0, -1.0, 2.0, 0.5, 3.0], dtype=torch.float32)
+    cands = [10, "a", 30, "b", 50, 60]
+    got = top_items(cands, scores, 4)
+    want = torch.argsort(scores, descending=True, stable=True)[:4].tolist()
+    assert [i.item_id for i in got] == [cands[k] for k in want] == [60, "a", "b", 10]
+    assert [i.score for i in got] == [scores[k].item() for k in want]
+    # What the handler builds without validating each item is what validation would accept.
+    res = RankedResult(request_id="r", user_id="u", ts=1.0, items=got, path=RankPath.RELAY, latency_ms=1.0)
+    assert decode(RankedResult, encode(res)) == res
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="non-finite"):
+            top_items(cands, torch.tensor([0.0, bad, 1.0, 2.0, 3.0, 4.0]), 3)

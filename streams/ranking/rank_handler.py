@@ -34,12 +34,14 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 from prometheus_client import Counter as PCounter
 
 from relaygr.schemas import PrefillSignal, RankedResult, RankPath, RankRequest, ScoredItem, TriggerReason
 from relaygr.streams.config import PipelineSettings
-from relaygr.streams.history import HistoryAlignment, HistoryTable, to_events
+from relaygr.streams.history import HistoryTable, to_events
+from relaygr.streams.history_alignment import HistoryAlignment
 from relaygr.workers.engine.ranker import RankingEngine, RankOutcome
 from relaygr.workers.model.vocab import item_keys
 from relaygr.workers.prefix_kv import Events, served, window_step
@@ -324,9 +326,7 @@ class RankHandler:
             outcome.breakdown_ms["worker_prep"] = (t_engine - t_in) * 1000 - signal_wait - seen.wait_ms
             if signal_wait:
                 outcome.breakdown_ms["signal_wait"] = signal_wait
-            order = torch.argsort(outcome.scores, descending=True, stable=True)[: r.top_k].tolist()
-            scores = outcome.scores.tolist()  # one read, not one tensor op per item on the loop
-            items = [ScoredItem(item_id=r.candidates[i], score=scores[i]) for i in order]
+            items = top_items(r.candidates, outcome.scores, r.top_k)
             path = RankPath(outcome.path)
             if outcome.in_ingest_burst:
                 PLANNED_IN_BURST.inc()
@@ -378,6 +378,19 @@ class RankHandler:
             unknown_history=seen.unknown,
             label_item_id=r.label_item_id,
         )
+
+
+def top_items(candidates: list, scores: torch.Tensor, k: int) -> list[ScoredItem]:
+    """The ``k`` best-scored candidates, best first (ties in candidate order, as a stable sort).
+    The scores are read once and checked at once: a non-finite score is an error here, never a
+    result; the items are then built without validating each again (their ids are the request's,
+    validated when it was decoded)."""
+    values = scores.detach().to("cpu", torch.float64).numpy()
+    if not np.isfinite(values).all():
+        raise ValueError(f"the model gave {int((~np.isfinite(values)).sum())} non-finite scores")
+    order = np.argsort(-values, kind="stable")[:k].tolist()
+    floats = values.tolist()
+    return [ScoredItem.model_construct(item_id=candidates[i], score=floats[i]) for i in order]
 
 
 def path_reason(

@@ -53,6 +53,7 @@ import signal
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 import torch
 from aiokafka import AIOKafkaConsumer, TopicPartition
@@ -61,7 +62,8 @@ from prometheus_client import Counter as PCounter
 from prometheus_client import Gauge, Histogram
 
 from relaygr.infra.incarnations import Incarnations
-from relaygr.infra.kafka import consumer, producer, stop_clients
+from relaygr.infra.kafka import consumer, stop_clients
+from relaygr.infra.rdkafka_producer import RdProducer
 from relaygr.infra.settings import Settings
 from relaygr.infra.stop_guard import StopDeadline
 from relaygr.schemas import (
@@ -75,7 +77,8 @@ from relaygr.schemas import (
 )
 from relaygr.streams.common import DEAD_LETTERS, commit_existing, dead_letter, decode_keyed, deliver
 from relaygr.streams.config import PipelineSettings
-from relaygr.streams.history import HistoryAlignment, HistoryTable
+from relaygr.streams.history import HistoryTable
+from relaygr.streams.history_alignment import HistoryAlignment
 from relaygr.streams.ranking.engine_factory import build_engine
 from relaygr.streams.ranking.history_applier import BehaviourApplier, ahead_record
 from relaygr.streams.ranking.offset_tracker import OffsetTracker
@@ -108,6 +111,17 @@ INFLIGHT = Gauge("relaygr_rank_inflight", "Signals and requests being handled")
 INFLIGHT_PEAK = Gauge("relaygr_rank_inflight_peak", "Most signals and requests handled at once")
 # Read at scrape time: the device thread's CPU (what the model work costs the host) by priority.
 DEVICE_CPU = Gauge("relaygr_device_cpu_seconds", "Device thread CPU seconds spent on jobs", ["priority"])
+
+
+@dataclass(frozen=True, slots=True)
+class Sent:
+    """A result enqueued for the broker: what to send again if it is given up, and its
+    acknowledgement."""
+
+    topic: str
+    value: bytes
+    key: bytes
+    ack: asyncio.Future
 
 
 class RankingWorker:
@@ -233,7 +247,7 @@ class RankingWorker:
         took = await self.engine.warm_up()
         log.info("%s: warmed up the device in %.2f s", self.worker_id, took)
         self.consumer, _ = self.group_consumer()
-        self.producer = producer(self.settings, linger_ms=self.settings.request_linger_ms)
+        self.producer = RdProducer(self.settings, linger_ms=self.settings.request_linger_ms)
         await self.producer.start()
         await self.consumer.start()
         self.watch_lineage()
@@ -365,8 +379,9 @@ class RankingWorker:
         task.add_done_callback(self.tasks.discard)
 
     async def _guard(self, tp: TopicPartition, m, handler) -> None:
+        sent: Sent | None = None
         try:
-            await handler(tp, m)
+            sent = await handler(tp, m)
         except SchemaError as e:
             await self._dead_letter(tp, m, str(e))
         except Exception as e:  # left undone it would hold the partition's commits until a restart
@@ -374,7 +389,27 @@ class RankingWorker:
             if self._stop.is_set():  # stopping: left uncommitted, for the next owner
                 return
             await self._dead_letter(tp, m, f"internal error in {STAGE}: {type(e).__name__}: {e}")
-        self.tracker.done(tp, m.offset)
+        if sent is None:
+            self.tracker.done(tp, m.offset)
+        else:  # finished once the broker has the result: its acknowledgement, not this task, says so
+            sent.ack.add_done_callback(lambda ack: self._acked(tp, m.offset, sent, ack))
+
+    def _acked(self, tp: TopicPartition, offset: int, sent: Sent, ack: asyncio.Future) -> None:
+        """A result's acknowledgement: its request is finished; a result librdkafka gave up on is
+        sent again (``deliver``'s retries) before it is."""
+        if not ack.cancelled() and ack.exception() is None:
+            self.tracker.done(tp, offset)
+            return
+
+        async def again() -> None:
+            await deliver(
+                lambda: self.producer.send_and_wait(sent.topic, sent.value, key=sent.key), what="result"
+            )
+            self.tracker.done(tp, offset)
+
+        task = asyncio.create_task(again())
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
 
     async def commit(self) -> dict[TopicPartition, int]:
         """Commit what is finished (nothing outside the group); returns the offsets committed."""
@@ -421,11 +456,12 @@ class RankingWorker:
         s = decode_keyed(PrefillSignal, m.key, m.value, self.settings.max_message_bytes)
         await self.handler.prefill(s, tp.partition)
 
-    async def _handle_rank(self, tp: TopicPartition, m) -> None:
+    async def _handle_rank(self, tp: TopicPartition, m) -> Sent:
+        """Rank a request and enqueue its result (not awaiting the broker: ``_acked`` does)."""
         r = decode_keyed(RankRequest, m.key, m.value, self.settings.max_message_bytes)
         res = await self.handler.rank(r, tp.partition)
-        topic = self.reg.name("results")
-        await deliver(lambda: self.producer.send_and_wait(topic, encode(res), key=res.key()), what="result")
+        topic, value, key = self.reg.name("results"), encode(res), res.key()
+        sent = Sent(topic, value, key, self.producer.send(topic, value, key=key))
         PATHS.labels(res.path.value).inc()
         E2E.labels(res.path.value).observe(res.breakdown_ms["ranking"] / 1000)
         self.note(
@@ -435,6 +471,7 @@ class RankingWorker:
             partition=tp.partition,
             path=res.path.value,
         )
+        return sent
 
     # ------------------------------------------------------------------ stats
 

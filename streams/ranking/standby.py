@@ -72,7 +72,8 @@ from pathlib import Path
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from relaygr.infra.kafka import consumer, producer
+from relaygr.infra.kafka import consumer
+from relaygr.infra.rdkafka_producer import RdProducer
 from relaygr.infra.settings import Settings
 from relaygr.schemas import PrefillSignal, SchemaError
 from relaygr.streams.common import decode_keyed
@@ -212,7 +213,7 @@ class Standby:
         took = await w.engine.warm_up()
         log.info("%s (standby): warmed up the device in %.2f s", w.worker_id, took)
         partitions = await self._active_partitions()
-        w.producer = producer(w.settings)
+        w.producer = RdProducer(w.settings, linger_ms=w.settings.request_linger_ms)
         await w.producer.start()
         w.consumer = consumer(w.settings, group_id=None, max_poll_records=500, fetch_max_wait_ms=20)
         await w.consumer.start()

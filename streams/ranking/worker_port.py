@@ -16,13 +16,15 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from relaygr.infra.incarnations import Incarnations
+from relaygr.infra.rdkafka_producer import RdProducer
 from relaygr.infra.settings import Settings
 from relaygr.schemas import TopicRegistry
 from relaygr.streams.config import PipelineSettings
-from relaygr.streams.history import HistoryAlignment, HistoryTable
+from relaygr.streams.history import HistoryTable
+from relaygr.streams.history_alignment import HistoryAlignment
 from relaygr.streams.ranking.history_applier import BehaviourApplier
 from relaygr.streams.ranking.offset_tracker import OffsetTracker
 from relaygr.streams.ranking.rank_handler import RankHandler
@@ -50,7 +52,7 @@ class WorkerPort(Protocol):
     incarnations: Incarnations
     tracker: OffsetTracker
     consumer: AIOKafkaConsumer
-    producer: AIOKafkaProducer
+    producer: RdProducer
 
     # Where its partitions stand: assigned, held unfetched, or fetched and kept (a standby's).
     assigned: set[TopicPartition]
