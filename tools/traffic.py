@@ -115,10 +115,11 @@ async def count_results(
     *,
     timeout_s: float = 120.0,
     linger_s: float = 3.0,
+    keep: str = "first",
 ) -> tuple[dict[str, RankedResult], Counter[str]]:
-    """Every result on the results topic for ``request_ids``: the first of each (what a caller got),
-    and how many there were of each. Reads until all came and ``linger_s`` more (a late second copy
-    counts), or ``timeout_s``."""
+    """Every result on the results topic for ``request_ids``: the first of each (what a caller got;
+    ``keep="last"``: the last, as a table of results reads them), and how many there were of each.
+    Reads until all came and ``linger_s`` more (a late second copy counts), or ``timeout_s``."""
     cons = consumer(settings, reg.name("results"), group_id=None)
     await cons.start()
     first: dict[str, RankedResult] = {}
@@ -132,7 +133,8 @@ async def count_results(
                     r = decode(RankedResult, m.value)
                     if r.request_id in request_ids:
                         counts[r.request_id] += 1
-                        first.setdefault(r.request_id, r)
+                        if keep == "last" or r.request_id not in first:
+                            first[r.request_id] = r
             if done_at is None and request_ids <= first.keys():
                 done_at = time.monotonic()
     finally:
@@ -143,5 +145,7 @@ async def count_results(
 async def collect_results(
     settings: Settings, reg: TopicRegistry, request_ids: set[str], *, timeout_s: float = 60.0
 ) -> dict[str, RankedResult]:
-    """The results of ``request_ids`` by id, as soon as every one came (or ``timeout_s``)."""
-    return (await count_results(settings, reg, request_ids, timeout_s=timeout_s, linger_s=0.0))[0]
+    """The results of ``request_ids`` by id (the last of each read, as a table of results keeps
+    them), as soon as every one came (or ``timeout_s``)."""
+    got, _ = await count_results(settings, reg, request_ids, timeout_s=timeout_s, linger_s=0.0, keep="last")
+    return got
