@@ -1,4 +1,4 @@
-"""HSTU attention kernels: the PyTorch reference vs the Triton kernel, per shape, one JSON line.
+"""HSTU attention kernels: the CPU backend vs the Triton kernel, per shape, one JSON line.
 
 One call of ``hstu_mha`` (one layer; a forward runs it ``layers`` times) for each model shape
 (``--presets``: ``large`` 4 heads of 64, ``xl`` 8 heads of 128) and key count (``--lengths``):
@@ -33,7 +33,7 @@ from collections.abc import Callable
 import torch
 
 from relaygr.workers.kernels import AttentionParams, JaggedBatch
-from relaygr.workers.kernels.reference import reference_hstu_mha
+from relaygr.workers.kernels.cpu import cpu_hstu_mha
 
 SHAPES = {"tiny": (2, 16), "large": (4, 64), "xl": (8, 128)}  # heads, head dim
 LAYERS = {"tiny": 2, "large": 8, "xl": 24}
@@ -149,7 +149,7 @@ def measure(preset: str, kind: str, length: int, args: argparse.Namespace) -> di
     batch = call[3]
     row = {"preset": preset, "layers": LAYERS[preset], "kind": kind, "users": batch.users,
            "keys": int(batch.k_pos.shape[0]), "queries": int(batch.q_pos.shape[0]), "gflop": flops / 1e9}  # fmt: skip
-    ref_ms = time_ms(lambda: reference_hstu_mha(*call), args.repeats, args.device)
+    ref_ms = time_ms(lambda: cpu_hstu_mha(*call), args.repeats, args.device)
     row.update(reference_ms=round(ref_ms, 4), reference_tflops=_sig(flops / ref_ms / 1e9))
     row.update(triton_ms=None, triton_tflops=None, speedup=None, worst_diff=None)
     if _kernel_runs(args.device):
@@ -157,7 +157,7 @@ def measure(preset: str, kind: str, length: int, args: argparse.Namespace) -> di
 
         try:  # a shape the kernel fails on is a row that says so, not a lost benchmark
             tri_ms = time_ms(lambda: hstu_forward(*call), args.repeats, args.device)
-            diff = (hstu_forward(*call).float() - reference_hstu_mha(*call).float()).abs().max()
+            diff = (hstu_forward(*call).float() - cpu_hstu_mha(*call).float()).abs().max()
         except Exception as exc:
             row.update(triton_error=f"{type(exc).__name__}: {str(exc)[:300]}")
             return row

@@ -1,14 +1,15 @@
-"""Parity cases of the Triton HSTU kernel against the PyTorch reference, shared by the tests and
-the GPU check.
+"""Parity cases of the HSTU attention backends against the oracle (``kernels.oracle``, the
+definition), shared by the tests and the GPU check.
 
 ``make_case`` builds a jagged batch the way the model lays one out: each user's keys are the
 cached prefix then the new history tokens then the candidates (which share the position after the
 history), and the queries are the new tokens and the candidates. ``CASES`` are tiny (the
-interpreter runs them on a CPU). An ``indexed`` case runs the kernel on the same keys read through
+interpreter runs them on a CPU). An ``indexed`` case runs the backend on the same keys read through
 a row index (``index_keys``: rows of a larger tensor, skipped, repeated and out of order, with an
-unused tail of keys and a capacity above every user's count) against the reference on the packed
-keys. Run as a script (``TRITON_INTERPRET=1`` on a CPU) it prints one
-JSON object: per case and dtype, the worst absolute difference and the reference's largest value.
+unused tail of keys and a capacity above every user's count) against the oracle on the packed
+keys. ``run_case`` runs the Triton kernel, ``run_cpu_case`` the CPU backend (float32 and float64).
+Run as a script (``TRITON_INTERPRET=1`` on a CPU) it prints one JSON object: per case and dtype,
+the Triton kernel's worst absolute difference from the oracle and the oracle's largest value.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from relaygr.workers.kernels import AttentionParams, JaggedBatch
-from relaygr.workers.kernels.reference import reference_hstu_mha
+from relaygr.workers.kernels.cpu import cpu_hstu_mha
+from relaygr.workers.kernels.oracle import oracle_hstu_mha
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -149,28 +151,40 @@ def index_keys(
     return k_store, v_store, indexed
 
 
+def _worst(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> dict[str, float]:
+    if got.dtype != dtype or got.shape != want.shape:
+        raise AssertionError(f"got {got.dtype} {tuple(got.shape)}, want {dtype} {tuple(want.shape)}")
+    want = want.double()
+    return {"worst": float((got.double() - want).abs().max()), "scale": float(want.abs().max())}
+
+
+def _inputs(case: Case, dtype: torch.dtype, device: str):
+    """The case's call for a backend (through the row index where the case is ``indexed``) and the
+    oracle's answer on the packed keys (in float64 for float64 inputs, float32 otherwise)."""
+    q, k, v, batch, bias, params = make_case(case, dtype, device)
+    if not case.indexed:
+        return (q, k, v, batch, bias, params), oracle_hstu_mha(q, k, v, batch, bias, params)
+    k_store, v_store, indexed = index_keys(k, v, batch)  # (makes some packed keys equal first)
+    return (q, k_store, v_store, indexed, bias, params), oracle_hstu_mha(q, k, v, batch, bias, params)
+
+
 def run_case(case: Case, dtype: torch.dtype, device: str) -> dict[str, float]:
-    """The worst absolute difference of the kernel from the reference, and the reference's scale."""
+    """The worst absolute difference of the Triton kernel from the oracle, and the oracle's scale."""
     from relaygr.workers.kernels.triton_hstu import KernelConfig, hstu_forward
 
-    q, k, v, batch, bias, params = make_case(case, dtype, device)
-    if case.indexed:
-        k_store, v_store, indexed = index_keys(k, v, batch)
-    want = reference_hstu_mha(q, k, v, batch, bias, params).to(torch.float32)
-    if case.indexed:
-        k, v, batch = k_store, v_store, indexed
+    call, want = _inputs(case, dtype, device)
     config = (
         None
         if case.block == 0
         else KernelConfig(case.block, case.block, splits=case.splits, head_group=case.head_group)
     )
-    got = hstu_forward(q, k, v, batch, bias, params, config)
-    if got.dtype != q.dtype or got.shape != want.shape:
-        raise AssertionError(f"got {got.dtype} {tuple(got.shape)}, want {q.dtype} {tuple(want.shape)}")
-    return {
-        "worst": float((got.to(torch.float32) - want).abs().max()),
-        "scale": float(want.abs().max()),
-    }
+    return _worst(hstu_forward(*call, config), want, dtype)
+
+
+def run_cpu_case(case: Case, dtype: torch.dtype) -> dict[str, float]:
+    """The worst absolute difference of the CPU backend from the oracle, and the oracle's scale."""
+    call, want = _inputs(case, dtype, "cpu")
+    return _worst(cpu_hstu_mha(*call), want, dtype)
 
 
 def run_all(device: str) -> dict[str, dict[str, dict[str, float]]]:

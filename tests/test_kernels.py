@@ -174,26 +174,27 @@ def test_the_chosen_configs_compile_for_hopper_without_a_gpu(capsys: pytest.Capt
 def test_the_reference_reads_indexed_keys_as_packed_ones(name: str, width: str, monkeypatch) -> None:
     """The reference through a row index == on the packed keys, with the dense layout as wide as
     the longest user (a CPU) or the batch's capacity (``max_k``: what a device lays out)."""
-    from relaygr.workers.kernels import reference
+    from relaygr.workers.kernels import cpu
 
     if width == "capacity":
-        monkeypatch.setattr(reference, "_key_width", lambda batch: batch.max_k)
+        monkeypatch.setattr(cpu, "_key_width", lambda batch: batch.max_k)
     for dtype in (torch.float32, torch.float64):
         q, k, v, batch, bias, params = make_case(CASES[name], dtype, "cpu")
         k_store, v_store, indexed = index_keys(k, v, batch)
-        want = reference.reference_hstu_mha(q, k, v, batch, bias, params)
-        got = reference.reference_hstu_mha(q, k_store, v_store, indexed, bias, params)
+        want = cpu.cpu_hstu_mha(q, k, v, batch, bias, params)
+        got = cpu.cpu_hstu_mha(q, k_store, v_store, indexed, bias, params)
         assert got.dtype == dtype and got.shape == want.shape
         tol = 1e-5 if dtype == torch.float32 else 1e-12
         torch.testing.assert_close(got, want, rtol=tol, atol=tol)
         assert float(want.abs().max()) > 0.1
 
 
-@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("backend", ["oracle", "cpu", "triton"])
 def test_a_bad_row_index_is_a_clear_error(backend: str) -> None:
-    from relaygr.workers.kernels.reference import reference_hstu_mha
+    from relaygr.workers.kernels.cpu import cpu_hstu_mha
+    from relaygr.workers.kernels.oracle import oracle_hstu_mha
 
-    call = hstu_forward if backend == "triton" else reference_hstu_mha
+    call = {"oracle": oracle_hstu_mha, "cpu": cpu_hstu_mha, "triton": hstu_forward}[backend]
     q, k, v, batch, bias, params = make_case(CASES["indexed_users_split"], torch.float32, "cpu")
     k_store, v_store, indexed = index_keys(k, v, batch)
 

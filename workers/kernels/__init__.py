@@ -1,7 +1,8 @@
 """HSTU attention kernels behind one entry point.
 
-The model calls ``hstu_mha`` and never sees which implementation ran. This package imports
-nothing of the project but itself (an import contract checks it).
+The model calls ``hstu_mha`` and never sees which implementation ran: the oracle (``oracle``, the
+definition, differentiable), the CPU backend (``cpu``) or the Triton kernel (``triton_hstu``). This
+package imports nothing of the project but itself (an import contract checks it).
 
 Primitives:
 - ``JaggedBatch``: the layer-independent description of one forward over several users: where
@@ -11,6 +12,8 @@ Primitives:
 - ``position_bucket``, ``time_bucket``: the bias buckets, exact integer functions of float32 bits.
 - ``available_backends()``, ``use_backend(name)``: which implementations this machine has, and
   forcing one (tests, benchmarks).
+- ``dense_attention``, ``pair_index``, ``pair_weight``, ``far_scale``: the oracle's arithmetic and
+  pair terms, which the training forward calls too.
 """
 
 from relaygr.workers.kernels.buckets import EXACT_POSITIONS, SELF_BIAS_INDEX, position_bucket, time_bucket
@@ -21,6 +24,7 @@ from relaygr.workers.kernels.interface import (
     hstu_mha,
     use_backend,
 )
+from relaygr.workers.kernels.oracle import dense_attention, far_scale, pair_index, pair_weight
 
 __all__ = [
     "EXACT_POSITIONS",
@@ -28,7 +32,11 @@ __all__ = [
     "AttentionParams",
     "JaggedBatch",
     "available_backends",
+    "dense_attention",
+    "far_scale",
     "hstu_mha",
+    "pair_index",
+    "pair_weight",
     "position_bucket",
     "time_bucket",
     "use_backend",
