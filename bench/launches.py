@@ -179,7 +179,7 @@ def stubbed_launches() -> Iterator[None]:
     launch counts as one operation (an ``add_``): what a CUDA graph of it holds."""
     from relaygr.workers.kernels import triton_hstu, use_backend
 
-    names = ("_hstu_fwd_kernel", "_hstu_fwd_grouped_kernel", "_sum_splits_kernel")
+    names = ("_hstu_fwd_kernel", "_hstu_fwd_grouped_kernel", "_finish_kernel")
     kept = {name: getattr(triton_hstu, name) for name in names}
     try:
         for name in names:

@@ -1,4 +1,5 @@
-"""The Triton HSTU kernel matches the PyTorch reference (``kernel_parity.CASES``).
+"""The Triton HSTU kernel matches the oracle (``kernel_parity.CASES``), alone and with what follows
+attention in a layer (``kernel_parity.GATED_CASES``: the norm over the heads and the gate).
 
 On every machine the cases run through Triton's interpreter on the CPU, in a subprocess:
 ``TRITON_INTERPRET=1`` must be set before Triton is imported, and this process stays as it was.
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kernel_parity import CASES, DTYPES, index_keys, make_case, run_case
+from kernel_parity import CASES, DTYPES, GATED_CASES, index_keys, make_case, run_case, run_gated_case
 
 pytest.importorskip("triton")
 
@@ -30,7 +31,7 @@ from relaygr.workers.kernels.triton_hstu import (
     position_frames,
 )
 
-# Worst absolute difference allowed, relative to the reference's largest output: float32 sums the
+# Worst absolute difference allowed, relative to the oracle's largest output: float32 sums the
 # same terms in another order; 16-bit outputs are rounded once more (and the scores fed to the
 # second product too), a few units in the last place.
 TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2, "fp16": 4e-3}
@@ -55,20 +56,24 @@ def _within(name: str, diffs: dict) -> None:
     for dtype, d in diffs.items():
         bound = TOLERANCE[dtype] * (1.0 if dtype == "fp32" else max(d["scale"], 1.0))
         assert d["worst"] <= bound, f"{name} {dtype}: worst difference {d['worst']:.3g} over {bound:.3g}"
-        assert d["scale"] > 0.1, f"{name} {dtype}: the reference is near zero, the case checks nothing"
+        assert d["scale"] > 0.1, f"{name} {dtype}: the oracle is near zero, the case checks nothing"
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_interpreted_kernel_matches_the_reference(interpreted: dict, name: str) -> None:
-    assert set(interpreted[name]) == set(CASES[name].dtypes)
+NAMES = sorted(CASES) + [f"gated:{name}" for name in GATED_CASES]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_interpreted_kernel_matches_the_oracle(interpreted: dict, name: str) -> None:
+    assert set(interpreted[name]) == set(CASES[name.removeprefix("gated:")].dtypes)
     _within(name, interpreted[name])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_cuda_kernel_matches_the_reference(name: str) -> None:
-    case = CASES[name]
-    _within(name, {dt: run_case(case, DTYPES[dt], "cuda") for dt in case.dtypes})
+@pytest.mark.parametrize("name", NAMES)
+def test_cuda_kernel_matches_the_oracle(name: str) -> None:
+    case = CASES[name.removeprefix("gated:")]
+    run = run_gated_case if name.startswith("gated:") else run_case
+    _within(name, {dt: run(case, DTYPES[dt], "cuda") for dt in case.dtypes})
 
 
 def test_causal_skip_only_where_positions_allow_it() -> None:
@@ -124,7 +129,7 @@ def test_keys_are_split_only_when_the_grid_is_small() -> None:
     assert many_users.splits == 1
 
 
-def test_bench_runs_the_reference_on_a_cpu(capsys: pytest.CaptureFixture[str]) -> None:
+def test_bench_runs_the_cpu_backend_on_a_cpu(capsys: pytest.CaptureFixture[str]) -> None:
     from relaygr.cli import main
 
     assert main(["bench", "kernels", "--device", "cpu", "--presets", "tiny", "--lengths", "200",
@@ -136,7 +141,7 @@ def test_bench_runs_the_reference_on_a_cpu(capsys: pytest.CaptureFixture[str]) -
         assert row["reference_ms"] > 0 and row["reference_tflops"] > 0 and row["triton_ms"] is None
 
 
-def test_bench_compares_the_interpreted_kernel_with_the_reference() -> None:
+def test_bench_compares_the_interpreted_kernel_with_the_cpu_backend() -> None:
     path = os.pathsep.join(p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p)
     done = subprocess.run(
         [sys.executable, "-m", "relaygr.bench.kernels", "--device", "cpu", "--presets", "tiny",
@@ -171,8 +176,8 @@ def test_the_chosen_configs_compile_for_hopper_without_a_gpu(capsys: pytest.Capt
 
 @pytest.mark.parametrize("name", ["indexed_users_split", "indexed_one_user", "indexed_full_causal"])
 @pytest.mark.parametrize("width", ["longest", "capacity"])
-def test_the_reference_reads_indexed_keys_as_packed_ones(name: str, width: str, monkeypatch) -> None:
-    """The reference through a row index == on the packed keys, with the dense layout as wide as
+def test_the_cpu_backend_reads_indexed_keys_as_packed_ones(name: str, width: str, monkeypatch) -> None:
+    """The CPU backend through a row index == on the packed keys, with the dense layout as wide as
     the longest user (a CPU) or the batch's capacity (``max_k``: what a device lays out)."""
     from relaygr.workers.kernels import cpu
 

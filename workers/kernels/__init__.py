@@ -7,7 +7,9 @@ package imports nothing of the project but itself (an import contract checks it)
 Primitives:
 - ``JaggedBatch``: the layer-independent description of one forward over several users: where
   each user's queries and keys lie in the packed tensors, their positions and timestamps.
-- ``hstu_mha(q, k, v, batch, bias_table, params)``: pointwise HSTU attention over that batch.
+- ``hstu_mha(q, k, v, batch, bias_table, params)``: pointwise HSTU attention over that batch;
+  ``hstu_mha_gated(..., norm, gate, out)``: with what follows it in a layer (a norm over the heads,
+  the gate), one pass on Triton.
 - ``AttentionParams``: the model's constants (bias table shape, normaliser, far keys).
 - ``position_bucket``, ``time_bucket``: the bias buckets, exact integer functions of float32 bits.
 - ``available_backends()``, ``use_backend(name)``: which implementations this machine has, and
@@ -22,6 +24,7 @@ from relaygr.workers.kernels.interface import (
     JaggedBatch,
     available_backends,
     hstu_mha,
+    hstu_mha_gated,
     use_backend,
 )
 from relaygr.workers.kernels.oracle import dense_attention, far_scale, pair_index, pair_weight
@@ -35,6 +38,7 @@ __all__ = [
     "dense_attention",
     "far_scale",
     "hstu_mha",
+    "hstu_mha_gated",
     "pair_index",
     "pair_weight",
     "position_bucket",

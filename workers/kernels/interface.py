@@ -44,6 +44,7 @@ import os
 from collections.abc import Iterator
 
 import torch
+import torch.nn.functional as F
 
 from relaygr.workers.kernels.batch import AttentionParams, JaggedBatch
 from relaygr.workers.kernels.oracle import oracle_hstu_mha
@@ -60,6 +61,7 @@ __all__ = [
     "available_backends",
     "backend_for",
     "hstu_mha",
+    "hstu_mha_gated",
     "use_backend",
 ]
 
@@ -136,3 +138,31 @@ def hstu_mha(
 
         return cpu_hstu_mha(q, k, v, batch, bias_table, params)
     return oracle_hstu_mha(q, k, v, batch, bias_table, params)
+
+
+def hstu_mha_gated(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    batch: JaggedBatch,
+    bias_table: torch.Tensor,
+    params: AttentionParams,
+    norm: tuple[torch.Tensor, torch.Tensor, float],
+    gate: torch.Tensor,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """An HSTU layer's attention and what follows it before the output projection:
+    ``layer_norm(hstu_mha(...)) * gate`` written into ``out`` and returned. ``norm``: the layer
+    norm's weight and bias (``[H, dv]``, over each row's heads) and eps; ``gate`` and ``out``:
+    ``[Tq, H * dv]``, rows strided, elements not (``out`` a view of a wider buffer, as the layer's
+    gated rows beside its bias column). Triton runs it as two launches; elsewhere it is
+    ``hstu_mha``, ``layer_norm`` and ``mul`` (bit for bit those three). Not differentiable."""
+    backend = backend_for(q, k, v, bias_table)
+    if backend == "triton":
+        from relaygr.workers.kernels.triton_hstu import triton_hstu_mha_gated
+
+        return triton_hstu_mha_gated(q, k, v, batch, bias_table, params, norm, gate, out)
+    attn = hstu_mha(q, k, v, batch, bias_table, params)
+    a = F.layer_norm(attn, attn.shape[-2:], norm[0], norm[1], eps=norm[2])
+    torch.mul(a, gate.view(a.shape), out=out.view(a.shape))
+    return out
