@@ -234,3 +234,48 @@ def test_the_paged_kernel_compiles_for_hopper_without_a_gpu(capsys: pytest.Captu
                  "8192", "--kinds", "relay_1", "--dtype", "bf16"]) == 0  # fmt: skip
     (row,) = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
     assert row["config"]["splits"] > 1 and row["shared_bytes"] > 0
+
+
+def test_the_nvidia_block_shape_compiles_for_hopper_without_spills(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Heads of 256 (hidden 1024, 4 heads): 64-query tiles spill 616 bytes, 32-query tiles none.
+    from relaygr.cli import main
+
+    assert main(["bench", "kernels", "--build", "sm_90", "--paged", "--presets", "nvidia-block", "--lengths",
+                 "4096", "--kinds", "relay_1", "--dtype", "bf16"]) == 0  # fmt: skip
+    (row,) = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
+    assert row["config"]["block_m"] == 32 and row["config"]["splits"] > 1
+    if row["stack_bytes"] is not None:  # (where the cubin's resource use can be read)
+        assert row["stack_bytes"] == 0
+
+
+def test_the_sweep_lists_its_grid_without_timing(capsys: pytest.CaptureFixture[str]) -> None:
+    from relaygr.bench.kernels import around
+    from relaygr.cli import main
+    from relaygr.workers.kernels.triton_hstu import KernelConfig
+
+    assert main(["bench", "kernels", "--sweep", "--dry-run", "--presets", "large,nvidia-block", "--lengths",
+                 "4096", "--kinds", "relay_1"]) == 0  # fmt: skip
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
+    grids = {r["preset"]: r["first_stage"] for r in rows}
+    assert {tuple(c[:2]) for c in grids["large"]} >= {(64, 16), (128, 64), (32, 32)}
+    assert {c[5] for c in grids["large"]} == {1, 2, 4} and {c[5] for c in grids["nvidia-block"]} == {1, 2}
+    second = around(KernelConfig(64, 16, head_group=2), 44, "relay_1")
+    assert {c.splits for c in second} == {0, 1, 11, 22, 88} and {c.row_terms for c in second} == {False, True}
+    assert {c.splits for c in around(KernelConfig(), 8, "full")} == {0}
+
+
+def test_the_anchor_refuses_the_full_shape_on_a_cpu(capsys: pytest.CaptureFixture[str]) -> None:
+    """``bench model --anchor`` (NVIDIA's block shape) is refused on a CPU without ``--quick``:
+    the suite never runs it at size."""
+    from relaygr.bench.model_anchor import ANCHOR, NVIDIA_MS, TARGET_MS
+    from relaygr.cli import main
+    from relaygr.workers.model.presets import preset
+
+    assert main(["bench", "model", "--anchor", "--device", "cpu"]) == 2
+    assert "--quick" in capsys.readouterr().err
+    shape = preset("nvidia-block")
+    assert (shape.layers, shape.dim, shape.heads) == (8, 1024, 4) and shape.config().attn_dim == 256
+    assert ANCHOR["cached"] + ANCHOR["new"] == ANCHOR["history"] == 4096 and ANCHOR["candidates"] == 256
+    assert NVIDIA_MS == {1: 0.18, 8: 0.5} and TARGET_MS == {1: 0.4, 8: 1.2}

@@ -267,10 +267,11 @@ def _finish_kernel(
     c = tl.arange(0, BLOCK_W)
     col_ok = c < width
     ok = (r < rows)[:, None] & col_ok[None, :]
-    at = r.to(tl.int64)[:, None] * stride_pt + c[None, :]
+    parts = PARTIAL + r.to(tl.int64)[:, None] * stride_pt + c[None, :]
     total = tl.zeros((BLOCK_ROWS, BLOCK_W), dtype=tl.float32)
-    for s in range(0, splits):
-        total += tl.load(PARTIAL + s * stride_ps + at, mask=ok, other=0.0)
+    for _ in range(0, splits):
+        total += tl.load(parts, mask=ok, other=0.0)
+        parts += stride_ps
     if GATED:
         mean = tl.sum(total, 1) / width
         centred = tl.where(ok, total - mean[:, None], 0.0)
@@ -298,13 +299,14 @@ def choose_config(dtype: torch.dtype, d_qk: int, d_v: int, max_q: int, max_k: in
     """Tiles for a call: the sm_90 builds (``bench kernels --build sm_90``) that do not spill.
     16-bit heads up to 64 wide go two per program on 64 x 16 tiles (each pair's bias serves both);
     a single 16-bit head up to 64 wide takes 64 x 32; wider heads and float32 (whose products run
-    on CUDA cores) take 64 x 16, and float32 heads over 64 wide 32 x 16. Key splits when the grid
-    holds under two programs per multiprocessor (a relay's few queries; also evens out jagged
-    users and causal blocks)."""
+    on CUDA cores) take 64 x 16, float32 heads over 64 wide and 16-bit heads over 128 wide (the
+    ``nvidia-block`` shape's 256: 616 bytes of spills at 64 x 16, none at 32 x 16) 32 x 16. Key
+    splits when the grid holds under two programs per multiprocessor (a relay's few queries; also
+    evens out jagged users and causal blocks)."""
     wide = max(_block_dim(d_qk), _block_dim(d_v))
     half = dtype != torch.float32
     group = 2 if half and wide <= 64 and heads % 2 == 0 else 1
-    block_m = 64 if half or wide <= 64 else 32
+    block_m = 64 if wide <= 64 or (half and wide <= 128) else 32
     block_n = 32 if half and group == 1 and wide <= 64 else 16
     programs = triton.cdiv(max_q, block_m) * users * (heads // group)
     splits = 1
