@@ -154,6 +154,7 @@ def test_bench_compares_the_interpreted_kernel_with_the_cpu_backend() -> None:
     assert report["interpreted"]
     for row in report["rows"]:
         assert row["triton_ms"] > 0 and row["worst_diff"] <= TOLERANCE["fp32"], row
+        assert row["triton_gated_ms"] > 0, row
 
 
 def test_bench_refuses_a_relay_shorter_than_its_queries() -> None:
