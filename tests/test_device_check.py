@@ -146,7 +146,9 @@ def test_the_full_check_fits_its_budget_and_measures_the_issues_lengths(tmp_path
     assert (
         "--lengths 4096,16384" in exact and "--dtype float32,bfloat16" in exact and "--preset large" in exact
     )
-    model = " ".join(steps["model"].commands[1])
+    anchor = " ".join(steps["model"].commands[1])  # NVIDIA's cached HSTU block shape, batch 1 and 8
+    assert "bench model --anchor" in anchor and "--dtype bfloat16" in anchor and "--device cuda" in anchor
+    model = " ".join(steps["model"].commands[2])
     assert (
         "--lengths 4096,8192,16384,32768" in model and "--budget-ms 50" in model and "--device cuda" in model
     )
