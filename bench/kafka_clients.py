@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -224,7 +225,8 @@ def run(args: argparse.Namespace) -> int:
         print("relaygr bench kafka-clients: --rates are positive numbers, --linger-ms non-negative ones",
               file=sys.stderr)  # fmt: skip
         return 2
-    settings, _ = ensure_broker(get_settings())
+    with contextlib.redirect_stdout(sys.stderr):  # stdout holds the JSON lines only
+        settings, _ = ensure_broker(get_settings())
     bootstrap = resolve_bootstrap(settings)
     for rate in rates:
         rows = [
