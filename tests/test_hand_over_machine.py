@@ -528,6 +528,7 @@ async def test_a_rebalance_while_serving_outside_commits_only_once_the_old_proce
     group = r.made[-1]
     await r.machine.revoked(_all(1), group)  # the old process never answers within the wait
     assert r.log.commits == [] and r.partitions.holds(_tp(RANK, 1)) and r.partitions.assigned == _all(0)
+    assert r.notes[-1] == {"event": "revoked_during_hand_over", "partitions": [1]}
     r.files.write_handover({RANK: {0: 12, 1: 20}}, os.getpid(), answered=True)
     await r.machine.between_fetches()
     assert r.machine.state is State.SERVING_OUTSIDE  # the group has not assigned again yet

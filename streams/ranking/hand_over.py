@@ -231,8 +231,10 @@ class HandOver:
         its unanswered requests were ranked again here) and those in flight are finished, what
         was answered is committed, never before: a commit past the hand-over's offsets would
         hide the old process's unanswered requests. Not answered in time: nothing is committed
-        (the next owner ranks from the old process's commit, at least once)."""
+        (the next owner ranks from the old process's commit, at least once). The audit trail says
+        so first (``revoked_during_hand_over``)."""
         self.partitions.hold(tps)
+        self.note(event="revoked_during_hand_over", partitions=sorted({tp.partition for tp in tps}))
         settled = await self._await_settled(group, SETTLE_WAIT_S)
         await self.partitions.settle(tps, timeout_s=REVOKE_DRAIN_S)
         await self.partitions.finish_applying(tps)
