@@ -4,6 +4,7 @@ Modules, one job each:
 - ``ranking_worker``: the Kafka shell (consume, dispatch, produce; ``RankingWorker``, ``main``);
 - ``rank_handler``: a signal's pre-inference and a request's ranking, without Kafka;
 - ``engine_factory``: the engine built from the settings (model, device thread, prefix store);
+- ``worker_stats``: what the worker reports of itself (its stats, its gauges);
 - ``history_applier``: routed behaviours into the history table;
 - ``partitions``: what the worker holds per partition (``offset_tracker``: the offsets in flight);
 - ``intake``: which consumer the loop reads from, and the commits through it;

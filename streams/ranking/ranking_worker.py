@@ -30,7 +30,8 @@ or what broke an admitted relay (``signal_not_seen``, ``prefill_not_ready``, ``p
 abandoned between two chunks.
 
 This module is the Kafka shell: it consumes (the loop, its bounded queue, pause and resume), dispatches
-(a task per signal or request, dead letters) and produces (results, stats), and commits. What a
+(a task per signal or request, dead letters) and produces (results, and stats:
+``streams.ranking.worker_stats``), and commits. What a
 signal or a request means is ``streams.ranking.rank_handler.RankHandler``'s (no Kafka; the
 ``RankingEngine``, built by ``streams.ranking.engine_factory``, is its only way to the device);
 ``streams.ranking.history_applier.BehaviourApplier`` writes behaviours. What the worker holds per
@@ -71,7 +72,6 @@ from relaygr.schemas import (
     RankRequest,
     SchemaError,
     TopicRegistry,
-    WorkerStats,
     encode,
 )
 from relaygr.streams.common import DEAD_LETTERS, dead_letter, decode_keyed, deliver
@@ -87,9 +87,8 @@ from relaygr.streams.ranking.rank_rebalance import STAGE
 from relaygr.streams.ranking.standby import Standby, stand_aside
 from relaygr.streams.ranking.standby_warmup import StandbyWarmUp, spill_for_standby
 from relaygr.streams.ranking.worker_files import WorkerFiles
+from relaygr.streams.ranking.worker_stats import watch_device_cpu, worker_stats
 from relaygr.streams.state_lineage import HistoryLineage, deployment_dir
-from relaygr.workers.engine.prefill_ledger import device_share
-from relaygr.workers.engine.scheduler import Priority
 from relaygr.workers.model.devices import keep_host_pages
 from relaygr.workers.prefix_kv import window_step
 
@@ -102,16 +101,8 @@ E2E = Histogram(
     ["path"],
     buckets=(0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2, 5),
 )
-STORE = Gauge("relaygr_prefix_store", "Prefix store counters and gauges", ["name"])
-PACE = Gauge(
-    "relaygr_device_pace",
-    "Measured device time over the latency model's prediction (slices are sized by it)",
-    ["work"],
-)
 INFLIGHT = Gauge("relaygr_rank_inflight", "Signals and requests being handled")
 INFLIGHT_PEAK = Gauge("relaygr_rank_inflight_peak", "Most signals and requests handled at once")
-# Read at scrape time: the device thread's CPU (what the model work costs the host) by priority.
-DEVICE_CPU = Gauge("relaygr_device_cpu_seconds", "Device thread CPU seconds spent on jobs", ["priority"])
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,10 +141,7 @@ class RankingWorker:
         # A standby builds the next generation of the state while the active process holds this one.
         self.state_dir = self.files.new_generation() if standby else self.files.state_dir()
         self.engine, self.pipeline = build_engine(pipeline, worker_id, self.state_dir)
-        for prio in Priority:
-            DEVICE_CPU.labels(prio.name.lower()).set_function(
-                lambda p=prio, d=self.engine.scheduler: d.cpu_s[p]
-            )
+        watch_device_cpu(self.engine)
         self.history = HistoryTable(
             self.state_dir / "history",
             retain_events=pipeline.history_retain_events or 2 * self.engine.max_seq_len,
@@ -459,37 +447,11 @@ class RankingWorker:
             if not self.handover.in_group:  # a standby speaks for no partitions yet
                 continue
             try:
-                st = self._stats()
+                partitions = sorted({tp.partition for tp in self.partitions.assigned})
+                st = worker_stats(self.engine, self.worker_id, partitions, self.pipeline.mode)
                 await self._producer().send_and_wait(self.reg.name("worker_stats"), encode(st), key=st.key())
             except Exception:
                 log.exception("publishing worker stats failed")
-
-    def _stats(self) -> WorkerStats:
-        latency = self.engine.refit_latency()
-        pacing = self.engine.pacing
-        PACE.labels("extend").set(pacing.extend.factor)
-        PACE.labels("score").set(pacing.score.factor)
-        PACE.labels("full").set(pacing.full.factor)
-        m = self.engine.store_metrics()
-        for k, v in m.items():
-            STORE.labels(k).set(v)
-        return WorkerStats(
-            worker_id=self.worker_id,
-            ts=time.time(),
-            partitions=sorted({tp.partition for tp in self.partitions.assigned}),
-            cache_bytes={t: int(m.get(f"bytes_{t}", 0)) for t in ("device", "host", "disk")},
-            # Device bytes only: leases reserve device memory; spilled prefixes do not count.
-            pinned_bytes=int(m.get("bytes_reserved", 0)),
-            queue_depth=self.engine.queue_depth(),
-            prefill_inflight=self.engine.queue_depth(Priority.PREFILL),
-            prefill_counts=dict(self.engine.prefills.counts),
-            prefill_backlog_ms=round(self.engine.prefill_backlog_ms(), 3),
-            device_share={k: round(v, 4) for k, v in device_share(self.engine.scheduler).items()},
-            latency_coeffs=latency.coeffs(),
-            full_pace=min(1000.0, max(1e-3, pacing.full.factor)),
-            mode=self.pipeline.mode,
-            rank_batch_sizes={str(k): v for k, v in self.engine.batch_sizes().items()},
-        )
 
 
 def main(
