@@ -94,6 +94,28 @@ async def _requests_at(settings: Settings, topic: str, ranges: dict[int, tuple[i
     return found
 
 
+async def _roll_under_load(settings: Settings, reg, pipe: Pipeline, behaviours, requests):
+    """Once the deployment is up: the users' behaviours, then requests at 20/s from
+    confluent-kafka, and a second later ranker-0 rolled (in a thread). Returns the load, the old
+    process and the roll."""
+    await pipe.wait_ready(timeout_s=240)
+    # Not waited for: the ranking group commits nothing to say it applied them (a request
+    # waits for its user's behaviours itself, boundedly).
+    await publish(settings, reg, behaviours, [], settle_s=0)
+    load = LibrdkafkaRequests(settings, reg.name("requests"), requests, qps=20).start()
+    await asyncio.sleep(1.0)
+    old = pipe.procs["ranker-0"]
+    return load, old, asyncio.ensure_future(asyncio.to_thread(pipe.roll_worker, 0))
+
+
+async def _ranked_again(settings: Settings, reg, events: list[dict]) -> tuple[dict | None, dict, dict]:
+    """The new process's ``unanswered`` line (None: none), the ranges it ranked again (partition
+    -> [start, end)) and the requests in them (request_id -> partition)."""
+    gone = next((e for e in events if e["event"] == "unanswered"), None)
+    ranges = {int(p): (a, b) for p, (a, b) in gone["ranked_again"].items()} if gone else {}
+    return gone, ranges, await _requests_at(settings, reg.name("rank"), ranges)
+
+
 async def test_old_process_killed_mid_hand_over_under_load(kafka_settings, tmp_path, model_dir) -> None:
     settings, reg, env = await rolling_deployment(
         kafka_settings,
@@ -111,14 +133,7 @@ async def test_old_process_killed_mid_hand_over_under_load(kafka_settings, tmp_p
     pipe = Pipeline(settings, ranking_workers=2, env=env)
     pipe.start()
     try:
-        await pipe.wait_ready(timeout_s=240)
-        # Not waited for: the ranking group commits nothing to say it applied them (a request
-        # waits for its user's behaviours itself, boundedly).
-        await publish(settings, reg, behaviours, [], settle_s=0)
-        load = LibrdkafkaRequests(settings, reg.name("requests"), requests, qps=20).start()
-        await asyncio.sleep(1.0)
-        old = pipe.procs["ranker-0"]
-        roll = asyncio.ensure_future(asyncio.to_thread(pipe.roll_worker, 0))
+        load, old, roll = await _roll_under_load(settings, reg, pipe, behaviours, requests)
         handed, answered_at_kill = await _kill_mid_hand_over(WorkerFiles(folder), old, roll)
         took = await roll
         await asyncio.sleep(2.0)
@@ -130,9 +145,7 @@ async def test_old_process_killed_mid_hand_over_under_load(kafka_settings, tmp_p
         assert pipe.restarts["ranker-0"] == 0, "the old process's death was counted as a crash of ranker-0"
         pipe.check()
         events = worker_events(folder)
-        gone = next((e for e in events if e["event"] == "unanswered"), None)
-        ranges = {int(p): (a, b) for p, (a, b) in gone["ranked_again"].items()} if gone else {}
-        again = await _requests_at(settings, reg.name("rank"), ranges)
+        gone, ranges, again = await _ranked_again(settings, reg, events)
     finally:
         pipe.stop()
         await delete_topics_with_prefix(settings, settings.topic_prefix)
@@ -202,15 +215,11 @@ async def test_a_rebalance_during_the_hand_over_then_the_old_process_killed(
     pipe = Pipeline(settings, ranking_workers=2, env=env)
     pipe.start()
     try:
-        await pipe.wait_ready(timeout_s=240)
-        await publish(settings, reg, behaviours, [], settle_s=0)
-        load = LibrdkafkaRequests(settings, reg.name("requests"), requests, qps=20).start()
-        await asyncio.sleep(1.0)
-        old = pipe.procs["ranker-0"]
-        roll = asyncio.ensure_future(asyncio.to_thread(pipe.roll_worker, 0))
+        load, old, roll = await _roll_under_load(settings, reg, pipe, behaviours, requests)
         # The standby took over and joined (its first assignment), while the old process blocks.
         await _until_event(folder, "assigned", after="took_over", timeout_s=240)
-        assert old.poll() is None and not WorkerFiles(folder).handover_answered()
+        handover = WorkerFiles(folder).read_handover()
+        assert old.poll() is None and handover is not None and not WorkerFiles(folder).handover_answered()
         pipe.stop_worker(1)  # its partitions move once its session times out: a rebalance
         await _until_event(folder, "revoked_during_hand_over", after="took_over")
         os.kill(old.pid, signal.SIGKILL)
@@ -220,9 +229,7 @@ async def test_a_rebalance_during_the_hand_over_then_the_old_process_killed(
         results, counts = await count_results(settings, reg, {r.request_id for r in sent}, timeout_s=120)
         assert pipe.restarts["ranker-0"] == 0
         events = worker_events(folder)
-        gone = next((e for e in events if e["event"] == "unanswered"), None)
-        ranges = {int(p): (a, b) for p, (a, b) in gone["ranked_again"].items()} if gone else {}
-        again = await _requests_at(settings, reg.name("rank"), ranges)
+        gone, ranges, again = await _ranked_again(settings, reg, events)
     finally:
         pipe.stop()
         await delete_topics_with_prefix(settings, settings.topic_prefix)
@@ -233,6 +240,9 @@ async def test_a_rebalance_during_the_hand_over_then_the_old_process_killed(
     assert set(took) == {"warm", "serving", "joined", "old_exit"}
     (joined,) = [e for e in events if e["event"] == "joined"]
     assert joined["partitions"] == [0, 1, 2, 3], joined  # its own and the stopped worker's
+    # What it ranked again lies before the hand-over's offsets, in the partitions handed over.
+    handed = handover[0][reg.name("rank")]
+    assert gone is not None and all(a < b <= handed[p] for p, (a, b) in ranges.items()), (gone, handed)
     # No request lost; duplicates only where at least once allows them.
     assert set(results) == {r.request_id for r in sent}, "lost results"
     duplicated = {k for k, c in counts.items() if c > 1}
