@@ -393,6 +393,8 @@ async def test_switch_once_the_old_process_answered(rig) -> None:
     assert (await r.machine.commit())[_tp(RANK, 0)] == 15
     await r.machine.close()
     assert manual.stopped
+    r.machine.ask()  # joined, it hands over as any member does
+    assert r.machine.state is State.HANDING_OVER
 
 
 async def test_an_old_process_gone_before_answering_has_its_requests_ranked_again(rig) -> None:

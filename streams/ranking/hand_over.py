@@ -29,14 +29,19 @@ Transitions (event: what causes it; the faults marked):
 | ``ask()`` | warming, ready, serving_outside | same | the process stops: outside the group it commits and hands over nothing |
 | ``revoked(tps)`` | serving, joined | same | drained, committed, forgotten |
 | ``assigned(tps)`` | serving, joined | same | lineage checked, old-topic offsets rewound, behaviours from the history table, catch-up timed |
-| ``revoked(tps)``: a rebalance during the hand-over (second fault) | serving_outside | same | none of them taken any more; the old process's answer awaited (or its unanswered requests ranked again); drained; committed; forgotten |
+| ``revoked(tps)``: a rebalance during the hand-over (second fault) | serving_outside | same | ``revoked_during_hand_over``; none of them taken any more; the old process's answer awaited (or its unanswered requests ranked again); drained; committed (nothing, if no answer came in time); forgotten; no switch until the group assigned again |
 | ``assigned(tps)`` | serving_outside | same | those served outside keep their state; the others are read from the switch on |
-| ``revoked(tps)``: a rebalance during the hand-over (second fault) | handing_over | same | drained and committed, nothing forgotten: ``answered`` still covers all it held |
-| ``assigned(tps)`` | handing_over | same | nothing: it takes no new work |
+| ``revoked(tps)``: a rebalance during the hand-over (second fault) | handing_over, answered | same | drained and committed, nothing forgotten: ``answered`` still covers all it held |
+| ``assigned(tps)`` | handing_over, answered | same | nothing: it takes no new work |
 
-Primitives: ``State``; ``HandOver(...)`` (``state``, ``in_group``, ``standing_by``, ``asked``,
-the transitions above, ``commit()``, ``settle_old(group)``, ``wait_joined()``, ``close()``);
-``Dispatch``, what it needs of the Kafka shell (``take``, ``cancel_prefills``); ``alive(pid)``.
+The standby's transitions and ``hand_over()`` called from a state their rows do not name raise
+``IllegalTransition``; ``ask()``, ``revoked()``, ``assigned()`` and ``between_fetches()`` come in any
+state and do what their rows say (``between_fetches()`` nothing outside ``serving_outside``).
+
+Primitives: ``State``; ``HandOver(...)`` (``state``, ``in_group``, ``standing_by``,
+``serving_in_group()``, ``asked``, the transitions above, ``caught_up()``, ``commit()``,
+``settle_old(group)``, ``wait_joined()``, ``close()``); ``Dispatch``, what it needs of the Kafka
+shell (``take``, ``cancel_prefills``); ``IllegalTransition``; ``alive(pid)``.
 ``PipelineSettings.handover_stall_s`` (fault injection, off by default) blocks the old process right
 after it wrote ``handover.json``: a kill then is a crash mid hand-over.
 """
