@@ -120,7 +120,7 @@ def request_length(model: Any, latency: Any, budget_ms: float, theta: float, suf
 def requests_of(histories: dict[int, Events], count: int, length: int) -> list[tuple[int, Events]]:
     """``count`` requests round-robin over the users: round r cuts each history before its last
     r events, then lengthens it to ``length`` events (users with too few events are skipped)."""
-    from relaygr.tools.trace import lengthen
+    from relaygr.tools.long_users import lengthen
 
     users = sorted(histories)
     out: list[tuple[int, Events]] = []
@@ -280,7 +280,7 @@ def store_figures(
 ) -> dict[str, dict[str, float]]:
     """``store_tier_figures`` for the first ``users`` users' prefixes of
     ``prefix_len`` events (their histories lengthened as the requests' are)."""
-    from relaygr.tools.trace import lengthen
+    from relaygr.tools.long_users import lengthen
 
     chosen: dict[int, Events] = {}
     for u, history in requests:

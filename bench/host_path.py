@@ -48,14 +48,13 @@ import shutil
 import sys
 import tempfile
 import time
-import uuid
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from relaygr.infra.settings import Settings
-from relaygr.schemas import BehaviorEvent, RankedResult, RecommendationRequest, TopicRegistry
+from relaygr.schemas import RankedResult, RecommendationRequest, TopicRegistry
 from relaygr.tools.args import float_above, int_at_least
 from relaygr.tools.report.figures import percentile, ranking_ms
 
@@ -220,35 +219,21 @@ def tiny_model_dir() -> Iterator[Path]:
 @contextlib.contextmanager
 def deployment(mode: str, model_dir: Path, say) -> Iterator[tuple[Settings, TopicRegistry, object]]:
     """One pipeline in ``mode`` with one ranking worker (metrics served) on topics and a home of its
-    own; removed after."""
-    from relaygr.infra.kafka import delete_topics_with_prefix, ensure_topics
+    own (``tools.experiment.harness``); removed after."""
     from relaygr.infra.local.cluster import ensure_broker
     from relaygr.infra.settings import get_settings
     from relaygr.streams.config import PipelineSettings
-    from relaygr.tools.up import Pipeline
+    from relaygr.tools.experiment.harness import fresh_deployment
     from relaygr.workers.engine.cores import plan_cores
 
     with contextlib.redirect_stdout(sys.stderr):
         base, _ = ensure_broker(get_settings())
-    run_id = f"host-{mode}-{uuid.uuid4().hex[:6]}"
-    s = base.model_copy(
-        update={"topic_prefix": f"{base.topic_prefix}-{run_id}", "home": Path(base.home) / run_id}
-    )
-    reg = TopicRegistry(s.topic_prefix, s.partitions)
-    asyncio.run(ensure_topics(reg, s))
     # Every returning user's request is at risk: the relay path is the one measured.
     env = PipelineSettings.to_env(
         model_dir=model_dir, calibration_file=model_dir / "calibration.json", theta=1e-4
     )
-    try:
-        with Pipeline(
-            s, ranking_workers=1, mode=mode, env=env, metrics=True, cores=plan_cores(1, pin=False)
-        ) as pipe:
-            say(f"{mode}: pipeline ready in {asyncio.run(pipe.wait_ready()):.1f} s")
-            yield s, reg, pipe
-    finally:
-        asyncio.run(delete_topics_with_prefix(s, s.topic_prefix))
-        shutil.rmtree(s.home, ignore_errors=True)
+    with fresh_deployment(base, f"host-{mode}", mode, env, cores=plan_cores(1, pin=False), say=say) as dep:
+        yield dep.settings, dep.reg, dep.pipe
 
 
 @contextlib.contextmanager
@@ -321,9 +306,9 @@ async def _load(
 ) -> tuple[list[RankedResult], Window, float]:
     """Send ``plan`` at ``rate`` and read its results: the results, what the window cost the
     worker, and how late (s) the last result came after its request was due."""
-    from relaygr.bench.steady_load import send_visits
     from relaygr.infra.kafka import consumer
     from relaygr.schemas import decode
+    from relaygr.tools.sender import send_paced
 
     pid = pipe.procs["ranker-0"].pid
     ids = {r.request_id for r in plan}
@@ -336,7 +321,7 @@ async def _load(
         stages0 = stages_cpu_s(pids)
         (rank0, prefill0), cpu0, t0 = _device_cpu(pipe), process_cpu_s(pid), time.monotonic()
         sending = asyncio.create_task(
-            asyncio.to_thread(send_visits, settings, reg.name("requests"), plan, rate)
+            asyncio.to_thread(send_paced, settings, reg.name("requests"), plan, rate, "librdkafka")
         )
         due = t0 + len(plan) / rate
         deadline = due + max(30.0, len(plan) / rate)
@@ -364,32 +349,13 @@ def _plan(requests: list[RecommendationRequest], n: int, tag: str) -> list[Recom
     return [requests[k % len(requests)].model_copy(update={"request_id": f"{tag}-{k}"}) for k in range(n)]
 
 
-def long_users(ml, count: int, events: int) -> tuple[list[BehaviorEvent], list[RecommendationRequest]]:
-    """The ``count`` MovieLens users of the longest histories, each lengthened to ``events`` by
-    time-shifted repetition (the fewest copies: timestamps stay positive); one request each."""
-    from relaygr.tools.traffic import synthesise
-
-    behaviours, requests = [], []
-    for u in sorted(ml.histories, key=lambda u: (-len(ml.histories[u]), u))[:count]:
-        h = ml.histories[u]
-        h = synthesise(h, -(-events // len(h)))
-        h = h.slice(len(h) - events)
-        if len(h) and float(h.timestamps[0]) < 0:
-            raise ValueError(f"user {u}'s history cannot be lengthened to {events} events")
-        uid = f"host-{u}"
-        behaviours += [
-            BehaviorEvent(user_id=uid, item_id=int(i), ts=float(t), action=int(a))
-            for i, a, t in zip(h.item_ids.tolist(), h.action_ids.tolist(), h.timestamps.tolist(), strict=True)
-        ]
-        requests.append(RecommendationRequest(request_id=uid, user_id=uid, ts=0.0, num_candidates=128))
-    return behaviours, requests
-
-
 async def _prime(settings: Settings, reg: TopicRegistry, pipe, args, ml, say) -> list[RecommendationRequest]:
     """The users' histories published and applied, and two visits each (their prefixes cached)."""
+    from relaygr.tools.long_users import long_users
     from relaygr.tools.traffic import publish
 
-    behaviours, requests = long_users(ml, args.users, args.events)
+    # The users of the longest histories (the fewest copies each).
+    behaviours, requests = long_users(ml, args.users, args.events, tag="host", longest_first=True)
     await publish(settings, reg, behaviours, [], wait_for_ingest=True, settle_s=0)
     for visit in (1, 2):
         results, _, _ = await _load(settings, reg, pipe, _plan(requests, len(requests), f"prime{visit}"), 2.0)

@@ -1,21 +1,27 @@
-"""HSTU attention kernels: the PyTorch reference vs the Triton kernel, per shape, one JSON line.
+"""HSTU attention kernels: the CPU backend vs the Triton kernel, per shape, one JSON line.
 
 One call of ``hstu_mha`` (one layer; a forward runs it ``layers`` times) for each model shape
-(``--presets``: ``large`` 4 heads of 64, ``xl`` 8 heads of 128) and key count (``--lengths``):
+(``--presets``: ``large`` 4 heads of 64, ``xl`` 8 heads of 128, ``nvidia-block`` 4 heads of 256)
+and key count (``--lengths``):
 
 - ``relay_1``: one user's relay ranking: 64 new history tokens and 128 candidates as queries
-  against the user's keys (cached prefix, new tokens, candidates);
+  against the user's keys (cached prefix, new tokens, candidates); ``nvidia-block``: 128 and 256,
+  its anchor's shape (``--lengths 4096`` is its 3,968 cached events, 128 new and 256 candidates);
 - ``relay_batch``: ``--batch-users`` users at once, key counts spread from half the length to
   the length (a jagged batch);
 - ``full``: a full ranking, as many queries as keys (causal).
 
-Per row: median milliseconds of each backend (CUDA events after warm-up, ``--repeats`` timed
-calls), the TFLOP/s each achieves on the visible pairs' useful work (``2 (d_qk + d_v)`` per pair
-and head), the speed-up, and the worst absolute difference of the kernel from the reference. The
+Per row: median milliseconds of the CPU backend (``reference_ms``, the name the device report
+reads) and of the Triton kernel (CUDA events after warm-up, ``--repeats`` timed calls), the
+TFLOP/s each achieves on the visible pairs' useful work (``2 (d_qk + d_v)`` per pair and head), the
+speed-up, the worst absolute difference of the kernel from the CPU backend, and
+``triton_gated_ms``: the kernel with what follows it in a layer (``hstu_mha_gated``). The
 attention constants are the model's defaults (64 x 64 bias buckets, normaliser 256, far keys
 beyond 64 positions weighing 128 keys). On a CPU the benchmark runs a tiny shape, the kernel
-through Triton's interpreter where ``TRITON_INTERPRET=1`` is set, else the reference alone.
-``--sweep`` times a grid of tile configs per shape instead (tuning ``choose_config``);
+through Triton's interpreter where ``TRITON_INTERPRET=1`` is set, else the CPU backend alone.
+``--sweep`` times a grid of tile configs per shape instead (tuning ``choose_config``: tiles and
+head groups, then warps, stages, key splits and per-key row terms around the two best;
+``--sweep-limit`` caps each stage, ``--dry-run`` lists the first stage without timing);
 ``--build sm_90`` only compiles the configs ``choose_config`` picks, with no GPU, and reports each
 one's registers per thread, stack bytes (spills) and key-loop SASS instruction counts.
 """
@@ -33,25 +39,36 @@ from collections.abc import Callable
 import torch
 
 from relaygr.workers.kernels import AttentionParams, JaggedBatch
-from relaygr.workers.kernels.reference import reference_hstu_mha
+from relaygr.workers.kernels.cpu import cpu_hstu_mha
 
-SHAPES = {"tiny": (2, 16), "large": (4, 64), "xl": (8, 128)}  # heads, head dim
-LAYERS = {"tiny": 2, "large": 8, "xl": 24}
+SHAPES = {"tiny": (2, 16), "large": (4, 64), "xl": (8, 128), "nvidia-block": (4, 256)}  # heads, head dim
+LAYERS = {"tiny": 2, "large": 8, "xl": 24, "nvidia-block": 8}
 PARAMS = AttentionParams(num_pos=64, num_time=64, normaliser=256.0, near_keys=64, far_keys=128.0)
 NEW_TOKENS, CANDIDATES = 64, 128
+RELAY_QUERIES = {"nvidia-block": (128, 256)}
+"""A shape's relay ranking (new events, candidates) where it is not ``NEW_TOKENS``, ``CANDIDATES``:
+NVIDIA's cached HSTU block ranks 256 candidates after 128 new events."""
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     cuda = torch.cuda.is_available()
     parser.add_argument("--device", default="cuda" if cuda else "cpu")
-    parser.add_argument("--presets", default="large,xl" if cuda else "tiny", help="shapes: tiny, large, xl")
+    parser.add_argument(
+        "--presets", default="large,xl" if cuda else "tiny", help="shapes: tiny, large, xl, nvidia-block"
+    )
     parser.add_argument("--lengths", default="2048,8192" if cuda else "256", help="keys per user")
     parser.add_argument("--kinds", default="relay_1,relay_batch,full", help="which calls to time")
     parser.add_argument("--batch-users", type=int, default=32 if cuda else 3)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16" if cuda else "fp32")
     parser.add_argument("--repeats", type=int, default=20 if cuda else 2)
     parser.add_argument("--sweep", action="store_true", help="time a grid of tile configs instead")
+    parser.add_argument(
+        "--sweep-limit", type=int, default=0, help="with --sweep: at most this many configs a stage"
+    )
+    parser.add_argument(
+        "--dry-run", action="store_true", help="with --sweep: list the first stage's configs, time nothing"
+    )
     parser.add_argument(
         "--build",
         default=None,
@@ -85,16 +102,17 @@ def make_call(preset: str, kind: str, length: int, users: int, dtype: torch.dtyp
     """(args of hstu_mha, useful FLOPs) of one benchmark call."""
     heads, d = SHAPES[preset]
     gen = torch.Generator().manual_seed(seed)
-    queries = NEW_TOKENS + CANDIDATES
+    new, candidates = RELAY_QUERIES.get(preset, (NEW_TOKENS, CANDIDATES))
+    queries = new + candidates
     if kind != "full" and length < queries:
         raise ValueError(f"length {length} is under the {queries} queries of a relay ranking")
     if kind == "full":
         sizes = [(length, length, 0)]
     elif kind == "relay_1":
-        sizes = [(length, queries, CANDIDATES)]
+        sizes = [(length, queries, candidates)]
     elif kind == "relay_batch":
         spread = [length - b * length // (2 * users) for b in range(users)]
-        sizes = [(max(n_k, queries), queries, CANDIDATES) for n_k in spread]
+        sizes = [(max(n_k, queries), queries, candidates) for n_k in spread]
     else:
         raise ValueError(f"unknown kind {kind!r}: use relay_1, relay_batch or full")
     parts = [_user(gen, *s) for s in sizes]
@@ -149,69 +167,109 @@ def measure(preset: str, kind: str, length: int, args: argparse.Namespace) -> di
     batch = call[3]
     row = {"preset": preset, "layers": LAYERS[preset], "kind": kind, "users": batch.users,
            "keys": int(batch.k_pos.shape[0]), "queries": int(batch.q_pos.shape[0]), "gflop": flops / 1e9}  # fmt: skip
-    ref_ms = time_ms(lambda: reference_hstu_mha(*call), args.repeats, args.device)
+    ref_ms = time_ms(lambda: cpu_hstu_mha(*call), args.repeats, args.device)
     row.update(reference_ms=round(ref_ms, 4), reference_tflops=_sig(flops / ref_ms / 1e9))
-    row.update(triton_ms=None, triton_tflops=None, speedup=None, worst_diff=None)
+    row.update(triton_ms=None, triton_tflops=None, speedup=None, worst_diff=None, triton_gated_ms=None)
     if _kernel_runs(args.device):
         from relaygr.workers.kernels.triton_hstu import hstu_forward
 
         try:  # a shape the kernel fails on is a row that says so, not a lost benchmark
             tri_ms = time_ms(lambda: hstu_forward(*call), args.repeats, args.device)
-            diff = (hstu_forward(*call).float() - reference_hstu_mha(*call).float()).abs().max()
+            diff = (hstu_forward(*call).float() - cpu_hstu_mha(*call).float()).abs().max()
         except Exception as exc:
             row.update(triton_error=f"{type(exc).__name__}: {str(exc)[:300]}")
             return row
         row.update(triton_ms=round(tri_ms, 4), triton_tflops=_sig(flops / tri_ms / 1e9),
-                   speedup=round(ref_ms / tri_ms, 2), worst_diff=float(diff))  # fmt: skip
+                   speedup=round(ref_ms / tri_ms, 2), worst_diff=float(diff),
+                   triton_gated_ms=round(time_ms(_gated_call(call), args.repeats, args.device), 4))  # fmt: skip
     return row
+
+
+def _gated_call(call: tuple) -> Callable[[], object]:
+    """The call with what follows attention in a layer (``hstu_forward_gated``: norm, gate)."""
+    from relaygr.workers.kernels.triton_hstu import hstu_forward_gated
+
+    q, _, v = call[:3]
+    width = q.shape[1] * v.shape[2]
+    gate = torch.ones(q.shape[0], width, dtype=q.dtype, device=q.device)
+    out = torch.empty_like(gate)
+    norm = (torch.ones(width, device=q.device), torch.zeros(width, device=q.device), 1e-5)
+    return lambda: hstu_forward_gated(*call, norm, gate, out)
+
+
+def _fields(config) -> list:
+    return [config.block_m, config.block_n, config.num_warps, config.num_stages, config.splits,
+            config.head_group, config.row_terms]  # fmt: skip
 
 
 def _try(config, call, flops: int, repeats: int, device: str) -> dict:
     from relaygr.workers.kernels.triton_hstu import hstu_forward
 
-    fields = [
-        config.block_m,
-        config.block_n,
-        config.num_warps,
-        config.num_stages,
-        config.splits,
-        config.head_group,
-    ]
     try:
         ms = time_ms(lambda: hstu_forward(*call, config=config), repeats, device)
     except Exception as err:  # a config the compiler refuses (shared memory, registers)
-        return {"config": fields, "error": f"{type(err).__name__}: {str(err)[:80]}"}
-    return {"config": fields, "ms": round(ms, 4), "tflops": _sig(flops / ms / 1e9)}
+        return {"config": _fields(config), "error": f"{type(err).__name__}: {str(err)[:80]}"}
+    return {"config": _fields(config), "ms": round(ms, 4), "tflops": _sig(flops / ms / 1e9)}
+
+
+def sweep_grid(heads: int, d: int, limit: int = 0) -> list:
+    """The sweep's first stage: tiles (queries x keys) and heads per program, 8 warps for 128-query
+    tiles and 4 otherwise, 2 stages, automatic splits, pair terms per pair."""
+    from relaygr.workers.kernels.triton_hstu import KernelConfig
+
+    groups = [g for g in (1, 2, 4) if heads % g == 0 and g * d <= 512]
+    grid = [KernelConfig(bm, bn, 8 if bm == 128 else 4, 2, 0, g)
+            for bm, bn, g in itertools.product((64, 128, 32), (16, 32, 64), groups)]  # fmt: skip
+    return grid[:limit] if limit > 0 else grid
+
+
+def around(best, splits: int, kind: str, limit: int = 0) -> list:
+    """The sweep's second stage around a config: warps, stages, key splits (1, and a quarter to
+    twice ``splits``, the automatic count for the shape) and per-key row terms (relay only)."""
+    from relaygr.workers.kernels.triton_hstu import KernelConfig
+
+    counts = (
+        (0,)
+        if kind == "full"
+        else tuple(sorted({0, 1, max(1, splits // 4), max(1, splits // 2), 2 * splits}))
+    )
+    rows = (False,) if kind == "full" else (False, True)
+    grid = [KernelConfig(best.block_m, best.block_n, warps, stages, s, best.head_group, row_terms)
+            for warps, stages, s, row_terms in itertools.product((4, 8), (2, 3), counts, rows)]  # fmt: skip
+    return grid[:limit] if limit > 0 else grid
+
+
+def _ranked(results: list[dict]) -> list[dict]:
+    return sorted(results, key=lambda r: r.get("ms", float("inf")))
 
 
 def sweep(preset: str, kind: str, length: int, args: argparse.Namespace) -> dict:
-    """Milliseconds per tile config for one shape, best first: tiles and head groups first, then
-    warps, pipeline stages and key splits around the two best. Config fields: block_m, block_n,
-    num_warps, num_stages, splits (0: automatic), head_group."""
+    """Milliseconds per tile config for one shape, best first (``sweep_grid``, then ``around`` the
+    two best). Config fields: block_m, block_n, num_warps, num_stages, splits (0: automatic),
+    head_group, row_terms. With ``--dry-run`` the first stage's configs, untimed."""
     from relaygr.workers.kernels.triton_hstu import KernelConfig, choose_config
 
+    heads, d = SHAPES[preset]
+    grid = sweep_grid(heads, d, args.sweep_limit)
+    if args.dry_run:
+        return {"preset": preset, "kind": kind, "length": length, "first_stage": [_fields(c) for c in grid]}
     call, flops = make_call(
         preset, kind, length, args.batch_users, DTYPES[args.dtype], args.device, args.seed
     )
-    heads, d = SHAPES[preset]
     repeats = max(3, args.repeats // 4)
     batch = call[3]
-    chosen = choose_config(DTYPES[args.dtype], d, d, batch.max_q, batch.max_k, batch.users, heads,
-                           torch.cuda.get_device_properties(args.device).multi_processor_count
-                           if args.device.startswith("cuda") else 132)  # fmt: skip
-    groups = [g for g in (1, 2, 4, 8) if heads % g == 0 and g * d <= 512]
-    first = [_try(KernelConfig(bm, bn, 8 if bm == 128 else 4, 2, 0, g), call, flops, repeats, args.device)
-             for bm, bn, g in itertools.product((64, 128), (32, 64), groups)]  # fmt: skip
-    first.sort(key=lambda r: r.get("ms", float("inf")))
+    sm_count = (torch.cuda.get_device_properties(args.device).multi_processor_count
+                if args.device.startswith("cuda") else 132)  # fmt: skip
+    chosen = choose_config(DTYPES[args.dtype], d, d, batch.max_q, batch.max_k, batch.users, heads, sm_count)
+    first = _ranked([_try(c, call, flops, repeats, args.device) for c in grid])
     second = []
-    splits = (0,) if kind == "full" else (0, 4, 16, 64)
-    for best in first[:2]:
-        bm, bn, _, _, _, g = best["config"]
-        for warps, stages, s in itertools.product((4, 8), (2, 3), splits):
-            second.append(_try(KernelConfig(bm, bn, warps, stages, s, g), call, flops, repeats, args.device))
-    results = sorted(first + second, key=lambda r: r.get("ms", float("inf")))
+    for best in (r for r in first[:2] if "ms" in r):
+        bm, bn, _, _, _, g, _ = best["config"]
+        for config in around(KernelConfig(bm, bn, head_group=g), chosen.splits, kind, args.sweep_limit):
+            second.append(_try(config, call, flops, repeats, args.device))
+    results = _ranked(first + second)
     return {"preset": preset, "kind": kind, "length": length, "chosen": _try(chosen, call, flops, repeats, args.device),
-            "top": results[:5], "errors": [r for r in results if "error" in r][:3]}  # fmt: skip
+            "top": results[:5], "configs": len(results), "errors": [r for r in results if "error" in r][:3]}  # fmt: skip
 
 
 POINTER_ARGS = {"BIAS": "*fp32", "Q_OFFSETS": "*i64", "K_OFFSETS": "*i64", "Q_POS": "*i64", "K_POS": "*i64",
@@ -248,7 +306,7 @@ def build(preset: str, kind: str, length: int, args: argparse.Namespace) -> dict
     from relaygr.workers.kernels.triton_hstu import choose_config, kernel_constants
 
     heads, d = SHAPES[preset]
-    queries = length if kind == "full" else NEW_TOKENS + CANDIDATES
+    queries = length if kind == "full" else sum(RELAY_QUERIES.get(preset, (NEW_TOKENS, CANDIDATES)))
     users = args.batch_users if kind == "relay_batch" else 1
     config = choose_config(DTYPES[args.dtype], d, d, queries, length, users, heads, 132)
     kernel, constants = kernel_constants(

@@ -179,7 +179,7 @@ def stubbed_launches() -> Iterator[None]:
     launch counts as one operation (an ``add_``): what a CUDA graph of it holds."""
     from relaygr.workers.kernels import triton_hstu, use_backend
 
-    names = ("_hstu_fwd_kernel", "_hstu_fwd_grouped_kernel", "_sum_splits_kernel")
+    names = ("_hstu_fwd_kernel", "_hstu_fwd_grouped_kernel", "_finish_kernel")
     kept = {name: getattr(triton_hstu, name) for name in names}
     try:
         for name in names:
@@ -192,7 +192,7 @@ def stubbed_launches() -> Iterator[None]:
 
 
 def count_graphed(
-    model: HSTURanker, events: int, suffix: int, candidates: int, users: int = 1, backend: str = "reference"
+    model: HSTURanker, events: int, suffix: int, candidates: int, users: int = 1, backend: str = "cpu"
 ) -> DispatchCounter:
     """The operations of one bucketed relay forward (``graph_runner.BucketRunner.forward``, what
     a CUDA graph captures) for ``users`` users of ``events - suffix`` cached events, ``suffix`` new
@@ -210,8 +210,8 @@ def count_graphed(
         cfg.layers, cfg.heads, cfg.attn_dim, cfg.linear_dim, DEFAULT_BLOCK_TOKENS, blocks, model.dtype, "meta"
     )
     runner = BucketRunner(model, model.serving(), pool, bucket, -(-prefix // DEFAULT_BLOCK_TOKENS))
-    if backend not in ("reference", "triton"):
-        raise ValueError(f"backend must be reference or triton, got {backend!r}")
+    if backend not in ("cpu", "triton"):
+        raise ValueError(f"backend must be cpu or triton, got {backend!r}")
     with stubbed_launches() if backend == "triton" else contextlib.nullcontext():
         with DispatchCounter():
             runner.forward()  # once first, as ``count_ranking``

@@ -21,6 +21,9 @@ own prefix of that length, suffix and candidates) one ``rank_and_extend`` at a t
 ``rank_users`` forward (the ranking worker's batch), in ms per request, and that forward as one
 bucket's graph replay (``batched_graphed_ms_per_request_p50``; ``device_rankings_per_s``: the
 rankings a second the device serves at that batch, the host's work aside). ``--preset`` takes a model shape of ``workers.model.presets``; ``--dtype`` one or more.
+``--anchor`` prints instead an ``anchor`` line per batch (1 and 8) at NVIDIA's cached HSTU block's
+shape (``model_anchor``: the ``nvidia-block`` preset, 3,968 cached events, 128 new, 256
+candidates), its B200 figure beside ours; on a CPU only with ``--quick`` (one layer, one repeat).
 One JSON line per measurement with ``--json``; a table otherwise.
 
 Primitives: ``batched_graphed_columns``, ``synthetic_history``, ``matmul_roofline``, ``kv_bytes_per_layer``, ``top_k_agreement``,
@@ -106,6 +109,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--users", type=int, default=0, help="also rank this many users one at a time vs batched (0: no)"
+    )
+    parser.add_argument(
+        "--anchor",
+        action="store_true",
+        help="NVIDIA's cached HSTU block shape (nvidia-block) at batch 1 and 8 instead (bench/model_anchor.py)",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="with --anchor: one layer and one repeat (what a CPU can run)"
     )
     parser.add_argument(
         "--users-lengths",
@@ -462,6 +473,10 @@ def run(args: argparse.Namespace) -> int:
     keep_host_pages()  # as a serving worker runs
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.anchor:
+        from relaygr.bench.model_anchor import run_anchor
+
+        return run_anchor(args, synthetic_history)
     if args.users < 0:
         raise SystemExit(f"relaygr bench model: --users must be >= 0, got {args.users}")
     device = resolve_device(args.device)

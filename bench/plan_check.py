@@ -229,7 +229,7 @@ def _calibrated(args: argparse.Namespace, settings: Any) -> tuple[Any, Any, Any,
 def _histories(args: argparse.Namespace, settings: Any, max_seq_len: int, latency: Any) -> dict[str, Any]:
     """The users' histories: MovieLens users lengthened to log-normal lengths (p50 and p99 given,
     or the p50 at 1.5 × the length where the trigger starts to admit), long and short interleaved."""
-    from relaygr.tools.trace import lengthen
+    from relaygr.tools.long_users import lengthen
     from relaygr.workers.engine.capacity import lognormal_lengths
     from relaygr.workers.training.movielens import load_movielens
 

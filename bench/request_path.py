@@ -156,7 +156,8 @@ def summarise(recorder: CallRecorder, folders: dict[Path, str]) -> dict[str, dic
 async def _one_request(args: argparse.Namespace, recorder: CallRecorder, workdir: Path) -> dict[str, Any]:
     from relaygr.schemas import PrefillSignal, RankRequest, TriggerReason
     from relaygr.streams.config import PipelineSettings
-    from relaygr.streams.history import HistoryAlignment, HistoryTable
+    from relaygr.streams.history import HistoryTable
+    from relaygr.streams.history_alignment import HistoryAlignment
     from relaygr.streams.ranking.rank_handler import RankHandler
     from relaygr.workers.engine.engine_config import EngineConfig
     from relaygr.workers.engine.latency_model import LatencyModel

@@ -12,7 +12,8 @@ Primitives:
   retry), keyed records partitioned as Java's and aiokafka's default (murmur2), the deployment's
   security settings. ``send(topic, value, key)`` enqueues and returns a future of the record's
   acknowledgement (its exception: the delivery failed for good; librdkafka retries within
-  ``delivery_timeout_ms`` before that); ``await send_and_wait(...)``; ``await start()``,
+  ``delivery_timeout_ms`` before that), to ``partition`` when given (the cascade's own
+  partitioner for its co-partitioned topics), with ``headers``; ``await send_and_wait(...)``; ``await start()``,
   ``await stop(timeout_s)`` (flushes what is queued, then closes); ``len(producer)``: records
   not yet acknowledged.
 - ``rdkafka_config(settings)``: the librdkafka settings of this deployment (bootstrap, security).
@@ -25,6 +26,7 @@ acknowledgements, not once per record.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from typing import Any
 
@@ -91,15 +93,25 @@ class RdProducer:
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._producer = Producer(self._conf)
+        # librdkafka's own log lines (a broker down, a retried PID) through ours, not stderr.
+        self._producer = Producer(self._conf, logger=logging.getLogger("relaygr.rdkafka"))
         self._thread = threading.Thread(target=self._poll, name="relaygr-rdkafka-acks", daemon=True)
         self._thread.start()
 
     def __len__(self) -> int:
         return len(self._producer) if self._producer is not None else 0
 
-    def send(self, topic: str, value: bytes, *, key: bytes | None = None) -> asyncio.Future:
-        """Enqueue one record; the future is its acknowledgement (``DeliveryFailed`` if given up)."""
+    def send(
+        self,
+        topic: str,
+        value: bytes,
+        *,
+        key: bytes | None = None,
+        partition: int | None = None,
+        headers: list[tuple[str, bytes]] | None = None,
+    ) -> asyncio.Future:
+        """Enqueue one record (``partition``: that one, else the key's); the future is its
+        acknowledgement (``DeliveryFailed`` if given up)."""
         if self._producer is None or self._loop is None:
             raise RuntimeError("RdProducer.send before start()")
         fut = self._loop.create_future()
@@ -110,7 +122,10 @@ class RdProducer:
 
         while True:
             try:
-                self._producer.produce(topic, value, key=key, on_delivery=report)
+                self._producer.produce(
+                    topic, value, key=key, partition=-1 if partition is None else partition,
+                    headers=headers, on_delivery=report,
+                )  # fmt: skip
                 return fut
             except BufferError:  # librdkafka's queue is full: let acknowledgements drain it
                 self._producer.poll(0.01)
@@ -118,8 +133,8 @@ class RdProducer:
                 fut.set_exception(DeliveryFailed(str(e)))
                 return fut
 
-    async def send_and_wait(self, topic: str, value: bytes, *, key: bytes | None = None) -> None:
-        await self.send(topic, value, key=key)
+    async def send_and_wait(self, topic: str, value: bytes, **kw: Any) -> None:
+        await self.send(topic, value, **kw)
 
     def _poll(self) -> None:
         assert self._producer is not None and self._loop is not None

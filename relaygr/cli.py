@@ -13,6 +13,8 @@ import signal
 import sys
 import threading
 
+from relaygr.tools.experiment.scenarios import SCENARIOS
+
 # name -> (module, one-line help). Groups map to nested commands.
 COMMANDS: dict[str, tuple[str, str]] = {
     "broker": ("relaygr.infra.local.broker_cli", "start, stop or inspect the local Kafka broker or cluster"),
@@ -66,6 +68,8 @@ GROUPS: dict[str, tuple[str, dict[str, tuple[str, str]]]] = {
     "bench": (
         "benchmarks that print one JSON line per measurement, relay and baseline side by side",
         {
+            # The worker micro-benchmarks (bench/), the broker scenarios (experiment kinds that run
+            # on fresh pipelines: tools/experiment/scenarios/) and the device check (device/).
             "model": (
                 "relaygr.bench.model",
                 "rank with a cached prefix vs full inference, per prefix length",
@@ -87,23 +91,11 @@ GROUPS: dict[str, tuple[str, dict[str, tuple[str, str]]]] = {
                 "relaygr.bench.plan_check",
                 "relaygr plan's predicted bytes and device time next to a measured engine run",
             ),
-            "pipeline": (
-                "relaygr.bench.pipeline",
-                "Kafka hop overhead; relay vs baseline ranking P99 on the broker",
-            ),
-            "noisy-neighbour": (
-                "relaygr.bench.noisy_neighbour",
-                "ordinary users' ranking P99 with and without one 60k-event user on the same worker",
-            ),
             "device": (
-                "relaygr.bench.device",
+                "relaygr.device.check",
                 "the prepared device check: environment, kernels, exactness, model, store, profile and "
                 "a short pipeline run on an accelerator, each step within its time budget, into "
                 "report.json / report.md",
-            ),
-            "ingest": (
-                "relaygr.bench.ingest",
-                "every stage's ingestion rate for a burst of long histories; request hops during it vs idle",
             ),
             "request-path": (
                 "relaygr.bench.request_path",
@@ -119,16 +111,7 @@ GROUPS: dict[str, tuple[str, dict[str, tuple[str, str]]]] = {
                 "CPU per message of aiokafka and confluent-kafka producers and consumers at given rates, "
                 "side by side on the real broker (what a stage's round trips cost)",
             ),
-            "steady-load": (
-                "relaygr.bench.steady_load",
-                "returning users at steady rates and in a burst: relay share by visit, pre-inferences "
-                "finished and dropped, timeouts and ranking P99, per pre-inference policy",
-            ),
-            "rolling-restart": (
-                "relaygr.bench.rolling_restart",
-                "every ranking worker replaced by a warm standby in turn at a steady load: lost, "
-                "duplicated, timeouts, relay share and ranking P99 per window",
-            ),
+            **SCENARIOS,
         },
     ),
 }

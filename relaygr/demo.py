@@ -228,7 +228,8 @@ def _run_mode(
     budget_ms: float,
 ) -> ModeRun:
     """One mode on a pipeline of its own: start, warm up, measure, stop."""
-    from relaygr.tools.experiment.deployment import Deployment, run_point
+    from relaygr.tools.experiment.deployment import run_point
+    from relaygr.tools.experiment.harness import Deployment
 
     cores = plan_cores(args.ranking_workers, pin=False)
     dep = Deployment(settings, mode, env, run_dir, settings.topic_prefix, args.ranking_workers, cores)

@@ -28,7 +28,9 @@ source offsets so that readers drop it. A user's events of one fetch travel as o
 ``BehaviorBatch`` record, so the stages behind pay per burst, not per event, in Kafka records.
 
 One process can route both inputs; ``relaygr up`` runs one process per input, so that a burst of
-behaviours never competes with requests for the same event loop (or CPU time slice).
+behaviours never competes with requests for the same event loop (or CPU time slice). This module
+routes requests and owns the stage (clients, checks, dead letters, commits); the behaviours'
+router is ``streams.ingress_behaviours``.
 
 Primitives: ``Ingress(settings, worker_id, inputs)`` with ``run()`` / ``stop()``; ``main(...)``.
 """
@@ -45,43 +47,35 @@ from typing import Any
 
 from aiokafka import ConsumerRebalanceListener, TopicPartition
 from prometheus_client import Counter as PCounter
-from prometheus_client import Gauge, Histogram
+from prometheus_client import Histogram
 
 from relaygr.infra.incarnations import Incarnations
 from relaygr.infra.kafka import consumer, describe_partitions, partition_for, producer, stop_clients
+from relaygr.infra.rdkafka_producer import RdProducer
 from relaygr.infra.settings import Settings
 from relaygr.infra.stop_guard import StopDeadline
 from relaygr.schemas import (
-    BehaviorBatch,
-    BehaviorEvent,
     RecommendationRequest,
     SchemaError,
     TopicRegistry,
     encode,
 )
 from relaygr.schemas.routing import (
-    HEADER_FORWARD_RATE,
     HEADER_NEEDS,
-    HEADER_PROGRESS,
     HEADER_ROUTED_AT,
     Positions,
     encode_positions,
 )
-from relaygr.streams.common import DEAD_LETTERS, ForwardRate, dead_letter, decode_keyed, deliver
+from relaygr.streams.common import DEAD_LETTERS, dead_letter, decode_keyed, deliver
+from relaygr.streams.ingress_behaviours import COMMIT_EVERY_S, ROUTED, BehaviourRouter
 
 log = logging.getLogger(__name__)
 STAGE = "ingress"
 
-ROUTED = PCounter("relaygr_ingress_routed_total", "Events re-keyed onto the routed topics", ["topic"])
 MISROUTED = PCounter(
     "relaygr_ingress_misrouted_total",
     "Events that arrived on a partition other than the cascade's own for their key",
     ["topic"],
-)
-PROGRESS = PCounter("relaygr_ingress_progress_records_total", "Progress records written")
-FORWARD_RATE = Gauge(
-    "relaygr_ingress_forward_rate",
-    "Public behaviours forwarded per second through a backlog (what progress records advertise)",
 )
 HOP = Histogram(
     "relaygr_ingress_request_seconds",
@@ -89,10 +83,6 @@ HOP = Histogram(
     buckets=(0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 1),
 )
 
-# A progress record per routed partition at most this often while behaviours flow (and always
-# when the backlog is drained): alignment waits at most this long for one.
-PROGRESS_EVERY_S = 0.01
-BEHAVIOUR_FETCH = 5000
 INPUTS = ("requests", "behaviors")
 # A behaviours-only router runs at this lower CPU priority (os.nice increment).
 BEHAVIOUR_NICENESS = 5
@@ -100,13 +90,6 @@ BEHAVIOUR_NICENESS = 5
 WATCH_EVERY_S = 5.0
 # How often a requests router re-reads the behaviours topic's partition count.
 PARTITIONS_REFRESH_S = 30.0
-# Records decoded between two yields to the event loop (the requests' task runs in between).
-YIELD_EVERY = 200
-# Events per routed record: a burst of one user's history costs downstream stages a few records.
-ROUTED_BATCH = 2000
-COMMIT_EVERY_S = 0.2
-# A fetch of at least this many behaviours is a backlog: its pace measures the forward rate.
-RATE_MIN_RECORDS = 500
 
 
 class Ingress:
@@ -120,8 +103,7 @@ class Ingress:
         self._stop = asyncio.Event()
         self._misrouted_seen: set[str] = set()
         self._beh_partitions: tuple[int, float] = (0, 0.0)  # (count, when read)
-        self._forwarded_reset = False  # the behaviours topic was recreated: positions start over
-        self.forward_rate = ForwardRate()  # public behaviours forwarded per second, in a backlog
+        self.behaviours: BehaviourRouter | None = None
         self.assigned_at: dict[str, float] = {}  # topic -> when its partitions were last assigned
         # Commits name the topic id they were read from; a partition whose committed offset names
         # an earlier topic of the same name is read from its start (``relaygr.infra.incarnations``).
@@ -145,7 +127,7 @@ class Ingress:
             )
             # The end-offset look-ups of requests on a connection of their own as well.
             self.offsets = consumer(self.settings, group_id=None)
-            self.req_producer = producer(self.settings, linger_ms=self.settings.request_linger_ms)
+            self.req_producer = RdProducer(self.settings, linger_ms=self.settings.request_linger_ms)
             clients += [self.req_producer, self.req_consumer, self.offsets]
             loops.append(self._requests)
         if "behaviors" in self.inputs:
@@ -161,7 +143,11 @@ class Ingress:
             )
             self.beh_producer = producer(self.settings, linger_ms=0, max_batch_size=1 << 20)
             clients += [self.beh_producer, self.beh_consumer]
-            loops.append(self._behaviours)
+            self.behaviours = BehaviourRouter(
+                self.settings, self.reg, self.beh_consumer, self.beh_producer, self.incarnations,
+                self._dead_letter, self._check_partition, lambda cons: _commit(cons, self.incarnations),
+            )  # fmt: skip
+            loops.append(self.behaviours.run)
         self.dlq_producer = self.req_producer if "requests" in self.inputs else self.beh_producer
         try:
             for c in clients:
@@ -224,8 +210,8 @@ class Ingress:
                         await cons.seek_to_beginning(*tps)
                     # Only now: a commit stamped with the new id must not carry an old position.
                     self.incarnations.ids[topic] = t.topic_id
-                    if topic == self.reg.name("behaviors"):
-                        self._forwarded_reset = True
+                    if topic == self.reg.name("behaviors") and self.behaviours is not None:
+                        self.behaviours.topic_recreated()
                     DISCARDED.labels(STAGE, "topic_recreated").inc(len(tps))
                     log.warning(
                         "ingress: %s was deleted and created again (id %s, was %s): reading its %d "
@@ -349,159 +335,6 @@ class Ingress:
 
     # ------------------------------------------------------------------ behaviours
 
-    async def _behaviours(self) -> None:
-        src, dst = self.reg.name("behaviors"), self.reg.name("routed_behaviors")
-        n_out = self.reg.partitions
-        forwarded: Positions = {}  # public partition -> offset below which all is forwarded
-        marked: Positions = {}  # what the last progress records said
-        last_progress = last_commit = 0.0
-        in_flight: asyncio.Future | None = None
-        while True:
-            batch = await self.beh_consumer.getmany(timeout_ms=50, max_records=BEHAVIOUR_FETCH)
-            t_fetched = time.perf_counter()
-            if self._forwarded_reset:  # positions in the old topic say nothing about the new one
-                self._forwarded_reset = False
-                forwarded.clear()
-                marked.clear()
-            users, dead, n = await self._group_by_user(batch, src, forwarded)
-            # The public topic these offsets belong to, as learnt at assignment (or since noticed
-            # recreated): a reader's positions of an earlier topic of that name do not count.
-            sid = self.incarnations.ids.get(src)
-            out = {
-                p: [_batch_record(uid, cols, sid) for uid, cols in per.items()] for p, per in users.items()
-            }
-            await self._note_start_positions(forwarded)
-            now = time.monotonic()
-            progress = None
-            if forwarded != marked and (not batch or now - last_progress >= PROGRESS_EVERY_S):
-                progress = encode_positions(forwarded)
-            busy_s = time.perf_counter() - t_fetched
-            if in_flight is not None:
-                await in_flight  # the previous fetch's batches: acknowledged before these go out
-                in_flight = None
-            if out or progress is not None:
-                read = sum(len(msgs) for msgs in batch.values())
-                in_flight = await self._forward(dst, out, progress, n_out, read, busy_s)
-                if progress is not None:
-                    marked, last_progress = dict(forwarded), now
-                    PROGRESS.inc(n_out)
-            if dead:
-                await asyncio.gather(*dead)
-            if n:
-                ROUTED.labels(src).inc(n)
-            if now - last_commit > COMMIT_EVERY_S:
-                if in_flight is not None:
-                    await in_flight
-                    in_flight = None
-                await _commit(self.beh_consumer, self.incarnations)  # all read so far is acknowledged
-                last_commit = now
-
-    async def _group_by_user(
-        self, batch: dict[TopicPartition, list], src: str, forwarded: Positions
-    ) -> tuple[dict[int, dict[str, tuple[list, list, list, list, list]]], list, int]:
-        """A fetch's valid behaviours grouped per routed partition and user, as columns (item, ts,
-        action, public partition, offset) in fetch order; the dead letters to send for the
-        others; how many were grouped. Moves ``forwarded`` past every record read."""
-        n_out = self.reg.partitions
-        count = len(self.beh_consumer.partitions_for_topic(src) or ()) or n_out
-        users: dict[int, dict[str, tuple[list, list, list, list, list]]] = {}
-        dead = []
-        n = 0
-        routed: dict[bytes, int] = {}  # key -> routed partition, once per key and fetch
-        for tp, msgs in batch.items():
-            for i, m in enumerate(msgs):
-                if i % YIELD_EVERY == YIELD_EVERY - 1:
-                    await asyncio.sleep(0)  # a requests task may share this loop: let it run
-                try:
-                    b = decode_keyed(BehaviorEvent, m.key, m.value, self.limit)
-                except SchemaError as e:
-                    dead.append(self._dead_letter(m, str(e)))
-                    continue
-                key = b.key()
-                p = routed.get(key)
-                if p is None:
-                    p = routed[key] = partition_for(key, n_out)
-                    self._check_partition(src, tp.partition, key, count)
-                per_user = users.setdefault(p, {})
-                cols = per_user.get(b.user_id)
-                if cols is None:
-                    cols = per_user[b.user_id] = ([], [], [], [], [])
-                cols[0].append(b.item_id)
-                cols[1].append(b.ts)
-                cols[2].append(b.action)
-                cols[3].append(tp.partition)
-                cols[4].append(m.offset)
-                n += 1
-            if msgs:
-                forwarded[tp.partition] = msgs[-1].offset + 1
-        return users, dead, n
-
-    async def _note_start_positions(self, forwarded: Positions) -> None:
-        """An assigned partition nothing was read from yet: what lies before its start position
-        counts as forwarded."""
-        for tp in self.beh_consumer.assignment():
-            if tp.partition not in forwarded:
-                with contextlib.suppress(Exception):
-                    forwarded[tp.partition] = await self.beh_consumer.position(tp)
-
-    async def _forward(
-        self,
-        dst: str,
-        out: dict[int, list[list]],
-        progress: bytes | None,
-        n_out: int,
-        read: int,
-        busy_s: float,
-    ) -> Any:
-        """Send one fetch's batches (and progress records); returns the future of their
-        acknowledgement. A fetch of a backlog (``read`` records, ``busy_s`` spent on it before
-        sending) measures the forward rate."""
-        # Sent now, acknowledged while the next fetch is processed (order per partition holds:
-        # one producer, idempotent).
-        t_send = time.perf_counter()
-        in_flight = await self._send_behaviours(
-            dst,
-            {p: [r for recs in v for r in recs] for p, v in out.items()},
-            progress,
-            n_out,
-            self.forward_rate.value,
-        )
-        if read >= RATE_MIN_RECORDS:  # a fetch this large is a backlog: its pace is ours
-            self.forward_rate.observe(read, busy_s + time.perf_counter() - t_send)
-            FORWARD_RATE.set(self.forward_rate.value or 0.0)
-        return in_flight
-
-    async def _send_behaviours(
-        self, topic: str, out: dict[int, list], progress: bytes | None, n_out: int, rate: float | None
-    ) -> None:
-        """One produce batch per routed partition (more if a batch fills up), the progress record
-        last (with the forward ``rate``, when measured); returns a future done once the broker
-        acknowledged all of them."""
-        prod = self.beh_producer
-        futs = []
-        parts = range(n_out) if progress is not None else sorted(out)
-        marks = [(HEADER_PROGRESS, b"1")]
-        if rate is not None:
-            marks.append((HEADER_FORWARD_RATE, f"{rate:.0f}".encode()))
-        for p in parts:
-            recs = list(out.get(p, ()))
-            if progress is not None:
-                recs.append((b"", progress, marks))
-            builder = prod.create_batch()
-            for key, value, headers in recs:
-                while builder.append(key=key, value=value, timestamp=None, headers=headers) is None:
-                    futs.append(await self._send_batch(builder, topic, p))
-                    builder = prod.create_batch()
-            if builder.record_count():
-                futs.append(await self._send_batch(builder, topic, p))
-        return asyncio.gather(*futs)
-
-    async def _send_batch(self, builder: Any, topic: str, partition: int) -> Any:
-        return await deliver(
-            lambda: self.beh_producer.send_batch(builder, topic, partition=partition),
-            what="routed behaviours",
-        )
-
 
 class _Assignments(ConsumerRebalanceListener):
     """Notes when each input topic's partitions were assigned (see ``_watch_sources``), and reads
@@ -523,28 +356,6 @@ class _Assignments(ConsumerRebalanceListener):
         await rewind_old_topic_offsets(
             STAGE, "ingress", self.group, cons, self.ingress.incarnations, assigned
         )
-
-
-def _batch_record(
-    user_id: str, cols: tuple[list, list, list, list, list], source_topic_id: str | None
-) -> list[tuple[bytes, bytes, list]]:
-    """One user's routed events as ``BehaviorBatch`` records of at most ``ROUTED_BATCH`` events
-    (key, value, headers). Every event was validated on the way in, so no validation again."""
-    key = user_id.encode()
-    out = []
-    for i in range(0, len(cols[0]), ROUTED_BATCH):
-        part = slice(i, i + ROUTED_BATCH)
-        rec = BehaviorBatch.model_construct(
-            user_id=user_id,
-            item_ids=cols[0][part],
-            timestamps=cols[1][part],
-            actions=cols[2][part],
-            source_partitions=cols[3][part],
-            source_offsets=cols[4][part],
-            source_topic_id=source_topic_id,
-        )
-        out.append((key, encode(rec), []))
-    return out
 
 
 async def _commit(cons: Any, incarnations: Incarnations) -> None:

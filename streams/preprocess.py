@@ -34,6 +34,7 @@ from relaygr.schemas import (
 )
 from relaygr.streams.common import (
     PendingSends,
+    StageOutputs,
     decode_keyed,
     faust_dead_letterer,
     handle_events,
@@ -167,7 +168,8 @@ def build(settings: Settings, pipeline: PipelineSettings, worker_id: str = "0"):
     reg = TopicRegistry(settings.topic_prefix, settings.partitions)
     behaviors = raw_topic(app, reg.name("routed_behaviors"))
     retrieved = raw_topic(app, reg.name("retrieved"))
-    out_rank, dlq = raw_topic(app, reg.name("rank")), raw_topic(app, reg.name("dead_letters"))
+    out_rank, dlq = reg.name("rank"), raw_topic(app, reg.name("dead_letters"))
+    outputs = StageOutputs(settings)
     # The value format is part of the table's name: a format change starts a fresh table.
     seen = app.Table(
         "seen-v2",
@@ -217,6 +219,6 @@ def build(settings: Settings, pipeline: PipelineSettings, worker_id: str = "0"):
 
     @app.agent(retrieved, concurrency=pipeline.concurrency)
     async def preprocess(stream):
-        await handle_events(STAGE, stream, on_retrieved, to_dlq)
+        await handle_events(STAGE, stream, on_retrieved, to_dlq, outputs)
 
     return app

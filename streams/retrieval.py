@@ -44,6 +44,7 @@ from relaygr.schemas import (
 from relaygr.schemas.events import is_item_id
 from relaygr.streams.common import (
     PendingSends,
+    StageOutputs,
     decode_keyed,
     faust_dead_letterer,
     handle_events,
@@ -256,7 +257,8 @@ def build(settings: Settings, pipeline: PipelineSettings, worker_id: str = "0"):
     reg = TopicRegistry(settings.topic_prefix, settings.partitions)
     behaviors = raw_topic(app, reg.name("routed_behaviors"))
     requests = raw_topic(app, reg.name("routed_requests"))
-    out_prefill, out_retrieved = raw_topic(app, reg.name("prefill")), raw_topic(app, reg.name("retrieved"))
+    out_prefill, out_retrieved = reg.name("prefill"), reg.name("retrieved")
+    outputs = StageOutputs(settings)
     dlq = raw_topic(app, reg.name("dead_letters"))
     # The value format is part of the table's name: a format change starts a fresh table.
     histories = app.Table(
@@ -317,7 +319,7 @@ def build(settings: Settings, pipeline: PipelineSettings, worker_id: str = "0"):
 
     @app.agent(requests, concurrency=pipeline.concurrency)
     async def retrieve(stream):
-        await handle_events(STAGE, stream, on_request, to_dlq)
+        await handle_events(STAGE, stream, on_request, to_dlq, outputs)
 
     @app.task
     async def calibrate_trigger() -> None:

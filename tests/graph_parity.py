@@ -1,4 +1,4 @@
-"""The bucketed relay forward with the Triton kernel against the eager reference path, on the
+"""The bucketed relay forward with the Triton kernel against the eager CPU backend, on the
 small shapes of ``test_graph_relay``. Run as a script (``TRITON_INTERPRET=1`` on a CPU): it prints
 one JSON object, the worst absolute score difference and the largest score."""
 
@@ -17,7 +17,7 @@ def main(device: str) -> None:
     model = model32().to(device)
     model.refresh_version()
     requests = _requests(model, [(15, 13, 9), (72, 61, 4), (2, 0, 1)], seed=5)
-    with use_backend("reference"):
+    with use_backend("cpu"):
         eager = [scores for scores, _ in model.rank_users(requests)]
     relay = model.use_graph_relay(True, pool_tokens=POOL, block_tokens=BLOCK, capture=device == "cuda")
     with use_backend("triton"):

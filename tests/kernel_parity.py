@@ -1,14 +1,16 @@
-"""Parity cases of the Triton HSTU kernel against the PyTorch reference, shared by the tests and
-the GPU check.
+"""Parity cases of the HSTU attention backends against the oracle (``kernels.oracle``, the
+definition), shared by the tests and the GPU check.
 
 ``make_case`` builds a jagged batch the way the model lays one out: each user's keys are the
 cached prefix then the new history tokens then the candidates (which share the position after the
 history), and the queries are the new tokens and the candidates. ``CASES`` are tiny (the
-interpreter runs them on a CPU). An ``indexed`` case runs the kernel on the same keys read through
+interpreter runs them on a CPU). An ``indexed`` case runs the backend on the same keys read through
 a row index (``index_keys``: rows of a larger tensor, skipped, repeated and out of order, with an
-unused tail of keys and a capacity above every user's count) against the reference on the packed
-keys. Run as a script (``TRITON_INTERPRET=1`` on a CPU) it prints one
-JSON object: per case and dtype, the worst absolute difference and the reference's largest value.
+unused tail of keys and a capacity above every user's count) against the oracle on the packed
+keys. ``run_case`` runs the Triton kernel, ``run_gated_case`` its gated form (attention, the norm
+over the heads and the gate: ``GATED_CASES``), ``run_cpu_case`` the CPU backend.
+Run as a script (``TRITON_INTERPRET=1`` on a CPU) it prints one JSON object: per case and dtype,
+the Triton kernel's worst absolute difference from the oracle and the oracle's largest value.
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ import sys
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from relaygr.workers.kernels import AttentionParams, JaggedBatch
-from relaygr.workers.kernels.reference import reference_hstu_mha
+from relaygr.workers.kernels.cpu import cpu_hstu_mha
+from relaygr.workers.kernels.oracle import oracle_hstu_mha
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -43,7 +47,12 @@ class Case:
     head_group: int = 1
     dtypes: tuple[str, ...] = ("fp32", "bf16")
     indexed: bool = False  # the kernel reads the keys through a row index (``index_keys``)
+    row_terms: bool = False  # uniform query blocks take their pair terms per key (``KernelConfig``)
 
+
+RELAY_USERS = ((60, 5, 27), (33, 0, 20), (0, 3, 17), (90, 1, 1))
+"""Users of a relay-shaped case: blocks of candidates alone (16 rows), a user with no new events,
+one with no cached prefix, one with a single candidate."""
 
 CASES: dict[str, Case] = {
     "single_user_relay": Case(((40, 6, 5),), near_keys=8),
@@ -70,6 +79,22 @@ CASES: dict[str, Case] = {
         ((60, 3, 4), (21, 2, 4)), heads=4, head_group=2, splits=2, near_keys=8, indexed=True
     ),
     "indexed_full_causal": Case(((0, 37, 0), (0, 16, 0)), heads=1, indexed=True),
+    # A relay ranking's shape: most query blocks are candidates alone (one position, one time),
+    # whose bias and weight the kernel derives per key; ragged users, keys split 1 to 9 ways.
+    "relay_uniform_blocks": Case(RELAY_USERS, near_keys=8, far_keys=3.0, row_terms=True),
+    "relay_uniform_split_2": Case(
+        RELAY_USERS, heads=4, head_group=2, splits=2, near_keys=8, indexed=True, row_terms=True
+    ),
+    "relay_uniform_split_5": Case(RELAY_USERS, heads=4, splits=5, near_keys=16, indexed=True),
+    "relay_uniform_split_9": Case(
+        RELAY_USERS,
+        heads=1,
+        splits=9,
+        near_keys=8,
+        indexed=True,
+        row_terms=True,
+        dtypes=("fp32", "bf16", "fp16"),
+    ),
 }
 
 
@@ -149,34 +174,80 @@ def index_keys(
     return k_store, v_store, indexed
 
 
-def run_case(case: Case, dtype: torch.dtype, device: str) -> dict[str, float]:
-    """The worst absolute difference of the kernel from the reference, and the reference's scale."""
-    from relaygr.workers.kernels.triton_hstu import KernelConfig, hstu_forward
+def _worst(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> dict[str, float]:
+    if got.dtype != dtype or got.shape != want.shape:
+        raise AssertionError(f"got {got.dtype} {tuple(got.shape)}, want {dtype} {tuple(want.shape)}")
+    want = want.double()
+    return {"worst": float((got.double() - want).abs().max()), "scale": float(want.abs().max())}
 
+
+def _inputs(case: Case, dtype: torch.dtype, device: str):
+    """The case's call for a backend (through the row index where the case is ``indexed``) and the
+    oracle's answer on the packed keys (in float64 for float64 inputs, float32 otherwise)."""
     q, k, v, batch, bias, params = make_case(case, dtype, device)
-    if case.indexed:
-        k_store, v_store, indexed = index_keys(k, v, batch)
-    want = reference_hstu_mha(q, k, v, batch, bias, params).to(torch.float32)
-    if case.indexed:
-        k, v, batch = k_store, v_store, indexed
-    config = (
-        None
-        if case.block == 0
-        else KernelConfig(case.block, case.block, splits=case.splits, head_group=case.head_group)
+    if not case.indexed:
+        return (q, k, v, batch, bias, params), oracle_hstu_mha(q, k, v, batch, bias, params)
+    k_store, v_store, indexed = index_keys(k, v, batch)  # (makes some packed keys equal first)
+    return (q, k_store, v_store, indexed, bias, params), oracle_hstu_mha(q, k, v, batch, bias, params)
+
+
+def _config(case: Case):
+    """The case's tiles (``None``: the kernel's own choice)."""
+    from relaygr.workers.kernels.triton_hstu import KernelConfig
+
+    if case.block == 0:
+        return None
+    return KernelConfig(
+        case.block, case.block, splits=case.splits, head_group=case.head_group, row_terms=case.row_terms
     )
-    got = hstu_forward(q, k, v, batch, bias, params, config)
-    if got.dtype != q.dtype or got.shape != want.shape:
-        raise AssertionError(f"got {got.dtype} {tuple(got.shape)}, want {q.dtype} {tuple(want.shape)}")
-    return {
-        "worst": float((got.to(torch.float32) - want).abs().max()),
-        "scale": float(want.abs().max()),
-    }
+
+
+def run_case(case: Case, dtype: torch.dtype, device: str) -> dict[str, float]:
+    """The worst absolute difference of the Triton kernel from the oracle, and the oracle's scale."""
+    from relaygr.workers.kernels.triton_hstu import hstu_forward
+
+    call, want = _inputs(case, dtype, device)
+    return _worst(hstu_forward(*call, _config(case)), want, dtype)
+
+
+def run_cpu_case(case: Case, dtype: torch.dtype) -> dict[str, float]:
+    """The worst absolute difference of the CPU backend from the oracle, and the oracle's scale."""
+    call, want = _inputs(case, dtype, "cpu")
+    return _worst(cpu_hstu_mha(*call), want, dtype)
+
+
+GATED_CASES = ("single_user_relay", "odd_head_dims", "relay_uniform_split_5", "relay_uniform_split_9")
+"""Cases also run through ``hstu_forward_gated`` (attention, its norm over the heads, the gate)."""
+
+
+def run_gated_case(case: Case, dtype: torch.dtype, device: str) -> dict[str, float]:
+    """``hstu_forward_gated`` against the oracle's attention (summed in float32), normalised and
+    gated in float32; the gate and the output rows strided as in the model (views of wider rows)."""
+    from relaygr.workers.kernels.triton_hstu import hstu_forward_gated
+
+    (q, k, v, batch, bias, params), _ = _inputs(case, dtype, device)
+    attn = oracle_hstu_mha(q.float(), k.float(), v.float(), batch, bias, params)
+    gen = torch.Generator().manual_seed(7)
+    heads, d_v = q.shape[1], v.shape[2]
+    weight, shift = (torch.randn(heads, d_v, generator=gen).to(device) for _ in range(2))
+    rows = torch.randn(q.shape[0], 3 * heads * d_v + 1, generator=gen).to(dtype).to(device)
+    gate, out = rows[:, : heads * d_v], rows[:, heads * d_v + 1 : 2 * heads * d_v + 1]
+    want = F.layer_norm(attn, attn.shape[-2:], weight, shift, eps=1e-5) * gate.float().view(attn.shape)
+    hstu_forward_gated(q, k, v, batch, bias, params, (weight, shift, 1e-5), gate, out, _config(case))
+    return _worst(out.view(want.shape), want, dtype)
 
 
 def run_all(device: str) -> dict[str, dict[str, dict[str, float]]]:
-    return {
+    """Per case and dtype, the kernel's worst difference from the oracle and the oracle's scale;
+    ``gated:<case>`` the same through ``hstu_forward_gated``."""
+    plain = {
         name: {dt: run_case(case, DTYPES[dt], device) for dt in case.dtypes} for name, case in CASES.items()
     }
+    gated = {
+        f"gated:{name}": {dt: run_gated_case(CASES[name], DTYPES[dt], device) for dt in CASES[name].dtypes}
+        for name in GATED_CASES
+    }
+    return plain | gated
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from relaygr.infra.local import broker
 from relaygr.infra.settings import Settings
 from relaygr.infra.stop_guard import STOP_OVERDUE_EXIT
 from relaygr.schemas import TopicRegistry
-from relaygr.tools.up import Pipeline
+from relaygr.tools.pipeline import Pipeline
 
 
 def _record(msg: str, *args: object, level: int = logging.ERROR, name: str = "aiokafka") -> logging.LogRecord:

@@ -26,7 +26,7 @@ from relaygr.schemas import (
     decode,
     encode,
 )
-from relaygr.tools.up import Pipeline
+from relaygr.tools.pipeline import Pipeline
 
 pytestmark = pytest.mark.broker
 

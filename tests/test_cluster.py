@@ -33,8 +33,8 @@ from relaygr.infra.settings import Settings
 from relaygr.infra.stop_guard import process_alive
 from relaygr.schemas import RecommendationRequest, TopicRegistry, encode
 from relaygr.tools.barriers import wait_groups_caught_up
+from relaygr.tools.pipeline import Pipeline
 from relaygr.tools.traffic import collect_results, leave_last_out, publish
-from relaygr.tools.up import Pipeline
 from relaygr.workers.training.movielens import load_movielens
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow]

@@ -44,6 +44,9 @@ def test_one_service_per_stage_and_several_ranking_workers(compose) -> None:
     assert len(set(ids)) == len(ids)  # static group membership needs distinct ids
     vols = [tuple(services[s]["volumes"]) for s in rankers]
     assert len(set(vols)) == len(vols)  # each worker keeps its own state
+    # The host's ranking workers share its device: each takes its share of the device memory.
+    shares = {services[s]["environment"]["RELAYGR_WORKERS_PER_DEVICE"] for s in rankers}
+    assert shares == {f"${{RELAYGR_WORKERS_PER_DEVICE:-{len(rankers)}}}"}
 
 
 def test_every_command_parses_with_the_real_cli(compose) -> None:

@@ -98,7 +98,7 @@ def test_unpinned_layouts_lower_the_other_stages_priority() -> None:
 
 def test_the_launcher_nices_every_stage_but_the_ranking_workers(tmp_path, monkeypatch) -> None:
     from relaygr.infra.settings import Settings
-    from relaygr.tools.up import Pipeline
+    from relaygr.tools.pipeline import Pipeline
 
     spawned: dict[str, dict[str, str]] = {}
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from relaygr.bench import device_bundle as db
+from relaygr.device import bundle as db
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -115,4 +115,4 @@ def test_unpack_without_a_bundle_says_how_to_build_one(tmp_path: Path) -> None:
 def test_the_bundle_is_ignored_by_git_and_built_by_dev() -> None:
     assert "/.device-bundle/" in (ROOT / ".gitignore").read_text().splitlines()
     dev = (ROOT / "dev").read_text()
-    assert "device-bundle) device_bundle" in dev and "bench/device_bundle.py unpack" in dev
+    assert "device-bundle) device_bundle" in dev and "device/bundle.py unpack" in dev

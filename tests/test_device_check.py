@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from relaygr.bench import device
-from relaygr.bench.device_report import parse_json_lines, summarise
+from relaygr.device import check as device
+from relaygr.device.report import parse_json_lines, summarise
 
 STEPS = ["environment", "kernels", "exactness", "model", "store", "profile", "pipeline"]
 
@@ -146,7 +146,9 @@ def test_the_full_check_fits_its_budget_and_measures_the_issues_lengths(tmp_path
     assert (
         "--lengths 4096,16384" in exact and "--dtype float32,bfloat16" in exact and "--preset large" in exact
     )
-    model = " ".join(steps["model"].commands[1])
+    anchor = " ".join(steps["model"].commands[1])  # NVIDIA's cached HSTU block shape, batch 1 and 8
+    assert "bench model --anchor" in anchor and "--dtype bfloat16" in anchor and "--device cuda" in anchor
+    model = " ".join(steps["model"].commands[2])
     assert (
         "--lengths 4096,8192,16384,32768" in model and "--budget-ms 50" in model and "--device cuda" in model
     )
@@ -156,11 +158,15 @@ def test_the_full_check_fits_its_budget_and_measures_the_issues_lengths(tmp_path
     store, xl_store = (" ".join(c) for c in steps["store"].commands)
     assert "--preset large" in store and "--preset xl" in xl_store and "--lengths 4096" in xl_store
     profile = " ".join(steps["profile"].commands[0])
-    assert "device_profile" in profile and "--lengths 2048,8192" in profile and "--preset large" in profile
+    assert (
+        "relaygr.device.profiling" in profile
+        and "--lengths 2048,8192" in profile
+        and "--preset large" in profile
+    )
     train, experiment = (" ".join(c) for c in steps["pipeline"].commands)
     assert "train --preset large" in train and "--device cuda" in train
-    # The points come from the device's calibration (bench.device_points), not from a fixed grid.
-    assert "relaygr.bench.device_points" in experiment and "--lengths" not in experiment
+    # The points come from the device's calibration (device.points), not from a fixed grid.
+    assert "relaygr.device.points" in experiment and "--lengths" not in experiment
     assert "--core-per-stage" in experiment and "--patience 1" in experiment
     assert steps["pipeline"].needs_broker
 

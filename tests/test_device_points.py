@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from relaygr.bench import device_points as dp
-from relaygr.bench.device_report import never_held
+from relaygr.device import points as dp
+from relaygr.device.report import never_held
 from relaygr.tools.experiment.stopping import StopRule, miss_rate_upper_bound
 from relaygr.workers.engine.latency_model import LatencyModel
 

@@ -29,10 +29,7 @@ DOTTED_RE = re.compile(r"(?<![\w.])((?:relaygr\.)?(?:\w+)(?:\.\w+)+)")
 
 # Stale names ("path:name") in files being rewritten elsewhere, each with its reason; an entry goes
 # once its file names the module as it is (test_allowed_stale_names_are_still_there says when).
-ALLOWED_STALE: dict[str, str] = {
-    "bench/device.py:workers.cores": "the device check is moving to a package of its own",
-    "bench/pipeline.py:workers.cores": "the broker scenarios are becoming experiment kinds",
-}
+ALLOWED_STALE: dict[str, str] = {}
 
 
 def doc_files() -> list[Path]:

@@ -20,12 +20,12 @@ from relaygr.tools.barriers import wait_sentinels_applied
 from relaygr.tools.experiment.kinds import KINDS
 from relaygr.tools.experiment.protocol import PointRun, Protocol, best
 from relaygr.tools.experiment.report import write_experiment_report
+from relaygr.tools.pipeline import Pipeline
 from relaygr.tools.replay import Replayer, plan_replay
 from relaygr.tools.report.figures import meets_slo, percentile, ranking_ms
 from relaygr.tools.report.summary import RunSummary
 from relaygr.tools.trace import Trace, TraceTopics, build_trace, load_trace, publish_trace
 from relaygr.tools.traffic import collect_results
-from relaygr.tools.up import Pipeline
 from relaygr.workers.engine.latency_model import LatencyModel
 from relaygr.workers.model.model import HSTUConfig, HSTURanker
 from relaygr.workers.training.movielens import load_movielens
@@ -255,7 +255,7 @@ def test_an_experiments_topics_and_groups_are_under_the_deployments_prefix(tmp_p
     # The cascade role of a secured cluster may use only names starting with the topic prefix.
     from relaygr.infra.settings import Settings
     from relaygr.tools.experiment.command import Run
-    from relaygr.tools.experiment.deployment import Deployment
+    from relaygr.tools.experiment.harness import Deployment
 
     settings = Settings(home=tmp_path, topic_prefix="shop")
     run = Run(None, None, settings, tmp_path, "exp-seq-len-x", *[None] * 8)

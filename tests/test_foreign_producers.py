@@ -21,8 +21,8 @@ import pytest
 from relaygr.infra.kafka import delete_topics_with_prefix, ensure_topics
 from relaygr.schemas import TopicRegistry
 from relaygr.tools.barriers import wait_groups_caught_up
+from relaygr.tools.pipeline import Pipeline
 from relaygr.tools.traffic import collect_results
-from relaygr.tools.up import Pipeline
 from relaygr.workers.training.movielens import load_movielens
 
 confluent_kafka = pytest.importorskip("confluent_kafka")

@@ -1,4 +1,4 @@
-"""A rolling restart's hand-over (``tools.up.complete_hand_over``), with stand-in processes: the old
+"""A rolling restart's hand-over (``tools.hand_over.complete_hand_over``), with stand-in processes: the old
 process is signalled, the standby's states are awaited, and whatever happens the old process,
 which nothing supervises any more, does not outlive the call. A stop while a standby warms up gives
 the restart up at once (``RollAbandoned``), and the workers not rolled yet are left as they are."""
@@ -12,13 +12,8 @@ from pathlib import Path
 import pytest
 
 from relaygr.streams.ranking.worker_files import WorkerFiles
-from relaygr.tools.up import (
-    HandOverFailed,
-    RollAbandoned,
-    _rolling_restart,
-    _wait_standby,
-    complete_hand_over,
-)
+from relaygr.tools.hand_over import HandOverFailed, RollAbandoned, complete_hand_over, wait_standby
+from relaygr.tools.up import _rolling_restart
 
 # A process that ignores the hand-over signal (as one stuck in its drain would), or both it and SIGTERM.
 DEAF = "import signal, time; signal.signal(signal.SIGUSR1, signal.SIG_IGN); {more}print('ready', flush=True); time.sleep(600)"
@@ -99,9 +94,9 @@ def test_a_stop_while_the_standby_warms_up_gives_the_restart_up_at_once(procs, t
     files = WorkerFiles(tmp_path)
     standby = procs(SLEEPER)
     with pytest.raises(RollAbandoned, match="given up before ready"):
-        _wait_standby(files, standby, "ready", 600.0, abandon=lambda: True)  # not the 600 s
+        wait_standby(files, standby, "ready", 600.0, abandon=lambda: True)  # not the 600 s
     files.write_standby("ready", standby.pid)
-    _wait_standby(files, standby, "ready", 600.0, abandon=lambda: False)
+    wait_standby(files, standby, "ready", 600.0, abandon=lambda: False)
 
 
 class _Rolled:

@@ -11,7 +11,8 @@ import pytest
 from relaygr.schemas import BehaviorBatch, encode
 from relaygr.schemas.routing import HEADER_FORWARD_RATE, HEADER_PROGRESS, encode_positions
 from relaygr.streams.common import decode_keyed
-from relaygr.streams.history import HistoryAlignment, HistoryTable
+from relaygr.streams.history import HistoryTable
+from relaygr.streams.history_alignment import HistoryAlignment
 from relaygr.streams.ranking import history_applier
 from relaygr.streams.ranking.history_applier import BehaviourApplier
 from relaygr.workers.engine.latency_model import IngestMeter

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from relaygr.bench.host_cpu import HostCpuSampler, read_cpu_times, summarise
+from relaygr.tools.experiment.scenarios.host_cpu import HostCpuSampler, read_cpu_times, summarise
 
 
 def test_cpu_times_split_busy_steal_and_idle(tmp_path: Path) -> None:

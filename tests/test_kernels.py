@@ -1,4 +1,5 @@
-"""The Triton HSTU kernel matches the PyTorch reference (``kernel_parity.CASES``).
+"""The Triton HSTU kernel matches the oracle (``kernel_parity.CASES``), alone and with what follows
+attention in a layer (``kernel_parity.GATED_CASES``: the norm over the heads and the gate).
 
 On every machine the cases run through Triton's interpreter on the CPU, in a subprocess:
 ``TRITON_INTERPRET=1`` must be set before Triton is imported, and this process stays as it was.
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kernel_parity import CASES, DTYPES, index_keys, make_case, run_case
+from kernel_parity import CASES, DTYPES, GATED_CASES, index_keys, make_case, run_case, run_gated_case
 
 pytest.importorskip("triton")
 
@@ -30,7 +31,7 @@ from relaygr.workers.kernels.triton_hstu import (
     position_frames,
 )
 
-# Worst absolute difference allowed, relative to the reference's largest output: float32 sums the
+# Worst absolute difference allowed, relative to the oracle's largest output: float32 sums the
 # same terms in another order; 16-bit outputs are rounded once more (and the scores fed to the
 # second product too), a few units in the last place.
 TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2, "fp16": 4e-3}
@@ -55,20 +56,24 @@ def _within(name: str, diffs: dict) -> None:
     for dtype, d in diffs.items():
         bound = TOLERANCE[dtype] * (1.0 if dtype == "fp32" else max(d["scale"], 1.0))
         assert d["worst"] <= bound, f"{name} {dtype}: worst difference {d['worst']:.3g} over {bound:.3g}"
-        assert d["scale"] > 0.1, f"{name} {dtype}: the reference is near zero, the case checks nothing"
+        assert d["scale"] > 0.1, f"{name} {dtype}: the oracle is near zero, the case checks nothing"
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_interpreted_kernel_matches_the_reference(interpreted: dict, name: str) -> None:
-    assert set(interpreted[name]) == set(CASES[name].dtypes)
+NAMES = sorted(CASES) + [f"gated:{name}" for name in GATED_CASES]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_interpreted_kernel_matches_the_oracle(interpreted: dict, name: str) -> None:
+    assert set(interpreted[name]) == set(CASES[name.removeprefix("gated:")].dtypes)
     _within(name, interpreted[name])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_cuda_kernel_matches_the_reference(name: str) -> None:
-    case = CASES[name]
-    _within(name, {dt: run_case(case, DTYPES[dt], "cuda") for dt in case.dtypes})
+@pytest.mark.parametrize("name", NAMES)
+def test_cuda_kernel_matches_the_oracle(name: str) -> None:
+    case = CASES[name.removeprefix("gated:")]
+    run = run_gated_case if name.startswith("gated:") else run_case
+    _within(name, {dt: run(case, DTYPES[dt], "cuda") for dt in case.dtypes})
 
 
 def test_causal_skip_only_where_positions_allow_it() -> None:
@@ -124,7 +129,7 @@ def test_keys_are_split_only_when_the_grid_is_small() -> None:
     assert many_users.splits == 1
 
 
-def test_bench_runs_the_reference_on_a_cpu(capsys: pytest.CaptureFixture[str]) -> None:
+def test_bench_runs_the_cpu_backend_on_a_cpu(capsys: pytest.CaptureFixture[str]) -> None:
     from relaygr.cli import main
 
     assert main(["bench", "kernels", "--device", "cpu", "--presets", "tiny", "--lengths", "200",
@@ -136,7 +141,7 @@ def test_bench_runs_the_reference_on_a_cpu(capsys: pytest.CaptureFixture[str]) -
         assert row["reference_ms"] > 0 and row["reference_tflops"] > 0 and row["triton_ms"] is None
 
 
-def test_bench_compares_the_interpreted_kernel_with_the_reference() -> None:
+def test_bench_compares_the_interpreted_kernel_with_the_cpu_backend() -> None:
     path = os.pathsep.join(p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p)
     done = subprocess.run(
         [sys.executable, "-m", "relaygr.bench.kernels", "--device", "cpu", "--presets", "tiny",
@@ -149,6 +154,7 @@ def test_bench_compares_the_interpreted_kernel_with_the_reference() -> None:
     assert report["interpreted"]
     for row in report["rows"]:
         assert row["triton_ms"] > 0 and row["worst_diff"] <= TOLERANCE["fp32"], row
+        assert row["triton_gated_ms"] > 0, row
 
 
 def test_bench_refuses_a_relay_shorter_than_its_queries() -> None:
@@ -171,29 +177,30 @@ def test_the_chosen_configs_compile_for_hopper_without_a_gpu(capsys: pytest.Capt
 
 @pytest.mark.parametrize("name", ["indexed_users_split", "indexed_one_user", "indexed_full_causal"])
 @pytest.mark.parametrize("width", ["longest", "capacity"])
-def test_the_reference_reads_indexed_keys_as_packed_ones(name: str, width: str, monkeypatch) -> None:
-    """The reference through a row index == on the packed keys, with the dense layout as wide as
+def test_the_cpu_backend_reads_indexed_keys_as_packed_ones(name: str, width: str, monkeypatch) -> None:
+    """The CPU backend through a row index == on the packed keys, with the dense layout as wide as
     the longest user (a CPU) or the batch's capacity (``max_k``: what a device lays out)."""
-    from relaygr.workers.kernels import reference
+    from relaygr.workers.kernels import cpu
 
     if width == "capacity":
-        monkeypatch.setattr(reference, "_key_width", lambda batch: batch.max_k)
+        monkeypatch.setattr(cpu, "_key_width", lambda batch: batch.max_k)
     for dtype in (torch.float32, torch.float64):
         q, k, v, batch, bias, params = make_case(CASES[name], dtype, "cpu")
         k_store, v_store, indexed = index_keys(k, v, batch)
-        want = reference.reference_hstu_mha(q, k, v, batch, bias, params)
-        got = reference.reference_hstu_mha(q, k_store, v_store, indexed, bias, params)
+        want = cpu.cpu_hstu_mha(q, k, v, batch, bias, params)
+        got = cpu.cpu_hstu_mha(q, k_store, v_store, indexed, bias, params)
         assert got.dtype == dtype and got.shape == want.shape
         tol = 1e-5 if dtype == torch.float32 else 1e-12
         torch.testing.assert_close(got, want, rtol=tol, atol=tol)
         assert float(want.abs().max()) > 0.1
 
 
-@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("backend", ["oracle", "cpu", "triton"])
 def test_a_bad_row_index_is_a_clear_error(backend: str) -> None:
-    from relaygr.workers.kernels.reference import reference_hstu_mha
+    from relaygr.workers.kernels.cpu import cpu_hstu_mha
+    from relaygr.workers.kernels.oracle import oracle_hstu_mha
 
-    call = hstu_forward if backend == "triton" else reference_hstu_mha
+    call = {"oracle": oracle_hstu_mha, "cpu": cpu_hstu_mha, "triton": hstu_forward}[backend]
     q, k, v, batch, bias, params = make_case(CASES["indexed_users_split"], torch.float32, "cpu")
     k_store, v_store, indexed = index_keys(k, v, batch)
 
@@ -228,3 +235,48 @@ def test_the_paged_kernel_compiles_for_hopper_without_a_gpu(capsys: pytest.Captu
                  "8192", "--kinds", "relay_1", "--dtype", "bf16"]) == 0  # fmt: skip
     (row,) = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
     assert row["config"]["splits"] > 1 and row["shared_bytes"] > 0
+
+
+def test_the_nvidia_block_shape_compiles_for_hopper_without_spills(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Heads of 256 (hidden 1024, 4 heads): 64-query tiles spill 616 bytes, 32-query tiles none.
+    from relaygr.cli import main
+
+    assert main(["bench", "kernels", "--build", "sm_90", "--paged", "--presets", "nvidia-block", "--lengths",
+                 "4096", "--kinds", "relay_1", "--dtype", "bf16"]) == 0  # fmt: skip
+    (row,) = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
+    assert row["config"]["block_m"] == 32 and row["config"]["splits"] > 1
+    if row["stack_bytes"] is not None:  # (where the cubin's resource use can be read)
+        assert row["stack_bytes"] == 0
+
+
+def test_the_sweep_lists_its_grid_without_timing(capsys: pytest.CaptureFixture[str]) -> None:
+    from relaygr.bench.kernels import around
+    from relaygr.cli import main
+    from relaygr.workers.kernels.triton_hstu import KernelConfig
+
+    assert main(["bench", "kernels", "--sweep", "--dry-run", "--presets", "large,nvidia-block", "--lengths",
+                 "4096", "--kinds", "relay_1"]) == 0  # fmt: skip
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
+    grids = {r["preset"]: r["first_stage"] for r in rows}
+    assert {tuple(c[:2]) for c in grids["large"]} >= {(64, 16), (128, 64), (32, 32)}
+    assert {c[5] for c in grids["large"]} == {1, 2, 4} and {c[5] for c in grids["nvidia-block"]} == {1, 2}
+    second = around(KernelConfig(64, 16, head_group=2), 44, "relay_1")
+    assert {c.splits for c in second} == {0, 1, 11, 22, 88} and {c.row_terms for c in second} == {False, True}
+    assert {c.splits for c in around(KernelConfig(), 8, "full")} == {0}
+
+
+def test_the_anchor_refuses_the_full_shape_on_a_cpu(capsys: pytest.CaptureFixture[str]) -> None:
+    """``bench model --anchor`` (NVIDIA's block shape) is refused on a CPU without ``--quick``:
+    the suite never runs it at size."""
+    from relaygr.bench.model_anchor import ANCHOR, NVIDIA_MS, TARGET_MS
+    from relaygr.cli import main
+    from relaygr.workers.model.presets import preset
+
+    assert main(["bench", "model", "--anchor", "--device", "cpu"]) == 2
+    assert "--quick" in capsys.readouterr().err
+    shape = preset("nvidia-block")
+    assert (shape.layers, shape.dim, shape.heads) == (8, 1024, 4) and shape.config().attn_dim == 256
+    assert ANCHOR["cached"] + ANCHOR["new"] == ANCHOR["history"] == 4096 and ANCHOR["candidates"] == 256
+    assert NVIDIA_MS == {1: 0.18, 8: 0.5} and TARGET_MS == {1: 0.4, 8: 1.2}

@@ -80,7 +80,7 @@ BAD_IMPORTS = [
     ),
     ("store-knows-the-prefix-only", "relaygr/workers/store/bad_import.py", "import relaygr.workers.kernels"),
     ("kernels-alone", "relaygr/workers/kernels/bad_import.py", "import relaygr.workers.prefix_kv"),
-    ("kernels-alone", "relaygr/workers/kernels/reference.py", "from relaygr.schemas import events"),
+    ("kernels-alone", "relaygr/workers/kernels/cpu.py", "from relaygr.schemas import events"),
     ("schemas-pure", "relaygr/schemas/bad_import.py", "import torch"),
 ]
 

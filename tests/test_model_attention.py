@@ -11,12 +11,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from relaygr.workers.kernels import AttentionParams, JaggedBatch, hstu_mha, use_backend
-from relaygr.workers.kernels.reference import LUT_LIMIT, _position_table, saturation
+from relaygr.workers.kernels.cpu import LUT_LIMIT, _position_table, saturation
 from relaygr.workers.model.hstu_attention import (
     dense_attention,
     far_index,
     far_scale,
-    far_weights,
     is_bucket_boundary,
     pair_index,
     position_bucket,
@@ -92,7 +91,8 @@ def _user(gen, heads, dqk, dv, prefix, nq, cands, sorted_ts, npos, ntime, near, 
     own = torch.arange(total)[None, :] == torch.arange(prefix, total)[:, None]
     visible = ((q_pos[:, None] > k_pos[None, :]) | own).double()
     if near:
-        visible = visible * far_weights(index, far_scale(q_pos, near, far_keys), far_index(near, npos, ntime))
+        far = index >= far_index(near, npos, ntime)  # the far test as a threshold on the index
+        visible = visible * torch.where(far, far_scale(q_pos, near, far_keys), 1.0)
     return q, k, v, (q_pos, q_ts, k_pos, k_ts), index, visible
 
 
@@ -127,17 +127,18 @@ def test_the_kernel_equals_the_dense_form_for_a_jagged_batch(
         [m[0].shape[0] for m in made], [m[1].shape[0] for m in made], *(torch.cat(p) for p in parts)
     )
     params = AttentionParams(npos, ntime, 7.0, near_keys=near, far_keys=2.5)
-    with use_backend("reference"):
-        got = hstu_mha(*(torch.cat([m[i] for m in made]) for i in range(3)), batch, table, params)
-    at = 0
-    for q, k, v, _, index, visible in made:
-        want = dense_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), index, visible, table, 7.0
-        )
-        torch.testing.assert_close(
-            got[at : at + q.shape[0]], want.transpose(0, 1), rtol=F64_TOL, atol=F64_TOL
-        )
-        at += q.shape[0]
+    for backend in ("oracle", "cpu"):
+        with use_backend(backend):
+            got = hstu_mha(*(torch.cat([m[i] for m in made]) for i in range(3)), batch, table, params)
+        at = 0
+        for q, k, v, _, index, visible in made:
+            want = dense_attention(
+                q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), index, visible, table, 7.0
+            )
+            torch.testing.assert_close(
+                got[at : at + q.shape[0]], want.transpose(0, 1), rtol=F64_TOL, atol=F64_TOL
+            )
+            at += q.shape[0]
 
 
 @pytest.mark.parametrize("num_pos", [1, 8, 16, 17, 24, 63, 64, 65, 80])
@@ -172,7 +173,7 @@ def test_far_keys_weigh_at_most_far_keys_keys_together(history: int) -> None:
     pos = torch.cat([torch.arange(history), torch.tensor([history])])
     batch = JaggedBatch.build([1], [n], pos[-1:], ts[-1:] + 1, pos, ts)
     params = AttentionParams(64, 64, 1.0, near_keys=64, far_keys=128.0)
-    with use_backend("reference"):
+    with use_backend("cpu"):
         got = float(hstu_mha(q, k, v, batch, torch.ones(64 * 64), params))
     near = min(history, 63)  # keys 1..63 back
     want = torch.nn.functional.silu(torch.tensor(1.0)).item() * (near + min(history - near, 128))

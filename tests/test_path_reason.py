@@ -102,7 +102,7 @@ def test_run_summary_is_typed_nearest_rank_and_counts_relay_of_admitted() -> Non
 
 
 def test_scrape_parses_prometheus_text() -> None:
-    from relaygr.tools.up import Scrape
+    from relaygr.tools.pipeline import Scrape
 
     text = (
         "# TYPE relaygr_trigger_decisions_total counter\n"

@@ -19,8 +19,8 @@ import torch
 
 from relaygr.infra.kafka import consumer, delete_topics_with_prefix, ensure_topics, producer
 from relaygr.schemas import DeadLetter, RecommendationRequest, TopicRegistry, decode
+from relaygr.tools.pipeline import Pipeline
 from relaygr.tools.traffic import collect_results, history_of, leave_last_out, publish
-from relaygr.tools.up import Pipeline
 from relaygr.workers.model.model import HSTURanker
 from relaygr.workers.training.movielens import load_movielens
 

@@ -230,7 +230,7 @@ async def test_the_client_examples_run_as_written(kafka_settings, tmp_path, mode
     from relaygr.infra.kafka import delete_topics_with_prefix, ensure_topics
     from relaygr.infra.settings import cluster_env
     from relaygr.schemas import TopicRegistry
-    from relaygr.tools.up import Pipeline
+    from relaygr.tools.pipeline import Pipeline
 
     prefix = f"readme-{uuid.uuid4().hex[:8]}"
     settings = kafka_settings.model_copy(

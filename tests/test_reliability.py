@@ -15,8 +15,8 @@ from relaygr.infra.kafka import delete_topics_with_prefix, ensure_topics
 from relaygr.infra.local import broker
 from relaygr.infra.settings import Settings
 from relaygr.schemas import TopicRegistry
+from relaygr.tools.pipeline import Pipeline
 from relaygr.tools.traffic import collect_results, leave_last_out, publish
-from relaygr.tools.up import Pipeline
 from relaygr.workers.engine.latency_model import LatencyModel
 from relaygr.workers.training.movielens import load_movielens
 

@@ -25,7 +25,7 @@ def test_one_relay_request_runs_through_the_handler_the_engine_and_the_kernel() 
         "streams/history.py",
         "workers/engine/ranker.py",
         "workers/model/inference.py",
-        "workers/kernels/reference.py",
+        "workers/kernels/cpu.py",
     ):
         assert f"relaygr/{name}" in files, sorted(files)
     assert "relaygr/bench/request_path.py" not in files  # the harness is not the path
@@ -38,4 +38,4 @@ def test_one_relay_request_runs_through_the_handler_the_engine_and_the_kernel() 
 def test_a_full_ranking_takes_the_full_path_without_a_prefix() -> None:
     record = request_path.trace_request(_args("full"))
     assert record["path"] == "full" and record["prefix_len"] == 0
-    assert "relaygr/workers/kernels/reference.py" in record["by_file"]
+    assert "relaygr/workers/kernels/cpu.py" in record["by_file"]

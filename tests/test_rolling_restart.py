@@ -12,13 +12,14 @@ import asyncio
 import pytest
 from rolling_setup import rolling_deployment, worker_events
 
-from relaygr.bench.rolling_restart import LibrdkafkaRequests, count_results, lengthened_users
 from relaygr.infra.kafka import delete_topics_with_prefix
 from relaygr.schemas import RecommendationRequest
 from relaygr.streams.ranking.worker_files import WorkerFiles
 from relaygr.streams.state_lineage import deployment_dir
-from relaygr.tools.traffic import publish
-from relaygr.tools.up import Pipeline
+from relaygr.tools.long_users import long_users
+from relaygr.tools.pipeline import Pipeline
+from relaygr.tools.sender import BackgroundLoad
+from relaygr.tools.traffic import count_results, publish
 from relaygr.workers.training.movielens import load_movielens
 
 pytest.importorskip("confluent_kafka")
@@ -29,13 +30,13 @@ pytestmark = [pytest.mark.broker, pytest.mark.slow(seconds=40)]
 async def test_roll_one_worker_under_load(kafka_settings, tmp_path, model_dir) -> None:
     settings, reg, env = await rolling_deployment(kafka_settings, tmp_path, model_dir, "roll")
     ml = load_movielens("ml-100k")
-    behaviours, requests = lengthened_users(ml, 8, 60)
+    behaviours, requests = long_users(ml, 8, 60, tag="roll")
     pipe = Pipeline(settings, ranking_workers=2, env=env)
     pipe.start()
     try:
         await pipe.wait_ready(timeout_s=240)
         await publish(settings, reg, behaviours, [], wait_for_ingest=True, settle_s=0)
-        load = LibrdkafkaRequests(settings, reg.name("requests"), requests, qps=10).start()
+        load = BackgroundLoad(settings, reg.name("requests"), requests, 10, client="librdkafka").start()
         await asyncio.sleep(1.0)
         old_pid = pipe.procs["ranker-0"].pid
         took = await asyncio.to_thread(pipe.roll_worker, 0)

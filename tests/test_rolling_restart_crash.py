@@ -31,14 +31,15 @@ import pytest
 from aiokafka import TopicPartition
 from rolling_setup import rolling_deployment, worker_events
 
-from relaygr.bench.rolling_restart import LibrdkafkaRequests, count_results, lengthened_users
 from relaygr.infra.kafka import consumer, delete_topics_with_prefix
 from relaygr.infra.settings import Settings
 from relaygr.schemas import RankRequest, decode
 from relaygr.streams.ranking.worker_files import WorkerFiles
 from relaygr.streams.state_lineage import deployment_dir
-from relaygr.tools.traffic import publish
-from relaygr.tools.up import Pipeline
+from relaygr.tools.long_users import long_users
+from relaygr.tools.pipeline import Pipeline
+from relaygr.tools.sender import BackgroundLoad
+from relaygr.tools.traffic import count_results, publish
 from relaygr.workers.training.movielens import load_movielens
 
 pytest.importorskip("confluent_kafka")
@@ -102,7 +103,7 @@ async def _roll_under_load(settings: Settings, reg, pipe: Pipeline, behaviours, 
     # Not waited for: the ranking group commits nothing to say it applied them (a request
     # waits for its user's behaviours itself, boundedly).
     await publish(settings, reg, behaviours, [], settle_s=0)
-    load = LibrdkafkaRequests(settings, reg.name("requests"), requests, qps=20).start()
+    load = BackgroundLoad(settings, reg.name("requests"), requests, 20, client="librdkafka").start()
     await asyncio.sleep(1.0)
     old = pipe.procs["ranker-0"]
     return load, old, asyncio.ensure_future(asyncio.to_thread(pipe.roll_worker, 0))
@@ -128,7 +129,7 @@ async def test_old_process_killed_mid_hand_over_under_load(kafka_settings, tmp_p
         # known (and not empty: the requests it ranked, each of which then has two results).
         commit_interval_s=3600.0,
     )
-    behaviours, requests = lengthened_users(load_movielens("ml-100k"), 8, 60)
+    behaviours, requests = long_users(load_movielens("ml-100k"), 8, 60, tag="roll")
     folder = deployment_dir(settings, "workers") / "ranker-0"
     pipe = Pipeline(settings, ranking_workers=2, env=env)
     pipe.start()
@@ -210,7 +211,7 @@ async def test_a_rebalance_during_the_hand_over_then_the_old_process_killed(
     settings, reg, env = await rolling_deployment(
         kafka_settings, tmp_path, model_dir, "rolldouble", handover_stall_s=STALL_S
     )
-    behaviours, requests = lengthened_users(load_movielens("ml-100k"), 8, 60)
+    behaviours, requests = long_users(load_movielens("ml-100k"), 8, 60, tag="rolldouble")
     folder = deployment_dir(settings, "workers") / "ranker-0"
     pipe = Pipeline(settings, ranking_workers=2, env=env)
     pipe.start()

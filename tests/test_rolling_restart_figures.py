@@ -1,4 +1,4 @@
-"""The rolling-restart bench's figures: timeouts and window P99 count from the steady level on, the
+"""The rolling-restart scenario's figures: timeouts and window P99 count from the steady level on, the
 warm-up (cold caches by design) is reported apart and never dropped, and each restart gets the
 figures of its span (standby start to a window after its hand-over)."""
 
@@ -6,8 +6,14 @@ from __future__ import annotations
 
 import argparse
 
-from relaygr.bench.rolling_restart import _figures, _handover_ms, _restart_row, _standby_warm_up, tail_figures
 from relaygr.schemas import RankedResult
+from relaygr.tools.experiment.scenarios.rolling_restart import (
+    handover_ms,
+    restart_row,
+    standby_warm_up,
+    tail_figures,
+    timeline_figures,
+)
 
 T0 = 1_000.0
 BUDGET_MS = 50.0
@@ -39,7 +45,7 @@ def test_warmup_is_reported_apart_from_the_measured_run() -> None:
         _result(38.0, 10.0),
     ]
     restarts = [{"worker": "ranker-0", "at_s": 30.0, "warm_s": 3.0}]
-    f = _figures(results, restarts, T0, BUDGET_MS, _args())
+    f = timeline_figures(results, restarts, T0, BUDGET_MS, _args())
     assert f["timeouts"] == 1 and f["ranking_max_ms"] == 60.0
     assert f["warmup"]["timeouts"] == 1 and f["warmup"]["requests"] == 2
     assert f["warmup"]["relay_share"] == 0.5 and f["warmup"]["window_p99_ms"] == [80.0, 80.0]
@@ -55,7 +61,7 @@ def test_a_restart_span_starts_with_its_standby() -> None:
     """A ranking slowed while the standby warmed up counts for that restart."""
     results = [_result(26.0, 70.0), _result(29.0, 10.0), _result(36.0, 10.0)]
     restarts = [{"worker": "ranker-1", "at_s": 30.0, "warm_s": 5.0}]
-    (rs,) = _figures(results, restarts, T0, BUDGET_MS, _args())["restarts"]
+    (rs,) = timeline_figures(results, restarts, T0, BUDGET_MS, _args())["restarts"]
     assert rs["timeouts"] == 1
 
 
@@ -72,14 +78,14 @@ def test_a_restart_reports_its_standby_warm_up_from_the_audit_trail() -> None:
         "handed_over": {"t": 100.0, "ms": 1.0},
         "took_over": {"t": 100.002},
     }
-    got = _standby_warm_up(last)
+    got = standby_warm_up(last)
     assert (got["spilled"], got["adopted"], got["refused"], got["adopted_bytes"]) == (12, 9, 2, 4096)
     assert got["standby_ready_s"] == 1.5 and got["adopt_why"] is None
-    assert _handover_ms(last)["signal_to_serving_ms"] == 3.0
+    assert handover_ms(last)["signal_to_serving_ms"] == 3.0
     # A standby that adopted none says why; a trail without a standby reports nothing.
-    assert _standby_warm_up({"standby_adopted": {"adopted": 0, "why": "no_disk_tier"}})["adopt_why"] == (
+    assert standby_warm_up({"standby_adopted": {"adopted": 0, "why": "no_disk_tier"}})["adopt_why"] == (
         "no_disk_tier"
     )
-    assert _standby_warm_up({})["adopted"] is None and _handover_ms({}) == {}
-    row = _restart_row({"worker": "ranker-0", "warm_s": 3.0, **got})
+    assert standby_warm_up({})["adopted"] is None and handover_ms({}) == {}
+    row = restart_row({"worker": "ranker-0", "warm_s": 3.0, **got})
     assert "adopted 9 prefixes of 12 (refused 2" in row

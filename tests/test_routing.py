@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 from relaygr.infra.kafka import partition_for
 from relaygr.schemas import BehaviorBatch, BehaviorEvent
 from relaygr.schemas.routing import covers, decode_positions, decode_rate, encode_positions, missing
-from relaygr.streams.history import UNREACHABLE, HistoryAlignment, HistoryTable
+from relaygr.streams.history import HistoryTable
+from relaygr.streams.history_alignment import UNREACHABLE, HistoryAlignment
 from relaygr.streams.preprocess import SEEN_CHUNK, seen_add, seen_before
 from relaygr.streams.retrieval import summary_add
 
@@ -197,7 +198,7 @@ async def test_alignment_does_not_wait_for_another_users_burst_fetched_already(t
     """Records fetched and not applied yet: a request whose user has none of them before the
     progress record that covers it is complete at once; the burst's own user, a request that
     needs more than was fetched, and a gap before the fetched records all wait as before."""
-    from relaygr.streams.history import CLEAR_AHEAD
+    from relaygr.streams.history_alignment import CLEAR_AHEAD
 
     h = HistoryTable(tmp_path / "h")
     h.append_many(0, [(0, _ev("quiet", 1, 1.0), (0, 0))], progress={0: 1})

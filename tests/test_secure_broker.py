@@ -29,8 +29,8 @@ from relaygr.infra.local import broker
 from relaygr.infra.local.tls import issue_broker_tls, write_secret
 from relaygr.infra.settings import SECURITY_FIELDS, Settings
 from relaygr.schemas import BehaviorEvent, DeadLetter, RecommendationRequest, TopicRegistry, decode, encode
+from relaygr.tools.pipeline import Pipeline
 from relaygr.tools.traffic import collect_results, publish
-from relaygr.tools.up import Pipeline
 
 pytestmark = pytest.mark.broker
 

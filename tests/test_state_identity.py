@@ -43,8 +43,8 @@ from relaygr.streams.state_lineage import (
     deployment_dir,
     judge,
 )
+from relaygr.tools.pipeline import Pipeline, Scrape
 from relaygr.tools.traffic import collect_results, history_of, leave_last_out, publish
-from relaygr.tools.up import Pipeline, Scrape
 from relaygr.workers.prefix_kv import Events, PrefixKV, history_fingerprint
 from relaygr.workers.store.prefix_store import PrefixStore, PrefixStoreConfig
 from relaygr.workers.training.movielens import load_movielens

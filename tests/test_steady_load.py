@@ -21,19 +21,14 @@ from pathlib import Path
 
 import pytest
 
-from relaygr.bench.rolling_restart import count_results, lengthened_users
-from relaygr.bench.steady_load import (
-    await_prefills,
-    send_visits,
-    visit_figures,
-    visit_of,
-    visit_plan,
-)
 from relaygr.infra.kafka import delete_topics_with_prefix, ensure_topics
 from relaygr.schemas import TopicRegistry
+from relaygr.tools.experiment.scenarios.steady_load import await_prefills, visit_figures, visit_of, visit_plan
+from relaygr.tools.long_users import long_users
+from relaygr.tools.pipeline import Pipeline
 from relaygr.tools.report.inputs import pre_inference_counts, read_admitted_ids, read_worker_stats
-from relaygr.tools.traffic import publish
-from relaygr.tools.up import Pipeline
+from relaygr.tools.sender import send_paced
+from relaygr.tools.traffic import count_results, publish
 from relaygr.workers.training.movielens import load_movielens
 
 pytest.importorskip("confluent_kafka")
@@ -92,7 +87,7 @@ async def missed(kafka_settings, tmp_path_factory, model_dir):
 
 
 async def _visits(settings, reg, plan, qps):
-    sent = await asyncio.to_thread(send_visits, settings, reg.name("requests"), plan, qps)
+    sent = await asyncio.to_thread(send_paced, settings, reg.name("requests"), plan, qps, "librdkafka")
     ids = {r.request_id for r in sent}
     results, counts = await count_results(settings, reg, ids, timeout_s=240.0)
     admitted = await read_admitted_ids(settings, reg.name("prefill"), ids, progress=False)
@@ -112,7 +107,7 @@ async def _reports_covering(settings, reg, finished: int, timeout_s: float = 60.
 
 async def test_returning_visits_are_served_from_the_prefix_a_previous_visit_computed(generous) -> None:
     settings, reg = generous
-    behaviours, requests = lengthened_users(load_movielens("ml-100k"), USERS, EVENTS)
+    behaviours, requests = long_users(load_movielens("ml-100k"), USERS, EVENTS, tag="roll")
     await publish(settings, reg, behaviours, [], wait_for_ingest=True, settle_s=0)
     plan = visit_plan(requests, VISITS, "steady")
     first = [r for r in plan if visit_of(r.request_id) == 1]
@@ -152,7 +147,7 @@ async def test_a_burst_of_every_visit_computes_each_prefix_once_and_ranks_every_
     # trigger's bounds), their signals join that computation in the worker's store, and every
     # visit ranks against the one prefix (under a budget no ranking misses).
     settings, reg = generous
-    behaviours, requests = lengthened_users(load_movielens("ml-100k"), 2 * USERS, EVENTS)
+    behaviours, requests = long_users(load_movielens("ml-100k"), 2 * USERS, EVENTS, tag="roll")
     fresh = {r.user_id for r in requests[USERS:]}
     behaviours = [
         b.model_copy(update={"user_id": f"{b.user_id}-b"}) for b in behaviours if b.user_id in fresh
@@ -181,7 +176,7 @@ async def test_a_pre_inference_its_ranking_went_ahead_without_finishes_for_the_n
     # RELAYGR_ABANDON_BACKLOG=0, drops them there and fails this test). They finish, and the next
     # visits' signals find every prefix cached.
     settings, reg = missed
-    behaviours, requests = lengthened_users(load_movielens("ml-100k"), USERS, LATE_EVENTS)
+    behaviours, requests = long_users(load_movielens("ml-100k"), USERS, LATE_EVENTS, tag="roll")
     await publish(settings, reg, behaviours, [], wait_for_ingest=True, settle_s=0)
     plan = visit_plan(requests, VISITS, "late")
     first = [r for r in plan if visit_of(r.request_id) == 1]

@@ -1,4 +1,4 @@
-"""The steady-load bench's figures: visits numbered from the request ids, relay share and reasons by
+"""The steady-load scenario's figures: visits numbered from the request ids, relay share and reasons by
 visit, pre-inference outcomes grouped by what became of the work, and bad --rates refused."""
 
 from __future__ import annotations
@@ -7,7 +7,8 @@ from collections import Counter
 
 import pytest
 
-from relaygr.bench.steady_load import (
+from relaygr.schemas import RankedResult, RecommendationRequest
+from relaygr.tools.experiment.scenarios.steady_load import (
     parse_rates,
     side_by_side,
     stage_figures,
@@ -15,7 +16,6 @@ from relaygr.bench.steady_load import (
     visit_of,
     visit_plan,
 )
-from relaygr.schemas import RankedResult, RecommendationRequest
 
 
 def _request(rid: str, ts: float = 100.0) -> RecommendationRequest:

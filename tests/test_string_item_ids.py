@@ -26,7 +26,7 @@ from synthetic import write_csv, write_parquet
 from relaygr.cli import main
 from relaygr.infra.kafka import delete_topics_with_prefix, ensure_topics
 from relaygr.schemas import DeadLetter, RankedResult, TopicRegistry, decode
-from relaygr.tools.up import Pipeline
+from relaygr.tools.pipeline import Pipeline
 from relaygr.workers.engine.latency_model import LatencyModel
 from relaygr.workers.model.model import HSTURanker
 

@@ -14,8 +14,9 @@ from relaygr.infra.kafka import partition_for
 from relaygr.infra.topic_reader import Start, merge_by_time, read_topic
 from relaygr.schemas import BehaviorEvent, RecommendationRequest
 from relaygr.tools.barriers import sentinel_users
+from relaygr.tools.long_users import EPOCH_FLOOR, lengthen
 from relaygr.tools.replay import Replayer, plan_replay, poisson_offsets, scaled_offsets
-from relaygr.tools.trace import EPOCH_FLOOR, TraceTopics, build_trace, lengthen, load_trace, publish_trace
+from relaygr.tools.trace import TraceTopics, build_trace, load_trace, publish_trace
 from relaygr.workers.prefix_kv import Events
 from relaygr.workers.training.movielens import load_movielens
 

@@ -13,9 +13,9 @@ import pytest
 from relaygr.infra.kafka import delete_topics_with_prefix, ensure_topics
 from relaygr.infra.topic_reader import Start
 from relaygr.schemas import BehaviorEvent, RecommendationRequest, TopicRegistry
+from relaygr.tools.pipeline import Pipeline
 from relaygr.tools.traffic import collect_results, publish
 from relaygr.tools.train_source import read_behaviours
-from relaygr.tools.up import Pipeline
 from relaygr.workers.engine.latency_model import LatencyModel
 from relaygr.workers.model.model import HSTURanker
 from relaygr.workers.training import train

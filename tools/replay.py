@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import random
@@ -37,8 +38,9 @@ from typing import Any
 from relaygr.infra.publishing import send_in_order
 from relaygr.infra.settings import Settings
 from relaygr.infra.topic_reader import Start, merge_by_time, read_topic
-from relaygr.schemas import BehaviorEvent, RecommendationRequest, TopicRegistry, encode
+from relaygr.schemas import BehaviorEvent, RecommendationRequest, TopicRegistry
 from relaygr.tools.barriers import wait_sentinels_applied
+from relaygr.tools.sender import PacedSender
 
 
 def poisson_offsets(n: int, qps: float, seed: int = 0) -> list[float]:
@@ -131,18 +133,22 @@ class Replayer:
         self.user_prefix = user_prefix
         self.progress = progress
         self.prod = None
+        self.sender: PacedSender | None = None
+        self._stack = contextlib.AsyncExitStack()
 
     async def __aenter__(self) -> Replayer:
         from relaygr.infra.kafka import producer
 
         self.prod = producer(self.settings, linger_ms=2)
         await self.prod.start()
+        self._stack.push_async_callback(self.prod.stop)
+        sender = PacedSender(self.settings, self.reg.name("requests"), linger_ms=2)
+        self.sender = await self._stack.enter_async_context(sender)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        if self.prod is not None:
-            await self.prod.stop()
-            self.prod = None
+        await self._stack.aclose()
+        self.prod = self.sender = None
 
     def _say(self, msg: str) -> None:
         if self.progress:
@@ -181,28 +187,27 @@ class Replayer:
         )
 
     async def run(self, plan: ReplayPlan, *, behaviours: bool = True) -> list[RecommendationRequest]:
-        """Send ``plan``'s requests at their offsets, each preceded by the behaviours older than it
-        (none with ``behaviours=False``: a side replay, such as a warm-up, must not publish a later
-        replay's behaviours ahead of their time). Returns the requests as sent (renamed, ``ts`` =
-        send time, ``event_ts`` set)."""
-        topic = self.reg.name("requests")
-        sent, futs = [], []
-        t0 = time.monotonic()
-        last_note = t0
-        for r, off in zip(plan.requests, plan.offsets, strict=True):
-            wait = t0 + off - time.monotonic()
-            if wait > 0:
-                await asyncio.sleep(wait)
-            if behaviours:
-                await self._behaviours_before(r.model_ts)
-            out = renamed(r, self.user_prefix).model_copy(update={"ts": time.time(), "event_ts": r.model_ts})
-            futs.append(await self.prod.send(topic, encode(out), key=out.key()))
-            sent.append(out)
-            if self.progress and time.monotonic() - last_note > 5:
-                last_note = time.monotonic()
-                self._say(f"replayed {len(sent)}/{len(plan.requests)} requests in {last_note - t0:.0f} s")
-        await asyncio.gather(*futs)
-        return sent
+        """Send ``plan``'s requests at their offsets (``tools.sender``), each preceded by the
+        behaviours older than it (none with ``behaviours=False``: a side replay, such as a warm-up,
+        must not publish a later replay's behaviours ahead of their time). Returns the requests as
+        sent (renamed, ``ts`` = send time, ``event_ts`` set)."""
+        assert self.sender is not None, "a Replayer is used as an async context manager"
+        requests = [
+            renamed(r, self.user_prefix).model_copy(update={"event_ts": r.model_ts}) for r in plan.requests
+        ]
+        t0, last_note = time.monotonic(), [time.monotonic()]
+
+        def note(n: int) -> None:
+            if self.progress and time.monotonic() - last_note[0] > 5:
+                last_note[0] = time.monotonic()
+                self._say(f"replayed {n}/{len(requests)} requests in {last_note[0] - t0:.0f} s")
+
+        async def before(r: RecommendationRequest) -> None:
+            await self._behaviours_before(r.model_ts)
+
+        return await self.sender.send(
+            requests, plan.offsets, before=before if behaviours else None, progress=note
+        )
 
 
 # ---------------------------------------------------------------------- CLI

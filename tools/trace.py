@@ -10,7 +10,7 @@ Primitives:
 - ``build_trace(ml, ...)``: a trace of MovieLens, whole or a window of it. ``min_prior`` keeps
   only interactions with that many real earlier ones; ``target_len`` lengthens each user's history
   before their first request to exactly that many events by time-shifted repetition of their real
-  history (``tools.traffic.synthesise``); ``warmup`` adds, per user, a request for their last
+  history (``tools.long_users.lengthen``); ``warmup`` adds, per user, a request for their last
   interaction before the window (``Trace.warmup_ids``).
 - ``TraceTopics(name, partitions)``: the trace topic (requests, key user_id) and its companion
   ``<name>-behaviors`` (behaviours, key user_id); kept forever (``retention.ms=-1``).
@@ -39,7 +39,7 @@ from relaygr.infra.settings import Settings
 from relaygr.infra.topic_reader import Start, merge_by_time, read_topic
 from relaygr.schemas import BehaviorEvent, RecommendationRequest
 from relaygr.schemas.topics import TopicSpec
-from relaygr.workers.model.vocab import RawId
+from relaygr.tools.long_users import as_behaviours, lengthen
 from relaygr.workers.prefix_kv import Events
 from relaygr.workers.training.interactions import InteractionLog
 from relaygr.workers.training.movielens import MovieLens
@@ -57,36 +57,6 @@ class Trace:
     @property
     def users(self) -> list[str]:
         return sorted({r.user_id for r in self.requests})
-
-
-EPOCH_FLOOR = 86400.0
-"""Synthesised timestamps stay after this (event timestamps must be positive)."""
-
-
-def lengthen(past: Events, target_len: int) -> Events:
-    """Exactly ``target_len`` events (the most recent ones) of ``past`` repeated with time shifts
-    (``tools.traffic.synthesise``). Where the shifted copies would reach back before
-    ``EPOCH_FLOOR``, the synthesised part is compressed linearly in time to end one day (at most a
-    quarter of the time since the epoch) before the first real event (order kept; the real history
-    is untouched)."""
-    from relaygr.tools.traffic import DAY, synthesise
-
-    real = len(past)
-    if real == 0 or target_len <= real:
-        return past.slice(max(0, real - target_len))
-    out = synthesise(past, -(-target_len // real))
-    out = out.slice(len(out) - target_len)
-    ts = out.timestamps.clone()
-    n_syn = target_len - real
-    first_real = float(past.timestamps[0])
-    floor = min(EPOCH_FLOOR, first_real / 4)
-    if float(ts[0]) < floor:
-        lo, top = float(ts[0]), float(ts[n_syn - 1])
-        hi = first_real - min(DAY, first_real / 4)
-        scale = (hi - floor) / (top - lo) if top > lo else 0.0
-        ts[:n_syn] = floor + (ts[:n_syn] - lo) * scale
-        out = Events(out.item_ids, out.action_ids, ts)
-    return out
 
 
 def _user_order(user_id: str) -> tuple[int, int, str]:
@@ -155,10 +125,7 @@ def build_trace(
     for u, k0 in first.items():
         seq, added = _user_behaviours(ml, u, k0, last[u], target_len)
         synthesised += added
-        beh += [
-            (t, u, j, BehaviorEvent(user_id=str(u), item_id=i, ts=t, action=a))
-            for j, (t, i, a) in enumerate(seq)
-        ]
+        beh += [(b.ts, u, j, b) for j, b in enumerate(seq)]
     beh.sort(key=lambda x: x[:3])
     requests = [request(u, k) for _, u, k in window]
     warm: list[RecommendationRequest] = []
@@ -205,10 +172,10 @@ def _request(ml: MovieLens, u: int, k: int, num_candidates: int, top_k: int) -> 
 
 def _user_behaviours(
     ml: MovieLens, u: int, k0: int, last_k: int, target_len: int | None
-) -> tuple[list[tuple[float, RawId, int]], int]:
-    """User ``u``'s behaviours as (ts, raw item, action): the history before interaction ``k0``
-    (lengthened to ``target_len``), then its interactions ``k0 .. last_k``; and how many events
-    the lengthening synthesised."""
+) -> tuple[list[BehaviorEvent], int]:
+    """User ``u``'s behaviours: the history before interaction ``k0`` (lengthened to
+    ``target_len``), then its interactions ``k0 .. last_k``; and how many events the lengthening
+    synthesised."""
     h = ml.histories[u]
     past = h.slice(0, k0)
     synthesised = 0
@@ -216,21 +183,7 @@ def _user_behaviours(
         real = len(past)
         past = lengthen(past, target_len)
         synthesised = len(past) - min(real, len(past))
-    seq = [
-        (float(t), i, int(a))
-        for i, a, t in zip(
-            ml.raw_items(past.item_ids.tolist()),
-            past.action_ids.tolist(),
-            past.timestamps.tolist(),
-            strict=True,
-        )
-    ]
-    tail = range(k0, last_k + 1)
-    seq += [
-        (float(h.timestamps[k]), i, int(h.action_ids[k]))
-        for k, i in zip(tail, ml.raw_items([int(h.item_ids[k]) for k in tail]), strict=True)
-    ]
-    return seq, synthesised
+    return as_behaviours(ml, str(u), past) + as_behaviours(ml, str(u), h.slice(k0, last_k + 1)), synthesised
 
 
 class TraceTopics:

@@ -2,21 +2,20 @@
 
 Primitives:
 - ``leave_last_out(ml, users, synth_factor)``: per user, the behaviours before their last
-  interaction and a request whose ground truth is that last item (``event_ts`` = its time).
-- ``synthesise(history, factor)``: a longer history by time-shifted repetition of the real one:
-  ``factor`` copies, each earlier copy shifted back by the history's span plus one day, the last
-  copy being the real history. Used where MovieLens histories are shorter than the experiment
-  needs; reports say so.
+  interaction and a request whose ground truth is that last item (``event_ts`` = its time);
+  histories lengthened by ``tools.long_users``.
 - ``publish(settings, registry, behaviours, requests, qps)``: behaviours first (keyed by user),
-  then requests paced at ``qps`` (wall-clock ``ts`` stamped at send time).
-- ``collect_results(settings, registry, request_ids, timeout_s)``: results by request_id (the
-  last one per id: results are idempotent by key).
+  then requests paced at ``qps`` by ``tools.sender`` (wall-clock ``ts`` stamped at send time).
+- ``count_results(settings, registry, request_ids, timeout_s, linger_s)``: every result of some
+  requests on the results topic: the first of each, and how many there were of each.
+- ``collect_results(settings, registry, request_ids, timeout_s)``: their results by request id.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from collections.abc import Iterable
 
 import torch
@@ -24,27 +23,13 @@ import torch
 from relaygr.infra.kafka import consumer, producer
 from relaygr.infra.publishing import send_in_order
 from relaygr.infra.settings import Settings
-from relaygr.schemas import BehaviorEvent, RankedResult, RecommendationRequest, TopicRegistry, decode, encode
+from relaygr.schemas import BehaviorEvent, RankedResult, RecommendationRequest, TopicRegistry, decode
 from relaygr.tools.barriers import wait_groups_caught_up
+from relaygr.tools.long_users import as_behaviours, lengthen, synthesise
+from relaygr.tools.sender import PacedSender, rate_offsets
 from relaygr.workers.model.vocab import item_keys
 from relaygr.workers.prefix_kv import Events
 from relaygr.workers.training.movielens import MovieLens
-
-DAY = 86400.0
-
-
-def synthesise(history: Events, factor: int) -> Events:
-    if factor <= 1 or len(history) == 0:
-        return history
-    ts = history.timestamps
-    span = float(ts[-1] - ts[0]) + DAY
-    copies = [
-        Events(history.item_ids, history.action_ids, ts - (factor - 1 - j) * span) for j in range(factor)
-    ]
-    out = copies[0]
-    for c in copies[1:]:
-        out = out.concat(c)
-    return out
 
 
 def leave_last_out(
@@ -67,27 +52,14 @@ def leave_last_out(
         if len(h) < 2:
             continue
         past = h.slice(0, len(h) - 1)
-        if target_len is not None:
-            past = synthesise(past, -(-target_len // len(past)))
-            past = past.slice(max(0, len(past) - target_len))
-        else:
-            past = synthesise(past, synth_factor)
+        past = lengthen(past, target_len) if target_len is not None else synthesise(past, synth_factor)
         if max_len is not None and len(past) > max_len:
             past = past.slice(len(past) - max_len)
-        uid = str(u)
-        behaviours += [
-            BehaviorEvent(user_id=uid, item_id=i, ts=float(t), action=int(a))
-            for i, a, t in zip(
-                ml.raw_items(past.item_ids.tolist()),
-                past.action_ids.tolist(),
-                past.timestamps.tolist(),
-                strict=True,
-            )
-        ]
+        behaviours += as_behaviours(ml, str(u), past)
         requests.append(
             RecommendationRequest(
                 request_id=f"ml-{u}-{len(h) - 1}",
-                user_id=uid,
+                user_id=str(u),
                 ts=time.time(),
                 event_ts=float(h.timestamps[-1]),
                 num_candidates=num_candidates,
@@ -121,42 +93,59 @@ async def publish(
 ) -> list[RecommendationRequest]:
     """Publish behaviours, then requests at ``qps``; returns the requests as sent (with their
     send-time ``ts``). ``wait_for_ingest`` waits until every stage consumed the behaviours."""
-    # No lingering: a request's send time is its timestamp, so batching would count as latency.
-    prod = producer(settings, linger_ms=0)
+    prod = producer(settings, linger_ms=5)
     await prod.start()
-    sent = []
     try:
         await send_in_order(prod, reg.name("behaviors"), behaviours)
-        if wait_for_ingest and behaviours:
-            await wait_groups_caught_up(settings, reg)
-        await asyncio.sleep(settle_s)
-        t0 = time.monotonic()
-        for i, r in enumerate(requests):
-            wait = t0 + i / qps - time.monotonic()
-            if wait > 0:
-                await asyncio.sleep(wait)
-            r = r.model_copy(update={"ts": time.time()})
-            await prod.send_and_wait(reg.name("requests"), encode(r), key=r.key())
-            sent.append(r)
     finally:
         await prod.stop()
-    return sent
+    if wait_for_ingest and behaviours:
+        await wait_groups_caught_up(settings, reg)
+    await asyncio.sleep(settle_s)
+    if not requests:
+        return []
+    async with PacedSender(settings, reg.name("requests")) as sender:
+        return await sender.send(requests, rate_offsets(qps))
+
+
+async def count_results(
+    settings: Settings,
+    reg: TopicRegistry,
+    request_ids: set[str],
+    *,
+    timeout_s: float = 120.0,
+    linger_s: float = 3.0,
+    keep: str = "first",
+) -> tuple[dict[str, RankedResult], Counter[str]]:
+    """Every result on the results topic for ``request_ids``: the first of each (what a caller got;
+    ``keep="last"``: the last, as a table of results reads them), and how many there were of each.
+    Reads until all came and ``linger_s`` more (a late second copy counts), or ``timeout_s``."""
+    cons = consumer(settings, reg.name("results"), group_id=None)
+    await cons.start()
+    first: dict[str, RankedResult] = {}
+    counts: Counter[str] = Counter()
+    try:
+        deadline = time.monotonic() + timeout_s
+        done_at: float | None = None
+        while time.monotonic() < deadline and (done_at is None or time.monotonic() < done_at + linger_s):
+            for msgs in (await cons.getmany(timeout_ms=200)).values():
+                for m in msgs:
+                    r = decode(RankedResult, m.value)
+                    if r.request_id in request_ids:
+                        counts[r.request_id] += 1
+                        if keep == "last" or r.request_id not in first:
+                            first[r.request_id] = r
+            if done_at is None and request_ids <= first.keys():
+                done_at = time.monotonic()
+    finally:
+        await cons.stop()
+    return first, counts
 
 
 async def collect_results(
     settings: Settings, reg: TopicRegistry, request_ids: set[str], *, timeout_s: float = 60.0
 ) -> dict[str, RankedResult]:
-    cons = consumer(settings, reg.name("results"), group_id=None)
-    await cons.start()
-    out: dict[str, RankedResult] = {}
-    try:
-        deadline = time.monotonic() + timeout_s
-        while not request_ids <= out.keys() and time.monotonic() < deadline:
-            for msgs in (await cons.getmany(timeout_ms=200)).values():
-                for m in msgs:
-                    r = decode(RankedResult, m.value)
-                    if r.request_id in request_ids:
-                        out[r.request_id] = r
-    finally:
-        await cons.stop()
-    return out
+    """The results of ``request_ids`` by id (the last of each read, as a table of results keeps
+    them), as soon as every one came (or ``timeout_s``)."""
+    got, _ = await count_results(settings, reg, request_ids, timeout_s=timeout_s, linger_s=0.0, keep="last")
+    return got

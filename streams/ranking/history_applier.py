@@ -40,7 +40,8 @@ from relaygr.schemas.routing import (
     decode_rate,
 )
 from relaygr.streams.common import APPLY_SLICE, BEHAVIOURS_APPLIED, apply_in_slices
-from relaygr.streams.history import HistoryAlignment, HistoryTable
+from relaygr.streams.history import HistoryTable
+from relaygr.streams.history_alignment import HistoryAlignment
 
 log = logging.getLogger(__name__)
 STAGE = "ranking"

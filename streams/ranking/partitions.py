@@ -31,7 +31,8 @@ from collections.abc import Iterable
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from relaygr.schemas import TopicRegistry
-from relaygr.streams.history import HistoryAlignment, HistoryTable
+from relaygr.streams.history import HistoryTable
+from relaygr.streams.history_alignment import HistoryAlignment
 from relaygr.streams.ranking.history_applier import BehaviourApplier, ahead_record
 from relaygr.streams.ranking.offset_tracker import OffsetTracker
 from relaygr.streams.state_lineage import HistoryLineage

@@ -40,7 +40,8 @@ from prometheus_client import Counter as PCounter
 
 from relaygr.schemas import PrefillSignal, RankedResult, RankPath, RankRequest, ScoredItem, TriggerReason
 from relaygr.streams.config import PipelineSettings
-from relaygr.streams.history import HistoryAlignment, HistoryTable, to_events
+from relaygr.streams.history import HistoryTable, to_events
+from relaygr.streams.history_alignment import HistoryAlignment
 from relaygr.workers.engine.ranker import RankingEngine, RankOutcome
 from relaygr.workers.model.vocab import item_keys
 from relaygr.workers.prefix_kv import Events, served, window_step

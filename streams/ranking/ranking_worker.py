@@ -76,7 +76,8 @@ from relaygr.schemas import (
 )
 from relaygr.streams.common import DEAD_LETTERS, dead_letter, decode_keyed, deliver
 from relaygr.streams.config import PipelineSettings
-from relaygr.streams.history import HistoryAlignment, HistoryTable
+from relaygr.streams.history import HistoryTable
+from relaygr.streams.history_alignment import HistoryAlignment
 from relaygr.streams.ranking.engine_factory import build_engine
 from relaygr.streams.ranking.hand_over import HandOver, State
 from relaygr.streams.ranking.history_applier import BehaviourApplier

@@ -37,7 +37,7 @@ in it depends on the mode:
   only the second counts (the first point would otherwise be the only one measured on pipelines
   that had served nothing of this shape yet);
 - histories: each user's real history before the window, lengthened to exactly the point's length
-  by time-shifted repetition (``tools.trace.lengthen``); their real interactions in the window
+  by time-shifted repetition (``tools.long_users.lengthen``); their real interactions in the window
   then extend it;
 - a point holds the SLO when its P99 of ranking latency (counting missing, timed-out and
   truncated requests as infinitely late) is at most B with 95 % confidence: with n requests of
@@ -85,6 +85,7 @@ from pathlib import Path
 from relaygr.infra.settings import Settings
 from relaygr.tools.experiment import deployment
 from relaygr.tools.experiment.arguments import add_experiment_arguments
+from relaygr.tools.experiment.harness import Deployment, move_back, move_off_device
 from relaygr.tools.experiment.kinds import KINDS, ExperimentKind
 from relaygr.tools.experiment.protocol import EXPERIMENT_SHORT_TERM, MODES, PointRun, Protocol
 from relaygr.tools.experiment.report import print_headline, say, write_experiment_report
@@ -163,9 +164,7 @@ def prepare(args: argparse.Namespace, kinds: list[ExperimentKind]) -> Run:
     if cores.pinned:  # the latency model is the device's: calibrate on the device core
         pin_tasks(os.getpid(), {cores.device[0]})
     lat, samples = calibrate_latency(model_dir, args.threads, out / "calibration.json", args.device)
-    if cores.pinned:
-        pin_tasks(os.getpid(), cores.shared)
-        _pin_broker(settings, cores.shared)
+    move_off_device(cores, settings)
     say("latency model of full ranking: " + ", ".join(f"{n} tokens {ms:.1f} ms" for n, ms in samples))
     args.relay_pace = relay_pace_of(json.loads((out / "calibration.json").read_text()))
     cap = json.loads((model_dir / "config.json").read_text()).get("max_seq_len") or 8192
@@ -180,15 +179,6 @@ def prepare(args: argparse.Namespace, kinds: list[ExperimentKind]) -> Run:
     start = window_start(args, ml)
     rule = StopRule(args.miss_rate, args.confidence, args.max_requests, args.min_round, args.max_round)
     return Run(kind, args, settings, model_dir, run_id, out, root, ml, start, lat, samples, cores, rule)
-
-
-def _pin_broker(settings: Settings, cores: tuple[int, ...] | set[int]) -> None:
-    """The local broker's threads onto ``cores`` (a broker this RELAYGR_HOME started)."""
-    from relaygr.infra.local.broker import status
-
-    alive, state = status(settings)
-    if alive and state is not None:
-        pin_tasks(state.pid, cores)
 
 
 def fix_protocol(run: Run, xs: list[float], slo_ms: float, slo_how: str) -> Protocol:
@@ -342,7 +332,7 @@ def run_sweep(args: argparse.Namespace, kinds: list[ExperimentKind]) -> list[dic
     bound): each experiment's points on users of its own, its report in ``--out`` (in
     ``--out/<experiment>`` when there are several). Returns their headlines."""
     from relaygr.infra.kafka import delete_topics_with_prefix
-    from relaygr.tools.experiment.deployment import Deployment, build_and_publish, measure_slo, pipeline_env
+    from relaygr.tools.experiment.deployment import build_and_publish, measure_slo, pipeline_env
 
     t_start = time.monotonic()
     run = prepare(args, kinds)
@@ -369,10 +359,7 @@ def run_sweep(args: argparse.Namespace, kinds: list[ExperimentKind]) -> list[dic
     finally:
         for d in deps:
             d.pipe.stop()
-        if run.cores.pinned:  # back on every core: the broker, and this process for a next run
-            every = set(run.cores.shared) | set(run.cores.device) | set(run.cores.stage_core_set())
-            _pin_broker(run.settings, every)
-            pin_tasks(os.getpid(), every)
+        move_back(run.cores, run.settings)  # the broker, and this process for a next run
         if not args.keep:
             asyncio.run(delete_topics_with_prefix(run.settings, run.topics))
             if done:  # after a failure the pipelines' logs and state stay for inspection

@@ -1,7 +1,7 @@
-"""Running an experiment's pipelines: one mode's deployment, one point on it, and the SLO bound.
+"""Running an experiment's pipelines: one point on a mode's deployment (``tools.experiment.harness``),
+and the SLO bound.
 
 Primitives:
-- ``Deployment``: one mode's pipeline (``tools.up.Pipeline``) on its own topics and state.
 - ``run_point(deployment, trace, ...) -> PointRun``: preload the window's users, replay their
   previous visits unmeasured, then the window at the point's QPS (a fixed number of requests, or
   in rounds until a ``StopRule`` decides); summarise the results.
@@ -18,10 +18,10 @@ import asyncio
 import json
 import math
 import shutil
-import time
 from pathlib import Path
 
 from relaygr.tools.barriers import wait_sentinels_applied
+from relaygr.tools.experiment.harness import Deployment
 from relaygr.tools.experiment.protocol import EXPERIMENT_SHORT_TERM, PointRun
 from relaygr.tools.experiment.report import say
 from relaygr.tools.experiment.stopping import StopRule
@@ -31,52 +31,6 @@ from relaygr.tools.report.inputs import prefill_statuses, read_admitted_ids
 from relaygr.tools.report.summary import RunSummary
 from relaygr.tools.trace import TraceTopics, build_trace, eligible_interactions, load_trace, publish_trace
 from relaygr.tools.traffic import collect_results
-
-
-class Deployment:
-    """One mode's pipeline on its own topics and state."""
-
-    def __init__(
-        self, settings, mode: str, env: dict[str, str], root: Path, topics: str, workers: int, cores=None
-    ) -> None:
-        """``topics``: the start of its topic names (``<topics>-<mode>.*``)."""
-        from relaygr.schemas import TopicRegistry
-        from relaygr.tools.up import Pipeline
-
-        self.mode = mode
-        self.settings = settings.model_copy(update={"topic_prefix": f"{topics}-{mode}", "home": root / mode})
-        self.reg = TopicRegistry(self.settings.topic_prefix, self.settings.partitions)
-        self.pipe = Pipeline(
-            self.settings, ranking_workers=workers, mode=mode, env=env, metrics=True, cores=cores
-        )
-
-    async def start(self) -> None:
-        from relaygr.infra.kafka import ensure_topics
-
-        await ensure_topics(self.reg, self.settings)
-        self.pipe.start()
-
-    def trigger_counts(self) -> dict[str, int]:
-        try:
-            decisions = self.pipe.scrape("retrieval").by_label("relaygr_trigger_decisions_total", "reason")
-        except OSError:
-            return {}
-        return {reason: int(n) for reason, n in decisions.items()}
-
-    async def wait_idle(self, timeout_s: float = 120.0) -> None:
-        """Until every ranking worker has nothing in flight (pre-inference included), twice in a row."""
-        deadline = time.monotonic() + timeout_s
-        quiet = 0
-        while time.monotonic() < deadline and quiet < 2:
-            busy = 0.0
-            for name in self.pipe.procs:
-                if name.startswith("ranker-"):
-                    try:
-                        busy += self.pipe.scrape(name).value("relaygr_rank_inflight")
-                    except OSError:
-                        busy += 1
-            quiet = quiet + 1 if busy == 0 else 0
-            await asyncio.sleep(0.2)
 
 
 async def run_point(

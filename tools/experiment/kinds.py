@@ -7,6 +7,11 @@ Primitives:
 - ``SeqLen``: the longest history whose ranking P99 holds the SLO, at a fixed QPS.
 - ``Throughput``: the highest QPS whose ranking P99 holds the SLO, at a fixed history length.
 - ``KINDS``: name -> spec, the ``relaygr experiment`` choices.
+
+These are the sweeps. The other kinds, the broker scenarios (``relaygr bench pipeline``,
+``steady-load``, ...), each measure one situation on fresh pipelines instead of sweeping for the
+SLO's edge: ``tools.experiment.scenarios`` lists them (``SCENARIOS``) and runs them on the same
+harness, paced sender and long-user builder.
 """
 
 from __future__ import annotations

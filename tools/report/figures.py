@@ -18,7 +18,7 @@ Definitions (the figure computations are pure functions of a list of ``RankedRes
 - HR@10 / NDCG@10: the true next item among the ranked top 10 (a label missing from the
   candidates is a miss).
 
-Primitives: ``percentile``, ``latency_summary``, ``stage_latencies``, ``meets_slo``,
+Primitives: ``percentile``, ``latency_summary``, ``stage_latencies``, ``breakdown_percentiles``, ``meets_slo``,
 ``slo_figures``, ``path_mix``, ``path_reasons``, ``admission``, ``hit_rates``, ``quality``, ``history_figures``,
 ``summarize`` (all of them for one run), ``headline`` (its main figures, JSON-safe), ``windows``
 and ``by_history_len`` (what the plots bin), ``json_safe``.
@@ -80,6 +80,16 @@ def stage_latencies(results: Sequence[RankedResult]) -> dict[str, dict[str, floa
         if vals:
             out[st] = latency_summary(vals)
     return out
+
+
+def breakdown_percentiles(
+    results: Mapping[str, RankedResult], sent: Iterable, field: str = "hop_requests"
+) -> dict[str, float]:
+    """P50/P99 of one ``breakdown_ms`` field over the results of the requests ``sent``, and how
+    many had it (``n``)."""
+    values = [results[r.request_id].breakdown_ms.get(field) for r in sent if r.request_id in results]
+    values = [v for v in values if v is not None]
+    return {"p50": percentile(values, 50), "p99": percentile(values, 99), "n": len(values)}
 
 
 def meets_slo(r: RankedResult, slo_ms: float, *, allow_truncated: bool = False) -> bool:

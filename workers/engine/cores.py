@@ -75,7 +75,7 @@ class CoreLayout:
 
 
 PIPELINE_STAGES = ("ingress-requests", "ingress-behaviors", "retrieval", "preprocess")
-"""The stage processes of a local pipeline besides the ranking workers (``tools.up.Pipeline``)."""
+"""The stage processes of a local pipeline besides the ranking workers (``tools.pipeline.Pipeline``)."""
 
 MIN_SHARED_CORES = 2
 """Cores that must stay for the stages, the broker and the load generator before a device thread

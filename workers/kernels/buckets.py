@@ -20,11 +20,14 @@ SELF_BIAS_INDEX = 0
 EXACT_POSITIONS = 16
 """Position differences below this get a bucket of their own; beyond, four buckets per doubling."""
 F32_EXP_BIAS = 127
+POSITION_CLAMP = 1 << 30
+"""Position differences are clamped here before their int32 cast (every bucket count in use
+saturates far below it: 64 buckets at 57,344)."""
 
 
 def position_bucket(dpos: torch.Tensor, num_buckets: int) -> torch.Tensor:
     """Bucket (int32) of position differences ``i - j``; negative differences map to bucket 0."""
-    d = dpos.clamp_min(0).to(torch.int32)
+    d = dpos.clamp(0, POSITION_CLAMP).to(torch.int32)
     # For d >= 16: 16 + 4 * (floor(log2 d) - 4) + (two mantissa bits after the leading one).
     log_part = (d.to(torch.float32).view(torch.int32) >> 21) - (((F32_EXP_BIAS + 4) << 2) - EXACT_POSITIONS)
     return torch.where(d < EXACT_POSITIONS, d, log_part).clamp_(0, num_buckets - 1)

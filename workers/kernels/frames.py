@@ -14,8 +14,9 @@ from __future__ import annotations
 import torch
 
 from relaygr.workers.kernels.batch import JaggedBatch
+from relaygr.workers.kernels.buckets import POSITION_CLAMP
 
-POSITION_SPAN = 1 << 30  # the reference clamps position gaps here before the int32 cast
+POSITION_SPAN = POSITION_CLAMP  # ``position_bucket`` clamps position gaps here before the int32 cast
 
 
 def causal_limits(batch: JaggedBatch) -> torch.Tensor:

@@ -20,10 +20,19 @@ its own key. Positions are absolute within the user's history; timestamps are se
 With a row index (``JaggedBatch.k_rows``), ``k``/``v`` are any ``[R, H, d]`` tensors (a paged pool's
 layer, read in place) and key ``j`` of the batch is their row ``k_rows[j]``.
 
-Backends: ``reference`` (PyTorch; CPU, NPU, and the oracle) and ``triton`` (CUDA, or CPU under
-``TRITON_INTERPRET=1``). ``hstu_mha`` picks Triton for CUDA tensors where it imports, else the
-reference; ``use_backend`` forces one, and so does ``RELAYGR_ATTENTION_BACKEND`` (an operator's
-fallback where a kernel misbehaves).
+Backends (Meta's ``ops/`` layout: one entry, a PyTorch definition, tuned implementations each held
+to it):
+
+- ``oracle`` (``oracle.py``): the definition in plain, differentiable PyTorch; the training forward
+  computes its attention with the same functions. A call that autograd records runs it (the only
+  backend with a backward).
+- ``cpu`` (``cpu.py``): PyTorch operations laid out for a CPU: a fixed handful per layer, the
+  pair terms derived once per batch. What runs on a CPU, an NPU and wherever Triton does not.
+- ``triton`` (``triton_hstu.py``): the fused kernel, on CUDA (or a CPU under ``TRITON_INTERPRET=1``).
+
+``hstu_mha`` picks Triton for CUDA tensors where it imports, else ``cpu``; ``use_backend`` forces
+one, and so does ``RELAYGR_ATTENTION_BACKEND`` (an operator's fallback where a kernel misbehaves).
+``reference``, the CPU backend's earlier name, is still taken for it.
 """
 
 from __future__ import annotations
@@ -35,11 +44,16 @@ import os
 from collections.abc import Iterator
 
 import torch
+import torch.nn.functional as F
 
 from relaygr.workers.kernels.batch import AttentionParams, JaggedBatch
+from relaygr.workers.kernels.oracle import oracle_hstu_mha
 
-BACKENDS = ("reference", "triton")
+BACKENDS = ("oracle", "cpu", "triton")
+ALIASES = {"reference": "cpu"}
+"""Names still taken for a backend: ``reference`` was the CPU backend's."""
 __all__ = [
+    "ALIASES",
     "BACKENDS",
     "BACKEND_ENV",
     "AttentionParams",
@@ -47,12 +61,13 @@ __all__ = [
     "available_backends",
     "backend_for",
     "hstu_mha",
+    "hstu_mha_gated",
     "use_backend",
 ]
 
 
 BACKEND_ENV = "RELAYGR_ATTENTION_BACKEND"
-"""Names the backend every call runs (``reference`` or ``triton``); unset or empty: by device."""
+"""Names the backend every call runs (``oracle``, ``cpu`` or ``triton``); unset or empty: by device."""
 
 _forced: str | None = None
 
@@ -64,15 +79,25 @@ def _triton_imports() -> bool:
 
 def available_backends() -> tuple[str, ...]:
     """The implementations this machine can run."""
-    return BACKENDS if _triton_imports() else ("reference",)
+    return BACKENDS if _triton_imports() else BACKENDS[:2]
+
+
+def _known(name: str, source: str) -> str:
+    """``name`` (or an alias of one) as one of ``available_backends()``; a clear error otherwise."""
+    name = ALIASES.get(name, name)
+    if name not in available_backends():
+        raise ValueError(
+            f"{source}: attention backend {name!r} is not available here (have {available_backends()})"
+        )
+    return name
 
 
 @contextlib.contextmanager
 def use_backend(name: str | None) -> Iterator[None]:
-    """Force ``name`` (``reference``, ``triton``) inside the block; ``None``: choose by device."""
+    """Force ``name`` (``oracle``, ``cpu``, ``triton``) inside the block; ``None``: choose by device."""
     global _forced
-    if name is not None and name not in available_backends():
-        raise ValueError(f"attention backend {name!r} is not available here (have {available_backends()})")
+    if name is not None:
+        name = _known(name, "use_backend")
     before, _forced = _forced, name
     try:
         yield
@@ -80,15 +105,17 @@ def use_backend(name: str | None) -> Iterator[None]:
         _forced = before
 
 
-def backend_for(q: torch.Tensor) -> str:
-    """The implementation ``hstu_mha`` runs for a query tensor."""
+def backend_for(q: torch.Tensor, *tensors: torch.Tensor) -> str:
+    """The implementation ``hstu_mha`` runs for a query tensor (and the call's other tensors):
+    the one forced in code; else the oracle where autograd records the call; else the operator's
+    (``RELAYGR_ATTENTION_BACKEND``); else Triton on CUDA where it imports, ``cpu`` elsewhere."""
     if _forced is not None:
         return _forced
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, *tensors)):
+        return "oracle"
     if chosen := os.environ.get(BACKEND_ENV):
-        if chosen not in available_backends():
-            raise ValueError(f"{BACKEND_ENV}={chosen!r}: not one of {available_backends()}")
-        return chosen
-    return "triton" if q.is_cuda and _triton_imports() else "reference"
+        return _known(chosen, BACKEND_ENV)
+    return "triton" if q.is_cuda and _triton_imports() else "cpu"
 
 
 def hstu_mha(
@@ -101,10 +128,41 @@ def hstu_mha(
 ) -> torch.Tensor:
     """HSTU attention of ``q [Tq, H, dqk]`` over ``k [Tk, H, dqk]``, ``v [Tk, H, dv]``: ``[Tq, H, dv]``
     in ``q``'s dtype (sums in float32)."""
-    if backend_for(q) == "triton":
+    backend = backend_for(q, k, v, bias_table)
+    if backend == "triton":
         from relaygr.workers.kernels.triton_hstu import triton_hstu_mha
 
         return triton_hstu_mha(q, k, v, batch, bias_table, params)
-    from relaygr.workers.kernels.reference import reference_hstu_mha
+    if backend == "cpu":
+        from relaygr.workers.kernels.cpu import cpu_hstu_mha
 
-    return reference_hstu_mha(q, k, v, batch, bias_table, params)
+        return cpu_hstu_mha(q, k, v, batch, bias_table, params)
+    return oracle_hstu_mha(q, k, v, batch, bias_table, params)
+
+
+def hstu_mha_gated(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    batch: JaggedBatch,
+    bias_table: torch.Tensor,
+    params: AttentionParams,
+    norm: tuple[torch.Tensor, torch.Tensor, float],
+    gate: torch.Tensor,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """An HSTU layer's attention and what follows it before the output projection:
+    ``layer_norm(hstu_mha(...)) * gate`` written into ``out`` and returned. ``norm``: the layer
+    norm's weight and bias (``[H, dv]``, over each row's heads) and eps; ``gate`` and ``out``:
+    ``[Tq, H * dv]``, rows strided, elements not (``out`` a view of a wider buffer, as the layer's
+    gated rows beside its bias column). Triton runs it as two launches; elsewhere it is
+    ``hstu_mha``, ``layer_norm`` and ``mul`` (bit for bit those three). Not differentiable."""
+    backend = backend_for(q, k, v, bias_table)
+    if backend == "triton":
+        from relaygr.workers.kernels.triton_hstu import triton_hstu_mha_gated
+
+        return triton_hstu_mha_gated(q, k, v, batch, bias_table, params, norm, gate, out)
+    attn = hstu_mha(q, k, v, batch, bias_table, params)
+    a = F.layer_norm(attn, attn.shape[-2:], norm[0], norm[1], eps=norm[2])
+    torch.mul(a, gate.view(a.shape), out=out.view(a.shape))
+    return out

@@ -2,9 +2,10 @@
 
 Primitives:
 - ``train_scores(model, items, actions, timestamps, lengths, cuts, cut_ts, candidates)``:
-  differentiable candidate scores at many cut points of a padded batch, with the dense reference
-  attention (``hstu_attention.dense_attention``): every pair's bias and visibility materialised.
-  It is the function serving computes through ``kernels.hstu_mha``; tests hold them equal.
+  differentiable candidate scores at many cut points of a padded batch, with the attention's
+  oracle (``kernels.oracle``: ``pair_index`` and ``pair_weight`` for every pair, then
+  ``dense_attention``), the same functions ``kernels.hstu_mha``'s oracle backend runs and every
+  serving backend is held to; tests hold training and serving equal.
 - ``dense_rank_full(model, history, candidates, request_ts)``: ``rank_full`` computed this way (one
   row, one cut): the oracle the serving paths are tested against.
 """
@@ -12,15 +13,13 @@ Primitives:
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from relaygr.workers.model.hstu_attention import (
     SELF_BIAS_INDEX,
     dense_attention,
-    far_index,
     far_scale,
-    far_weights,
     pair_index,
+    pair_weight,
 )
 from relaygr.workers.model.model import HSTURanker
 from relaygr.workers.prefix_kv import Events
@@ -57,19 +56,23 @@ def train_scores(
     valid = pos[None, :] < lengths.to(dev)[:, None]  # [B, T]
     cuts = cuts.to(dev)
     cut_ts = cut_ts.to(dev, torch.float64)
-    np_, nt = cfg.position_buckets, cfg.time_buckets
-    # Bias indices and visibility, shared by layers and heads (a cut's K candidates share them).
-    hist_index = pair_index(pos[:, None] - pos[None, :], ts[:, :, None] - ts[:, None, :], np_, nt)
-    hist_vis = (pos[:, None] >= pos[None, :])[None] & valid[:, None, :]  # [B, T, T]
-    cand_index = pair_index(cuts[..., None] - pos, cut_ts[..., None] - ts[:, None, :], np_, nt)
-    cand_vis = (pos < cuts[..., None]) & valid[:, None, :]  # [B, S, T]
-    if cfg.near_keys:  # far keys: each pair's factor joins its visibility
-        first = far_index(cfg.near_keys, np_, nt)
-        hist_scale = far_scale(pos, cfg.near_keys, cfg.far_keys)  # [T, 1]
-        hist_vis = hist_vis * far_weights(hist_index, hist_scale, first)
-        cand_scale = far_scale(cuts.reshape(-1), cfg.near_keys, cfg.far_keys).view(B, S, 1)
-        cand_vis = cand_vis * far_weights(cand_index, cand_scale, first)
+    np_, nt, near = cfg.position_buckets, cfg.time_buckets, cfg.near_keys
+    # Bias indices and weights (visibility and far factor), shared by layers and heads (a cut's K
+    # candidates share them): the oracle's pair terms. History tokens see themselves (own key).
+    hist_d = pos[:, None] - pos[None, :]
+    hist_index = pair_index(hist_d, ts[:, :, None] - ts[:, None, :], np_, nt)
+    hist_own = torch.eye(T, dtype=torch.bool, device=dev)
+    hist_vis = (
+        pair_weight(hist_d, hist_own, far_scale(pos, near, cfg.far_keys), near)[None] * valid[:, None, :]
+    )
+    cand_d = cuts[..., None] - pos  # [B, S, T]; a candidate's own key is its own term below
+    cand_index = pair_index(cand_d, cut_ts[..., None] - ts[:, None, :], np_, nt)
+    cand_scale = far_scale(cuts.reshape(-1), near, cfg.far_keys).view(B, S, 1)
+    cand_vis = pair_weight(cand_d, torch.zeros((), dtype=torch.bool, device=dev), cand_scale, near)
+    cand_vis = cand_vis * valid[:, None, :]
     cand_index, cand_vis = cand_index.unsqueeze(-2), cand_vis.unsqueeze(-2)  # [B, S, 1, T]
+    own_index = torch.full((1, 1), SELF_BIAS_INDEX, device=dev)
+    own_weight = torch.ones((1, 1), device=dev)
     cand_ids = model.vocab_items(candidates.reshape(B, S * K))
     x = model.emb_drop(
         model.item_emb(model.vocab_items(items)) + model.action_emb(model.vocab_actions(actions))
@@ -85,7 +88,9 @@ def train_scores(
         qs = qc.unflatten(2, (S, K)).transpose(1, 2)  # [B, S, H, K, d]
         ac = dense_attention(qs, k[:, None], v[:, None], cand_index, cand_vis, table, 1.0)
         ac = ac.transpose(1, 2).reshape(B, H, S * K, -1)
-        own = F.silu((qc * kc).sum(-1, keepdim=True) + table[SELF_BIAS_INDEX]) * vc
+        # Each candidate's own key: one query against one key, the same arithmetic.
+        own = dense_attention(*(t.unsqueeze(-2) for t in (qc, kc, vc)), own_index, own_weight, table, 1.0)
+        own = own.squeeze(-2)
         xc_next = layer.finish(xc, uc, (ac + own) / cfg.attn_normaliser)
         if li < last or history_states:
             a = dense_attention(q, k, v, hist_index, hist_vis, table, cfg.attn_normaliser)

@@ -20,20 +20,30 @@ position-bucket boundary, so "far" is a threshold on a pair's bias index.
 Primitives:
 - ``position_bucket(dpos)``, ``time_bucket(dt)``, ``SELF_BIAS_INDEX``: the bias buckets
   (``kernels.buckets``, exact integer functions of float32 bit patterns).
-- ``pair_index(dpos, dt, ...)``: combined bucket index into a layer's flattened bias table.
 - ``far_index(near_keys, num_pos, columns)``: the first bias index of a far pair;
-  ``is_bucket_boundary``: whether ``near_keys`` is one; ``far_scale(q_pos, near_keys, far_keys)``:
-  each query's factor ``[nq, 1]``; ``far_weights(index, scale, first)``: the factor of each pair.
-- ``dense_attention``: the differentiable dense form training uses; every pair's bias and
-  visibility materialised. Serving calls ``kernels.hstu_mha``, which computes the same function.
+  ``is_bucket_boundary``: whether ``near_keys`` is one (a model's far keys must be).
+- From the attention's oracle (``kernels.oracle``), the one place its arithmetic is written:
+  ``pair_index(dpos, dt, ...)`` (a pair's index into a layer's flattened bias table),
+  ``far_scale(q_pos, near_keys, far_keys)`` (each query's factor ``[nq, 1]``),
+  ``pair_weight(dpos, own, scale, near_keys)`` (each pair's visibility times far factor) and
+  ``dense_attention`` (the differentiable dense form training uses, every pair's bias and weight
+  materialised). Serving calls ``kernels.hstu_mha``, whose backends are held to the same oracle.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from relaygr.workers.kernels.buckets import EXACT_POSITIONS, SELF_BIAS_INDEX, position_bucket, time_bucket
+from relaygr.workers.kernels import (
+    EXACT_POSITIONS,
+    SELF_BIAS_INDEX,
+    dense_attention,
+    far_scale,
+    pair_index,
+    pair_weight,
+    position_bucket,
+    time_bucket,
+)
 
 __all__ = [
     "EXACT_POSITIONS",
@@ -41,17 +51,12 @@ __all__ = [
     "dense_attention",
     "far_index",
     "far_scale",
-    "far_weights",
     "is_bucket_boundary",
     "pair_index",
+    "pair_weight",
     "position_bucket",
     "time_bucket",
 ]
-
-
-def pair_index(dpos: torch.Tensor, dt: torch.Tensor, num_pos: int, num_time: int) -> torch.Tensor:
-    """Index (int32) into a flattened ``[num_pos, num_time]`` bias table for each token pair."""
-    return position_bucket(dpos, num_pos) * num_time + time_bucket(dt, num_time)
 
 
 def far_index(near_keys: int, num_pos: int, columns: int) -> int:
@@ -64,35 +69,3 @@ def is_bucket_boundary(n: int, num_pos: int) -> bool:
     """Whether position differences ``>= n`` are exactly the buckets from ``bucket(n)`` on."""
     below, at = position_bucket(torch.tensor([n - 1, n]), 1 << 30).tolist()
     return n >= 1 and at > below and at < num_pos
-
-
-def far_scale(q_pos: torch.Tensor, near_keys: int, far_keys: float) -> torch.Tensor:
-    """Factor ``[nq, 1]`` (float32) of the far keys of queries at positions ``q_pos [nq]``:
-    ``min(1, far_keys / (q_pos - near_keys + 1))`` (1 while a query sees no more than ``far_keys``)."""
-    count = (q_pos - near_keys + 1).clamp(min=1).to(torch.float32)
-    return (far_keys / count).clamp(max=1.0).reshape(-1, 1)
-
-
-def far_weights(index: torch.Tensor, scale: torch.Tensor, first: int) -> torch.Tensor:
-    """Factor of each pair: ``scale`` (broadcast over the keys) where ``index >= first``, else 1."""
-    return torch.where(index >= first, scale, torch.ones_like(scale))
-
-
-def dense_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    index: torch.Tensor,
-    visible: torch.Tensor,
-    table: torch.Tensor,
-    normaliser: float,
-) -> torch.Tensor:
-    """Reference attention: ``q [..., H, Tq, dqk]``, ``k [..., H, Tk, dqk]``, ``v [..., H, Tk, dv]``;
-    ``index [..., Tq, Tk]`` the pairs' bias indices (``pair_index`` of their position differences
-    and time gaps), ``visible [..., Tq, Tk]`` (bool, or each pair's factor: 0 for a hidden one),
-    both shared by the heads and broadcastable;
-    ``table`` the flattened bias table. Differentiable: the training path and the test oracle."""
-    bias = table[index.long()].unsqueeze(-3)
-    scores = F.silu(torch.matmul(q, k.transpose(-1, -2)) + bias)
-    scores = scores * visible.unsqueeze(-3).to(scores.dtype)
-    return torch.matmul(scores, v) / normaliser

@@ -20,8 +20,8 @@ Primitives (methods of ``HSTURanker``, through ``RelayInference``; all under
 How a call runs: the users, their cached prefixes, new events and candidates are planned into one
 jagged batch (``jagged.ForwardPlan``); the forward then loops over the layers only, and each
 layer is a fixed handful of operations (a norm and one projection with SiLU, the keys and values
-of every user in one tensor, one ``kernels.hstu_mha`` call, a norm, the gate and the output
-projection with the residual), whatever the number of users or the history length.
+of every user in one tensor, one ``kernels.hstu_mha_gated`` call: attention, its norm and the
+gate; the output projection with the residual), whatever the number of users or the history length.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from relaygr.workers.kernels import hstu_mha
+from relaygr.workers.kernels import hstu_mha_gated
 from relaygr.workers.model.inference_state import LayerWeights, Serving, serving_state
 from relaygr.workers.model.jagged import ForwardPlan, UserSlot
 from relaygr.workers.prefix_kv import Events, PrefixKV, history_fingerprint
@@ -109,10 +109,9 @@ class LayerPass:
         if last and batch is not self.plan.batch:
             u, q, x = self._candidate_rows(u), self._candidate_rows(q), self._candidate_rows(x)
         k, v = self._kv(li, k_new, v_new)
-        attn = hstu_mha(q, k, v, batch, w.bias_table, self.sv.params)  # [rows', H, dv]
-        a = F.layer_norm(attn, attn.shape[-2:], *w.attn_norm[:2], eps=w.attn_norm[2])
-        gated = gate_buf[: a.shape[0]]
-        torch.mul(a, u.view(a.shape), out=gated[:, :hv].view(a.shape))
+        # Attention, its norm and the gate by ``u`` into the gated rows (one pass on Triton).
+        gated = gate_buf[: q.shape[0]]
+        hstu_mha_gated(q, k, v, batch, w.bias_table, self.sv.params, w.attn_norm, u, gated[:, :hv])
         return torch.addmm(x, gated, w.out_weight)
 
     def _candidate_rows(self, t: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,9 @@
 """Named model shapes: ``small`` (the default ranker, sized for a CPU), ``large`` (sized for an
-accelerator: a 150k-parameter ranker cannot load a GPU) and ``xl`` (HSTU's largest published
+accelerator: a 150k-parameter ranker cannot load a GPU), ``xl`` (HSTU's largest published
 configuration, 24 layers of d=1024 over 8,192 events: there arithmetic, not launches, decides the
-cost, and relay's saving is the paper's).
+cost, and relay's saving is the paper's) and ``nvidia-block`` (NVIDIA's cached HSTU block in
+recsys-examples: 8 layers, hidden 1024, 4 heads of 256, 4,096-event histories; ``relaygr bench
+model --anchor`` runs its published shape, so that a GPU's figures read against NVIDIA's).
 
 Primitives:
 - ``ModelPreset``: layers, heads, model dimension and serving cap (``max_seq_len``) of a shape;
@@ -52,6 +54,14 @@ PRESETS: dict[str, ModelPreset] = {
         ModelPreset("small", 2, 2, 64, 8192, "the default ranker, about 150k parameters"),
         ModelPreset("large", 8, 4, 256, 32768, "for an accelerator, about 3.1M parameters"),
         ModelPreset("xl", 24, 8, 1024, 8192, "HSTU's largest published shape, about 128M parameters"),
+        ModelPreset(
+            "nvidia-block",
+            8,
+            4,
+            1024,
+            4096,
+            "NVIDIA's cached HSTU block, about 44M parameters (4 heads of 256)",
+        ),
     )
 }
 

@@ -1,7 +1,7 @@
 """The device bundle: what the device check needs on a bare accelerator machine, built here.
 
 An accelerator machine may have torch but no Java, no network and none of the pipeline's Python
-packages. ``python3 bench/device_bundle.py build DIR`` (``./dev device-bundle``) writes three
+packages. ``python3 device/bundle.py build DIR`` (``./dev device-bundle``) writes three
 xz-compressed tars into ``DIR`` and a ``bundle.json`` that lists them:
 
 - ``wheels.tar.xz``: CPython 3.12 manylinux x86-64 wheels of what the check imports that such a
@@ -12,7 +12,7 @@ xz-compressed tars into ``DIR`` and a ``bundle.json`` that lists them:
 
 Zip archives (wheels, jars) are stored uncompressed inside the tar so that xz compresses the
 whole (it does far better than each member's deflate), and the jars lose the native libraries of
-other platforms than Linux x86-64. ``python3 bench/device_bundle.py unpack DIR DEST`` lays the
+other platforms than Linux x86-64. ``python3 device/bundle.py unpack DIR DEST`` lays the
 bundle out in ``DEST`` (``wheels/``, ``jre/``, ``cache/kafka-<version>/``) and prints the shell
 assignments that point the check at it (``JAVA_HOME``, ``PATH``, ``RELAYGR_CACHE_DIR``,
 ``RELAYGR_WHEELS``); ``install WHEELS TARGET`` unpacks the wheels whose distribution the running

@@ -25,7 +25,7 @@ first, as the demo does, and picks:
   defaults (a 1 GiB tier, 512 MiB a partition) a ``large`` prefix of 32k events (537 MB in
   float32) is never admitted, and relay there falls back to full ranking.
 
-``python -m relaygr.bench.device_points --model DIR --device cuda --budget-ms 50 --work W
+``python -m relaygr.device.points --model DIR --device cuda --budget-ms 50 --work W
 [--seconds S] -- EXPERIMENT_ARGS`` calibrates into ``W/calibration.json``, prints the sizing as
 one JSON line (``"bench": "device-points"``) and runs ``relaygr experiment seq-len throughput``
 with EXPERIMENT_ARGS and the sized points.

@@ -1,6 +1,6 @@
 """The device check's first step: what this machine offers, as one JSON line.
 
-``python -m relaygr.bench.device_probe --device cuda`` prints the Python and torch in use (and
+``python -m relaygr.device.probe --device cuda`` prints the Python and torch in use (and
 where they come from), the device's name, memory and compute capability, whether pinned host
 memory works (a pinned tensor copied to the device and back, with its host-to-device GB/s), a
 short matmul's TFLOP/s in fp32 and bf16, the CPU cores, the project's own Python dependencies

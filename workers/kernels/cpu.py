@@ -1,7 +1,8 @@
-"""The PyTorch reference of ``hstu_mha``: what runs on CPU and NPU, and the oracle of every kernel.
+"""The CPU backend of ``hstu_mha``: PyTorch operations laid out for a CPU (also what runs on an NPU
+and any device without a kernel). Not the definition: ``oracle`` is; this is held to it.
 
 Primitives:
-- ``reference_hstu_mha(q, k, v, batch, bias_table, params)``: the users laid out in one dense
+- ``cpu_hstu_mha(q, k, v, batch, bias_table, params)``: the users laid out in one dense
   ``[B, H, max_q, max_k]`` score tensor per layer (each user's tokens right-aligned, so that a
   query's own key sits on one diagonal for every user). What does not depend on the layer (each
   pair's bias index, and its weight: visibility, far factor and normaliser together) is derived once
@@ -369,9 +370,9 @@ def _gathered_layout(batch: JaggedBatch, params: AttentionParams, dtype: torch.d
 def pair_layout(
     batch: JaggedBatch, params: AttentionParams, dtype: torch.dtype = torch.float32
 ) -> PairLayout:
-    """The layer-independent part of the reference (kept in ``batch.scratch``); weights in
+    """The layer-independent part of the CPU backend (kept in ``batch.scratch``); weights in
     ``dtype`` (the scores')."""
-    key = ("reference", params, dtype)
+    key = ("cpu", params, dtype)
     if key in batch.scratch:
         return batch.scratch[key]
     if batch.k_rows is not None:
@@ -455,7 +456,7 @@ def _tiled_attention(
     return out[:, tiles.pad :].transpose(0, 1)  # [T, H, dv]
 
 
-def reference_hstu_mha(
+def cpu_hstu_mha(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,

@@ -1,8 +1,8 @@
-"""Rolling-restart benchmark on the real broker: every ranking worker replaced in turn, at a steady load.
+"""Every ranking worker replaced in turn at a steady load, on the real broker (``relaygr bench rolling-restart``).
 
 One relay pipeline (``relaygr up``'s ``Pipeline``, --ranking-workers), trained model:
-0. --users MovieLens users, each history lengthened to --events behaviours by time-shifted
-   repetition, are published and applied;
+0. --users MovieLens users, each history lengthened to --events behaviours (``tools.long_users``),
+   are published and applied;
 1. requests from confluent-kafka (librdkafka, its default settings: a producer that is not ours)
    at --qps, round-robin over the users, for --warmup-s seconds (the caches fill), then
    --steady-s seconds (the steady level);
@@ -27,150 +27,137 @@ range count from the steady level on (step 1's second part onwards). The warm-up
 caches are cold by design, is reported apart (``warmup``: its requests, timeouts, P99 and window
 P99 range), and each window says its ``phase``; the plot shades it.
 
-Primitives (the broker test uses them too): ``LibrdkafkaRequests`` (requests at a rate from a
-confluent-kafka producer in a thread of its own), ``count_results`` (every result of some
-requests, counted per request id), ``lengthened_users`` (users with histories of a given length,
-one request each), ``timeline`` (per window: relay share, ranking P99), ``tail_figures`` (the
-timeouts, P99 and maximum of some results).
+Primitives: ``timeline`` (per window: relay share, ranking P99), ``tail_figures`` (the timeouts,
+P99 and maximum of some results), ``timeline_figures`` (the run's, from the steady level on),
+``handover_ms`` and ``standby_warm_up`` (a restart's, from the worker's audit trail),
+``restart_row``. The requests come from ``tools.sender.BackgroundLoad`` (confluent-kafka).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
-import sys
-import threading
+import shutil
 import time
-import uuid
 from collections import Counter
 from pathlib import Path
 
-from relaygr.bench.host_cpu import HostCpuSampler
-from relaygr.bench.ingest import bench_on_fresh_pipeline
-from relaygr.infra.kafka import consumer
 from relaygr.infra.settings import Settings
-from relaygr.schemas import BehaviorEvent, RankedResult, RecommendationRequest, TopicRegistry, decode, encode
+from relaygr.schemas import RankedResult
 from relaygr.streams.config import PipelineSettings
 from relaygr.tools.args import float_above, int_at_least
+from relaygr.tools.experiment.harness import Deployment
+from relaygr.tools.experiment.scenarios.host_cpu import HostCpuSampler
+from relaygr.tools.experiment.scenarios.runner import Scenario, ScenarioRun, Setup, run_scenario
 from relaygr.tools.report.figures import percentile, ranking_ms
+from relaygr.tools.sender import BackgroundLoad
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", action="store_true", help="print only the JSON line")
-    parser.add_argument("--ranking-workers", type=int_at_least(1), default=2, help="ranking workers")
-    parser.add_argument("--users", type=int_at_least(1), default=20, help="users sending requests")
-    parser.add_argument(
-        "--events", type=int_at_least(1), default=1500, help="behaviours per user (history length)"
-    )
-    parser.add_argument("--qps", type=float_above(0), default=10.0, help="request rate")
-    parser.add_argument(
-        "--warmup-s",
-        type=float,
-        default=30.0,
-        help="seconds of requests first, before the steady level is measured (the caches fill)",
-    )
-    parser.add_argument(
-        "--steady-s", type=float_above(0), default=30.0, help="seconds of steady load before and after"
-    )
-    parser.add_argument(
-        "--settle-s", type=float, default=10.0, help="seconds between one worker's hand-over and the next"
-    )
-    parser.add_argument("--window-s", type=float_above(0), default=5.0, help="window of the timeline")
-    parser.add_argument("--plot", type=Path, default=None, metavar="PNG", help="write the timeline here")
-    parser.add_argument(
-        "--results", type=Path, default=None, metavar="FILE", help="also write every result as a JSON line"
-    )
-    parser.add_argument(
-        "--worker-events",
-        type=Path,
-        default=None,
-        metavar="DIR",
-        help="copy each ranking worker's events.jsonl here (the deployment is removed at the end)",
-    )
+class RollingRestart(Scenario):
+    name, tag = "rolling-restart", "rolling"
 
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--ranking-workers", type=int_at_least(1), default=2, help="ranking workers")
+        parser.add_argument("--users", type=int_at_least(1), default=20, help="users sending requests")
+        parser.add_argument(
+            "--events", type=int_at_least(1), default=1500, help="behaviours per user (history length)"
+        )
+        parser.add_argument("--qps", type=float_above(0), default=10.0, help="request rate")
+        parser.add_argument(
+            "--warmup-s",
+            type=float,
+            default=30.0,
+            help="seconds of requests first, before the steady level is measured (the caches fill)",
+        )
+        parser.add_argument(
+            "--steady-s", type=float_above(0), default=30.0, help="seconds of steady load before and after"
+        )
+        parser.add_argument(
+            "--settle-s", type=float, default=10.0, help="seconds between one worker's hand-over and the next"
+        )
+        parser.add_argument("--window-s", type=float_above(0), default=5.0, help="window of the timeline")
+        parser.add_argument("--plot", type=Path, default=None, metavar="PNG", help="write the timeline here")
+        parser.add_argument(
+            "--results",
+            type=Path,
+            default=None,
+            metavar="FILE",
+            help="also write every result as a JSON line",
+        )
+        parser.add_argument(
+            "--worker-events",
+            type=Path,
+            default=None,
+            metavar="DIR",
+            help="copy each ranking worker's events.jsonl here (the deployment is removed at the end)",
+        )
 
-class LibrdkafkaRequests:
-    """Requests at ``qps`` from a confluent-kafka producer with its default settings, in a
-    thread of its own (librdkafka hashes keys with CRC32: the cascade re-keys them). Each is the
-    next of ``requests`` (round-robin) with a fresh id and its send time; ``sent`` keeps them."""
+    def check(self, args: argparse.Namespace) -> None:
+        try:
+            import confluent_kafka  # noqa: F401  the requests' producer: checked before minutes of set-up
+        except ImportError as e:
+            raise ImportError(
+                "the requests come from confluent-kafka, which is not installed (pip install "
+                "'confluent-kafka>=2.4', or the package's dev extra)"
+            ) from e
 
-    def __init__(self, settings: Settings, topic: str, requests: list[RecommendationRequest], qps: float):
-        import confluent_kafka
+    async def measure(self, run: ScenarioRun, dep: Deployment, setup: Setup) -> list[dict]:
+        from relaygr.tools.long_users import long_users
+        from relaygr.tools.traffic import count_results, publish
 
-        self.producer = confluent_kafka.Producer({"bootstrap.servers": settings.bootstrap})
-        self.topic, self.requests, self.qps = topic, requests, qps
-        self.sent: list[RecommendationRequest] = []
-        self.failed: list[str] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="requests", daemon=True)
-
-    def start(self) -> LibrdkafkaRequests:
-        self._thread.start()
-        return self
-
-    def stop(self) -> list[RecommendationRequest]:
-        """Stop sending, wait for every acknowledgement; returns what was sent."""
-        self._stop.set()
-        self._thread.join()
-        if self.producer.flush(60) != 0:
-            raise RuntimeError("confluent-kafka did not deliver every request within 60 s")
-        if self.failed:
-            raise RuntimeError(f"{len(self.failed)} requests were not delivered: {self.failed[:3]}")
-        return self.sent
-
-    def _delivered(self, err, msg) -> None:
-        if err is not None:
-            self.failed.append(str(err))
-
-    def _run(self) -> None:
-        t0 = time.monotonic()
-        i = 0
-        while not self._stop.is_set():
-            wait = t0 + i / self.qps - time.monotonic()
-            if wait > 0:
-                self._stop.wait(wait)
-                self.producer.poll(0)
-                continue
-            base = self.requests[i % len(self.requests)]
-            r = base.model_copy(
-                update={"request_id": f"{base.request_id}-{uuid.uuid4().hex[:8]}", "ts": time.time()}
+        args, settings, reg, say = run.args, dep.settings, dep.reg, run.say
+        behaviours, requests = long_users(run.ml, args.users, args.events, tag="roll")
+        await publish(settings, reg, behaviours, [], wait_for_ingest=True, settle_s=0)
+        cpu = HostCpuSampler(label="run").start()
+        t0 = time.time()
+        load = BackgroundLoad(settings, reg.name("requests"), requests, args.qps, client="librdkafka").start()
+        say(f"warm-up {args.warmup_s:g} s, then steady {args.steady_s:g} s at {args.qps:g} req/s")
+        await asyncio.sleep(args.warmup_s + args.steady_s)
+        restarts = []
+        for i in range(args.ranking_workers):
+            started = time.time()
+            took = await asyncio.to_thread(dep.pipe.roll_worker, i, say=say)
+            handed_over = started + took["warm"]  # the hand-over signal, just after the standby was ready
+            restarts.append(
+                {
+                    "worker": f"ranker-{i}",
+                    "at_s": round(handed_over - t0, 2),
+                    **{f"{k}_s": round(v, 3) for k, v in took.items()},
+                }
             )
-            self.producer.produce(self.topic, value=encode(r), key=r.key(), on_delivery=self._delivered)
-            self.producer.poll(0)
-            self.sent.append(r)
-            i += 1
-
-
-async def count_results(
-    settings: Settings,
-    reg: TopicRegistry,
-    request_ids: set[str],
-    *,
-    timeout_s: float = 120.0,
-    linger_s: float = 3.0,
-) -> tuple[dict[str, RankedResult], Counter[str]]:
-    """Every result on the results topic for ``request_ids``: the first of each, and how many
-    there were of each. Reads until all came and ``linger_s`` more (a late second copy counts)."""
-    cons = consumer(settings, reg.name("results"), group_id=None)
-    await cons.start()
-    first: dict[str, RankedResult] = {}
-    counts: Counter[str] = Counter()
-    try:
-        deadline = time.monotonic() + timeout_s
-        done_at: float | None = None
-        while time.monotonic() < deadline and (done_at is None or time.monotonic() < done_at + linger_s):
-            for msgs in (await cons.getmany(timeout_ms=200)).values():
-                for m in msgs:
-                    r = decode(RankedResult, m.value)
-                    if r.request_id in request_ids:
-                        counts[r.request_id] += 1
-                        first.setdefault(r.request_id, r)
-            if done_at is None and request_ids <= first.keys():
-                done_at = time.monotonic()
-    finally:
-        await cons.stop()
-    return first, counts
+            say(f"ranker-{i} rolled: {took}")
+            await asyncio.sleep(args.settle_s)
+        await asyncio.sleep(args.steady_s)
+        sent = await asyncio.to_thread(load.stop)
+        host = await cpu.stop()
+        results, counts = await count_results(settings, reg, {r.request_id for r in sent})
+        for rs in restarts:
+            last = last_events(settings, rs["worker"])
+            rs.update(handover_ms(last) | standby_warm_up(last))
+            say(restart_row(rs))
+        if args.worker_events is not None:
+            _copy_worker_events(settings, args.worker_events)
+        if args.results is not None:
+            args.results.parent.mkdir(parents=True, exist_ok=True)
+            args.results.write_text("".join(r.model_dump_json() + "\n" for r in results.values()))
+        answered = sorted(results.values(), key=lambda r: r.ts)
+        budget_ms = PipelineSettings().budget_ms  # what the pipeline was started with (RELAYGR_BUDGET_MS)
+        line = {
+            "bench": "rolling_restart",
+            "ranking_workers": args.ranking_workers,
+            "users": args.users,
+            "history_len": args.events,
+            "qps": args.qps,
+            "requests": len(sent),
+            "lost": len(sent) - len(results),
+            "duplicated": sum(c - 1 for c in counts.values() if c > 1),
+            "budget_ms": budget_ms,
+            **timeline_figures(answered, restarts, t0, budget_ms, args),
+            "host_cpu": host["run"],
+        }
+        return [line]
 
 
 def timeline(
@@ -225,81 +212,9 @@ def _recovery_s(windows: list[dict[str, float]], at_s: float, level: float, wind
     return None
 
 
-def lengthened_users(ml, count: int, events: int) -> tuple[list[BehaviorEvent], list[RecommendationRequest]]:
-    """``count`` MovieLens users, each history lengthened to ``events``; one request per user."""
-    from relaygr.tools.traffic import synthesise
-
-    behaviours, requests = [], []
-    for u in sorted(ml.histories)[:count]:
-        h = ml.histories[u]
-        h = synthesise(h, -(-events // len(h)))
-        h = h.slice(len(h) - events)
-        uid = f"roll-{u}"
-        behaviours += [
-            BehaviorEvent(user_id=uid, item_id=int(i), ts=float(t), action=int(a))
-            for i, a, t in zip(h.item_ids.tolist(), h.action_ids.tolist(), h.timestamps.tolist(), strict=True)
-        ]
-        requests.append(
-            RecommendationRequest(request_id=f"roll-{u}", user_id=uid, ts=0.0, num_candidates=128)
-        )
-    return behaviours, requests
-
-
-async def _measure(settings: Settings, reg: TopicRegistry, pipe, args, ml, say) -> dict:
-    from relaygr.tools.traffic import publish
-
-    behaviours, requests = lengthened_users(ml, args.users, args.events)
-    await publish(settings, reg, behaviours, [], wait_for_ingest=True, settle_s=0)
-    cpu = HostCpuSampler(label="run").start()
-    t0 = time.time()
-    load = LibrdkafkaRequests(settings, reg.name("requests"), requests, args.qps).start()
-    say(f"warm-up {args.warmup_s:g} s, then steady {args.steady_s:g} s at {args.qps:g} req/s")
-    await asyncio.sleep(args.warmup_s + args.steady_s)
-    restarts = []
-    for i in range(args.ranking_workers):
-        started = time.time()
-        took = await asyncio.to_thread(pipe.roll_worker, i, say=say)
-        handed_over = started + took["warm"]  # the hand-over signal, just after the standby was ready
-        restarts.append(
-            {
-                "worker": f"ranker-{i}",
-                "at_s": round(handed_over - t0, 2),
-                **{f"{k}_s": round(v, 3) for k, v in took.items()},
-            }
-        )
-        say(f"ranker-{i} rolled: {took}")
-        await asyncio.sleep(args.settle_s)
-    await asyncio.sleep(args.steady_s)
-    sent = await asyncio.to_thread(load.stop)
-    host = await cpu.stop()
-    results, counts = await count_results(settings, reg, {r.request_id for r in sent})
-    for rs in restarts:
-        last = _last_events(settings, rs["worker"])
-        rs.update(_handover_ms(last) | _standby_warm_up(last))
-        say(_restart_row(rs))
-    if args.worker_events is not None:
-        _copy_worker_events(settings, args.worker_events)
-    if args.results is not None:
-        args.results.parent.mkdir(parents=True, exist_ok=True)
-        args.results.write_text("".join(r.model_dump_json() + "\n" for r in results.values()))
-    answered = sorted(results.values(), key=lambda r: r.ts)
-    budget_ms = PipelineSettings().budget_ms  # what the pipeline was started with (RELAYGR_BUDGET_MS)
-    return {
-        "bench": "rolling_restart",
-        "ranking_workers": args.ranking_workers,
-        "users": args.users,
-        "history_len": args.events,
-        "qps": args.qps,
-        "requests": len(sent),
-        "lost": len(sent) - len(results),
-        "duplicated": sum(c - 1 for c in counts.values() if c > 1),
-        "budget_ms": budget_ms,
-        **_figures(answered, restarts, t0, budget_ms, args),
-        "host_cpu": host["run"],
-    }
-
-
-def _figures(answered: list[RankedResult], restarts: list[dict], t0: float, budget_ms: float, args) -> dict:
+def timeline_figures(
+    answered: list[RankedResult], restarts: list[dict], t0: float, budget_ms: float, args
+) -> dict:
     """The timeline's figures: from the steady level on (the restarts at a steady load), the
     warm-up apart, per window and per restart (whose entries this completes)."""
     windows = timeline(answered, t0, args.window_s, budget_ms)
@@ -346,10 +261,8 @@ def _figures(answered: list[RankedResult], restarts: list[dict], t0: float, budg
     }
 
 
-def _last_events(settings: Settings, worker: str) -> dict[str, dict]:
+def last_events(settings: Settings, worker: str) -> dict[str, dict]:
     """The last line of each kind in the worker's audit trail (``events.jsonl``)."""
-    import json
-
     from relaygr.streams.state_lineage import deployment_dir
 
     events = deployment_dir(settings, "workers") / worker / "events.jsonl"
@@ -360,8 +273,8 @@ def _last_events(settings: Settings, worker: str) -> dict[str, dict]:
     return last
 
 
-def _handover_ms(last: dict[str, dict]) -> dict[str, float]:
-    """From the worker's audit trail (``_last_events``), its last hand-over, in ms from the
+def handover_ms(last: dict[str, dict]) -> dict[str, float]:
+    """From the worker's audit trail (``last_events``), its last hand-over, in ms from the
     signal: until the old process wrote ``handover.json`` (requests that came meanwhile waited in
     Kafka), until it had answered what it held and committed, and until the standby ranked; and
     how long the standby's switch to the group's consumer held its loop."""
@@ -377,7 +290,7 @@ def _handover_ms(last: dict[str, dict]) -> dict[str, float]:
     }
 
 
-def _standby_warm_up(last: dict[str, dict]) -> dict[str, float | int | str | None]:
+def standby_warm_up(last: dict[str, dict]) -> dict[str, float | int | str | None]:
     """From the worker's audit trail, how its last standby warmed up: the prefixes the old process
     wrote to its disk tier for it (and in how many seconds), those it adopted and refused (and in
     how many seconds; ``adopt_why``: why none were tried), and its time from standing by (the
@@ -395,7 +308,7 @@ def _standby_warm_up(last: dict[str, dict]) -> dict[str, float | int | str | Non
     }
 
 
-def _restart_row(rs: dict) -> str:
+def restart_row(rs: dict) -> str:
     """One restart's line for the terminal: the standby's warm-up and the hand-over."""
     return (
         f"{rs['worker']}: standby ready {rs['warm_s']:.1f} s after its start "
@@ -406,8 +319,6 @@ def _restart_row(rs: dict) -> str:
 
 
 def _copy_worker_events(settings: Settings, out: Path) -> None:
-    import shutil
-
     from relaygr.streams.state_lineage import deployment_dir
 
     out.mkdir(parents=True, exist_ok=True)
@@ -449,16 +360,9 @@ def _plot(windows: list[dict], restarts: list[dict], budget_ms: float, warmup_s:
     return save_plot(plt, fig, ax, path, legend=False)
 
 
+KIND = RollingRestart()
+add_arguments = KIND.arguments
+
+
 def run(args: argparse.Namespace) -> int:
-    try:
-        import confluent_kafka  # noqa: F401  the requests' producer: checked before minutes of set-up
-    except ImportError:
-        print(
-            "relaygr bench rolling-restart: the requests come from confluent-kafka, which is not "
-            "installed (pip install 'confluent-kafka>=2.4', or the package's dev extra)",
-            file=sys.stderr,
-        )
-        return 2
-    return bench_on_fresh_pipeline(
-        "rolling", args, lambda s, reg, pipe, ml, say: _measure(s, reg, pipe, args, ml, say)
-    )
+    return run_scenario(KIND, args)

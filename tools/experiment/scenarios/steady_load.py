@@ -1,4 +1,4 @@
-"""Steady-load benchmark on the real broker: do returning users reach the relay path?
+"""Do returning users reach the relay path? On the real broker (``relaygr bench steady-load``).
 
 Users come back: each sends --visits requests, --users / rate seconds apart. Whether the cascade
 converges shows in the relay share by visit number: the first visit of a user can only be on the
@@ -15,7 +15,8 @@ Per policy (``--policies``), one relay pipeline (``relaygr up``'s ``Pipeline``,
   (``RELAYGR_ABANDON_BACKLOG=2``), rankings always first, no backlog bound.
 
 Per rate of ``--rates`` (requests/s; ``burst``: all at once), on fresh users of its own:
-0. --users MovieLens users, each history lengthened to --events behaviours, published and applied;
+0. --users MovieLens users, each history lengthened to --events behaviours (``tools.long_users``),
+   published and applied;
 1. their visits from confluent-kafka (librdkafka, default partitioner: a producer that is not
    ours), round-robin over the users, at the rate, each stamped with its send time;
 2. every result, then every admitted pre-inference's outcome (the workers' event logs).
@@ -32,8 +33,9 @@ next to ``ranking_compute_ms`` (the rankings' device time, summed over the worke
 pre-inferences it computed. A shared machine makes these noisy: compare policies run
 back to back.
 
-Primitives (the broker test uses them): ``visit_plan``, ``send_visits``, ``prefill_events``,
-``visit_figures``, ``stage_figures``.
+Primitives (the broker test uses them): ``visit_plan``, ``visit_of``, ``prefill_events``,
+``await_prefills``, ``visit_figures``, ``stage_figures``, ``side_by_side``; the visits go out through
+``tools.sender.send_paced`` (confluent-kafka).
 """
 
 from __future__ import annotations
@@ -42,18 +44,18 @@ import argparse
 import asyncio
 import json
 import math
-import sys
 import time
 from collections import Counter
 from pathlib import Path
 
-from relaygr.bench.ingest import on_fresh_pipeline
-from relaygr.bench.rolling_restart import count_results, lengthened_users
 from relaygr.infra.settings import Settings
-from relaygr.schemas import RankedResult, RecommendationRequest, TopicRegistry, encode
+from relaygr.schemas import RankedResult, RecommendationRequest, TopicRegistry
 from relaygr.streams.config import PipelineSettings
 from relaygr.tools.args import int_at_least
+from relaygr.tools.experiment.harness import Deployment
+from relaygr.tools.experiment.scenarios.runner import Scenario, ScenarioRun, Setup, run_scenario
 from relaygr.tools.report.figures import percentile, ranking_ms
+from relaygr.tools.sender import send_paced
 
 POLICIES: dict[str, dict[str, object]] = {
     "converge": {},
@@ -68,25 +70,77 @@ UPSTREAM = ("hop_requests", "retrieval", "hop_retrieved", "preprocess")
 STAGES = (*UPSTREAM, "hop_rank", "history_wait", "signal_wait", "device_queue", "compute", "ranking")
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", action="store_true", help="print only the JSON lines")
-    parser.add_argument("--ranking-workers", type=int_at_least(1), default=2, help="ranking workers")
-    parser.add_argument("--users", type=int_at_least(1), default=20, help="returning users per rate")
-    parser.add_argument("--events", type=int_at_least(1), default=2000, help="behaviours per user")
-    parser.add_argument("--visits", type=int_at_least(1), default=3, help="requests per user")
-    parser.add_argument(
-        "--rates",
-        default="10,burst",
-        help="comma-separated request rates (req/s), 'burst' for all at once (default 10,burst)",
-    )
-    parser.add_argument(
-        "--policies",
-        default="shed,converge",
-        help=f"comma-separated pre-inference policies, each on a pipeline of its own ({', '.join(POLICIES)})",
-    )
-    parser.add_argument(
-        "--results", type=Path, default=None, metavar="DIR", help="also write each run's results here"
-    )
+class SteadyLoad(Scenario):
+    name, tag = "steady-load", "steady"
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--ranking-workers", type=int_at_least(1), default=2, help="ranking workers")
+        parser.add_argument("--users", type=int_at_least(1), default=20, help="returning users per rate")
+        parser.add_argument("--events", type=int_at_least(1), default=2000, help="behaviours per user")
+        parser.add_argument("--visits", type=int_at_least(1), default=3, help="requests per user")
+        parser.add_argument(
+            "--rates",
+            default="10,burst",
+            help="comma-separated request rates (req/s), 'burst' for all at once (default 10,burst)",
+        )
+        parser.add_argument(
+            "--policies",
+            default="shed,converge",
+            help=f"comma-separated pre-inference policies, each on a pipeline of its own ({', '.join(POLICIES)})",
+        )
+        parser.add_argument(
+            "--results", type=Path, default=None, metavar="DIR", help="also write each run's results here"
+        )
+
+    def check(self, args: argparse.Namespace) -> None:
+        import confluent_kafka  # noqa: F401  the requests' producer: checked before minutes of set-up
+
+        parse_rates(args.rates)
+        unknown = set(self._policies(args)) - POLICIES.keys()
+        if unknown:
+            raise ValueError(f"--policies: no policy {sorted(unknown)} (known: {', '.join(POLICIES)})")
+
+    @staticmethod
+    def _policies(args: argparse.Namespace) -> list[str]:
+        return [p.strip() for p in args.policies.split(",")]
+
+    def setups(self, args: argparse.Namespace) -> list[Setup]:
+        return [
+            Setup(
+                f"steady-{p}",
+                workers=args.ranking_workers,
+                env=PipelineSettings.to_env(**POLICIES[p]) if POLICIES[p] else {},
+            )
+            for p in self._policies(args)
+        ]
+
+    async def measure(self, run: ScenarioRun, dep: Deployment, setup: Setup) -> list[dict]:
+        """Per rate, fresh users' visits (the module docstring)."""
+        from relaygr.tools.long_users import long_users
+        from relaygr.tools.traffic import publish
+
+        args, policy = run.args, setup.label.removeprefix("steady-")
+        rows = []
+        for i, qps in enumerate(parse_rates(args.rates)):
+            rate = "burst" if qps is None else f"{qps:g}"
+            # Fresh users for each rate: other users' histories, under names of their own.
+            behaviours, requests = long_users(
+                run.ml, args.users, args.events, tag=f"r{i}", skip=args.users * i
+            )
+            run.say(f"{policy}, {rate} req/s: {len(requests)} users x {args.events} events published")
+            await publish(dep.settings, dep.reg, behaviours, [], wait_for_ingest=True, settle_s=0)
+            row = await run_visits(
+                dep.settings, dep.reg, requests, args.visits, qps, f"{policy}{i}", args.results
+            )
+            run.say(f"{policy}, {rate} req/s: relay by visit {_relay_row(row)}; prefill {row['prefill']}")
+            rows.append(
+                {"bench": "steady_load", "policy": policy, "rate": rate, "users": args.users, "events": args.events,
+                 "visits": args.visits, **row}
+            )  # fmt: skip
+        return rows
+
+    def summary(self, run: ScenarioRun, lines: list[dict]) -> list[dict]:
+        return [side_by_side(lines)]
 
 
 def parse_rates(text: str) -> list[float | None]:
@@ -120,37 +174,6 @@ def visit_plan(requests: list[RecommendationRequest], visits: int, tag: str) -> 
 def visit_of(request_id: str) -> int:
     """The visit number ``visit_plan`` put in a request id."""
     return int(request_id.rsplit("-v", 1)[1])
-
-
-def send_visits(
-    settings: Settings, topic: str, plan: list[RecommendationRequest], qps: float | None
-) -> list[RecommendationRequest]:
-    """Produce ``plan`` from confluent-kafka with its default settings, at ``qps`` (None: all at
-    once), each stamped with its send time; returns what was sent once every one is acknowledged."""
-    import confluent_kafka
-
-    producer = confluent_kafka.Producer({"bootstrap.servers": settings.bootstrap})
-    failed: list[str] = []
-    sent: list[RecommendationRequest] = []
-
-    def delivered(err, _msg) -> None:
-        if err is not None:
-            failed.append(str(err))
-
-    t0 = time.monotonic()
-    for i, base in enumerate(plan):
-        if qps is not None:
-            wait = t0 + i / qps - time.monotonic()
-            while wait > 0:
-                producer.poll(min(wait, 0.05))
-                wait = t0 + i / qps - time.monotonic()
-        r = base.model_copy(update={"ts": time.time()})
-        producer.produce(topic, value=encode(r), key=r.key(), on_delivery=delivered)
-        producer.poll(0)
-        sent.append(r)
-    if producer.flush(60) != 0 or failed:
-        raise RuntimeError(f"confluent-kafka did not deliver every request: {failed[:3]}")
-    return sent
 
 
 def prefill_events(home: Path, request_ids: set[str]) -> dict[str, dict]:
@@ -256,9 +279,10 @@ async def run_visits(
     """Send the users' visits at ``qps`` and gather the figures (``visit_figures``); with ``out``,
     write the results to ``<out>/<tag>.jsonl``."""
     from relaygr.tools.report.inputs import read_admitted_ids
+    from relaygr.tools.traffic import count_results
 
     plan = visit_plan(requests, visits, tag)
-    sent = await asyncio.to_thread(send_visits, settings, reg.name("requests"), plan, qps)
+    sent = await asyncio.to_thread(send_paced, settings, reg.name("requests"), plan, qps, "librdkafka")
     ids = {r.request_id for r in sent}
     results, counts = await count_results(settings, reg, ids, timeout_s=180.0)
     admitted = await read_admitted_ids(settings, reg.name("prefill"), ids, progress=False)
@@ -271,39 +295,6 @@ async def run_visits(
         **visit_figures(sent, results, counts, admitted, prefills, budget_ms),
         **stage_figures(sent, results, budget_ms),
     }
-
-
-async def _measure(settings: Settings, reg: TopicRegistry, ml, args, policy: str, say) -> dict:
-    from relaygr.tools.traffic import publish
-
-    rows = []
-    for i, qps in enumerate(parse_rates(args.rates)):
-        rate = "burst" if qps is None else f"{qps:g}"
-        behaviours, requests = lengthened_users(ml, args.users * (i + 1), args.events)
-        users = {r.user_id for r in requests[args.users * i :]}  # fresh users for each rate
-        behaviours = [
-            b.model_copy(update={"user_id": f"{b.user_id}-r{i}"}) for b in behaviours if b.user_id in users
-        ]
-        requests = [
-            r.model_copy(update={"user_id": f"{r.user_id}-r{i}", "request_id": f"{r.request_id}-r{i}"})
-            for r in requests[args.users * i :]
-        ]
-        say(f"{policy}, {rate} req/s: {len(requests)} users x {args.events} events published")
-        await publish(settings, reg, behaviours, [], wait_for_ingest=True, settle_s=0)
-        row = await run_visits(settings, reg, requests, args.visits, qps, f"{policy}{i}", args.results)
-        say(f"{policy}, {rate} req/s: relay by visit {_relay_row(row)}; prefill {row['prefill']}")
-        rows.append(
-            {
-                "bench": "steady_load",
-                "policy": policy,
-                "rate": rate,
-                "users": args.users,
-                "events": args.events,
-                "visits": args.visits,
-                **row,
-            }
-        )
-    return {"rows": rows}
 
 
 def _relay_row(row: dict) -> str:
@@ -329,36 +320,9 @@ def side_by_side(rows: list[dict]) -> dict:
     return {"bench": "steady_load", "side_by_side": out}
 
 
+KIND = SteadyLoad()
+add_arguments = KIND.arguments
+
+
 def run(args: argparse.Namespace) -> int:
-    try:
-        import confluent_kafka  # noqa: F401  the requests' producer: checked before minutes of set-up
-
-        parse_rates(args.rates)
-        policies = [p.strip() for p in args.policies.split(",")]
-        unknown = set(policies) - POLICIES.keys()
-        if unknown:
-            raise ValueError(f"--policies: no policy {sorted(unknown)} (known: {', '.join(POLICIES)})")
-    except (ImportError, ValueError) as e:
-        print(f"relaygr bench steady-load: {e}", file=sys.stderr)
-        return 2
-
-    def say(msg: str) -> None:
-        if not args.json:
-            print(f"== {msg}", file=sys.stderr, flush=True)
-
-    rows: list[dict] = []
-    for policy in policies:
-        env = PipelineSettings.to_env(**POLICIES[policy]) if POLICIES[policy] else {}
-        got = on_fresh_pipeline(
-            f"steady-{policy}",
-            args.ranking_workers,
-            lambda s, reg, pipe, ml, policy=policy: _measure(s, reg, ml, args, policy, say),
-            say,
-            env=env,
-        )
-        for row in got["rows"]:
-            row["cores"] = got["cores"]
-            print(json.dumps(row), flush=True)
-            rows.append(row)
-    print(json.dumps(side_by_side(rows)))
-    return 0
+    return run_scenario(KIND, args)
