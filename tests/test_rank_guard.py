@@ -18,7 +18,10 @@ TP = TopicPartition("p.rank-requests", 0)
 
 
 def _worker(stopping: bool = False) -> SimpleNamespace:
-    w = SimpleNamespace(tracker=OffsetTracker(), _stop=asyncio.Event(), dead=[])
+    tracker = OffsetTracker()  # what ``Partitions`` keeps of the offsets
+    w = SimpleNamespace(
+        tracker=tracker, partitions=SimpleNamespace(done=tracker.done), _stop=asyncio.Event(), dead=[]
+    )
 
     async def dead_letter(tp, m, reason: str) -> None:
         w.dead.append((m.offset, reason))

@@ -13,7 +13,11 @@ range the new process says it ranked again: ``unanswered`` in ``events.jsonl``),
 process ranked every request of that range again. The workers commit only at the deployment's
 start-up rebalance (``RELAYGR_COMMIT_INTERVAL_S``), so that range holds the requests the old process
 took under load since: each one it had ranked has two results. The new process serves and joins, and the supervisor,
-which had adopted the new process before the hand-over signal, counts no restart."""
+which had adopted the new process before the hand-over signal, counts no restart.
+
+A second test adds another fault to the same window: the other worker stops while the old process
+is blocked, so the group rebalances under the standby that serves outside it; then the old process
+is killed. The same holds: none lost, duplicates only in the range ranked again."""
 
 from __future__ import annotations
 
@@ -91,6 +95,28 @@ async def _requests_at(settings: Settings, topic: str, ranges: dict[int, tuple[i
     return found
 
 
+async def _roll_under_load(settings: Settings, reg, pipe: Pipeline, behaviours, requests):
+    """Once the deployment is up: the users' behaviours, then requests at 20/s from
+    confluent-kafka, and a second later ranker-0 rolled (in a thread). Returns the load, the old
+    process and the roll."""
+    await pipe.wait_ready(timeout_s=240)
+    # Not waited for: the ranking group commits nothing to say it applied them (a request
+    # waits for its user's behaviours itself, boundedly).
+    await publish(settings, reg, behaviours, [], settle_s=0)
+    load = BackgroundLoad(settings, reg.name("requests"), requests, 20, client="librdkafka").start()
+    await asyncio.sleep(1.0)
+    old = pipe.procs["ranker-0"]
+    return load, old, asyncio.ensure_future(asyncio.to_thread(pipe.roll_worker, 0))
+
+
+async def _ranked_again(settings: Settings, reg, events: list[dict]) -> tuple[dict | None, dict, dict]:
+    """The new process's ``unanswered`` line (None: none), the ranges it ranked again (partition
+    -> [start, end)) and the requests in them (request_id -> partition)."""
+    gone = next((e for e in events if e["event"] == "unanswered"), None)
+    ranges = {int(p): (a, b) for p, (a, b) in gone["ranked_again"].items()} if gone else {}
+    return gone, ranges, await _requests_at(settings, reg.name("rank"), ranges)
+
+
 async def test_old_process_killed_mid_hand_over_under_load(kafka_settings, tmp_path, model_dir) -> None:
     settings, reg, env = await rolling_deployment(
         kafka_settings,
@@ -108,14 +134,7 @@ async def test_old_process_killed_mid_hand_over_under_load(kafka_settings, tmp_p
     pipe = Pipeline(settings, ranking_workers=2, env=env)
     pipe.start()
     try:
-        await pipe.wait_ready(timeout_s=240)
-        # Not waited for: the ranking group commits nothing to say it applied them (a request
-        # waits for its user's behaviours itself, boundedly).
-        await publish(settings, reg, behaviours, [], settle_s=0)
-        load = BackgroundLoad(settings, reg.name("requests"), requests, 20, client="librdkafka").start()
-        await asyncio.sleep(1.0)
-        old = pipe.procs["ranker-0"]
-        roll = asyncio.ensure_future(asyncio.to_thread(pipe.roll_worker, 0))
+        load, old, roll = await _roll_under_load(settings, reg, pipe, behaviours, requests)
         handed, answered_at_kill = await _kill_mid_hand_over(WorkerFiles(folder), old, roll)
         took = await roll
         await asyncio.sleep(2.0)
@@ -127,9 +146,7 @@ async def test_old_process_killed_mid_hand_over_under_load(kafka_settings, tmp_p
         assert pipe.restarts["ranker-0"] == 0, "the old process's death was counted as a crash of ranker-0"
         pipe.check()
         events = worker_events(folder)
-        gone = next((e for e in events if e["event"] == "unanswered"), None)
-        ranges = {int(p): (a, b) for p, (a, b) in gone["ranked_again"].items()} if gone else {}
-        again = await _requests_at(settings, reg.name("rank"), ranges)
+        gone, ranges, again = await _ranked_again(settings, reg, events)
     finally:
         pipe.stop()
         await delete_topics_with_prefix(settings, settings.topic_prefix)
@@ -164,3 +181,71 @@ async def test_old_process_killed_mid_hand_over_under_load(kafka_settings, tmp_p
     assert "result" in kinds[kinds.index("took_over") :], "the new process ranked nothing"
     # Its state generation is the current one.
     assert WorkerFiles(folder).state_dir().name.startswith("gen-")
+
+
+async def _until_event(folder, kind: str, after: str | None = None, timeout_s: float = 120.0) -> None:
+    """Until the worker's audit trail has a line ``kind`` (after the first ``after`` line)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        kinds = [e["event"] for e in worker_events(folder)] if (folder / "events.jsonl").exists() else []
+        start = kinds.index(after) if after in kinds else (None if after else 0)
+        if start is not None and kind in kinds[start:]:
+            return
+        assert time.monotonic() < deadline, (
+            f"no {kind!r} in {folder.name}'s audit trail within {timeout_s:.0f} s"
+        )
+        await asyncio.sleep(0.05)
+
+
+@pytest.mark.slow(seconds=70)
+async def test_a_rebalance_during_the_hand_over_then_the_old_process_killed(
+    kafka_settings, tmp_path, model_dir
+) -> None:
+    """Two faults in one hand-over. While the old process blocks after writing ``handover.json``
+    (the standby serves its partitions outside the group and has joined it), the other worker
+    stops: its session runs out and the group rebalances under the standby. Then the old process
+    is killed before it answered. The standby commits nothing of the revoked partitions before it
+    knows what the old process left unanswered (it ranks those again first), switches to the
+    group with every partition, and no request is lost; a request has two results only where the
+    old process ranked it and the standby ranked it again."""
+    settings, reg, env = await rolling_deployment(
+        kafka_settings, tmp_path, model_dir, "rolldouble", handover_stall_s=STALL_S
+    )
+    behaviours, requests = long_users(load_movielens("ml-100k"), 8, 60, tag="rolldouble")
+    folder = deployment_dir(settings, "workers") / "ranker-0"
+    pipe = Pipeline(settings, ranking_workers=2, env=env)
+    pipe.start()
+    try:
+        load, old, roll = await _roll_under_load(settings, reg, pipe, behaviours, requests)
+        # The standby took over and joined (its first assignment), while the old process blocks.
+        await _until_event(folder, "assigned", after="took_over", timeout_s=240)
+        handover = WorkerFiles(folder).read_handover()
+        assert old.poll() is None and handover is not None and not WorkerFiles(folder).handover_answered()
+        pipe.stop_worker(1)  # its partitions move once its session times out: a rebalance
+        await _until_event(folder, "revoked_during_hand_over", after="took_over")
+        os.kill(old.pid, signal.SIGKILL)
+        took = await roll
+        await asyncio.sleep(2.0)
+        sent = await asyncio.to_thread(load.stop)
+        results, counts = await count_results(settings, reg, {r.request_id for r in sent}, timeout_s=120)
+        assert pipe.restarts["ranker-0"] == 0
+        events = worker_events(folder)
+        gone, ranges, again = await _ranked_again(settings, reg, events)
+    finally:
+        pipe.stop()
+        await delete_topics_with_prefix(settings, settings.topic_prefix)
+    kinds = [e["event"] for e in events]
+    assert "answered" not in kinds and old.returncode == -signal.SIGKILL, kinds
+    # The rebalance came during the hand-over, and before the standby said what it ranks again.
+    assert kinds.index("took_over") < kinds.index("revoked_during_hand_over") < kinds.index("unanswered")
+    assert set(took) == {"warm", "serving", "joined", "old_exit"}
+    (joined,) = [e for e in events if e["event"] == "joined"]
+    assert joined["partitions"] == [0, 1, 2, 3], joined  # its own and the stopped worker's
+    # What it ranked again lies before the hand-over's offsets, in the partitions handed over.
+    handed = handover[0][reg.name("rank")]
+    assert gone is not None and all(a < b <= handed[p] for p, (a, b) in ranges.items()), (gone, handed)
+    # No request lost; duplicates only where at least once allows them.
+    assert set(results) == {r.request_id for r in sent}, "lost results"
+    duplicated = {k for k, c in counts.items() if c > 1}
+    assert duplicated <= set(again), {k: counts[k] for k in duplicated - set(again)}
+    assert all(c <= 2 for c in counts.values()), {k: c for k, c in counts.items() if c > 2}

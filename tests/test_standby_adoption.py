@@ -14,8 +14,8 @@ from types import SimpleNamespace
 import pytest
 from test_prefix_store import prefix_for
 
-from relaygr.streams.ranking import standby as standby_module
-from relaygr.streams.ranking.standby import Standby, spill_for_standby
+from relaygr.streams.ranking import standby_warmup as warmup_module
+from relaygr.streams.ranking.standby_warmup import StandbyWarmUp, spill_for_standby
 from relaygr.streams.ranking.worker_files import WorkerFiles
 from relaygr.workers.prefix_kv import Events
 from relaygr.workers.store.prefix_store import PrefixStore, PrefixStoreConfig
@@ -43,8 +43,6 @@ def _worker(folder: Path, store: PrefixStore | None, histories: dict[str, Events
         handler=SimpleNamespace(
             served_history=lambda user, before: SimpleNamespace(events=histories.get(user, Events.empty()))
         ),
-        in_group=True,
-        handing_over=0.0,
         noted=noted,
     )
     w.note = lambda **fields: noted.append(fields)
@@ -55,7 +53,7 @@ def _worker(folder: Path, store: PrefixStore | None, histories: dict[str, Events
 async def _active_timer(w, standby_pid: int):
     """The active process's timer running, a standby ``standby_pid`` warming up."""
     w.files.write_standby("warming", standby_pid)
-    task = asyncio.create_task(spill_for_standby(w))
+    task = asyncio.create_task(spill_for_standby(w.files, w.engine, w.note, lambda: True, w.worker_id))
     try:
         yield
     finally:
@@ -72,15 +70,26 @@ async def _spilled(files: WorkerFiles, standby_pid: int) -> dict:
     raise AssertionError("nothing spilled")
 
 
-def _standby(w, pid: int) -> Standby:
-    s = Standby.__new__(Standby)  # only its warm-up side, on a stand-in worker
-    s.w, s.pid = w, pid
-    return s
+def _standby(w, pid: int) -> StandbyWarmUp:
+    """A standby's warm-up over the stand-in worker ``w``'s parts, as the process ``pid``."""
+    return StandbyWarmUp(
+        worker_id=w.worker_id,
+        settings=None,  # type: ignore[arg-type]
+        pipeline=w.pipeline,
+        files=w.files,
+        generation=w.state_dir,
+        engine=w.engine,
+        handler=w.handler,
+        partitions=None,  # type: ignore[arg-type]
+        intake=None,  # type: ignore[arg-type]
+        note=w.note,
+        pid=pid,
+    )
 
 
 @pytest.fixture
 def fast_poll(monkeypatch) -> None:
-    monkeypatch.setattr(standby_module, "SPILL_POLL_S", 0.05)
+    monkeypatch.setattr(warmup_module, "SPILL_POLL_S", 0.05)
 
 
 async def test_the_active_process_spills_for_a_warming_standby_and_the_standby_adopts(
@@ -109,7 +118,7 @@ async def test_the_active_process_spills_for_a_warming_standby_and_the_standby_a
             # adopted, u2 refused, u3 (computed after the first spill) adopted too.
             grown = {"u1": _history(34), "u2": _history(20, shift=5), "u3": _history(12, shift=1)}
             standby = _worker(tmp_path, new, grown, 5.0)
-            await _standby(standby, 4242)._adopt()
+            await _standby(standby, 4242).adopt()
         assert [e["event"] for e in active.noted] == ["spilled_for_standby"] * 2
         assert active.noted[1]["written"] == 1 and active.noted[1]["prefixes"] == 3
         (line,) = standby.noted
@@ -124,7 +133,7 @@ async def test_the_active_process_spills_for_a_warming_standby_and_the_standby_a
 
 
 async def _adopt_with(w, pid: int = 7) -> dict:
-    await _standby(w, pid)._adopt()
+    await _standby(w, pid).adopt()
     (line,) = w.noted
     assert line["event"] == "standby_adopted" and line["adopted"] == 0
     return line
