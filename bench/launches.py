@@ -44,6 +44,7 @@ from relaygr.workers.model.graph_runner import DEFAULT_BLOCK_TOKENS, BucketRunne
 from relaygr.workers.model.model import HSTURanker
 from relaygr.workers.model.prefix_pool import PagedPrefixPool
 from relaygr.workers.model.presets import PRESETS, preset
+from relaygr.workers.model.runner import ModelRunner
 from relaygr.workers.prefix_kv import Events, PrefixKV
 
 DEFAULT_LENGTHS = "1024,8192,32768"
@@ -148,12 +149,13 @@ def count_ranking(model: HSTURanker, events: int, suffix: int, candidates: int, 
         raise ValueError("count_ranking needs a model on the meta device (on_meta)")
     cut = events - suffix
     prefix = _meta_prefix(model, history.slice(0, cut))
+    runner = ModelRunner(model)
 
     def rank() -> None:
         if path == "relay":
-            model.rank(prefix, history.slice(cut), cands, when)
+            runner.rank(prefix, history.slice(cut), cands, when)
         else:
-            model.rank_full(history, cands, when)
+            runner.rank_full(history, cands, when)
 
     with DispatchCounter():
         rank()  # once first: the weights' derived form and the position table are built and kept
@@ -209,7 +211,8 @@ def count_graphed(
     pool = PagedPrefixPool(
         cfg.layers, cfg.heads, cfg.attn_dim, cfg.linear_dim, DEFAULT_BLOCK_TOKENS, blocks, model.dtype, "meta"
     )
-    runner = BucketRunner(model, model.serving(), pool, bucket, -(-prefix // DEFAULT_BLOCK_TOKENS))
+    served = ModelRunner(model)
+    runner = BucketRunner(served, served.serving(), pool, bucket, -(-prefix // DEFAULT_BLOCK_TOKENS))
     if backend not in ("reference", "triton"):
         raise ValueError(f"backend must be reference or triton, got {backend!r}")
     with stubbed_launches() if backend == "triton" else contextlib.nullcontext():

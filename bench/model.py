@@ -49,6 +49,7 @@ from relaygr.workers.model.devices import (
 from relaygr.workers.model.graph_runner import pool_tokens_for
 from relaygr.workers.model.model import FAR_KEYS, NEAR_KEYS, HSTUConfig, HSTURanker
 from relaygr.workers.model.presets import PRESETS, resolve_shape
+from relaygr.workers.model.runner import ModelRunner
 from relaygr.workers.prefix_kv import Events, PrefixKV
 
 DEFAULT_LENGTHS = "256,512,1024,2048,4096,8192"
@@ -181,7 +182,7 @@ def top_k_agreement(a: torch.Tensor, b: torch.Tensor, k: int = 10) -> float:
     return len(top_a & top_b) / k
 
 
-def _model(args: argparse.Namespace, dtype: str) -> HSTURanker:
+def _model(args: argparse.Namespace, dtype: str) -> ModelRunner:
     shape = resolve_shape(
         args.preset, fallback=BENCH_SHAPE, layers=args.layers, heads=args.heads, dim=args.dim
     )
@@ -201,7 +202,7 @@ def _model(args: argparse.Namespace, dtype: str) -> HSTURanker:
         dtype=dtype,
         device=args.device,
     )
-    return HSTURanker(config).eval()
+    return ModelRunner(HSTURanker(config).eval())  # the model as the engine serves it
 
 
 def _rank_row(

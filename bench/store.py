@@ -10,7 +10,7 @@ not depend on training) and measures, in one run:
   single-threaded memory copy); ``disk``, the sequential read of a large file in the same folder,
   cold: the better of ``O_DIRECT`` reads and buffered reads after its pages were dropped
   (``posix_fadvise(DONTNEED)``);
-- ``recompute``: ``HSTURanker.prefill`` of the whole history (what a miss costs);
+- ``recompute``: ``ModelRunner.prefill`` of the whole history (what a miss costs);
 - ``device``: ``PrefixStore.lookup`` of an entry already in the device tier, through the full
   lookup path; ``validate`` is the history's fingerprint alone, and ``store_overhead`` the same
   lookup with that fingerprint precomputed: the store's own bookkeeping;
@@ -412,6 +412,7 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
 
 def _model(args: argparse.Namespace) -> Any:
     from relaygr.workers.model.model import HSTUConfig, HSTURanker  # only the recompute baseline needs it
+    from relaygr.workers.model.runner import ModelRunner
 
     shape = resolve_shape(
         args.preset, fallback=STORE_SHAPE, layers=args.layers, heads=args.heads, dim=args.dim
@@ -419,7 +420,7 @@ def _model(args: argparse.Namespace) -> Any:
     head = shape["dim"] // shape["heads"]
     # A preset's heads split its width; without one, the config's own head dimensions (as before).
     dims = {"attn_dim": head, "linear_dim": head} if args.preset else {}
-    return HSTURanker(HSTUConfig(**shape, **dims, dropout=0.0, device=args.device)).eval()
+    return ModelRunner(HSTURanker(HSTUConfig(**shape, **dims, dropout=0.0, device=args.device)).eval())
 
 
 def run(args: argparse.Namespace) -> int:

@@ -11,11 +11,13 @@ import torch
 from test_graph_relay import BLOCK, POOL, _requests, model32
 
 from relaygr.workers.kernels import use_backend
+from relaygr.workers.model.runner import ModelRunner
 
 
 def main(device: str) -> None:
-    model = model32().to(device)
-    model.refresh_version()
+    module = model32().model.to(device)
+    module.refresh_version()
+    model = ModelRunner(module)
     requests = _requests(model, [(15, 13, 9), (72, 61, 4), (2, 0, 1)], seed=5)
     with use_backend("reference"):
         eager = [scores for scores, _ in model.rank_users(requests)]

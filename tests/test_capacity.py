@@ -21,6 +21,7 @@ from relaygr.workers.engine.capacity import (
 )
 from relaygr.workers.engine.latency_model import LatencyModel
 from relaygr.workers.model.model import HSTUConfig, HSTURanker
+from relaygr.workers.model.runner import ModelRunner
 from relaygr.workers.prefix_kv import Events
 from relaygr.workers.store.kv_formats import COLD_FORMATS
 from relaygr.workers.store.prefix_store import PrefixStore, PrefixStoreConfig
@@ -98,7 +99,7 @@ def test_planned_bytes_are_what_the_store_accounts(tmp_path, fmt: str) -> None:
         )
         for n in lengths
     ]
-    prefixes = [model.prefill(h) for h in histories]
+    prefixes = [ModelRunner(model).prefill(h) for h in histories]
     plan = capacity_plan(shape, LATENCY, lengths, _workload(), WorkerShape(1, 1, 1), (fmt,))
     predicted = plan["formats"][fmt]["bytes_per_cached_user"]
     total = sum(p.nbytes() for p in prefixes)

@@ -34,6 +34,7 @@ from relaygr.workers.model.inference import UserRanking
 from relaygr.workers.model.model import HSTUConfig, HSTURanker
 from relaygr.workers.model.prefix_pool import ZERO_BLOCK, PagedPrefixPool, PageTable, PoolFull
 from relaygr.workers.model.presets import preset
+from relaygr.workers.model.runner import ModelRunner
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -42,7 +43,7 @@ BLOCK = 8
 POOL = 2048  # tokens: the largest bucket of these tests reserves 8 x (64 + 32) rows of it
 
 
-def _model(dtype: torch.dtype, seed: int) -> HSTURanker:
+def _model(dtype: torch.dtype, seed: int) -> ModelRunner:
     cfg = HSTUConfig(
         num_items=NUM_ITEMS, layers=2, heads=2, dim=16, attn_dim=8, linear_dim=8, attn_block=8,
         candidate_batch=4, dropout=0.0, near_keys=8, far_keys=3.0,
@@ -54,20 +55,20 @@ def _model(dtype: torch.dtype, seed: int) -> HSTURanker:
             p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
     model = model.to(dtype)
     model.refresh_version()
-    return model.eval()
+    return ModelRunner(model.eval())
 
 
 @functools.cache
-def model32() -> HSTURanker:
+def model32() -> ModelRunner:
     return _model(torch.float32, 1)
 
 
 @functools.cache
-def model64() -> HSTURanker:
+def model64() -> ModelRunner:
     return _model(torch.float64, 2)
 
 
-def _requests(model: HSTURanker, shapes: list[tuple[int, int, int]], seed: int) -> list[UserRanking]:
+def _requests(model: ModelRunner, shapes: list[tuple[int, int, int]], seed: int) -> list[UserRanking]:
     """One request per ``(history, cached, candidates)``; ``cached`` 0: no prefix."""
     out = []
     for i, (n, cached, c) in enumerate(shapes):
@@ -78,7 +79,7 @@ def _requests(model: HSTURanker, shapes: list[tuple[int, int, int]], seed: int) 
     return out
 
 
-def _graphed(model: HSTURanker, requests: list[UserRanking], **kw) -> tuple[list, GraphRelay]:
+def _graphed(model: ModelRunner, requests: list[UserRanking], **kw) -> tuple[list, GraphRelay]:
     relay = model.use_graph_relay(True, pool_tokens=kw.pop("pool_tokens", POOL), block_tokens=BLOCK, **kw)
     try:
         return model.rank_users(requests), relay
@@ -86,14 +87,14 @@ def _graphed(model: HSTURanker, requests: list[UserRanking], **kw) -> tuple[list
         model.use_graph_relay(False)
 
 
-def _assert_same(graphed: list, requests: list[UserRanking], model: HSTURanker, rtol: float) -> None:
+def _assert_same(graphed: list, requests: list[UserRanking], model: ModelRunner, rtol: float) -> None:
     eager = model.rank_users(requests)
     for (scores, grow), (e_scores, e_grow), r in zip(graphed, eager, requests, strict=True):
         full = model.rank_full(r.history, r.candidates, r.request_ts)
         assert scores.shape == (len(r.candidates),)
         torch.testing.assert_close(scores, e_scores, rtol=rtol, atol=rtol)
         torch.testing.assert_close(scores, full, rtol=rtol, atol=rtol)
-        got, want = grow(), e_grow()
+        got, want = grow().dense(), e_grow().dense()
         assert got.length == want.length == len(r.history) and got.fingerprint == want.fingerprint
         for a, b in zip(got.keys + got.values, want.keys + want.values, strict=True):
             torch.testing.assert_close(a, b, rtol=rtol, atol=rtol)
@@ -183,7 +184,7 @@ def test_new_weights_build_new_runners() -> None:
         model.rank_users(requests)
         (old,) = relay.runners.values()
         with torch.no_grad():
-            model.final_norm.weight.mul_(2.0)
+            model.model.final_norm.weight.mul_(2.0)
         model.rank_users(requests)
         (new,) = relay.runners.values()
         assert new is not old and new.sv is not old.sv
@@ -362,13 +363,13 @@ async def test_a_relay_engine_with_cuda_graphs_ranks_waiting_users_through_a_buc
     from synthetic import tiny_model
     from test_relay_batching import engine, prefill_all, rank_while_busy, users
 
-    model, jobs = tiny_model(3), users()
+    model, jobs = ModelRunner(tiny_model(3)), users()
     eager = engine(model, batch_tokens=4096)  # cuda_graphs unset: off on a CPU
-    assert model.graph_relay is None
+    assert eager.runner.graph_relay is None
     await prefill_all(eager, jobs)
     want = await rank_while_busy(eager, jobs)
     graphed = engine(model, batch_tokens=4096, cuda_graphs=True, graph_pool_mb=4)
-    relay = model.graph_relay
+    relay = graphed.runner.graph_relay
     assert relay is not None and not relay.capture
     await prefill_all(graphed, jobs)
     got = await rank_while_busy(graphed, jobs)
@@ -376,13 +377,12 @@ async def test_a_relay_engine_with_cuda_graphs_ranks_waiting_users_through_a_buc
     for (uid, h, n, _), res, ref in zip(jobs, got, want, strict=True):
         assert res.path == ref.path == "relay" and res.prefix_len == n
         torch.testing.assert_close(res.scores, ref.scores, rtol=RTOL32, atol=ATOL32)
-        mine, theirs = resident_prefix(graphed.store, uid), resident_prefix(eager.store, uid)
+        mine, theirs = resident_prefix(graphed.store, uid).dense(), resident_prefix(eager.store, uid).dense()
         assert mine.length == theirs.length == len(h)
         for a, b in zip(mine.keys + mine.values, theirs.keys + theirs.values, strict=True):
             torch.testing.assert_close(a, b, rtol=RTOL32, atol=ATOL32)
     for e in (eager, graphed):
         e.scheduler.close()
-    model.use_graph_relay(False)
 
 
 # ------------------------------------------------------------------------- a capture that fails

@@ -32,7 +32,7 @@ from relaygr.workers.engine.latency_model import EngineClock
 from relaygr.workers.engine.pacing import DevicePacing, Slicer
 from relaygr.workers.engine.prefill_ledger import PrefillLedger
 from relaygr.workers.engine.scheduler import DeviceScheduler, Priority, SchedulerClosed
-from relaygr.workers.model.model import HSTURanker
+from relaygr.workers.model.runner import ModelRunner
 from relaygr.workers.prefix_kv import Events, PrefixKV
 from relaygr.workers.store.prefix_store import PrefixStore
 
@@ -90,7 +90,7 @@ class PreInference:
 
     def __init__(
         self,
-        model: HSTURanker,
+        runner: ModelRunner,
         store: PrefixStore | None,
         scheduler: DeviceScheduler,
         config: EngineConfig,
@@ -99,7 +99,7 @@ class PreInference:
         bytes_per_token: int,
         grown: GrownPrefixes,
     ) -> None:
-        self.model, self.store, self.scheduler, self.config = model, store, scheduler, config
+        self.runner, self.store, self.scheduler, self.config = runner, store, scheduler, config
         self.pacing, self.clock, self.bytes_per_token, self.grown = pacing, clock, bytes_per_token, grown
         # Users whose in-flight pre-inference a waiting ranking job has promoted: (priority, deadline).
         self._urgent: dict[str, tuple[Priority, float]] = {}
@@ -142,7 +142,7 @@ class PreInference:
         async def compute(best: PrefixKV | None) -> PrefixKV:
             start = best.length if best is not None else 0
             slicer = self.pacing.slicer(start)
-            steps = self.model.prefill_steps(
+            steps = self.runner.prefill_steps(
                 history.slice(0, n), slicer or self.config.prefill_chunk, prefix=best
             )
             if slicer is not None:
@@ -185,7 +185,7 @@ class PreInference:
         and they are known now. A ranking that comes first computes them itself, as before."""
         slicer = self.pacing.slicer(prefix.length)
         assert slicer is not None  # only when sliced by time (``suffix_costs_a_slice``)
-        steps = slicer.measured(self.model.prefill_steps(history, slicer, prefix=prefix))
+        steps = slicer.measured(self.runner.prefill_steps(history, slicer, prefix=prefix))
         self.grown.put_when_computed(
             user_id,
             lambda: self.scheduler.submit_steps(steps, priority=Priority.PREFILL, tag=("prefill", user_id)),

@@ -1,7 +1,7 @@
 """The policy of bucketed relay rankings over a paged device prefix pool: on CUDA replayed from
 CUDA graphs, elsewhere (CPU, NPU, a failed capture) run eagerly on the same static buffers.
 
-``GraphRelay(model, pool_tokens=, block_tokens=, capture=, max_buckets=, prefix_tokens=)`` owns the
+``GraphRelay(runner, pool_tokens=, block_tokens=, capture=, max_buckets=, prefix_tokens=)`` owns the
 ``PagedPrefixPool`` and the buckets' runners (``graph_runner.BucketRunner``, one static forward per
 shape bucket), and decides:
 - which prefixes enter the pool (``rank``: each slot's prefix admitted under its fingerprint and
@@ -42,7 +42,7 @@ from relaygr.workers.model.graph_runner import (
     bucket_for,
     grid_buckets,
 )
-from relaygr.workers.model.inference import RelayInference
+from relaygr.workers.model.inference import ServingRunner
 from relaygr.workers.model.inference_state import Serving
 from relaygr.workers.model.jagged import UserSlot
 from relaygr.workers.model.prefix_pool import PagedPrefixPool, PageTable, PoolFull
@@ -61,7 +61,7 @@ class GraphRelay:
 
     def __init__(
         self,
-        model: RelayInference,
+        runner: ServingRunner,
         *,
         pool_tokens: int = DEFAULT_POOL_TOKENS,
         block_tokens: int = DEFAULT_BLOCK_TOKENS,
@@ -69,19 +69,19 @@ class GraphRelay:
         max_buckets: int = DEFAULT_MAX_BUCKETS,
         prefix_tokens: int | None = None,
     ) -> None:
-        cfg, device = model.config, model.device
+        cfg, device = runner.config, runner.device
         if pool_tokens < block_tokens or max_buckets < 1:
             raise ValueError(
                 f"pool_tokens ({pool_tokens}) must hold a block ({block_tokens}); max_buckets >= 1"
             )
         self.pool = PagedPrefixPool(
             cfg.layers, cfg.heads, cfg.attn_dim, cfg.linear_dim, block_tokens,
-            pool_tokens // block_tokens + 1, model.dtype, device,
+            pool_tokens // block_tokens + 1, runner.dtype, device,
         )  # fmt: skip
         self.capture = device.type == "cuda" if capture is None else capture
         if self.capture and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA model, this one is on {device}")
-        self.model, self.max_buckets = model, max_buckets
+        self.runner, self.max_buckets = runner, max_buckets
         # Every bucket's prefix capacity per user: the longest history the model serves (or
         # ``prefix_tokens``), at most the pool, in whole blocks.
         longest = min(cfg.max_seq_len if prefix_tokens is None else prefix_tokens, self.pool.capacity_tokens)
@@ -136,7 +136,7 @@ class GraphRelay:
         )
 
     def rank(
-        self, model: RelayInference, sv: Serving, slots: list[UserSlot], keep_kv: bool = True
+        self, sv: Serving, slots: list[UserSlot], keep_kv: bool = True
     ) -> list[tuple[torch.Tensor, NewKV]] | None:
         """Per slot, its scores and its events' keys and values, in one bucketed forward; ``None``
         when the slots fit no bucket or their prefixes no pool (the caller's eager path)."""
@@ -156,7 +156,7 @@ class GraphRelay:
                     if s.prefix is not None:
                         table = self.pool.admit(key, s.prefix)
                     users.append(GraphUser(table, s.events, s.candidates, s.request_ts))
-                runner = self._runner(model, sv, bucket)
+                runner = self._runner(sv, bucket)
                 runner.load(users)
                 runner.run()
                 out = runner.results(users, keep_kv)
@@ -170,7 +170,7 @@ class GraphRelay:
         self.ranked += 1
         return out
 
-    def _runner(self, model: RelayInference, sv: Serving, bucket: RelayBucket) -> BucketRunner:
+    def _runner(self, sv: Serving, bucket: RelayBucket) -> BucketRunner:
         if sv.key != self._weights:  # new weights: graphs hold the old ones' addresses
             while self.runners:
                 self.runners.popitem()[1].close()
@@ -181,7 +181,7 @@ class GraphRelay:
             return runner
         while len(self.runners) >= self.max_buckets:
             self.runners.popitem(last=False)[1].close()
-        runner = BucketRunner(model, sv, self.pool, bucket, self.prefix_blocks, self.new_rows)
+        runner = BucketRunner(self.runner, sv, self.pool, bucket, self.prefix_blocks, self.new_rows)
         if self.capture:
             try:
                 runner.capture(self._mempool)
@@ -207,7 +207,7 @@ class GraphRelay:
         buckets, those left, seconds, index and pool bytes, and on CUDA the device memory taken."""
         started, device = time.perf_counter(), self.pool.device
         before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-        sv = self.model.serving()
+        sv = self.runner.serving()
         wanted = grid_buckets(users, suffix, candidates)
         self.max_buckets = max(self.max_buckets, len(self.runners) + len(wanted))
         reserved = self._shared_rows() + sum(self._own_rows(r.bucket) for r in self.runners.values())
@@ -218,7 +218,7 @@ class GraphRelay:
                 left.append(bucket)
                 continue
             reserved += 0 if bucket in self.runners else rows
-            runner = self._runner(self.model, sv, bucket)
+            runner = self._runner(sv, bucket)
             if runner.graph is None:
                 runner.forward()  # the eager twin: its one-off costs paid here
             built.append(runner)

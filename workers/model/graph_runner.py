@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from relaygr.workers.kernels import JaggedBatch
-from relaygr.workers.model.inference import LayerPass, RelayInference
+from relaygr.workers.model.inference import LayerPass, ServingRunner
 from relaygr.workers.model.inference_state import Serving
 from relaygr.workers.model.jagged import host_ids
 from relaygr.workers.model.prefix_pool import PagedPrefixPool, PageTable
@@ -133,7 +133,7 @@ class BucketRunner(LayerPass):
 
     def __init__(
         self,
-        model: RelayInference,
+        runner: ServingRunner,
         sv: Serving,
         pool: PagedPrefixPool,
         bucket: RelayBucket,
@@ -144,7 +144,7 @@ class BucketRunner(LayerPass):
         users, rows, slots = bucket.users, bucket.suffix + bucket.candidates, prefix_blocks * bt
         self.prefix_blocks = prefix_blocks
         self.bucket, self.pool, self.rows, self.slots = bucket, pool, rows, slots
-        i64, f64, dt = torch.int64, torch.float64, model.dtype
+        i64, f64, dt = torch.int64, torch.float64, runner.dtype
         # The request's integer inputs in one buffer (one copy in): bags, positions, prefix
         # lengths, key offsets (each user's keys: its prefix's and its rows), block tables (each
         # block's first pool row), candidate items.
@@ -203,7 +203,7 @@ class BucketRunner(LayerPass):
             max_k=keys,
             k_rows=self.k_rows,
         )
-        super().__init__(model, _StaticPlan(batch, batch), sv)  # type: ignore[arg-type]
+        super().__init__(runner, _StaticPlan(batch, batch), sv)  # type: ignore[arg-type]
         self.graph: torch.cuda.CUDAGraph | None = None
 
     def _key_buffers(self) -> None:
@@ -239,7 +239,7 @@ class BucketRunner(LayerPass):
         b = self.bucket
         if len(users) > b.users:
             raise ValueError(f"{len(users)} users for a bucket of {b.users}")
-        num_items, num_actions = self.model.config.num_items, self.model.config.num_actions
+        num_items, num_actions = self.runner.config.num_items, self.runner.config.num_actions
         rows = self.rows
         items = np.zeros((b.users, rows), np.int64)
         actions = np.zeros((b.users, rows), np.int64)
@@ -311,9 +311,9 @@ class BucketRunner(LayerPass):
         for li in range(len(self.sv.layers)):
             x = self._layer(li, x, self.gate)
         xc, x0c = x.index_select(0, self.cand_rows), x0.index_select(0, self.cand_rows)
-        e = F.embedding(self.cand_items, self.model.item_emb.weight)
-        norm = self.model.final_norm
-        out = torch.linalg.vecdot(F.layer_norm(xc - x0c, xc.shape[-1:], norm.weight, norm.bias, norm.eps), e)
+        e = F.embedding(self.cand_items, self.sv.items)
+        norm_w, norm_b, eps = self.sv.final_norm
+        out = torch.linalg.vecdot(F.layer_norm(xc - x0c, xc.shape[-1:], norm_w, norm_b, eps), e)
         self.score_buf.copy_(out)
 
     def capture(self, pool: object | None = None) -> None:
