@@ -46,7 +46,6 @@ from relaygr.workers.model.devices import (
     resolve_dtype,
     synchronize,
 )
-from relaygr.workers.model.graph_runner import pool_tokens_for
 from relaygr.workers.model.model import FAR_KEYS, NEAR_KEYS, HSTUConfig, HSTURanker
 from relaygr.workers.model.presets import PRESETS, resolve_shape
 from relaygr.workers.model.runner import ModelRunner
@@ -168,6 +167,7 @@ def _stats(secs: list[float]) -> tuple[float, float]:
 
 def kv_bytes_per_layer(prefix: PrefixKV) -> int:
     """Bytes of one layer's keys and values (every layer caches the same shapes)."""
+    prefix = prefix.dense()  # a paged prefix's tokens, gathered
     if not prefix.keys:
         return 0
     return sum(t.numel() * t.element_size() for t in (prefix.keys[0], prefix.values[0]))
@@ -265,16 +265,14 @@ def _rank_row(
 def graphed_columns(
     model: HSTURanker, request: tuple[PrefixKV, Events, torch.Tensor, float], eager: torch.Tensor, args
 ) -> dict:
-    """The same relay ranking through ``use_graph_relay`` (a bucketed forward over the paged pool:
+    """The same relay ranking through ``use_graph_relay`` (a bucketed forward over the pages:
     a CUDA graph's replay on CUDA, the same forward eagerly elsewhere): its milliseconds, its worst
     difference from the eager relay scores, whether it was captured, and the error of a capture
     that failed (``graph_error``; the ranking then ran eagerly, and the step goes on)."""
     prefix, suffix, cands, when = request
     out: dict = {"relay_graphed_ms_p50": None, "relay_graphed_ms_p99": None, "graph_error": None}
     try:
-        relay = model.use_graph_relay(
-            True, pool_tokens=pool_tokens_for(prefix.length), prefix_tokens=prefix.length
-        )
+        relay = model.use_graph_relay(True, prefix_tokens=prefix.length)
         assert relay is not None
         scores = model.rank(prefix, suffix, cands, when)  # the capture, and the exactness check
         secs = [
@@ -380,7 +378,7 @@ def batched_graphed_columns(
         "graph_error": None,
     }
     try:
-        relay = model.use_graph_relay(True, pool_tokens=pool_tokens_for(p, users), prefix_tokens=p)
+        relay = model.use_graph_relay(True, prefix_tokens=p)
         assert relay is not None
         got = batched()  # the capture, and the exactness check
         g50, _ = _stats([_timed(batched, model.device) for _ in range(args.repeats)])

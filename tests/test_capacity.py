@@ -73,8 +73,9 @@ def test_workers_cover_both_the_cache_and_the_device_time() -> None:
     )
     plan = capacity_plan(shape, LATENCY, lengths, _workload(qps=1.0), worker)
     exact = plan["formats"]["exact"]
-    per_user = shape.token_bytes("exact") * 1000
-    assert exact["bytes_per_cached_user"]["device"] == per_user
+    per_user = -(-1000 // 32) * 32 * (2 * 2 * (16 + 16) * 4 + 8)  # whole pages of 32 tokens
+    assert exact["bytes_per_cached_user"]["device"] == per_user == shape.device_bytes(1000)
+    assert exact["bytes_per_cached_user"]["host"] == shape.token_bytes("exact") * 1000
     assert exact["users_per_gb"]["device"] == pytest.approx(1e9 / per_user)
     assert exact["workers_for_cache"] == math.ceil(900 / exact["cached_users_per_worker"])
     int8 = plan["formats"]["int8"]

@@ -323,7 +323,12 @@ async def test_baseline_and_cold_start(model) -> None:
 
 def test_kv_bytes_per_token_matches_a_real_prefix(model) -> None:
     p = model.prefill(history(100))
-    assert p.nbytes() == 100 * kv_bytes_per_token(model)
+    pages = model.pages
+    assert (
+        p.nbytes()
+        == pages.layout.bytes_for(100)
+        == -(-100 // pages.page_tokens) * pages.page_tokens * (kv_bytes_per_token(model))
+    )  # whole pages of tokens
 
 
 class _Spy:

@@ -409,7 +409,12 @@ def test_prefix_size_and_move() -> None:
     n = 17
     prefix = model.prefill(history(n, 2))
     per_layer = n * cfg.heads * (cfg.attn_dim + cfg.linear_dim) * 4
-    assert prefix.nbytes() == cfg.layers * per_layer + n * 8 + n * 8
+    # Paged: whole pages of tokens (keys and values of every layer, and a timestamp each).
+    token = cfg.layers * cfg.heads * (cfg.attn_dim + cfg.linear_dim) * 4 + 8
+    pages = -(-n // model.pages.page_tokens)
+    assert prefix.is_paged and prefix.nbytes() == pages * model.pages.page_tokens * token
+    # Its dense form: the tokens' keys and values, positions and timestamps.
+    assert prefix.dense().nbytes() == cfg.layers * per_layer + n * 8 + n * 8
     moved = prefix.to("cpu", pin=True)
     _assert_prefix_close(moved, prefix, 0.0, 0.0)
 

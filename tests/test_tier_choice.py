@@ -18,7 +18,7 @@ import pytest
 import torch
 from rocksdict import Options, Rdict
 from test_model_relay import NUM_ITEMS, _config
-from test_prefix_store import MV, NB10, history, make_store, prefix_for, same
+from test_prefix_store import MV, NB10, ND10, PAGE, history, make_store, prefix_for, same
 
 from relaygr.workers.model.model import HSTURanker
 from relaygr.workers.model.runner import ModelRunner
@@ -107,7 +107,8 @@ async def test_a_host_tier_predicted_slower_is_not_served(tmp_path) -> None:
 async def test_no_prefix_is_written_to_a_disk_slower_than_recompute(tmp_path) -> None:
     store = PrefixStore(
         PrefixStoreConfig(
-            device_budget_bytes=NB10,
+            device_budget_bytes=ND10,
+            page_tokens=PAGE,
             host_budget_bytes=0,
             disk_path=str(tmp_path / "kv"),
             disk_budget_bytes=10 * (NB10 + 1024),

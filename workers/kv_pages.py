@@ -120,10 +120,13 @@ class KVPages:
         self.page_tokens = layout.page_tokens
         rows = num_pages * layout.page_tokens
         h, dt, dev = layout.heads, layout.dtype, self.device
-        self._key_store = _zeros((layout.layers, rows, h, layout.attn_dim), dt, dev)
-        self._value_store = _zeros((layout.layers, rows, h, layout.linear_dim), dt, dev)
-        self.keys, self.values = list(self._key_store.unbind(0)), list(self._value_store.unbind(0))
-        self.timestamps = _zeros((rows,), torch.float64, dev)
+        # Plain tensors even when made inside ``torch.inference_mode`` (a forward that makes them
+        # on first use): a captured or warm-up forward outside it writes to them too.
+        with torch.inference_mode(False):
+            self._key_store = _zeros((layout.layers, rows, h, layout.attn_dim), dt, dev)
+            self._value_store = _zeros((layout.layers, rows, h, layout.linear_dim), dt, dev)
+            self.keys, self.values = list(self._key_store.unbind(0)), list(self._value_store.unbind(0))
+            self.timestamps = _zeros((rows,), torch.float64, dev)
         self.reclaim = reclaim
         self._lock = threading.Lock()
         self._free = list(range(num_pages - 1, ZERO_PAGE, -1))  # pop() hands out low ids first
@@ -166,13 +169,13 @@ class KVPages:
         }
 
     # ------------------------------------------------------------------ runs
-    def allocate(self, tokens: int) -> PagedKV:
+    def allocate(self, tokens: int, *, reclaim: bool = True) -> PagedKV:
         """A run of fresh pages for ``tokens`` tokens (see the module docstring)."""
-        return self.extend(None, tokens)
+        return self.extend(None, tokens, reclaim=reclaim)
 
-    def extend(self, run: PagedKV | None, tokens: int) -> PagedKV:
+    def extend(self, run: PagedKV | None, tokens: int, *, reclaim: bool = True) -> PagedKV:
         """``run``'s pages, shared, and room for ``tokens`` more tokens after its own (see the
-        module docstring); ``run`` None: a fresh run."""
+        module docstring); ``run`` None: a fresh run. ``reclaim`` False: free pages only."""
         if tokens < 0:
             raise ValueError(f"cannot extend by {tokens} tokens")
         if run is not None and run.pool is not self:
@@ -191,7 +194,7 @@ class KVPages:
                     fresh = [self._free.pop() for _ in range(need)]
                     new_pages = self._claim(pages, fresh, tail, tokens, share, copy)
                     break
-            if attempt == 0 and self.reclaim is not None:
+            if attempt == 0 and reclaim and self.reclaim is not None:
                 self.reclaim(need - len(self._free))
         else:
             self.exhausted += 1

@@ -14,8 +14,9 @@ Primitives:
   (its prefix no longer matches its history) gets its own ``RelayItemFailed``; the others rank.
 - ``RelayBatching``: the cross-user pool, its budgets (tokens computed, cached events read) and
   wait, and the batch sizes seen.
-- ``use_relay_graphs(runner, config, bytes_per_token)``: a relay engine's rankings in bucketed
-  forwards over a paged device prefix pool, replayed from CUDA graphs (``EngineConfig.cuda_graphs``);
+- ``use_relay_graphs(runner, config)``: a relay engine's rankings in bucketed forwards that read
+  the runner's pages in place, replayed from CUDA graphs (``EngineConfig.cuda_graphs``), their new
+  tokens in ``graph_rows(runner, config)`` tokens of pages beside the device tier's;
   ``graph_replays(runner, cached, new, candidates)``: whether a ranking of that shape replays one.
 
 Each times with ``timer`` (monotonic seconds; ``time.perf_counter`` unless a test simulates one).
@@ -32,6 +33,7 @@ import torch
 
 from relaygr.workers.engine.engine_config import EngineConfig
 from relaygr.workers.engine.scheduler import DeviceScheduler, Priority
+from relaygr.workers.model.graph_runner import NEW_ROWS
 from relaygr.workers.model.inference import UserRanking
 from relaygr.workers.model.runner import ModelRunner
 from relaygr.workers.prefix_kv import Events, PrefixKV
@@ -136,12 +138,25 @@ class _BurstItem:
 Ranked = tuple[torch.Tensor, Grow | None] | RelayItemFailed
 
 
-def use_relay_graphs(runner: ModelRunner, config: EngineConfig, bytes_per_token: int) -> None:
-    """A relay engine's rankings in bucketed forwards over a paged device pool of
-    ``config.graph_pool_mb`` (``ModelRunner.use_graph_relay``; ``config.cuda_graphs`` unset: on
-    CUDA), replayed from CUDA graphs; a baseline engine's never."""
+def graph_rows(runner: ModelRunner, config: EngineConfig) -> int:
+    """Tokens of pages the buckets' new tokens take beside the device tier's (0 without buckets):
+    the grid's largest bucket's, at most ``config.graph_pool_mb`` of them."""
     enabled = config.cuda_graphs if config.mode == "relay" else False
-    runner.use_graph_relay(enabled, pool_tokens=int(config.graph_pool_mb * 2**20) // bytes_per_token)
+    if enabled is None:
+        enabled = runner.device.type == "cuda"
+    if not enabled:
+        return 0
+    return min(NEW_ROWS, int(config.graph_pool_mb * 2**20) // runner.kv_layout().token_bytes)
+
+
+def use_relay_graphs(runner: ModelRunner, config: EngineConfig) -> None:
+    """A relay engine's rankings in bucketed forwards that read the cached prefixes in place from
+    the runner's pages, their new tokens' rows at most ``config.graph_pool_mb`` of them
+    (``ModelRunner.use_graph_relay``; ``config.cuda_graphs`` unset: on CUDA), replayed from CUDA
+    graphs; a baseline engine's never."""
+    enabled = config.cuda_graphs if config.mode == "relay" else False
+    rows = int(config.graph_pool_mb * 2**20) // runner.kv_layout().token_bytes
+    runner.use_graph_relay(enabled, rows_tokens=min(NEW_ROWS, rows))
 
 
 def graph_replays(runner: ModelRunner, cached: int, new: int, candidates: int) -> bool:

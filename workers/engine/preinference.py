@@ -32,6 +32,7 @@ from relaygr.workers.engine.latency_model import EngineClock
 from relaygr.workers.engine.pacing import DevicePacing, Slicer
 from relaygr.workers.engine.prefill_ledger import PrefillLedger
 from relaygr.workers.engine.scheduler import DeviceScheduler, Priority, SchedulerClosed
+from relaygr.workers.kv_pages import KVLayout
 from relaygr.workers.model.runner import ModelRunner
 from relaygr.workers.prefix_kv import Events, PrefixKV
 from relaygr.workers.store.prefix_store import PrefixStore
@@ -96,11 +97,11 @@ class PreInference:
         config: EngineConfig,
         pacing: DevicePacing,
         clock: EngineClock,
-        bytes_per_token: int,
+        kv_layout: KVLayout,
         grown: GrownPrefixes,
     ) -> None:
         self.runner, self.store, self.scheduler, self.config = runner, store, scheduler, config
-        self.pacing, self.clock, self.bytes_per_token, self.grown = pacing, clock, bytes_per_token, grown
+        self.pacing, self.clock, self.kv_layout, self.grown = pacing, clock, kv_layout, grown
         # Users whose in-flight pre-inference a waiting ranking job has promoted: (priority, deadline).
         self._urgent: dict[str, tuple[Priority, float]] = {}
         self._waiters: dict[str, int] = {}  # rankings waiting for a user's pre-inference
@@ -132,7 +133,8 @@ class PreInference:
         if n == 0:
             return PrefillOutcome("skipped")
         t0 = self.clock.timer()
-        lease = self.store.lease(user_id, ttl_s or self.config.lease_ttl_s, n * self.bytes_per_token)
+        # Room for the prefix in the device tier's pages (whole pages of its tokens).
+        lease = self.store.lease(user_id, ttl_s or self.config.lease_ttl_s, self.kv_layout.bytes_for(n))
         if not lease:
             self.prefills.counts["refused"] += 1
             return PrefillOutcome(f"refused:{lease.reason}", n)

@@ -56,6 +56,7 @@ from relaygr.workers.engine.device_jobs import (
     RelayBatching,
     RelayItemFailed,
     graph_replays,
+    graph_rows,
     run_in_burst,
     run_job,
     run_steps,
@@ -66,10 +67,10 @@ from relaygr.workers.engine.latency_model import EngineClock, LatencyModel
 from relaygr.workers.engine.pacing import DevicePacing
 from relaygr.workers.engine.preinference import GrownPrefixes, PrefillOutcome, PreInference
 from relaygr.workers.engine.scheduler import DeviceScheduler, Priority
+from relaygr.workers.kv_pages import KVLayout
 from relaygr.workers.model.model import HSTURanker
 from relaygr.workers.model.runner import ModelRunner
 from relaygr.workers.prefix_kv import Events, PrefixKV
-from relaygr.workers.store.kv_formats import token_bytes
 from relaygr.workers.store.prefix_store import PrefixStore
 
 log = logging.getLogger(__name__)
@@ -108,12 +109,15 @@ class RankingEngine:
         self.clock = clock or EngineClock()  # a test's simulated one: see ``EngineClock``
         self.pacing = DevicePacing(config, latency, self.clock)
         scheduler.reserve(config.prefill_share if config.mode == "relay" else 0.0)
-        self.bytes_per_token = kv_bytes_per_token(runner)
-        use_relay_graphs(runner, config, self.bytes_per_token)
+        if store is not None:  # one copy of a prefix on the device: the runner reads the store's pages
+            layout = runner.kv_layout(store.config.page_tokens)
+            runner.use_pages(store.device_pages(layout, graph_rows(runner, config)))
+        use_relay_graphs(runner, config)
+        self.kv_layout = runner.pages.layout if store is not None else runner.kv_layout()
         # Prefixes grown by rankings (``retain_suffix``) or pre-inferences, stored in the background.
         self.grown = GrownPrefixes(store)
         self.preinference = PreInference(
-            runner, store, scheduler, config, self.pacing, self.clock, self.bytes_per_token, self.grown
+            runner, store, scheduler, config, self.pacing, self.clock, self.kv_layout, self.grown
         )
         self.prefills = self.preinference.prefills
         self.batched_rankings = 0  # rankings that shared their device job with others of a burst
@@ -448,6 +452,7 @@ class RankingEngine:
 
 
 def kv_bytes_per_token(model: HSTURanker | ModelRunner) -> int:
+    """Device bytes one cached token takes in the pages: its keys and values in every layer, in
+    the model's dtype, and its timestamp (a prefix takes whole pages of them)."""
     c = model.config
-    # keys + values per layer in the model's dtype, plus the token's position and timestamp.
-    return token_bytes(c.layers, c.heads, c.attn_dim, c.linear_dim, model.dtype, "exact")
+    return KVLayout(c.layers, c.heads, c.attn_dim, c.linear_dim, model.dtype).token_bytes

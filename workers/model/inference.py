@@ -73,13 +73,13 @@ class LayerPass:
         if len(pieces) == 1:
             a, b = pieces[0]
             return k_new[a:b], v_new[a:b]
-        ks, vs, users = [], [], iter(self.plan.slots)
-        for user_pieces in self.plan.key_pieces:
-            slot = next(users)
+        ks, vs = [], []
+        for user, (slot, user_pieces) in enumerate(zip(self.plan.slots, self.plan.key_pieces, strict=True)):
             for piece in user_pieces:
-                if piece is None:
-                    ks.append(slot.prefix.keys[li].transpose(0, 1))
-                    vs.append(slot.prefix.values[li].transpose(0, 1))
+                if piece is None:  # its cached prefix's (gathered from its pages once per forward)
+                    k, v = self.plan.cached.layer(slot, user, li)
+                    ks.append(k)
+                    vs.append(v)
                 else:
                     ks.append(k_new[piece[0] : piece[1]])
                     vs.append(v_new[piece[0] : piece[1]])

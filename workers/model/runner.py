@@ -1,9 +1,18 @@
 """The model runner: one ``HSTURanker`` served on its device, as nano-vllm's model runner.
 
-``ModelRunner(model)`` owns what serving needs and the checkpoint's module does not: the weights in
-their serving form (``inference_state.Serving``, rebuilt when the weights change), the bucketed
-relay rankings and their captured CUDA graphs (``graph_relay.GraphRelay``, ``use_graph_relay``)
-and the eager forward for CPU and NPU (``inference.LayerPass``). The engine talks to it alone.
+``ModelRunner(model, pages=None, pool_tokens=, page_tokens=)`` owns what serving needs and the
+checkpoint's module does not: the weights in their serving form (``inference_state.Serving``,
+rebuilt when the weights change), the paged KV it reads and writes (``kv_pages.KVPages``: the
+prefix store's device tier, ``use_pages``, or pages of its own), the bucketed relay rankings and
+their captured CUDA graphs (``graph_relay.GraphRelay``, ``use_graph_relay``) and the eager forward
+for CPU and NPU (``inference.LayerPass``). The engine talks to it alone.
+
+A prefix it computes is paged (``PrefixKV.paged``): its tokens' keys and values are written once,
+into pages; a prefix that grows (a pre-inference's next chunk, a ranking's suffix kept) takes pages
+after its own and writes only the new tokens, and a ranking reads a cached prefix from its pages
+(gathered once per forward on the eager path, in place through a row index in a bucket). A dense
+prefix (a colder tier's, promoted without room on the device) is read and grown as it is; so is
+one when the pages run out (``PagesExhausted``).
 
 Primitives (all under ``torch.inference_mode``, on the model's device and dtype):
 - ``prefill`` / ``prefill_steps``: history -> ``PrefixKV``, optionally chunk by chunk (the device
@@ -17,19 +26,21 @@ Primitives (all under ``torch.inference_mode``, on the model's device and dtype)
 - ``use_graph_relay(...)`` / ``graph_relay``: when on, ``rank``, ``rank_and_extend`` and
   ``rank_users`` run as a bucketed static forward (a CUDA graph's replay on CUDA), falling back to
   the eager forward for what fits no bucket; ``serving()`` what both read of the weights.
+- ``pages``, ``use_pages(pages)``, ``kv_layout()``: the paged KV.
 - What the engine reads of the model: ``model``, ``config``, ``device``, ``dtype``,
   ``model_version``, ``vocab``, ``flops``.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
 
-from relaygr.workers.model.graph_relay import DEFAULT_POOL_TOKENS, GraphRelay
-from relaygr.workers.model.graph_runner import DEFAULT_BLOCK_TOKENS
+from relaygr.workers.kv_pages import DEFAULT_PAGE_TOKENS, KVLayout, KVPages, PagesExhausted
+from relaygr.workers.model.graph_relay import GraphRelay
 from relaygr.workers.model.inference import LayerPass, UserRanking
 from relaygr.workers.model.inference_state import Serving, serving_state
 from relaygr.workers.model.jagged import ForwardPlan, UserSlot
@@ -37,14 +48,31 @@ from relaygr.workers.model.model import HSTUConfig, HSTURanker
 from relaygr.workers.model.vocab import ItemVocab
 from relaygr.workers.prefix_kv import Events, PrefixKV, history_fingerprint
 
+log = logging.getLogger(__name__)
+
+DEFAULT_POOL_TOKENS = 1 << 18
+"""Tokens of a runner's own pages (without a prefix store's): only what is written takes memory."""
+
 
 class ModelRunner:
     """Serving of one ``HSTURanker`` (see the module docstring)."""
 
-    def __init__(self, model: HSTURanker) -> None:
+    def __init__(
+        self,
+        model: HSTURanker,
+        pages: KVPages | None = None,
+        *,
+        pool_tokens: int = DEFAULT_POOL_TOKENS,
+        page_tokens: int = DEFAULT_PAGE_TOKENS,
+    ) -> None:
         self.model = model
         self._params = list(model.parameters())
         self._serving_cache: Serving | None = None
+        self._pool_tokens, self._page_tokens = pool_tokens, page_tokens
+        self._pages: KVPages | None = None
+        self._own_pages = True
+        if pages is not None:
+            self.use_pages(pages)
         # Bucketed relay rankings (``graph_relay.GraphRelay``), when on.
         self.graph_relay: GraphRelay | None = None
 
@@ -73,30 +101,59 @@ class ModelRunner:
         """``HSTURanker.flops``: what one call computes."""
         return self.model.flops(cached, new, candidates)
 
+    # ------------------------------------------------------------------ the paged KV
+    def kv_layout(self, page_tokens: int | None = None) -> KVLayout:
+        """What one cached token of this model takes in pages of ``page_tokens`` tokens."""
+        c = self.config
+        pt = page_tokens or self._page_tokens
+        return KVLayout(c.layers, c.heads, c.attn_dim, c.linear_dim, self.dtype, pt)
+
+    @property
+    def pages(self) -> KVPages:
+        """The pages it reads and writes prefixes in: the prefix store's (``use_pages``), else its
+        own of ``pool_tokens`` tokens (made when first needed, and again for new weights' shape)."""
+        if self._pages is not None and not self._own_pages:
+            return self._pages
+        layout = self.kv_layout()
+        if self._pages is None or self._pages.layout != layout or self._pages.device != self.device:
+            self._pages = KVPages(layout, self._pool_tokens // layout.page_tokens + 1, self.device)
+        return self._pages
+
+    def use_pages(self, pages: KVPages) -> None:
+        """Read and write prefixes in ``pages`` (the prefix store's device tier) from now on;
+        before the buckets are built (their graphs hold the pages' addresses)."""
+        own = self.kv_layout(pages.page_tokens)
+        device = torch.device(pages.device)
+        same_device = device.type == self.device.type and (device.index or 0) == (self.device.index or 0)
+        if pages.layout != own or not same_device:
+            raise ValueError(
+                f"pages of {pages.layout} on {pages.device} for a model of {own} on {self.device}"
+            )
+        if getattr(self, "graph_relay", None) is not None:
+            raise ValueError("attach the pages before the buckets are built (use_graph_relay)")
+        self._pages, self._own_pages = pages, False
+
     def use_graph_relay(
         self,
         enabled: bool | None = None,
         *,
-        pool_tokens: int = DEFAULT_POOL_TOKENS,
-        block_tokens: int = DEFAULT_BLOCK_TOKENS,
         capture: bool | None = None,
         prefix_tokens: int | None = None,
+        rows_tokens: int | None = None,
     ) -> GraphRelay | None:
         """Relay rankings (``rank``, ``rank_and_extend``, ``rank_users``) in bucketed static
-        forwards over a paged device pool of ``pool_tokens`` cached tokens (``graph_relay``),
+        forwards that read the cached prefixes in place from the pages (``graph_relay``),
         captured as CUDA graphs when ``capture`` (default: on CUDA); what fits no bucket runs the
         eager path. ``enabled`` None: on for a CUDA model, off elsewhere; False turns it off.
-        ``prefix_tokens``: the buckets' prefix capacity per user (default ``max_seq_len``)."""
+        ``prefix_tokens``: the buckets' prefix capacity per user (default ``max_seq_len``);
+        ``rows_tokens``: most pages' tokens the buckets' new tokens take (default: what the
+        pages hold beyond one longest prefix, at most the grid's largest bucket's)."""
         if enabled is None:
             enabled = self.device.type == "cuda"
+        if self.graph_relay is not None:
+            self.graph_relay.close()
         self.graph_relay = (
-            GraphRelay(
-                self,
-                pool_tokens=pool_tokens,
-                block_tokens=block_tokens,
-                capture=capture,
-                prefix_tokens=prefix_tokens,
-            )
+            GraphRelay(self, capture=capture, prefix_tokens=prefix_tokens, rows_tokens=rows_tokens)
             if enabled
             else None
         )
@@ -120,7 +177,8 @@ class ModelRunner:
             self.model.eval()
 
     def _checked(self, prefix: PrefixKV | None) -> PrefixKV | None:
-        """``prefix`` on the model's device, or ``ValueError`` if another model computed it."""
+        """``prefix`` on the model's device (in its pages, or dense), or ``ValueError`` if another
+        model computed it."""
         if prefix is None:
             return None
         if prefix.model_version != self.model_version:
@@ -129,6 +187,8 @@ class ModelRunner:
             )
         if prefix.num_layers != self.config.layers or (prefix.length and prefix.dtype != self.dtype):
             raise ValueError("prefix does not match this model's layers or dtype")
+        if prefix.pages is not None and prefix.pages.pool is not self._pages:
+            prefix = prefix.dense()  # in other pages (another runner's): read as a copy
         if prefix.length and prefix.device != self.device:
             prefix = prefix.to(self.device)
         return prefix if prefix.length else None
@@ -138,11 +198,9 @@ class ModelRunner:
         plan = ForwardPlan.build(slots, (self.config.num_items, self.config.num_actions), self.device)
         return LayerPass(self, plan, self._serving())
 
-    def _graphed(
-        self, slots: list[UserSlot], keep_kv: bool = True
-    ) -> list[tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]] | None:
-        """The slots ranked by ``graph_relay`` (scores, events' keys and values), or ``None``:
-        off, or outside its buckets and pool."""
+    def _graphed(self, slots: list[UserSlot], keep_kv: bool = True) -> list | None:
+        """The slots ranked by ``graph_relay`` (per slot its scores and, with ``keep_kv``, the run
+        of its grown prefix, its events written there), or ``None``: off, or outside its buckets."""
         if self.graph_relay is None:
             return None
         self._for_serving()
@@ -151,16 +209,45 @@ class ModelRunner:
     def _slot(self, prefix: PrefixKV | None, events: Events, candidates, request_ts: float) -> UserSlot:
         return UserSlot(self._checked(prefix), events, _raw_ids(candidates), float(request_ts))
 
-    def _prefix_kv(
+    def _grown(
         self,
         prefix: PrefixKV | None,
         new_kv: list[tuple[torch.Tensor, torch.Tensor]],
         history: Events,
         final: bool = True,
     ) -> PrefixKV:
-        """The ``PrefixKV`` of all of ``history``: ``prefix``'s keys and values, then ``new_kv``
-        (per layer, ``[m, H, d]``: the events after the prefix). Not ``final``: a chunk of a
+        """The ``PrefixKV`` of all of ``history``: ``prefix`` (checked: in these pages, dense, or
+        None) and then ``new_kv`` (per layer, ``[m, H, d]``: the events after the prefix). Paged:
+        pages after ``prefix``'s, only the new tokens written. Not ``final``: a chunk of a
         pre-inference, which no one else sees (its fingerprint is left out)."""
+        start = prefix.length if prefix is not None else 0
+        if prefix is None or prefix.pages is not None:
+            try:
+                run = self.pages.extend(prefix.pages if prefix is not None else None, len(history) - start)
+            except PagesExhausted as e:
+                log.info("a grown prefix stays out of the pages: %s", e)
+                prefix = prefix.dense() if prefix is not None else None
+            else:
+                if new_kv and len(history) > start:
+                    keys = torch.stack([k for k, _ in new_kv])
+                    values = torch.stack([v for _, v in new_kv])
+                    self.pages.write(run, start, keys, values, history.timestamps[start:])
+                return PrefixKV.paged(
+                    run,
+                    history_fingerprint(history) if final else b"",
+                    self.model_version,
+                    dict(prefix.meta) if prefix is not None else {},
+                )
+        return self._dense_grown(prefix, new_kv, history, final)
+
+    def _dense_grown(
+        self,
+        prefix: PrefixKV | None,
+        new_kv: list[tuple[torch.Tensor, torch.Tensor]],
+        history: Events,
+        final: bool,
+    ) -> PrefixKV:
+        """``_grown`` of a dense prefix (or with no pages left): tensors of its own, concatenated."""
         keys, values = [], []
         for li, (k, v) in enumerate(new_kv):
             k, v = k.transpose(0, 1), v.transpose(0, 1)
@@ -218,8 +305,9 @@ class ModelRunner:
             c1 = min(n, c0 + max(1, int(size_at(c0))))
             for s0 in range(c0, max(c1, c0 + 1), block):  # one pass for an empty history
                 s1 = min(c1, s0 + block)
-                done = self._pass([self._slot(current, history.slice(s0, s1), [], 0.0)]).run()
-                current = self._prefix_kv(current, self._events_kv(done, 0), history.slice(0, s1), s1 >= n)
+                slot = self._slot(current, history.slice(s0, s1), [], 0.0)
+                done = self._pass([slot]).run()
+                current = self._grown(slot.prefix, self._events_kv(done, 0), history.slice(0, s1), s1 >= n)
             c0 = c1
             if c1 >= n:
                 break
@@ -304,9 +392,10 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, Callable[[], PrefixKV]]:
         """``rank(prefix, history[prefix.length:], ...)``, plus ``grown()``, which returns the
         ``PrefixKV`` of all of ``history``: ranking computes the suffix's keys and values anyway,
-        and keeping them lets the user's next request compute only what is new. ``grown`` copies
-        the prefix's keys and values, so a caller runs it after the scores are out. ``prefix`` must
-        be a prefix of ``history`` (``ValueError`` otherwise)."""
+        and keeping them lets the user's next request compute only what is new. ``grown`` writes
+        the suffix's keys and values into pages after the prefix's (none of the prefix's is
+        copied), so a caller runs it after the scores are out. ``prefix`` must be a prefix of
+        ``history`` (``ValueError`` otherwise)."""
         ((scores, grown),) = self.rank_users([UserRanking(prefix, history, candidates, request_ts)])
         return scores, grown
 
@@ -331,15 +420,15 @@ class ModelRunner:
         graphed = self._graphed(slots)
         if graphed is not None:
             return [
-                (scores, _grower(self, r.prefix, kv, r.history))
-                for (scores, kv), r in zip(graphed, requests, strict=True)
+                (scores, _paged_grower(self, run, s.prefix, r.history))
+                for (scores, run), s, r in zip(graphed, slots, requests, strict=True)
             ]
         done = self._pass(slots).run()
         scores = _on_host(done.scores)
         out = []
-        for user, r in enumerate(requests):
+        for user, (s, r) in enumerate(zip(slots, requests, strict=True)):
             kv = self._events_kv(done, user)
-            out.append((scores[user], _grower(self, r.prefix, kv, r.history)))
+            out.append((scores[user], _grower(self, s.prefix, kv, r.history)))
         return out
 
     @torch.inference_mode()
@@ -379,7 +468,7 @@ class ModelRunner:
         scores = [torch.empty(0)] * len(requests)
         for i, got in zip(order, _on_host(done.scores), strict=True):  # i: the request's index
             scores[i] = got
-        return scores, _grower(self, prefix, self._events_kv(done, 0), longest)
+        return scores, _grower(self, slots[0].prefix, self._events_kv(done, 0), longest)
 
     def rank_full(
         self, history: Events, candidates: torch.Tensor, request_ts: float, *, micro_batch: int | None = None
@@ -410,7 +499,19 @@ def _grower(
 ) -> Callable[[], PrefixKV]:
     def grown() -> PrefixKV:
         with torch.inference_mode():
-            return runner._prefix_kv(prefix, kv, history)
+            return runner._grown(prefix, kv, history)
+
+    return grown
+
+
+def _paged_grower(
+    runner: ModelRunner, run, prefix: PrefixKV | None, history: Events
+) -> Callable[[], PrefixKV]:
+    """``grown()`` of a bucketed ranking: its events' keys and values are in ``run`` already."""
+    meta = dict(prefix.meta) if prefix is not None else {}
+
+    def grown() -> PrefixKV:
+        return PrefixKV.paged(run, history_fingerprint(history), runner.model_version, meta)
 
     return grown
 
