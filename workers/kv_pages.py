@@ -128,7 +128,9 @@ class KVPages:
             self.keys, self.values = list(self._key_store.unbind(0)), list(self._value_store.unbind(0))
             self.timestamps = _zeros((rows,), torch.float64, dev)
         self.reclaim = reclaim
-        self._lock = threading.Lock()
+        # Reentrant: a run collected (its finalizer gives its pages back) may be collected while
+        # this thread holds the lock, by a garbage collection that an allocation set off.
+        self._lock = threading.RLock()
         self._free = list(range(num_pages - 1, ZERO_PAGE, -1))  # pop() hands out low ids first
         self._refs = np.zeros(num_pages, np.int32)
         self._filled = np.zeros(num_pages, np.int32)  # rows of a page some run has claimed

@@ -155,6 +155,8 @@ class GraphRelay:
             return None
         runner.load(users)
         runner.run()
+        if keep_kv:  # the kept events' keys and values, written by the forward where they stay
+            self.pages.rows_written += sum(len(s.events) for s in slots)
         self.ranked += 1
         return runner.results(users)
 
