@@ -46,6 +46,7 @@ from relaygr.workers.model.devices import (
     resolve_dtype,
     synchronize,
 )
+from relaygr.workers.model.graph_runner import pool_tokens_for
 from relaygr.workers.model.model import FAR_KEYS, NEAR_KEYS, HSTUConfig, HSTURanker
 from relaygr.workers.model.presets import PRESETS, resolve_shape
 from relaygr.workers.model.runner import ModelRunner
@@ -202,7 +203,9 @@ def _model(args: argparse.Namespace, dtype: str) -> ModelRunner:
         dtype=dtype,
         device=args.device,
     )
-    return ModelRunner(HSTURanker(config).eval())  # the model as the engine serves it
+    # The model as the engine serves it, with pages for every user's longest prefix at once.
+    pool = pool_tokens_for(max(args.lengths) + 2 * args.suffix, max(1, args.users) + 1)
+    return ModelRunner(HSTURanker(config).eval(), pool_tokens=pool)
 
 
 def _rank_row(

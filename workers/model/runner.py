@@ -41,6 +41,7 @@ import torch
 
 from relaygr.workers.kv_pages import DEFAULT_PAGE_TOKENS, KVLayout, KVPages, PagesExhausted
 from relaygr.workers.model.graph_relay import GraphRelay
+from relaygr.workers.model.graph_runner import NEW_ROWS
 from relaygr.workers.model.inference import LayerPass, UserRanking
 from relaygr.workers.model.inference_state import Serving, serving_state
 from relaygr.workers.model.jagged import ForwardPlan, UserSlot
@@ -50,8 +51,6 @@ from relaygr.workers.prefix_kv import Events, PrefixKV, history_fingerprint
 
 log = logging.getLogger(__name__)
 
-DEFAULT_POOL_TOKENS = 1 << 18
-"""Tokens of a runner's own pages (without a prefix store's): only what is written takes memory."""
 
 
 class ModelRunner:
@@ -62,7 +61,7 @@ class ModelRunner:
         model: HSTURanker,
         pages: KVPages | None = None,
         *,
-        pool_tokens: int = DEFAULT_POOL_TOKENS,
+        pool_tokens: int | None = None,
         page_tokens: int = DEFAULT_PAGE_TOKENS,
     ) -> None:
         self.model = model
@@ -111,12 +110,14 @@ class ModelRunner:
     @property
     def pages(self) -> KVPages:
         """The pages it reads and writes prefixes in: the prefix store's (``use_pages``), else its
-        own of ``pool_tokens`` tokens (made when first needed, and again for new weights' shape)."""
+        own of ``pool_tokens`` tokens (default: two of the longest history served and the buckets'
+        shared rows; made when first needed, and again for new weights' shape)."""
         if self._pages is not None and not self._own_pages:
             return self._pages
         layout = self.kv_layout()
         if self._pages is None or self._pages.layout != layout or self._pages.device != self.device:
-            self._pages = KVPages(layout, self._pool_tokens // layout.page_tokens + 1, self.device)
+            tokens = self._pool_tokens or 2 * self.config.max_seq_len + NEW_ROWS
+            self._pages = KVPages(layout, layout.pages_for(tokens) + 1, self.device)
         return self._pages
 
     def use_pages(self, pages: KVPages) -> None:
