@@ -52,7 +52,6 @@ from relaygr.workers.prefix_kv import Events, PrefixKV, history_fingerprint
 log = logging.getLogger(__name__)
 
 
-
 class ModelRunner:
     """Serving of one ``HSTURanker`` (see the module docstring)."""
 
