@@ -24,7 +24,7 @@ Primitives:
 - ``PagedKV``: one run of tokens in pages: its ``pages`` in token order and its ``length``. It
   holds a reference on each page until ``release()`` or until it is collected; a page is free
   again when no run refers to it. ``rows(capacity)`` (each token's row, then the zero page's),
-  ``row_index()`` (the same on the device, built once), ``nbytes()`` (its pages' bytes).
+  ``row_index(pad=)`` (the same on the device, built once), ``nbytes()`` (its pages' bytes).
 - ``PagesExhausted``.
 
 A data structure only: which prefixes stay, which are demoted to make room and which are pinned
@@ -282,7 +282,7 @@ class PagedKV:
     def __init__(self, pool: KVPages, pages: tuple[int, ...], length: int) -> None:
         self.pool, self.pages, self.length = pool, pages, length
         self._rows: np.ndarray | None = None
-        self._index: dict[tuple[int, int], torch.Tensor] = {}
+        self._index: dict[tuple[int, int, int], torch.Tensor] = {}
         self._finalizer = weakref.finalize(self, pool._release, pages)
         self._finalizer.atexit = False
 
@@ -311,15 +311,19 @@ class PagedKV:
         pad = np.arange(capacity - self.length, dtype=np.int64) % self.pool.page_tokens + ZERO_PAGE
         return np.concatenate([self._rows, pad])
 
-    def row_index(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
-        """``rows()[start:stop]`` on the pages' device (built once per range)."""
+    def row_index(self, start: int = 0, stop: int | None = None, *, pad: int = 0) -> torch.Tensor:
+        """``rows()[start:stop]`` on the pages' device, then ``pad`` rows of the zero page (room
+        for rows that follow; built once per range)."""
         stop = self.length if stop is None else stop
-        got = self._index.get((start, stop))
+        got = self._index.get((start, stop, pad))
         if got is None:
-            got = torch.from_numpy(np.ascontiguousarray(self.rows()[start:stop]))
+            rows = self.rows()[start:stop]
+            if pad:
+                rows = np.concatenate([rows, np.full(pad, ZERO_PAGE * self.pool.page_tokens, np.int64)])
+            got = torch.from_numpy(np.ascontiguousarray(rows))
             if self.pool.device.type != "cpu":
                 got = got.to(self.pool.device, non_blocking=True)
-            self._index[(start, stop)] = got
+            self._index[(start, stop, pad)] = got
         return got
 
     def __repr__(self) -> str:

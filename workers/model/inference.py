@@ -73,6 +73,8 @@ class LayerPass:
         if len(pieces) == 1:
             a, b = pieces[0]
             return k_new[a:b], v_new[a:b]
+        if self.plan.cached.tail is not None:  # one user: its new rows written after its prefix's
+            return self.plan.cached.tail_layer(li, k_new, v_new)
         ks, vs = [], []
         for user, (slot, user_pieces) in enumerate(zip(self.plan.slots, self.plan.key_pieces, strict=True)):
             for piece in user_pieces:

@@ -9,9 +9,11 @@ Primitives:
   own events, then its candidates), which keys each user attends to (its prefix, the events it
   sees, its candidates), the tokens' embedding ids, and the ``JaggedBatch``es: one for the layers
   whose queries are every new token, and the last layer's, whose queries are the candidates only.
-- ``CachedKeys.of(slots)``: the cached keys, values and timestamps the users read: every paged
-  prefix's (``PrefixKV.paged``) gathered from the pages at once, one copy per tensor for all the
-  layers and users; a dense prefix's as it is.
+- ``CachedKeys.of(slots, pieces)``: the cached keys, values and timestamps the users read: every
+  paged prefix's (``PrefixKV.paged``) gathered from the pages at once, one copy per tensor for all
+  the layers and users; a dense prefix's as it is. One user's keys (a ranking, a pre-inference's
+  chunk) are gathered with room for its new rows after them, which each layer writes there: its
+  keys are then that buffer's layer, with no concatenation.
 
 Everything here is arithmetic over host lengths (numpy); the device receives a fixed number of
 tensors whatever the number of users or events.
@@ -62,15 +64,17 @@ class UserSlot:
 class CachedKeys:
     """The cached keys, values and timestamps of a forward's users (see the module docstring):
     ``keys [layers, N, H, dqk]``, ``values`` and ``timestamps [N]`` of the paged prefixes, one
-    after another, and per user the rows of its own there (``None``: a dense prefix, or none)."""
+    after another, and per user the rows of its own there (``None``: a dense prefix, or none);
+    ``tail``: one user's new rows ``[a, b)`` whose keys and values follow its prefix's there."""
 
     keys: torch.Tensor | None
     values: torch.Tensor | None
     timestamps: torch.Tensor | None
     spans: list[tuple[int, int] | None]
+    tail: tuple[int, int] | None = None
 
     @classmethod
-    def of(cls, slots: list[UserSlot]) -> CachedKeys:
+    def of(cls, slots: list[UserSlot], pieces: list[list[tuple[int, int] | None]]) -> CachedKeys:
         runs = [s.prefix.pages if s.prefix is not None else None for s in slots]
         paged = [r for r in runs if r is not None]
         if not paged:
@@ -83,8 +87,10 @@ class CachedKeys:
         for r in runs:
             spans.append(None if r is None else (at, at + r.length))
             at += 0 if r is None else r.length
-        if len(paged) == 1:
-            rows = paged[0].row_index()  # built once per prefix: a user's next ranking sends none
+        tail = None
+        if len(slots) == 1 and runs[0] is not None and len(pieces[0]) == 2 and pieces[0][1] is not None:
+            tail = pieces[0][1]  # its prefix, then its own new rows: room for them after the prefix
+            rows = paged[0].row_index(pad=tail[1] - tail[0])  # built once a prefix and width
         else:
             rows = _device(np.concatenate([r.rows() for r in paged]), pool.device)
         keys, values = pool.stores()
@@ -93,7 +99,21 @@ class CachedKeys:
             values.index_select(1, rows),
             pool.timestamps.index_select(0, rows),
             spans,
+            tail,
         )
+
+    def tail_layer(
+        self, li: int, k_new: torch.Tensor, v_new: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The one user's keys and values of layer ``li``: its prefix's, then its new rows of
+        ``k_new``/``v_new`` (``tail``), written after them."""
+        assert self.tail is not None and self.keys is not None and self.values is not None
+        a, b = self.tail
+        n = self.keys.shape[1] - (b - a)
+        keys, values = self.keys[li], self.values[li]
+        keys[n:].copy_(k_new[a:b])
+        values[n:].copy_(v_new[a:b])
+        return keys, values
 
     def layer(self, slot: UserSlot, user: int, li: int) -> tuple[torch.Tensor, torch.Tensor]:
         """User ``user``'s cached keys and values of layer ``li``, ``[n, H, d]``."""
@@ -169,7 +189,7 @@ class ForwardPlan:
             row += own + len(slot.candidates)
         plan_ids = (np.concatenate(items).astype(np.int64), np.concatenate(actions).astype(np.int64))
         k_pos_t = _device(np.concatenate(k_pos), device)
-        cached = CachedKeys.of(slots)
+        cached = CachedKeys.of(slots, pieces)
         k_ts = _key_times(slots, cached, k_host_ts, device)
         k_lengths = [len(p) for p in k_pos[::2]]
         k_lengths = [n + len(c) for n, c in zip(k_lengths, [s.candidates for s in slots], strict=True)]
