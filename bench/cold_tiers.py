@@ -346,6 +346,7 @@ def run(args: argparse.Namespace) -> int:
     from relaygr.tools.prepare import ensure_calibration, ensure_model
     from relaygr.workers.engine.latency_model import LatencyModel
     from relaygr.workers.model.model import HSTURanker
+    from relaygr.workers.model.runner import ModelRunner
     from relaygr.workers.training.movielens import load_movielens
 
     settings = PipelineSettings()
@@ -353,7 +354,7 @@ def run(args: argparse.Namespace) -> int:
     ensure_model(model_dir)
     calibration = model_dir / "calibration.json"
     latency = LatencyModel.load(calibration if calibration.exists() else ensure_calibration(model_dir))
-    model = HSTURanker.load(model_dir, device=args.device)
+    model = ModelRunner(HSTURanker.load(model_dir, device=args.device))
     if args.length is not None:
         length, why = args.length, "--length"
     else:

@@ -16,7 +16,7 @@ Primitives:
 - ``count_ranking(model, events, suffix, candidates, path)``: the counter after one ranking of a
   synthetic history (``path`` ``relay`` or ``full``).
 - ``count_graphed(model, events, suffix, candidates, users, backend)``: the counter of one bucketed
-  relay forward (``graph_runner.BucketRunner``), what a CUDA graph captures; ``backend`` ``triton``
+  relay forward (``graph_runner.BucketRunner``, over pages on the meta device), what a CUDA graph captures; ``backend`` ``triton``
   (``stubbed_launches``): as on CUDA, the Triton attention's host side run and each of its kernel
   launches counted as one operation (``relay_graphed_cuda_ops``; ``None`` without Triton).
 - ``graphed_bytes(config, prefix, suffix, candidates, users, elem_bytes)``: the key and value bytes
@@ -40,13 +40,15 @@ from collections.abc import Iterator
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from relaygr.workers.model.graph_runner import DEFAULT_BLOCK_TOKENS, BucketRunner, bucket_for, pool_tokens_for
+from relaygr.workers.model.graph_runner import BucketRunner, bucket_for, pool_tokens_for
 from relaygr.workers.model.model import HSTURanker
-from relaygr.workers.model.prefix_pool import PagedPrefixPool
 from relaygr.workers.model.presets import PRESETS, preset
+from relaygr.workers.model.runner import ModelRunner
 from relaygr.workers.prefix_kv import Events, PrefixKV
 
 DEFAULT_LENGTHS = "1024,8192,32768"
+GATHERED_BLOCK_TOKENS = 256
+"""Tokens of a block of the earlier, gathered scheme (``graphed_bytes``)."""
 DEFAULT_PRESETS = "small,large"
 _aten = torch.ops.aten
 METADATA_OPS = frozenset(
@@ -117,20 +119,10 @@ def _history(n: int, num_items: int) -> Events:
     )
 
 
-def _meta_prefix(model: HSTURanker, history: Events) -> PrefixKV:
-    """A prefix of ``history``'s shape on the meta device: nothing is computed or allocated."""
-    cfg, n, meta = model.config, len(history), torch.device("meta")
-    return PrefixKV(
-        keys=[torch.empty(cfg.heads, n, cfg.attn_dim, dtype=model.dtype, device=meta) for _ in model.layers],
-        values=[
-            torch.empty(cfg.heads, n, cfg.linear_dim, dtype=model.dtype, device=meta) for _ in model.layers
-        ],
-        positions=torch.empty(n, dtype=torch.int64, device=meta),
-        timestamps=torch.empty(n, dtype=torch.float64, device=meta),
-        length=n,
-        fingerprint=b"",
-        model_version=model.model_version,
-    )
+def _meta_prefix(runner: ModelRunner, history: Events) -> PrefixKV:
+    """A prefix of ``history``'s length in the runner's pages on the meta device, as the prefix
+    store's device tier holds one: nothing is computed or allocated."""
+    return PrefixKV.paged(runner.pages.allocate(len(history)), b"", runner.model_version)
 
 
 def count_ranking(model: HSTURanker, events: int, suffix: int, candidates: int, path: str) -> DispatchCounter:
@@ -147,13 +139,14 @@ def count_ranking(model: HSTURanker, events: int, suffix: int, candidates: int, 
     if model.device.type != "meta":
         raise ValueError("count_ranking needs a model on the meta device (on_meta)")
     cut = events - suffix
-    prefix = _meta_prefix(model, history.slice(0, cut))
+    runner = ModelRunner(model, pool_tokens=pool_tokens_for(cut))
+    prefix = _meta_prefix(runner, history.slice(0, cut))
 
     def rank() -> None:
         if path == "relay":
-            model.rank(prefix, history.slice(cut), cands, when)
+            runner.rank(prefix, history.slice(cut), cands, when)
         else:
-            model.rank_full(history, cands, when)
+            runner.rank_full(history, cands, when)
 
     with DispatchCounter():
         rank()  # once first: the weights' derived form and the position table are built and kept
@@ -205,11 +198,9 @@ def count_graphed(
     if bucket is None:
         raise ValueError(f"{users} users of {suffix} events and {candidates} candidates fit no bucket")
     prefix = max(events - suffix, cfg.max_seq_len)  # the buckets' capacity (``GraphRelay``)
-    blocks = pool_tokens_for(prefix, users) // DEFAULT_BLOCK_TOKENS + 1
-    pool = PagedPrefixPool(
-        cfg.layers, cfg.heads, cfg.attn_dim, cfg.linear_dim, DEFAULT_BLOCK_TOKENS, blocks, model.dtype, "meta"
-    )
-    runner = BucketRunner(model, model.serving(), pool, bucket, -(-prefix // DEFAULT_BLOCK_TOKENS))
+    served = ModelRunner(model, pool_tokens=pool_tokens_for(prefix, users))
+    pages = served.pages
+    runner = BucketRunner(served, served.serving(), pages, bucket, -(-prefix // pages.page_tokens))
     if backend not in ("cpu", "triton"):
         raise ValueError(f"backend must be cpu or triton, got {backend!r}")
     with stubbed_launches() if backend == "triton" else contextlib.nullcontext():
@@ -232,8 +223,8 @@ def graphed_bytes(
         raise ValueError(f"{users} users of {suffix} events and {candidates} candidates fit no bucket")
     rows = bucket.suffix + bucket.candidates
     row = config.heads * (config.attn_dim + config.linear_dim) * elem_bytes  # a key and its value
-    blocks = max(1, -(-prefix // DEFAULT_BLOCK_TOKENS))
-    padded = users * ((1 << (blocks - 1).bit_length()) * DEFAULT_BLOCK_TOKENS + rows)
+    blocks = max(1, -(-prefix // GATHERED_BLOCK_TOKENS))
+    padded = users * ((1 << (blocks - 1).bit_length()) * GATHERED_BLOCK_TOKENS + rows)
     real = users * (prefix + rows)
     new_rows = 2 * users * rows * row  # each layer's new keys and values into the pool (both)
     # Per key: gathered, the copy's read and write, its index twice, the attention's read and

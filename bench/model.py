@@ -52,6 +52,7 @@ from relaygr.workers.model.devices import (
 from relaygr.workers.model.graph_runner import pool_tokens_for
 from relaygr.workers.model.model import FAR_KEYS, NEAR_KEYS, HSTUConfig, HSTURanker
 from relaygr.workers.model.presets import PRESETS, resolve_shape
+from relaygr.workers.model.runner import ModelRunner
 from relaygr.workers.prefix_kv import Events, PrefixKV
 
 DEFAULT_LENGTHS = "256,512,1024,2048,4096,8192"
@@ -178,6 +179,7 @@ def _stats(secs: list[float]) -> tuple[float, float]:
 
 def kv_bytes_per_layer(prefix: PrefixKV) -> int:
     """Bytes of one layer's keys and values (every layer caches the same shapes)."""
+    prefix = prefix.dense()  # a paged prefix's tokens, gathered
     if not prefix.keys:
         return 0
     return sum(t.numel() * t.element_size() for t in (prefix.keys[0], prefix.values[0]))
@@ -192,7 +194,7 @@ def top_k_agreement(a: torch.Tensor, b: torch.Tensor, k: int = 10) -> float:
     return len(top_a & top_b) / k
 
 
-def _model(args: argparse.Namespace, dtype: str) -> HSTURanker:
+def _model(args: argparse.Namespace, dtype: str) -> ModelRunner:
     shape = resolve_shape(
         args.preset, fallback=BENCH_SHAPE, layers=args.layers, heads=args.heads, dim=args.dim
     )
@@ -212,7 +214,9 @@ def _model(args: argparse.Namespace, dtype: str) -> HSTURanker:
         dtype=dtype,
         device=args.device,
     )
-    return HSTURanker(config).eval()
+    # The model as the engine serves it, with pages for every user's longest prefix at once.
+    pool = pool_tokens_for(max(args.lengths) + 2 * args.suffix, max(1, args.users) + 1)
+    return ModelRunner(HSTURanker(config).eval(), pool_tokens=pool)
 
 
 def _rank_row(
@@ -275,16 +279,14 @@ def _rank_row(
 def graphed_columns(
     model: HSTURanker, request: tuple[PrefixKV, Events, torch.Tensor, float], eager: torch.Tensor, args
 ) -> dict:
-    """The same relay ranking through ``use_graph_relay`` (a bucketed forward over the paged pool:
+    """The same relay ranking through ``use_graph_relay`` (a bucketed forward over the pages:
     a CUDA graph's replay on CUDA, the same forward eagerly elsewhere): its milliseconds, its worst
     difference from the eager relay scores, whether it was captured, and the error of a capture
     that failed (``graph_error``; the ranking then ran eagerly, and the step goes on)."""
     prefix, suffix, cands, when = request
     out: dict = {"relay_graphed_ms_p50": None, "relay_graphed_ms_p99": None, "graph_error": None}
     try:
-        relay = model.use_graph_relay(
-            True, pool_tokens=pool_tokens_for(prefix.length), prefix_tokens=prefix.length
-        )
+        relay = model.use_graph_relay(True, prefix_tokens=prefix.length)
         assert relay is not None
         scores = model.rank(prefix, suffix, cands, when)  # the capture, and the exactness check
         secs = [
@@ -390,7 +392,7 @@ def batched_graphed_columns(
         "graph_error": None,
     }
     try:
-        relay = model.use_graph_relay(True, pool_tokens=pool_tokens_for(p, users), prefix_tokens=p)
+        relay = model.use_graph_relay(True, prefix_tokens=p)
         assert relay is not None
         got = batched()  # the capture, and the exactness check
         g50, _ = _stats([_timed(batched, model.device) for _ in range(args.repeats)])

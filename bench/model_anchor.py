@@ -37,6 +37,7 @@ from relaygr.workers.model.graph_runner import bucket_for, pool_tokens_for
 from relaygr.workers.model.inference import UserRanking
 from relaygr.workers.model.model import HSTURanker
 from relaygr.workers.model.presets import preset
+from relaygr.workers.model.runner import ModelRunner
 from relaygr.workers.prefix_kv import Events
 
 ANCHOR = {"history": 4096, "cached": 3968, "new": 128, "candidates": 256}
@@ -58,14 +59,17 @@ def check_anchor(args: argparse.Namespace) -> str | None:
     return None
 
 
-def _model(args: argparse.Namespace, dtype: str) -> HSTURanker:
+def _model(args: argparse.Namespace, dtype: str) -> ModelRunner:
     torch.manual_seed(args.seed)
     shape = preset("nvidia-block")
     config = shape.config(
         layers=1 if args.quick else shape.layers, attn_block=args.block,
         candidate_batch=ANCHOR["candidates"], dropout=0.0, dtype=dtype, device=args.device,
     )  # fmt: skip
-    return HSTURanker(config).eval()
+    # Served as the engine serves it, with pages for every user of every batch at once.
+    return ModelRunner(
+        HSTURanker(config).eval(), pool_tokens=pool_tokens_for(ANCHOR["history"], 1 + sum(BATCHES))
+    )
 
 
 def _ms(fn: Callable[[], object], device: torch.device, repeats: int) -> tuple[float, float]:
@@ -81,7 +85,7 @@ def _ms(fn: Callable[[], object], device: torch.device, repeats: int) -> tuple[f
     return float(np.percentile(ms, 50)), float(np.percentile(ms, 99))
 
 
-def _requests(model: HSTURanker, users: int, history: Callable, gen: torch.Generator) -> list[UserRanking]:
+def _requests(model: ModelRunner, users: int, history: Callable, gen: torch.Generator) -> list[UserRanking]:
     out = []
     for _ in range(users):
         h = history(ANCHOR["history"], model.config.num_items, gen)
@@ -91,7 +95,7 @@ def _requests(model: HSTURanker, users: int, history: Callable, gen: torch.Gener
     return out
 
 
-def _batch_row(model: HSTURanker, users: int, args, history: Callable, gen: torch.Generator) -> dict:
+def _batch_row(model: ModelRunner, users: int, args, history: Callable, gen: torch.Generator) -> dict:
     device, repeats = model.device, 1 if args.quick else args.repeats
     reqs = _requests(model, users, history, gen)
 
@@ -111,9 +115,7 @@ def _batch_row(model: HSTURanker, users: int, args, history: Callable, gen: torc
         "nvidia_b200_ms": NVIDIA_MS[users], "target_h200_ms": TARGET_MS[users], "repeats": repeats,
     }  # fmt: skip
     try:
-        model.use_graph_relay(
-            True, pool_tokens=pool_tokens_for(ANCHOR["cached"], users), prefix_tokens=ANCHOR["cached"]
-        )
+        model.use_graph_relay(True, prefix_tokens=ANCHOR["cached"])
         graphed = forward()  # the capture, and the exactness check
         g50, g99 = _ms(forward, device, repeats)
         counters = model.graph_relay.counters() if model.graph_relay is not None else {}

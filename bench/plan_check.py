@@ -207,11 +207,12 @@ def _calibrated(args: argparse.Namespace, settings: Any) -> tuple[Any, Any, Any,
     from relaygr.tools.prepare import ensure_model
     from relaygr.workers.engine.calibration import calibrate, measure_paces
     from relaygr.workers.model.model import HSTURanker
+    from relaygr.workers.model.runner import ModelRunner
 
     model_dir = args.model or settings.model_dir
     ensure_model(model_dir)
     torch.set_num_threads(1)
-    model = HSTURanker.load(model_dir)
+    model = ModelRunner(HSTURanker.load(model_dir))
     clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     latency, samples = calibrate(model, candidates=CANDIDATES, threads=1, clock=clock)
     paces = measure_paces(

@@ -164,6 +164,7 @@ async def _one_request(args: argparse.Namespace, recorder: CallRecorder, workdir
     from relaygr.workers.engine.ranker import RankingEngine
     from relaygr.workers.engine.scheduler import DeviceScheduler
     from relaygr.workers.model.model import HSTUConfig, HSTURanker
+    from relaygr.workers.model.runner import ModelRunner
     from relaygr.workers.store.prefix_store import PrefixStore, PrefixStoreConfig
 
     torch.manual_seed(0)
@@ -171,7 +172,9 @@ async def _one_request(args: argparse.Namespace, recorder: CallRecorder, workdir
     model.refresh_version()
     store = PrefixStore(PrefixStoreConfig(device_budget_bytes=1 << 26), model.model_version)
     # A flat latency model: full ranking always fits, so the path is the one asked for.
-    engine = RankingEngine(model, store, DeviceScheduler("w0"), EngineConfig(), LatencyModel(1.0, 0.0, 0.0))
+    engine = RankingEngine(
+        ModelRunner(model), store, DeviceScheduler("w0"), EngineConfig(), LatencyModel(1.0, 0.0, 0.0)
+    )
     history = HistoryTable(workdir / "history")
     pipeline = PipelineSettings(short_term=args.short_term)
     handler = RankHandler(

@@ -10,7 +10,7 @@ not depend on training) and measures, in one run:
   single-threaded memory copy); ``disk``, the sequential read of a large file in the same folder,
   cold: the better of ``O_DIRECT`` reads and buffered reads after its pages were dropped
   (``posix_fadvise(DONTNEED)``);
-- ``recompute``: ``HSTURanker.prefill`` of the whole history (what a miss costs);
+- ``recompute``: ``ModelRunner.prefill`` of the whole history (what a miss costs);
 - ``device``: ``PrefixStore.lookup`` of an entry already in the device tier, through the full
   lookup path; ``validate`` is the history's fingerprint alone, and ``store_overhead`` the same
   lookup with that fingerprint precomputed: the store's own bookkeeping;
@@ -20,6 +20,17 @@ not depend on training) and measures, in one run:
 - ``disk``: lookup of an entry verified to be on disk only, its file's pages dropped first: a
   cold read (the tier reads with ``O_DIRECT`` where the filesystem allows it), checksum, decode,
   copy to the device and placement.
+- ``pages`` (``device_pages``): the device tier's pages as the engine wires them (the runner reads
+  and writes the store's pages, bucketed relay rankings on: replayed on CUDA, the same forward
+  eagerly elsewhere). ``prefix_device_copies``: the pages in use after a bucketed ranking of the
+  cached prefix (the buckets' own rows aside) over the prefix's own, measured (the earlier graph
+  pool held a second copy: 2); ``grow_copied_bytes``: bytes of already cached tokens copied when
+  the prefix is extended by the suffix, as pre-inference extends it and as a ranking keeps its
+  suffix (measured by the pages' counters; ``grow_written_bytes``: the new tokens written); and
+  ``device_bytes_per_user`` and ``users_per_gb`` now (whole pages of keys, values and a timestamp
+  per token) and before (computed from the earlier layout: the device tier's tensors, positions
+  and timestamps included, plus the graph pool's copy in 256-token blocks; the extension's
+  ``torch.cat`` copied every cached token's keys and values).
 
 Every timed device operation synchronises before and after. Each promotion's tier is checked
 after it ran: a sample served from another tier is left out and reported (``unexpected_tiers``),
@@ -46,6 +57,7 @@ from typing import Any
 import torch
 
 from relaygr.bench.links import check_links, measure_links, one_thread, timed
+from relaygr.workers.kv_pages import KVLayout
 from relaygr.workers.model.devices import keep_host_pages, synchronize
 from relaygr.workers.model.presets import PRESETS, resolve_shape
 from relaygr.workers.prefix_kv import Events, PrefixKV, history_fingerprint
@@ -62,7 +74,10 @@ TARGETS = {
     "store_overhead_ms": 0.2,
     "disk_fraction_of_link": 0.5,
     "host_to_device_fraction_of_link": 0.7,
+    "users_per_gb_x": 1.9,
 }
+EARLIER_POOL_BLOCK = 256  # tokens of a block of the earlier graph pool (its second copy)
+SUFFIX = 64  # events a ranking or a pre-inference adds to the cached prefix
 CPU_CACHE_BYTES = 64 << 20  # a CPU memory copy of fewer bytes may run from the caches, past DRAM
 
 
@@ -289,13 +304,14 @@ async def _measure_length(
     ha, hb = _history(n, model.config.num_items, gen), _history(n, model.config.num_items, gen)
     # The first prefill warms up and yields the prefix the store serves; the second user's reuses
     # its tensors under its own history (the store never reads them).
-    pa = model.prefill(ha)
+    pa = model.prefill(ha).dense()  # as a colder tier hands it over: the store writes it into pages
     pb = replace(_clone(pa, device), timestamps=hb.timestamps.to(device), fingerprint=history_fingerprint(hb))
     recompute = _recompute(model, ha, args.recompute_repeats)
     hits = await _device_hits(pa, ha, args.hit_repeats, device)
     host = await _host_to_device(pa, pb, ha, hb, args.repeats, args.cold_format)
     host_copy = _host_copy(pa, args.repeats)
     disk = await _disk(pa, pb, ha, hb, args.repeats, root, args.cold_format)
+    pages = await device_pages(model, n, args.seed)
     stats = {
         "recompute": _stats(recompute),
         **{k: _stats(v) for k, v in hits.items()},
@@ -320,6 +336,7 @@ async def _measure_length(
         "unexpected_tiers": {"host_to_device": host["unexpected"], "disk": disk["unexpected"]},
         "disk_write_drops": disk["drops"],
         "promotions_counted": host["promotions"],
+        **pages,
         "torch_threads": torch.get_num_threads(),
         "load_avg_1m": os.getloadavg()[0],
         "links": links,
@@ -368,6 +385,9 @@ def _judge(row: dict[str, Any], tolerance: float) -> None:
         "disk_ge_half_of_link": fraction.get("disk", 0.0) >= TARGETS["disk_fraction_of_link"],
         f"{copy}_ge_0.7_of_link": fraction.get(copy, 0.0) >= TARGETS["host_to_device_fraction_of_link"],
         "no_figure_faster_than_its_link": not any(not c["accepted"] for c in row["link_check"].values()),
+        "one_device_copy": row["prefix_device_copies"] == 1,
+        "extension_copies_nothing": row["grow_copied_bytes"] == 0,
+        "users_per_gb_ge_1.9x": row["users_per_gb_x"] >= TARGETS["users_per_gb_x"],
     }
 
 
@@ -391,6 +411,68 @@ def expander_choice(row: dict[str, Any], costs: TierCosts) -> dict[str, dict[str
     return out
 
 
+async def device_pages(model: Any, n: int, seed: int) -> dict[str, Any]:
+    """The ``pages`` figures of a prefix of ``n`` events (see the module docstring)."""
+    from relaygr.workers.model.graph_runner import NEW_ROWS
+    from relaygr.workers.model.inference import UserRanking
+    from relaygr.workers.model.runner import ModelRunner
+
+    gen = torch.Generator().manual_seed(seed + 7 * n)
+    h = _history(n + 2 * SUFFIX, model.config.num_items, gen)
+    cands = torch.randint(1, model.config.num_items + 1, (128,), generator=gen)
+    runner = ModelRunner(model.model)
+    layout = runner.kv_layout()
+    cfg = PrefixStoreConfig(
+        device=str(model.device),
+        device_budget_bytes=2 * layout.bytes_for(n + 2 * SUFFIX),
+        host_budget_bytes=0,
+    )
+    with PrefixStore(cfg, runner.model_version) as store:
+        rows = min(NEW_ROWS, 4 * (SUFFIX + 128))  # the buckets' rows: this one's and more
+        runner.use_pages(store.device_pages(layout, reserve_tokens=rows))
+        graphs = runner.use_graph_relay(True, prefix_tokens=n + 2 * SUFFIX, rows_tokens=rows)
+        assert graphs is not None
+        pages = runner.pages
+        store.put("u", runner.prefill(h.slice(0, n)))
+        found = (await store.lookup("u", h.slice(0, n + SUFFIX))).prefix
+        ts = float(h.timestamps[-1]) + 30.0
+        runner.rank(found, h.slice(n, n + SUFFIX), cands, ts)  # through a bucket, reading the pages
+        own = len(found.pages.pages)
+        copies = (pages.used_pages - graphs.rows_reserved() // pages.page_tokens) / own
+        before = pages.counters()
+        grown = runner.extend(found, h.slice(0, n + SUFFIX))  # as pre-inference extends a prefix
+        store.put("u", grown)
+        ((_, grow),) = runner.rank_users([UserRanking(grown, h, cands, ts)])  # a ranking keeps its suffix
+        store.put("u", grow(), keep_longer=True)
+        after = pages.counters()
+        graphed = graphs.counters()["graphed_rankings"]
+        runner.use_graph_relay(False)
+    now = layout.bytes_for(n)
+    earlier = _earlier_bytes(layout, n)
+    return {
+        "page_tokens": layout.page_tokens,
+        "prefix_device_copies": round(copies, 3),
+        "graphed_rankings": graphed,
+        "grow_copied_bytes": (after["rows_copied"] - before["rows_copied"]) * layout.token_bytes,
+        "grow_written_bytes": (after["rows_written"] - before["rows_written"]) * layout.token_bytes,
+        "grow_copied_bytes_before": n * (layout.token_bytes - 8),  # torch.cat: every cached token's K and V
+        "device_bytes_per_user": now,
+        "device_bytes_per_user_before": earlier,
+        "users_per_gb": round(1e9 / now, 2),
+        "users_per_gb_before": round(1e9 / earlier, 2),
+        "users_per_gb_x": round(earlier / now, 3),
+    }
+
+
+def _earlier_bytes(layout: KVLayout, n: int) -> int:
+    """Device bytes of a cached user of ``n`` events in the earlier layout: the device tier's
+    tensors (keys, values, int64 positions, float64 timestamps) and the graph pool's copy (keys,
+    values and a timestamp a row, in whole 256-token blocks)."""
+    kv = layout.token_bytes - 8
+    pool_rows = -(-n // EARLIER_POOL_BLOCK) * EARLIER_POOL_BLOCK
+    return n * (kv + 16) + pool_rows * (kv + 8)
+
+
 def _print_table(rows: list[dict[str, Any]]) -> None:
     print(
         f"{'length':>6} {'MB':>6} {'recompute':>10} {'device hit':>11} {'overhead':>9} "
@@ -408,10 +490,18 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
         for e in r["errors"]:
             print(f"  ERROR {e}")
     print("(medians; disk reads are cold; p99, links and fingerprint-validation time in --json)")
+    print(f"{'length':>6} {'copies':>6} {'grow copied':>11} {'MB/user':>8} {'before':>8} {'users/GB x':>10}")
+    for r in rows:
+        print(
+            f"{r['length']:>6} {r['prefix_device_copies']:>6} {r['grow_copied_bytes']:>11} "
+            f"{r['device_bytes_per_user'] / 1e6:>8.2f} {r['device_bytes_per_user_before'] / 1e6:>8.2f} "
+            f"{r['users_per_gb_x']:>9.2f}x"
+        )
 
 
 def _model(args: argparse.Namespace) -> Any:
     from relaygr.workers.model.model import HSTUConfig, HSTURanker  # only the recompute baseline needs it
+    from relaygr.workers.model.runner import ModelRunner
 
     shape = resolve_shape(
         args.preset, fallback=STORE_SHAPE, layers=args.layers, heads=args.heads, dim=args.dim
@@ -419,7 +509,7 @@ def _model(args: argparse.Namespace) -> Any:
     head = shape["dim"] // shape["heads"]
     # A preset's heads split its width; without one, the config's own head dimensions (as before).
     dims = {"attn_dim": head, "linear_dim": head} if args.preset else {}
-    return HSTURanker(HSTUConfig(**shape, **dims, dropout=0.0, device=args.device)).eval()
+    return ModelRunner(HSTURanker(HSTUConfig(**shape, **dims, dropout=0.0, device=args.device)).eval())
 
 
 def run(args: argparse.Namespace) -> int:

@@ -6,7 +6,7 @@ request both ways, through its public methods only (``prefill``, ``rank``, ``ran
 - ``relay``: the suffix and the candidates against the cached prefix;
 - ``full``: the whole history and the candidates;
 - ``relay_graphed``: the relay ranking in a bucketed static forward over the paged prefix pool
-  (``HSTURanker.use_graph_relay``), replayed from a CUDA graph on CUDA (``graph_error`` when the
+  (``ModelRunner.use_graph_relay``), replayed from a CUDA graph on CUDA (``graph_error`` when the
   capture failed: it then ran eagerly).
 
 Each ranking runs once under ``torch.profiler`` (after warm-up calls) and its line gives the
@@ -43,6 +43,7 @@ from relaygr.workers.model.devices import resolve_dtype, synchronize
 from relaygr.workers.model.graph_runner import pool_tokens_for
 from relaygr.workers.model.model import HSTURanker
 from relaygr.workers.model.presets import preset
+from relaygr.workers.model.runner import ModelRunner
 
 TOP_KERNELS = 5
 
@@ -179,18 +180,20 @@ def _graph_ms(run: Callable[[], object], device: torch.device, repeats: int) -> 
     return _median_ms(graph.replay, device, repeats)
 
 
-def _model(args: argparse.Namespace) -> HSTURanker:
+def _model(args: argparse.Namespace) -> ModelRunner:
     torch.manual_seed(args.seed)
     shape = preset(args.preset)
     extra = {"layers": args.layers} if args.layers else {}
     config = shape.config(
         dropout=0.0, dtype=args.dtype, device=args.device, candidate_batch=args.candidates, **extra
     )
-    return HSTURanker(config).eval()
+    longest = max(int(x) for x in args.lengths.split(","))
+    # Served as the engine serves it, with pages for the longest history's prefix.
+    return ModelRunner(HSTURanker(config).eval(), pool_tokens=pool_tokens_for(longest + args.suffix))
 
 
 def _profile_length(
-    model: HSTURanker, floor: FloorTransformer, n: int, gen: torch.Generator, args
+    model: ModelRunner, floor: FloorTransformer, n: int, gen: torch.Generator, args
 ) -> list[dict]:
     """Both paths at ``n`` events: profiled, timed, and their floors."""
     cfg, device, dtype = model.config, model.device, resolve_dtype(args.dtype)
@@ -226,14 +229,14 @@ def _profile_length(
 GRAPHED_COMMON = ("bench", "length", "preset", "layers", "dim", "heads", "dtype", "device")
 
 
-def profile_graphed(model: HSTURanker, relay: Callable[[], object], cached: int, common: dict, args) -> dict:
+def profile_graphed(model: ModelRunner, relay: Callable[[], object], cached: int, common: dict, args) -> dict:
     """The relay ranking again, in a bucketed forward over the paged prefix pool
     (``use_graph_relay``: replayed from a CUDA graph on CUDA): ``path`` ``relay_graphed``. A capture
     that fails leaves its ``graph_error`` (the ranking then ran eagerly); any other failure too,
     without failing the step."""
     row = {**common, "path": "relay_graphed", "graph_error": None}
     try:
-        graphs = model.use_graph_relay(True, pool_tokens=pool_tokens_for(cached), prefix_tokens=cached)
+        graphs = model.use_graph_relay(True, prefix_tokens=cached)
         assert graphs is not None
         for _ in range(max(1, args.warmup)):  # the first one captures
             relay()

@@ -46,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
     from relaygr.streams.config import PipelineSettings
     from relaygr.workers.engine.calibration import calibrate_and_save
     from relaygr.workers.model.model import HSTURanker
+    from relaygr.workers.model.runner import ModelRunner
 
     model_dir = args.model or PipelineSettings().model_dir
     model = HSTURanker.load(model_dir, device=args.device)
@@ -57,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.no_paces:
         paces = settings.pace_settings()
     lat, samples = calibrate_and_save(
-        model,
+        ModelRunner(model),
         out,
         lengths=lengths,
         candidates=args.candidates,

@@ -108,13 +108,14 @@ class PipelineSettings(BaseSettings):
     )
     cuda_graphs: bool | None = Field(
         default=_default(EngineConfig, "cuda_graphs"),
-        description="Relay: rankings as bucketed static forwards over a paged device prefix pool, "
-        "replayed from CUDA graphs (off CUDA: the same forward, eagerly); unset: on for a CUDA model.",
+        description="Relay: rankings as bucketed static forwards that read the device tier's pages in "
+        "place, replayed from CUDA graphs (off CUDA: the same forward, eagerly); unset: on for a CUDA model.",
     )
     graph_pool_mb: float = Field(
         default=_default(EngineConfig, "graph_pool_mb"),
         gt=0,
-        description="Relay with cuda_graphs: device MiB of the paged prefix pool the graphs read.",
+        description="Relay with cuda_graphs: most device MiB of pages, beside the device tier's, that "
+        "the buckets' new tokens take (their shared rows: the grid's largest bucket's, 12,288 tokens).",
     )
     num_candidates: int = Field(default=128, ge=1, le=2000, description="Candidates retrieval returns.")
     max_rank_candidates: int = Field(default=128, ge=1, le=2000, description="Cap after pre-processing.")

@@ -8,18 +8,20 @@ import json
 import sys
 
 import torch
-from test_graph_relay import BLOCK, POOL, _requests, model32
+from test_graph_relay import BLOCK, PAGES, POOL, _requests, model32
 
 from relaygr.workers.kernels import use_backend
+from relaygr.workers.model.runner import ModelRunner
 
 
 def main(device: str) -> None:
-    model = model32().to(device)
-    model.refresh_version()
+    module = model32().model.to(device)
+    module.refresh_version()
+    model = ModelRunner(module, pool_tokens=PAGES, page_tokens=BLOCK)
     requests = _requests(model, [(15, 13, 9), (72, 61, 4), (2, 0, 1)], seed=5)
     with use_backend("cpu"):
         eager = [scores for scores, _ in model.rank_users(requests)]
-    relay = model.use_graph_relay(True, pool_tokens=POOL, block_tokens=BLOCK, capture=device == "cuda")
+    relay = model.use_graph_relay(True, prefix_tokens=POOL, capture=device == "cuda")
     with use_backend("triton"):
         graphed = [scores for scores, _ in model.rank_users(requests)]
     worst = max(float((a - b).abs().max()) for a, b in zip(eager, graphed, strict=True))

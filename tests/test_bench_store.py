@@ -63,6 +63,13 @@ def test_a_small_run_times_only_promotions_from_the_tier_it_names(tmp_path, caps
     assert row["unexpected_tiers"] == {"host_to_device": {}, "disk": {}}
     assert row["disk"]["n"] == 4 and row["host_to_device"]["n"] == 4
     assert row["disk_write_drops"] == 0 and row["cold_format"] == "bf16"
+    # One copy of the prefix on the device, and its extensions copy none of its tokens (the
+    # pre-inference's and the bucketed ranking's: 64 new tokens each, written where they stay).
+    token = row["device_bytes_per_user"] // 64
+    assert row["prefix_device_copies"] == 1 and row["graphed_rankings"] == 2
+    assert row["grow_copied_bytes"] == 0 and row["grow_written_bytes"] == 2 * 64 * token
+    assert row["device_bytes_per_user_before"] > 2 * row["device_bytes_per_user"]
+    assert row["users_per_gb_x"] >= 1.9 and row["meets"]["one_device_copy"]
     assert row["links"]["disk"]["best_bytes_per_s"] >= row["links"]["disk"]["bytes_per_s"] > 0
     assert "disk" in row["link_check"] and set(row["expander_choice"]) <= {"host_to_device", "disk"}
     assert list(tmp_path.iterdir()) == []  # its files are gone

@@ -21,6 +21,7 @@ from relaygr.workers.engine.capacity import (
 )
 from relaygr.workers.engine.latency_model import LatencyModel
 from relaygr.workers.model.model import HSTUConfig, HSTURanker
+from relaygr.workers.model.runner import ModelRunner
 from relaygr.workers.prefix_kv import Events
 from relaygr.workers.store.kv_formats import COLD_FORMATS
 from relaygr.workers.store.prefix_store import PrefixStore, PrefixStoreConfig
@@ -72,8 +73,9 @@ def test_workers_cover_both_the_cache_and_the_device_time() -> None:
     )
     plan = capacity_plan(shape, LATENCY, lengths, _workload(qps=1.0), worker)
     exact = plan["formats"]["exact"]
-    per_user = shape.token_bytes("exact") * 1000
-    assert exact["bytes_per_cached_user"]["device"] == per_user
+    per_user = -(-1000 // 32) * 32 * (2 * 2 * (16 + 16) * 4 + 8)  # whole pages of 32 tokens
+    assert exact["bytes_per_cached_user"]["device"] == per_user == shape.device_bytes(1000)
+    assert exact["bytes_per_cached_user"]["host"] == shape.token_bytes("exact") * 1000
     assert exact["users_per_gb"]["device"] == pytest.approx(1e9 / per_user)
     assert exact["workers_for_cache"] == math.ceil(900 / exact["cached_users_per_worker"])
     int8 = plan["formats"]["int8"]
@@ -98,7 +100,7 @@ def test_planned_bytes_are_what_the_store_accounts(tmp_path, fmt: str) -> None:
         )
         for n in lengths
     ]
-    prefixes = [model.prefill(h) for h in histories]
+    prefixes = [ModelRunner(model).prefill(h) for h in histories]
     plan = capacity_plan(shape, LATENCY, lengths, _workload(), WorkerShape(1, 1, 1), (fmt,))
     predicted = plan["formats"][fmt]["bytes_per_cached_user"]
     total = sum(p.nbytes() for p in prefixes)

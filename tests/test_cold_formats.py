@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from relaygr.bench.cold_tiers import ndcg_at_k, through_disk, top_k_overlap
+from relaygr.workers.model.runner import ModelRunner
 from relaygr.workers.prefix_kv import Events, PrefixKV, history_fingerprint
 from relaygr.workers.store.kv_codec import decode, encode
 from relaygr.workers.store.kv_formats import (
@@ -192,6 +193,7 @@ def test_each_format_ranks_within_its_bound_on_a_trained_model(trained) -> None:
     stats: dict[str, dict[str, list[float]]] = {
         f: {"max": [], "overlap": [], "ndcg": []} for f in COLD_FORMATS
     }
+    model = ModelRunner(model)
     for u in users:
         h = history[u]
         cands = torch.randperm(model.config.num_items, generator=gen)[:128] + 1

@@ -13,6 +13,7 @@ import torch
 from test_model_relay import NUM_ITEMS, _config
 
 from relaygr.workers.model.model import HSTURanker
+from relaygr.workers.model.runner import ModelRunner
 from relaygr.workers.prefix_kv import Events, history_fingerprint
 from relaygr.workers.store.prefix_adoption import adopt_prefixes
 from relaygr.workers.store.prefix_store import PrefixStore, PrefixStoreConfig
@@ -78,7 +79,7 @@ def _predecessor(tmp_path: Path, model: HSTURanker, histories: dict[str, Events]
     """A store with a disk tier holding a computed prefix of each history (all but its last 4)."""
     old = _store(model, tmp_path / "old")
     for user, h in histories.items():
-        old.put(user, model.prefill(h.slice(0, len(h) - 4)))
+        old.put(user, ModelRunner(model).prefill(h.slice(0, len(h) - 4)))
     report = old.persist()
     assert report["prefixes"] == len(histories) and report["written"] == len(histories)
     return old
@@ -99,9 +100,10 @@ def test_adopted_prefixes_rank_exactly_as_computed_ones(tmp_path) -> None:
             found = asyncio.run(new.lookup(user, h))
             assert found.tier == "device" and found.length == len(h) - 4
             ts = float(h.timestamps[-1]) + 5
-            computed = model.prefill(h.slice(0, len(h) - 4))
-            adopted = model.rank(found.prefix, h.slice(len(h) - 4), cands, ts)
-            assert torch.equal(adopted, model.rank(computed, h.slice(len(h) - 4), cands, ts))
+            runner = ModelRunner(model)
+            computed = runner.prefill(h.slice(0, len(h) - 4))
+            adopted = runner.rank(found.prefix, h.slice(len(h) - 4), cands, ts)
+            assert torch.equal(adopted, runner.rank(computed, h.slice(len(h) - 4), cands, ts))
     finally:
         new.close()
         old.close()

@@ -16,7 +16,7 @@ from relaygr.workers.engine.latency_model import LatencyModel
 from relaygr.workers.engine.prefill_ledger import PrefillLedger, device_share
 from relaygr.workers.engine.ranker import RankingEngine, kv_bytes_per_token
 from relaygr.workers.engine.scheduler import DeviceScheduler, Priority
-from relaygr.workers.model.model import HSTURanker
+from relaygr.workers.model.runner import ModelRunner
 from relaygr.workers.prefix_kv import Events
 from relaygr.workers.store.prefix_store import PrefixStore, PrefixStoreConfig
 
@@ -24,8 +24,9 @@ FAR = 1e12  # a deadline that never passes
 
 
 @pytest.fixture(scope="module")
-def model() -> HSTURanker:
-    return tiny_model(3)
+def model() -> ModelRunner:
+    """The model's runner for reference rankings; each engine serves the module with its own."""
+    return ModelRunner(tiny_model(3))
 
 
 FLAT = LatencyModel(1.0, 0.0, 0.0)
@@ -37,7 +38,9 @@ def engine(model, mode="relay", device_budget=1 << 26, latency=FLAT, **kw):
         if mode == "relay"
         else None
     )
-    return RankingEngine(model, store, DeviceScheduler("test"), EngineConfig(mode=mode, **kw), latency)
+    return RankingEngine(
+        ModelRunner(model.model), store, DeviceScheduler("test"), EngineConfig(mode=mode, **kw), latency
+    )
 
 
 async def test_relay_after_prefill_equals_full(model) -> None:
@@ -320,15 +323,20 @@ async def test_baseline_and_cold_start(model) -> None:
 
 def test_kv_bytes_per_token_matches_a_real_prefix(model) -> None:
     p = model.prefill(history(100))
-    assert p.nbytes() == 100 * kv_bytes_per_token(model)
+    pages = model.pages
+    assert (
+        p.nbytes()
+        == pages.layout.bytes_for(100)
+        == -(-100 // pages.page_tokens) * pages.page_tokens * (kv_bytes_per_token(model))
+    )  # whole pages of tokens
 
 
 class _Spy:
-    """The model, recording the order of the device work: a miss's full-ranking chunks and the
+    """The engine's runner, recording the order of the device work: a miss's full-ranking chunks and the
     relay rankings; the first chunk holds the device until ``gate`` is set."""
 
-    def __init__(self, model: HSTURanker) -> None:
-        self.model = model
+    def __init__(self, runner: ModelRunner) -> None:
+        self.model = runner
         self.order: list[str] = []
         self.started, self.gate = threading.Event(), threading.Event()
 
@@ -360,8 +368,8 @@ async def test_a_relay_ranking_runs_between_the_chunks_of_a_miss_full_ranking(mo
     hr, hm = history(264, seed=5), history(512, seed=6)
     cands = torch.arange(1, 17)
     assert (await e.prefill("r", hr.slice(0, 200))).status == "computed"
-    spy = _Spy(model)
-    e.model = spy
+    spy = _Spy(e.runner)
+    e.runner = spy
     now = time.time()
     full = asyncio.create_task(e.rank("m", hm, cands, 2e9, now + 100))
     assert await asyncio.to_thread(spy.started.wait, 5)
@@ -383,8 +391,8 @@ async def test_a_relay_ranking_runs_between_the_chunks_of_a_miss_full_ranking(mo
 
 async def test_the_baselines_full_ranking_stays_one_device_job(model) -> None:
     e = engine(model, mode="baseline", prefill_chunk=64)
-    spy = _Spy(model)
-    e.model = spy
+    spy = _Spy(e.runner)
+    e.runner = spy
     h = history(512, seed=7)
     res = await e.rank("b", h, torch.arange(1, 17), 2e9, time.time() + 100)
     assert res.path == "baseline" and spy.order == ["full"]

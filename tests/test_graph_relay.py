@@ -1,8 +1,9 @@
-"""Bucketed relay rankings over a paged device prefix pool (``graph_relay``, ``graph_runner``,
-``prefix_pool``): the same scores as the eager relay path and as full ranking, padding included;
-the pool's admission, eviction and refusals; and the captured forward's guarantees (the same
-buffers every run, no transfer, an operation count independent of the prefix length), checked on
-the CPU twin."""
+"""Bucketed relay rankings that read the cached prefixes in place from the pages (``graph_relay``,
+``graph_runner``, ``kv_pages``): the same scores and grown prefixes as the eager relay path and as
+full ranking, padding included; each prefix read where it lies, its grown events written after it;
+the buckets' rows taken and given back; and the captured forward's guarantees (the same buffers
+every run, no transfer, an operation count independent of the prefix length), checked on the CPU
+twin."""
 
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -32,17 +32,18 @@ from relaygr.workers.model.graph_runner import (
 )
 from relaygr.workers.model.inference import UserRanking
 from relaygr.workers.model.model import HSTUConfig, HSTURanker
-from relaygr.workers.model.prefix_pool import ZERO_BLOCK, PagedPrefixPool, PageTable, PoolFull
 from relaygr.workers.model.presets import preset
+from relaygr.workers.model.runner import ModelRunner
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 RTOL32 = ATOL32 = 1e-5
-BLOCK = 8
-POOL = 2048  # tokens: the largest bucket of these tests reserves 8 x (64 + 32) rows of it
+BLOCK = 8  # tokens a page
+POOL = 2048  # the buckets' prefix capacity; the largest bucket of these tests takes 8 x (64 + 32) rows
+PAGES = 4 * POOL  # tokens of the runners' pages: the prefixes and the buckets' rows
 
 
-def _model(dtype: torch.dtype, seed: int) -> HSTURanker:
+def _model(dtype: torch.dtype, seed: int) -> ModelRunner:
     cfg = HSTUConfig(
         num_items=NUM_ITEMS, layers=2, heads=2, dim=16, attn_dim=8, linear_dim=8, attn_block=8,
         candidate_batch=4, dropout=0.0, near_keys=8, far_keys=3.0,
@@ -54,20 +55,20 @@ def _model(dtype: torch.dtype, seed: int) -> HSTURanker:
             p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
     model = model.to(dtype)
     model.refresh_version()
-    return model.eval()
+    return ModelRunner(model.eval(), pool_tokens=PAGES, page_tokens=BLOCK)
 
 
 @functools.cache
-def model32() -> HSTURanker:
+def model32() -> ModelRunner:
     return _model(torch.float32, 1)
 
 
 @functools.cache
-def model64() -> HSTURanker:
+def model64() -> ModelRunner:
     return _model(torch.float64, 2)
 
 
-def _requests(model: HSTURanker, shapes: list[tuple[int, int, int]], seed: int) -> list[UserRanking]:
+def _requests(model: ModelRunner, shapes: list[tuple[int, int, int]], seed: int) -> list[UserRanking]:
     """One request per ``(history, cached, candidates)``; ``cached`` 0: no prefix."""
     out = []
     for i, (n, cached, c) in enumerate(shapes):
@@ -78,22 +79,22 @@ def _requests(model: HSTURanker, shapes: list[tuple[int, int, int]], seed: int) 
     return out
 
 
-def _graphed(model: HSTURanker, requests: list[UserRanking], **kw) -> tuple[list, GraphRelay]:
-    relay = model.use_graph_relay(True, pool_tokens=kw.pop("pool_tokens", POOL), block_tokens=BLOCK, **kw)
+def _graphed(model: ModelRunner, requests: list[UserRanking], **kw) -> tuple[list, GraphRelay]:
+    relay = model.use_graph_relay(True, prefix_tokens=kw.pop("prefix_tokens", POOL), **kw)
     try:
         return model.rank_users(requests), relay
     finally:
         model.use_graph_relay(False)
 
 
-def _assert_same(graphed: list, requests: list[UserRanking], model: HSTURanker, rtol: float) -> None:
+def _assert_same(graphed: list, requests: list[UserRanking], model: ModelRunner, rtol: float) -> None:
     eager = model.rank_users(requests)
     for (scores, grow), (e_scores, e_grow), r in zip(graphed, eager, requests, strict=True):
         full = model.rank_full(r.history, r.candidates, r.request_ts)
         assert scores.shape == (len(r.candidates),)
         torch.testing.assert_close(scores, e_scores, rtol=rtol, atol=rtol)
         torch.testing.assert_close(scores, full, rtol=rtol, atol=rtol)
-        got, want = grow(), e_grow()
+        got, want = grow().dense(), e_grow().dense()
         assert got.length == want.length == len(r.history) and got.fingerprint == want.fingerprint
         for a, b in zip(got.keys + got.values, want.keys + want.values, strict=True):
             torch.testing.assert_close(a, b, rtol=rtol, atol=rtol)
@@ -130,9 +131,10 @@ def test_any_users_in_a_bucket_score_as_the_eager_path(users, seed) -> None:
 
 def test_one_bucket_serves_other_users_on_the_same_buffers() -> None:
     """The runner's buffers keep their addresses from one call to the next (what a replayed graph
-    reads and writes), and the second call's users score right, not as the first call's."""
+    reads and writes), the second call's users score right, not as the first call's, and each
+    user's keys are its prefix's own rows in the pages: read where they lie, nothing copied."""
     model = model32()
-    relay = model.use_graph_relay(True, pool_tokens=POOL, block_tokens=BLOCK)
+    relay = model.use_graph_relay(True, prefix_tokens=POOL)
     try:
         first = _requests(model, [(30, 25, 5), (20, 10, 7)], seed=1)
         model.rank_users(first)
@@ -142,9 +144,15 @@ def test_one_bucket_serves_other_users_on_the_same_buffers() -> None:
         graphed = model.rank_users(second)
         assert list(relay.runners.values()) == [runner]
         assert [t.data_ptr() for t in runner.static_buffers()] == before
-        assert relay.pool.counters()["admitted"] == 4
-        again = model.rank_users(first)  # the pool's hits: nothing copied in again
-        assert relay.pool.counters()["admitted"] == 4 and relay.pool.counters()["hits"] == 2
+        copied = model.pages.counters()["rows_copied"]
+        again = model.rank_users(first)
+        rows = runner.k_rows.numpy()
+        assert rows[:25].tolist() == first[0].prefix.pages.rows().tolist()  # its prefix, in place
+        at = 25 + 16 + 32  # after the first user: its prefix and its rows (16 events, 32 candidates)
+        assert rows[at : at + 10].tolist() == first[1].prefix.pages.rows().tolist()
+        # Ranked (and grown) a second time, each prefix's half-filled last page is copied before
+        # the new events are written after it (the first growth wrote there): no other row is.
+        assert model.pages.counters()["rows_copied"] - copied == 25 % BLOCK + 10 % BLOCK
     finally:
         model.use_graph_relay(False)
     _assert_same(graphed, second, model, RTOL32)
@@ -155,7 +163,7 @@ def test_rank_uses_the_bucket_and_rank_full_stays_eager() -> None:
     model = model32()
     (r,) = _requests(model, [(50, 40, 6)], seed=3)
     eager = model.rank(r.prefix, r.history.slice(40), r.candidates, r.request_ts)
-    relay = model.use_graph_relay(True, pool_tokens=POOL, block_tokens=BLOCK)
+    relay = model.use_graph_relay(True, prefix_tokens=POOL)
     try:
         graphed = model.rank(r.prefix, r.history.slice(40), r.candidates, r.request_ts)
         model.rank_full(r.history, r.candidates, r.request_ts)
@@ -165,12 +173,14 @@ def test_rank_uses_the_bucket_and_rank_full_stays_eager() -> None:
     torch.testing.assert_close(graphed, eager, rtol=RTOL32, atol=ATOL32)
 
 
-def test_what_fits_no_bucket_or_no_pool_runs_the_eager_path() -> None:
+def test_what_fits_no_bucket_or_no_prefix_capacity_runs_the_eager_path() -> None:
     model = model32()
     too_many_events = _requests(model, [(300, 10, 3)], seed=4)  # 290 new events: over every bucket
-    too_long_prefix = _requests(model, [(80, 70, 3)], seed=5)  # 70 cached: over a 64-token pool
-    for requests in (too_many_events, too_long_prefix):
-        graphed, relay = _graphed(model, requests, pool_tokens=64)
+    too_long_prefix = _requests(model, [(80, 70, 3)], seed=5)  # 70 cached: over a 64-token capacity
+    (dense,) = _requests(model, [(30, 20, 3)], seed=6)
+    dense_prefix = UserRanking(dense.prefix.dense(), dense.history, dense.candidates, dense.request_ts)
+    for requests in (too_many_events, too_long_prefix, [dense_prefix]):  # a prefix outside the pages too
+        graphed, relay = _graphed(model, requests, prefix_tokens=64)
         assert relay.counters()["fallbacks"] == 1 and relay.counters()["graphed_rankings"] == 0
         _assert_same(graphed, requests, model, RTOL32)
 
@@ -178,12 +188,12 @@ def test_what_fits_no_bucket_or_no_pool_runs_the_eager_path() -> None:
 def test_new_weights_build_new_runners() -> None:
     model = _model(torch.float32, 7)
     requests = _requests(model, [(20, 12, 4)], seed=6)
-    relay = model.use_graph_relay(True, pool_tokens=POOL, block_tokens=BLOCK)
+    relay = model.use_graph_relay(True, prefix_tokens=POOL)
     try:
         model.rank_users(requests)
         (old,) = relay.runners.values()
         with torch.no_grad():
-            model.final_norm.weight.mul_(2.0)
+            model.model.final_norm.weight.mul_(2.0)
         model.rank_users(requests)
         (new,) = relay.runners.values()
         assert new is not old and new.sv is not old.sv
@@ -205,15 +215,17 @@ def test_the_bucket_grids() -> None:
         grid_buckets(1, 1000, 1)
 
 
-def test_a_ranking_replays_a_graph_only_where_capture_is_on_and_a_bucket_and_the_pool_hold_it() -> None:
-    graphs = GraphRelay(model32(), pool_tokens=POOL, block_tokens=BLOCK, capture=False)
+def test_a_ranking_replays_a_graph_only_where_capture_is_on_and_a_bucket_and_its_capacity_hold_it() -> None:
+    graphs = GraphRelay(model32(), capture=False, prefix_tokens=POOL)
     assert not graphs.replays(16, 32, 100)  # eager buckets (a CPU): slicing still applies
     graphs.capture = True  # as on CUDA (no capture happens here)
-    assert graphs.replays(16, 32, 100)
-    assert not graphs.replays(16, 32, POOL)  # the pool cannot hold the prefix and the bucket's rows
-    small = GraphRelay(model32(), pool_tokens=POOL, block_tokens=BLOCK, capture=False, prefix_tokens=99)
+    assert graphs.replays(16, 32, 100) and graphs.replays(16, 32, POOL)
+    assert not graphs.replays(16, 32, POOL + 1)  # over the buckets' prefix capacity
+    graphs.close()
+    small = GraphRelay(model32(), capture=False, prefix_tokens=99)
     small.capture = True
-    assert small.replays(16, 32, 104) and not small.replays(16, 32, 105)  # 99 tokens: 13 blocks of 8
+    assert small.replays(16, 32, 104) and not small.replays(16, 32, 105)  # 99 tokens: 13 pages of 8
+    small.close()
     assert not graphs.replays(1000, 32, 100)  # past the suffix grid
     graphs.graph_error = "RuntimeError: capture failed"
     assert not graphs.replays(16, 32, 100)  # captures failed: the buckets run eagerly
@@ -225,84 +237,20 @@ def test_capture_needs_cuda() -> None:
     assert model32().use_graph_relay() is None  # default: on for CUDA only
 
 
-# ----------------------------------------------------------------------------------------- the pool
-def _pool(num_blocks: int = 5) -> PagedPrefixPool:
-    return PagedPrefixPool(2, 2, 8, 8, BLOCK, num_blocks, torch.float32, "cpu")
-
-
-def test_the_pool_copies_a_prefix_into_blocks_and_pads_with_the_zero_block() -> None:
-    model, pool = model32(), _pool()
-    h = history(20, 1)
-    prefix = model.prefill(h)
-    table = pool.admit("a", prefix)
-    assert table.length == 20 and len(table.blocks) == 3 and ZERO_BLOCK not in table.blocks
-    rows = torch.from_numpy(table.rows(32))
-    for li in range(2):
-        torch.testing.assert_close(pool.keys[li][rows[:20]], prefix.keys[li].transpose(0, 1))
-        torch.testing.assert_close(pool.values[li][rows[:20]], prefix.values[li].transpose(0, 1))
-        assert not pool.values[li][rows[20:]].any()  # padded slots read zeros
-    assert torch.equal(pool.timestamps[rows[:20]], prefix.timestamps)
-    assert pool.admit("a", prefix) is table and pool.counters()["hits"] == 1
-    with pytest.raises(ValueError, match="does not fit"):
-        table.rows(19)
-
-
-def test_the_pool_evicts_the_least_recently_used_prefix_that_is_not_pinned() -> None:
-    model, pool = model32(), _pool(num_blocks=5)  # 4 blocks of 8
-    p16, p8 = model.prefill(history(16, 1)), model.prefill(history(8, 2))
-    pool.admit("a", p16)
-    pool.admit("b", p8)
-    pool.admit("c", p8)
-    assert pool.free_blocks == 0
-    pool.lookup("a")  # "b" is now the least recently used
-    with pool.pinned(["b"]):
-        pool.admit("d", p8)  # evicts "c", not the pinned "b"
-    assert "c" not in pool and {"a", "b", "d"} <= {k for k in ("a", "b", "c", "d") if k in pool}
-    assert pool.counters()["evicted"] == 1
-    with pool.pinned(["a", "b", "d"]), pytest.raises(PoolFull):
-        pool.admit("e", p8)
-    with pytest.raises(ValueError, match="can never fit"):
-        pool.admit("huge", model.prefill(history(40, 3)))
-    with pool.pinned(["a"]), pytest.raises(ValueError, match="pinned"):
-        pool.release("a")
-    assert pool.release("a") and not pool.release("a") and pool.free_blocks == 2
-
-
-def test_a_reservation_evicts_prefixes_but_is_never_evicted_itself() -> None:
-    model, pool = model32(), _pool(num_blocks=5)  # 4 blocks of 8
-    pool.admit("a", model.prefill(history(16, 1)))
-    rows = pool.reserve("bucket", 20)  # 3 blocks: evicts "a"
-    assert "a" not in pool and len(rows.blocks) == 3 and pool.counters()["blocks_reserved"] == 3
-    assert pool.reserve("bucket", 20) is rows
-    pool.admit("b", model.prefill(history(8, 2)))
-    with pool.pinned(["b"]), pytest.raises(PoolFull):  # only the reservation could make room
-        pool.admit("c", model.prefill(history(8, 3)))
-    with pytest.raises(ValueError, match="reservation"):
-        pool.admit("bucket", model.prefill(history(8, 3)))
-    assert pool.release("bucket") and pool.free_blocks == 3
-
-
+# ------------------------------------------------------------------------------ the buckets' rows
 def test_a_dropped_bucket_gives_its_rows_back() -> None:
     model = model32()
-    relay = GraphRelay(model, pool_tokens=POOL, block_tokens=BLOCK, max_buckets=1)
+    relay = GraphRelay(model, max_buckets=1, prefix_tokens=PAGES)  # no rows beyond: each bucket its own
     model.graph_relay = relay
     try:
+        free = model.pages.free_pages
         model.rank_users(_requests(model, [(20, 12, 4)], seed=1))
         model.rank_users(_requests(model, [(20, 12, 40)], seed=1))  # another bucket: the first goes
         assert len(relay.runners) == 1
-        assert relay.pool.counters()["blocks_reserved"] == (16 + 128) // BLOCK
+        assert relay.rows_reserved() == 16 + 128 and model.pages.free_pages == free - (16 + 128) // BLOCK
     finally:
         model.use_graph_relay(False)
-
-
-def test_the_pool_refuses_bad_input() -> None:
-    with pytest.raises(ValueError, match="two blocks"):
-        PagedPrefixPool(2, 2, 8, 8, BLOCK, 1, torch.float32, "cpu")
-    pool = _pool()
-    with pytest.raises(ValueError, match="float64 prefix"):
-        pool.admit("x", model64().prefill(history(5, 1)))
-    assert PageTable(0, (), BLOCK).rows(4).tolist() == [0, 1, 2, 3]
-    assert np.array_equal(PageTable(3, (2,), 4).rows(6), [8, 9, 10, 3, 0, 1])
+    assert model.pages.free_pages == free  # closed: the buckets' rows are back
 
 
 # ------------------------------------------------------------------------ what a CUDA graph captures
@@ -362,13 +310,13 @@ async def test_a_relay_engine_with_cuda_graphs_ranks_waiting_users_through_a_buc
     from synthetic import tiny_model
     from test_relay_batching import engine, prefill_all, rank_while_busy, users
 
-    model, jobs = tiny_model(3), users()
+    model, jobs = ModelRunner(tiny_model(3)), users()
     eager = engine(model, batch_tokens=4096)  # cuda_graphs unset: off on a CPU
-    assert model.graph_relay is None
+    assert eager.runner.graph_relay is None
     await prefill_all(eager, jobs)
     want = await rank_while_busy(eager, jobs)
     graphed = engine(model, batch_tokens=4096, cuda_graphs=True, graph_pool_mb=4)
-    relay = model.graph_relay
+    relay = graphed.runner.graph_relay
     assert relay is not None and not relay.capture
     await prefill_all(graphed, jobs)
     got = await rank_while_busy(graphed, jobs)
@@ -376,19 +324,18 @@ async def test_a_relay_engine_with_cuda_graphs_ranks_waiting_users_through_a_buc
     for (uid, h, n, _), res, ref in zip(jobs, got, want, strict=True):
         assert res.path == ref.path == "relay" and res.prefix_len == n
         torch.testing.assert_close(res.scores, ref.scores, rtol=RTOL32, atol=ATOL32)
-        mine, theirs = resident_prefix(graphed.store, uid), resident_prefix(eager.store, uid)
+        mine, theirs = resident_prefix(graphed.store, uid).dense(), resident_prefix(eager.store, uid).dense()
         assert mine.length == theirs.length == len(h)
         for a, b in zip(mine.keys + mine.values, theirs.keys + theirs.values, strict=True):
             torch.testing.assert_close(a, b, rtol=RTOL32, atol=ATOL32)
     for e in (eager, graphed):
         e.scheduler.close()
-    model.use_graph_relay(False)
 
 
 # ------------------------------------------------------------------------- a capture that fails
 def test_a_failed_capture_is_reported_once_and_every_bucket_runs_eagerly(monkeypatch, caplog) -> None:
     model = model32()
-    relay = GraphRelay(model, pool_tokens=POOL, block_tokens=BLOCK)
+    relay = GraphRelay(model, prefix_tokens=POOL)
     relay.capture = True  # as on CUDA; the capture itself fails as a broken one would
 
     def broken(self, pool=None) -> None:
@@ -437,7 +384,7 @@ def test_bench_model_reports_a_graph_failure_and_keeps_its_eager_columns(monkeyp
 # ------------------------------------------------------------------------------------ the warm-up
 def test_warm_up_builds_every_bucket_before_traffic_and_a_ranking_builds_none() -> None:
     model = model32()
-    relay = model.use_graph_relay(True, pool_tokens=2 * POOL, block_tokens=BLOCK)  # half: every bucket's rows
+    relay = model.use_graph_relay(True, prefix_tokens=2 * POOL)  # the rest of the pages: every bucket's rows
     try:
         report = relay.warm_up(users=2, suffix=20, candidates=100)
         wanted = grid_buckets(2, 20, 100)
@@ -446,7 +393,7 @@ def test_warm_up_builds_every_bucket_before_traffic_and_a_ranking_builds_none() 
         assert report["index_bytes"] == sum(
             b.users * (2 * POOL + b.suffix + b.candidates) for b in wanted
         ) * (INDEX_BYTES_PER_KEY)
-        assert report["pool_rows_reserved"] == relay.pool.counters()["blocks_reserved"] * BLOCK
+        assert report["rows_reserved"] == relay.rows_reserved() > 0
         built = dict(relay.runners)
         requests = _requests(model, [(30, 25, 5), (20, 3, 90)], seed=4)  # bucket (2, 64, 128)
         graphed = model.rank_users(requests)
@@ -457,20 +404,21 @@ def test_warm_up_builds_every_bucket_before_traffic_and_a_ranking_builds_none() 
     _assert_same(graphed, requests, model, RTOL32)
 
 
-def test_warm_up_leaves_half_the_pool_to_prefixes() -> None:
-    relay = GraphRelay(model32(), pool_tokens=POOL, block_tokens=BLOCK)
+def test_warm_up_leaves_half_the_pages_to_prefixes() -> None:
+    relay = GraphRelay(model32(), prefix_tokens=PAGES)
     report = relay.warm_up()
     assert 0 < report["buckets"] < len(grid_buckets()) and report["left_to_demand"] > 0
     assert report["buckets"] + report["left_to_demand"] == len(grid_buckets())
-    assert relay.pool.counters()["blocks_reserved"] * BLOCK <= POOL // 2
+    assert relay.rows_reserved() <= PAGES // 2
     assert relay.max_buckets >= report["buckets"] == len(relay.runners)
+    relay.close()
 
 
 def test_the_engine_warm_up_builds_the_buckets() -> None:
     from relaygr.workers.engine.calibration import warm_up_work
 
     model = model32()
-    relay = model.use_graph_relay(True, pool_tokens=POOL, block_tokens=BLOCK)
+    relay = model.use_graph_relay(True, prefix_tokens=POOL)
     try:
         warm_up_work(model, 40, 8, rounds=1, chunk=16)()
         assert relay.warmed is not None and len(relay.runners) == relay.warmed["buckets"] > 0
@@ -480,30 +428,30 @@ def test_the_engine_warm_up_builds_the_buckets() -> None:
 
 # ------------------------------------------------------------------- the shared rows of new tokens
 def test_buckets_share_one_reservation_for_their_new_tokens_and_score_right_in_turn() -> None:
-    """With room beyond one longest prefix, every bucket writes its new tokens to one shared
-    reservation: alternating buckets (a second bucket overwrites what the first wrote) still score
-    as the eager path and full ranking, and the pool holds that one reservation only."""
+    """With rows to spare, every bucket writes its new tokens to one shared run of rows:
+    alternating buckets (a second bucket overwrites what the first wrote) still score as the eager
+    path and full ranking, and the pages hold that one run of rows only."""
     model = model32()
-    relay = model.use_graph_relay(True, pool_tokens=POOL, block_tokens=BLOCK, prefix_tokens=256)
-    shared = POOL - 256  # at most the grid's largest bucket's rows (12,288): here the pool's rest
+    shared = POOL - 256  # at most the grid's largest bucket's rows (12,288): here what is allowed
+    relay = model.use_graph_relay(True, prefix_tokens=256, rows_tokens=shared)
     try:
         report = relay.warm_up(users=4, suffix=20, candidates=100)
-        assert report["left_to_demand"] == 0 and report["pool_rows_reserved"] == shared
-        assert all(r.own_key is None for r in relay.runners.values())
+        assert report["left_to_demand"] == 0 and report["rows_reserved"] == shared
+        assert all(r.own_run is None for r in relay.runners.values())
         one = _requests(model, [(40, 31, 7)], seed=11)
         three = _requests(model, [(15, 13, 90), (72, 61, 4), (9, 0, 3)], seed=12)
         runs = [(requests, model.rank_users(requests)) for requests in (one, three, one, three)]
         assert relay.counters()["graphed_rankings"] == 4 and relay.counters()["fallbacks"] == 0
-        assert relay.pool.counters()["blocks_reserved"] * BLOCK == shared
+        assert relay.rows_reserved() == shared
     finally:
         model.use_graph_relay(False)
     for requests, graphed in runs:
         _assert_same(graphed, requests, model, RTOL32)
 
 
-def test_a_prefix_capacity_that_fills_the_pool_leaves_no_shared_rows() -> None:
-    relay = GraphRelay(model32(), pool_tokens=POOL, block_tokens=BLOCK)  # max_seq_len >= the pool
-    assert relay.new_rows is None and relay.pool.counters()["blocks_reserved"] == 0
+def test_a_prefix_capacity_that_fills_the_pages_leaves_no_shared_rows() -> None:
+    relay = GraphRelay(model32())  # max_seq_len >= the pages
+    assert relay.new_rows is None and relay.rows_reserved() == 0
 
 
 def test_bench_model_batched_graphed_users_score_as_each_alone_and_a_failure_is_reported(monkeypatch) -> None:

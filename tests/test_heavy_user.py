@@ -22,7 +22,7 @@ from relaygr.workers.engine.latency_model import DevicePace, EngineClock, Ingest
 from relaygr.workers.engine.pacing import Slicer
 from relaygr.workers.engine.ranker import EngineConfig, RankingEngine
 from relaygr.workers.engine.scheduler import DeviceScheduler, Priority
-from relaygr.workers.model.model import HSTURanker
+from relaygr.workers.model.runner import ModelRunner
 from relaygr.workers.prefix_kv import served, window_start, window_step
 from relaygr.workers.store.prefix_store import PrefixStore, PrefixStoreConfig
 
@@ -30,8 +30,9 @@ FAR = 1e12
 
 
 @pytest.fixture(scope="module")
-def model() -> HSTURanker:
-    return tiny_model(5)
+def model() -> ModelRunner:
+    """The model's runner for reference rankings; each engine serves the module with its own."""
+    return ModelRunner(tiny_model(5))
 
 
 # ---------------------------------------------------------------------- the served window
@@ -200,7 +201,7 @@ def test_time_sliced_prefill_equals_one_shot(model) -> None:
 def _engine(model, latency, clock: EngineClock | None = None, **kw) -> RankingEngine:
     store = PrefixStore(PrefixStoreConfig(device_budget_bytes=1 << 26), model.model_version)
     config = EngineConfig(mode="relay", **kw)
-    return RankingEngine(model, store, DeviceScheduler("test"), config, latency, clock)
+    return RankingEngine(ModelRunner(model.model), store, DeviceScheduler("test"), config, latency, clock)
 
 
 class _SimulatedDevice:
@@ -221,7 +222,7 @@ class _SlowChunks:
     a token (and the first one ``first_chunk_s`` more: a slice held up once)."""
 
     def __init__(
-        self, model: HSTURanker, device: _SimulatedDevice, per_token_s: float, first_chunk_s: float = 0.0
+        self, model: ModelRunner, device: _SimulatedDevice, per_token_s: float, first_chunk_s: float = 0.0
     ) -> None:
         self._model, self.device = model, device
         self.per_token_s, self.first_chunk_s = per_token_s, first_chunk_s
@@ -334,7 +335,7 @@ async def test_a_sliced_truncated_ranking_plans_for_its_headroom_at_the_measured
     res = await one_job.rank("u", h, cands, 2e9, device.deadline(1.0))
     assert res.path == "full_truncated" and 900 < res.used_len <= 1000
     sliced = _engine(model, LatencyModel(0.0, 1.0, 0.0), device.clock, slice_ms=50.0, truncate_headroom=0.5)
-    sliced.model = _SlowChunks(model, device, 1e-3)  # its chunks take the predicted 1 ms a token
+    sliced.runner = _SlowChunks(sliced.runner, device, 1e-3)  # its chunks take the predicted 1 ms a token
     for _ in range(30):
         sliced.pacing.full.observe(10.0, 20.0)  # full rankings take twice their prediction
         sliced.pacing.extend.observe(10.0, 40.0)  # (chunks' own overheads: not what it plans with)
@@ -407,7 +408,7 @@ async def test_a_sliced_full_ranking_that_runs_slower_than_planned_starts_over_s
     device = _SimulatedDevice()
     kw = {"slice_ms": 5.0, "prefill_chunk": 512, "truncate_headroom": 0.5}
     e = _engine(model, LatencyModel(0.0, 0.01, 0.0), device.clock, **kw)
-    e.model = _SlowChunks(model, device, 0.41e-3)
+    e.runner = _SlowChunks(e.runner, device, 0.41e-3)
     res = await e.rank("u", h, cands, 2e9, device.deadline(1.0))
     assert res.replanned and res.path == "full_truncated" and 16 <= res.used_len < 1500
     lost = res.breakdown_ms["replan_lost"]
@@ -429,7 +430,7 @@ async def test_a_replan_goes_by_the_rankings_own_pace_not_the_slices_usual_one(m
     kw = {"slice_ms": 5.0, "prefill_chunk": 512, "truncate_headroom": 0.5}
     e = _engine(model, LatencyModel(0.0, 0.3, 0.0), device.clock, **kw)
     e.pacing.extend._log = math.log(4.0)
-    e.model = _SlowChunks(model, device, 1.2e-3)
+    e.runner = _SlowChunks(e.runner, device, 1.2e-3)
     res = await e.rank("u", h, torch.arange(1, 9), 2e9, device.deadline(1.0))
     assert res.replanned and 16 <= res.used_len <= 416
     e.scheduler.close()
@@ -443,7 +444,7 @@ async def test_one_slice_held_up_does_not_cut_a_ranking_short(model) -> None:
     device = _SimulatedDevice()
     kw = {"slice_ms": 5.0, "prefill_chunk": 512, "truncate_headroom": 0.5}
     e = _engine(model, LatencyModel(0.0, 0.01, 0.0), device.clock, **kw)
-    e.model = _SlowChunks(model, device, 0.01e-3, first_chunk_s=0.15)
+    e.runner = _SlowChunks(e.runner, device, 0.01e-3, first_chunk_s=0.15)
     res = await e.rank("u", h, torch.arange(1, 9), 2e9, device.deadline(1.0))
     assert not res.replanned and res.path == "full" and res.used_len == 3000
     e.scheduler.close()
@@ -454,7 +455,7 @@ async def test_a_sliced_full_ranking_at_its_planned_pace_does_not_replan(model) 
     device = _SimulatedDevice()
     kw = {"slice_ms": 5.0, "prefill_chunk": 512, "truncate_headroom": 0.5}
     e = _engine(model, LatencyModel(0.0, 0.01, 0.0), device.clock, **kw)
-    e.model = _SlowChunks(model, device, 0.01e-3)
+    e.runner = _SlowChunks(e.runner, device, 0.01e-3)
     res = await e.rank("u", h, torch.arange(1, 9), 2e9, device.deadline(1.0))
     assert not res.replanned and res.path == "full" and res.used_len == 3000
     assert "replan_lost" not in res.breakdown_ms
@@ -622,7 +623,7 @@ async def test_a_relay_slice_ends_at_the_slice_time_whatever_the_pace_says(model
     )
     monkeypatch.setattr(e.pacing.score, "observe", lambda *_: None)  # the pace stays what it says
     steps: list[int] = []
-    score_steps = e.model.score_steps
+    score_steps = e.runner.score_steps
 
     def counted(*args, **kw):
         for out in score_steps(*args, **kw):
@@ -638,7 +639,7 @@ async def test_a_relay_slice_ends_at_the_slice_time_whatever_the_pace_says(model
             self.now += self.step_s
             return self.now
 
-    monkeypatch.setattr(e.model, "score_steps", counted)
+    monkeypatch.setattr(e.runner, "score_steps", counted)
     e.pacing.clock = EngineClock(timer=Ticking(0.0))
     res = await e.rank("heavy", h, cands, 2e9, FAR)
     paced = len(steps)
@@ -646,7 +647,7 @@ async def test_a_relay_slice_ends_at_the_slice_time_whatever_the_pace_says(model
     steps.clear()
     e.pacing.clock = EngineClock(timer=Ticking(1.0))
     res = await e.rank("heavy", h, cands, 2e9, FAR)
-    assert res.path == "relay" and len(steps) == len(model.layers) >= paced
+    assert res.path == "relay" and len(steps) == model.config.layers >= paced
     torch.testing.assert_close(res.scores, model.rank_full(h, cands, 2e9), rtol=1e-4, atol=1e-4)
     e.scheduler.close()
 

@@ -18,6 +18,7 @@ from test_interactions import COLS, tiny_log_rows
 
 from relaygr.workers.model.hstu_attention import position_bucket, time_bucket
 from relaygr.workers.model.model import HSTUConfig, HSTURanker
+from relaygr.workers.model.runner import ModelRunner
 from relaygr.workers.model.vocab import ItemVocab
 from relaygr.workers.prefix_kv import Events
 from relaygr.workers.training import train
@@ -93,8 +94,9 @@ def test_the_recency_prior_discounts_distant_events_and_keeps_the_relay_exact() 
         torch.randint(1, 31, (n,)).tolist(), np.cumsum(np.arange(n) * 7.0).tolist(), [1] * n
     )
     cands, ts = torch.arange(1, 31), float(hist.timestamps[-1]) + 5
-    relay = model.rank(model.prefill(hist.slice(0, 25)), hist.slice(25), cands, ts)
-    torch.testing.assert_close(relay, model.rank_full(hist, cands, ts), rtol=1e-5, atol=1e-5)
+    runner = ModelRunner(model)
+    relay = runner.rank(runner.prefill(hist.slice(0, 25)), hist.slice(25), cands, ts)
+    torch.testing.assert_close(relay, runner.rank_full(hist, cands, ts), rtol=1e-5, atol=1e-5)
     untouched = _model()
     recency_prior(untouched, 0.0)
     assert all(torch.all(layer.pos_bias == 0) for layer in untouched.layers)
@@ -217,8 +219,9 @@ def test_biases_past_the_longest_training_window_take_the_farthest_trained_bias(
     n = 120
     long = Events.from_lists([i % 29 + 1 for i in range(n)], [600.0 * i for i in range(n)], [1] * n)
     cands, ts = torch.arange(1, 31), float(long.timestamps[-1]) + 5
-    relay = model.rank(model.prefill(long.slice(0, 100)), long.slice(100), cands, ts)
-    torch.testing.assert_close(relay, model.rank_full(long, cands, ts), rtol=1e-5, atol=1e-5)
+    runner = ModelRunner(model)
+    relay = runner.rank(runner.prefill(long.slice(0, 100)), long.slice(100), cands, ts)
+    torch.testing.assert_close(relay, runner.rank_full(long, cands, ts), rtol=1e-5, atol=1e-5)
 
 
 def test_whole_histories_put_long_sequences_into_training_whole_and_leave_the_rest_alone() -> None:

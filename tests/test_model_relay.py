@@ -1,4 +1,5 @@
-"""Relay exactness of the HSTU ranker: cached prefix + suffix == full inference, and friends."""
+"""Relay exactness of the HSTU ranker as its runner serves it (``ModelRunner``): cached prefix + suffix
+== full inference, and friends."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from relaygr.workers.model.dense import dense_rank_full
 from relaygr.workers.model.inference import UserRanking
 from relaygr.workers.model.model import HSTUConfig, HSTURanker
 from relaygr.workers.model.presets import PRESETS, preset
+from relaygr.workers.model.runner import ModelRunner
 from relaygr.workers.prefix_kv import Events, PrefixKV, history_fingerprint
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -55,17 +57,17 @@ def _randomise(model: HSTURanker, seed: int, scale: float = 0.5) -> HSTURanker:
 
 
 @functools.cache
-def model32() -> HSTURanker:
+def model32() -> ModelRunner:
     """With far keys (events 8 or more back weigh at most 3 events' worth together): every test
     that runs both models covers the far-key factors in float32 and the plain sum in float64."""
-    return _randomise(HSTURanker(_config(near_keys=8, far_keys=3.0)), 1)
+    return ModelRunner(_randomise(HSTURanker(_config(near_keys=8, far_keys=3.0)), 1))
 
 
 @functools.cache
-def model64() -> HSTURanker:
+def model64() -> ModelRunner:
     m = _randomise(HSTURanker(_config()), 2).to(torch.float64)
     m.refresh_version()
-    return m
+    return ModelRunner(m)
 
 
 def history(n: int, seed: int) -> Events:
@@ -108,13 +110,14 @@ def test_relay_equals_full(n, split, chunk, c, offset, seed) -> None:
         assert relay.dtype == torch.float32 and relay.device.type == "cpu" and relay.shape == (c,)
         torch.testing.assert_close(relay, full, rtol=rtol, atol=atol)
     # The dense training path computes the same function.
-    ref = dense_rank_full(model64(), h, cands, ts)
+    ref = dense_rank_full(model64().model, h, cands, ts)
     torch.testing.assert_close(model64().rank_full(h, cands, ts), ref, rtol=RTOL64, atol=ATOL64)
-    ref32 = dense_rank_full(model32(), h, cands, ts)
+    ref32 = dense_rank_full(model32().model, h, cands, ts)
     torch.testing.assert_close(model32().rank_full(h, cands, ts), ref32, rtol=RTOL32, atol=ATOL32)
 
 
 def _assert_prefix_close(a: PrefixKV, b: PrefixKV, rtol: float, atol: float) -> None:
+    a, b = a.dense(), b.dense()  # a paged prefix's tokens, gathered
     assert a.length == b.length and a.fingerprint == b.fingerprint and a.model_version == b.model_version
     assert torch.equal(a.positions, b.positions) and torch.equal(a.timestamps, b.timestamps)
     for x, y in zip(a.keys + a.values, b.keys + b.values, strict=True):
@@ -262,7 +265,7 @@ def test_scoring_in_steps_of_keys_equals_one_pass(n, c, step, seed) -> None:
         assert torch.equal(got, want)
         per_layer = max(1, n * -(-c // model.config.candidate_batch))
         # Each step reports its keys; what the last step visited goes with the scores.
-        left = per_layer * len(model.layers) - sum(visits)
+        left = per_layer * model.config.layers - sum(visits)
         assert 0 <= left < max(per_layer, step)
         assert all(v >= step and v % per_layer == 0 for v in visits)
 
@@ -271,19 +274,20 @@ def test_serving_state_follows_weight_changes() -> None:
     """Serving builds its bias tables and fused weights once per set of weights: a weight changed
     in place (a training step, a load) or a model moved to another dtype is seen at once."""
     model = _randomise(HSTURanker(_config()), 5)
+    runner = ModelRunner(model)
     h, cands = history(20, 3), candidates(5, 3)
     ts = request_time(h, 37.0)
-    before = model.rank(None, h, cands, ts)
+    before = runner.rank(None, h, cands, ts)
     with torch.no_grad():
         model.layers[0].pos_bias.add_(1.0)
         model.layers[1].uqkv.weight.mul_(1.5)
         model.action_emb.weight.add_(0.3)
-    after = model.rank(None, h, cands, ts)
+    after = runner.rank(None, h, cands, ts)
     assert not torch.allclose(after, before, rtol=RTOL32, atol=ATOL32)
     torch.testing.assert_close(after, dense_rank_full(model, h, cands, ts), rtol=RTOL32, atol=ATOL32)
     model.to(torch.float64)
     torch.testing.assert_close(
-        model.rank(None, h, cands, ts), dense_rank_full(model, h, cands, ts), rtol=RTOL64, atol=ATOL64
+        runner.rank(None, h, cands, ts), dense_rank_full(model, h, cands, ts), rtol=RTOL64, atol=ATOL64
     )
 
 
@@ -323,11 +327,12 @@ def test_candidates_are_independent(c, mb, seed) -> None:
 
 
 def test_bf16_relay_close_to_full() -> None:
-    model = _randomise(HSTURanker(_config(dtype="bfloat16")), 3)
+    module = _randomise(HSTURanker(_config(dtype="bfloat16")), 3)
     with torch.no_grad():
-        for p in model.parameters():
+        for p in module.parameters():
             p.mul_(0.5)
-    model.refresh_version()
+    module.refresh_version()
+    model = ModelRunner(module)
     assert model.dtype == torch.bfloat16
     worst = 0.0
     for seed in range(6):
@@ -350,9 +355,10 @@ def test_relay_equals_full_on_each_presets_shape(name: str) -> None:
         num_items=NUM_ITEMS, attn_block=8, candidate_batch=4, dropout=0.0, max_seq_len=64,
         layers=min(preset(name).layers, 2 if name == "nvidia-block" else 8),
     )  # fmt: skip
-    model = _randomise(HSTURanker(shape), 5, scale=shape.dim**-0.5)
-    model64 = _randomise(HSTURanker(shape), 5, scale=shape.dim**-0.5).to(torch.float64)
-    model64.refresh_version()
+    model = ModelRunner(_randomise(HSTURanker(shape), 5, scale=shape.dim**-0.5))
+    wide64 = _randomise(HSTURanker(shape), 5, scale=shape.dim**-0.5).to(torch.float64)
+    wide64.refresh_version()
+    model64 = ModelRunner(wide64)
     for n, cut, seed in ((40, 17, 0), (33, 0, 1), (29, 29, 2)):
         h, cands = history(n, seed), candidates(9, seed)
         ts = request_time(h, 60.0)
@@ -392,7 +398,7 @@ def test_extend_rejects_a_different_history() -> None:
 
 def test_prefix_from_another_model_is_rejected() -> None:
     prefix = model32().prefill(history(10, 1))
-    other = _randomise(HSTURanker(_config()), 99)
+    other = ModelRunner(_randomise(HSTURanker(_config()), 99))
     with pytest.raises(ValueError):
         other.rank(prefix, Events.empty(), torch.tensor([1]), 0.0)
 
@@ -403,15 +409,21 @@ def test_prefix_size_and_move() -> None:
     n = 17
     prefix = model.prefill(history(n, 2))
     per_layer = n * cfg.heads * (cfg.attn_dim + cfg.linear_dim) * 4
-    assert prefix.nbytes() == cfg.layers * per_layer + n * 8 + n * 8
+    # Paged: whole pages of tokens (keys and values of every layer, and a timestamp each).
+    token = cfg.layers * cfg.heads * (cfg.attn_dim + cfg.linear_dim) * 4 + 8
+    pages = -(-n // model.pages.page_tokens)
+    assert prefix.is_paged and prefix.nbytes() == pages * model.pages.page_tokens * token
+    # Its dense form: the tokens' keys and values, positions and timestamps.
+    assert prefix.dense().nbytes() == cfg.layers * per_layer + n * 8 + n * 8
     moved = prefix.to("cpu", pin=True)
     _assert_prefix_close(moved, prefix, 0.0, 0.0)
 
 
 def test_save_load_roundtrip(tmp_path) -> None:
     model = model32()
-    model.save(tmp_path)
-    loaded = HSTURanker.load(tmp_path)
+    model.model.save(tmp_path)
+    module = HSTURanker.load(tmp_path)
+    loaded = ModelRunner(module)
     assert loaded.model_version == model.model_version and loaded.config == model.config
     h, cands = history(25, 4), candidates(6, 4)
     torch.testing.assert_close(
@@ -421,7 +433,7 @@ def test_save_load_roundtrip(tmp_path) -> None:
     loaded.rank(prefix, h.slice(9), cands, 1e9)
     bf16 = HSTURanker.load(tmp_path, dtype="bfloat16")
     assert bf16.dtype == torch.bfloat16 and bf16.model_version != model.model_version
-    assert loaded.item_embeddings().shape == (NUM_ITEMS + 1, model.config.dim)
+    assert module.item_embeddings().shape == (NUM_ITEMS + 1, model.config.dim)
 
 
 def test_flops_counts_visible_pairs() -> None:

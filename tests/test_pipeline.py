@@ -22,6 +22,7 @@ from relaygr.schemas import DeadLetter, RecommendationRequest, TopicRegistry, de
 from relaygr.tools.pipeline import Pipeline
 from relaygr.tools.traffic import collect_results, history_of, leave_last_out, publish
 from relaygr.workers.model.model import HSTURanker
+from relaygr.workers.model.runner import ModelRunner
 from relaygr.workers.training.movielens import load_movielens
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow(seconds=12)]  # two pipelines, for 8 tests
@@ -179,7 +180,7 @@ async def test_relay_path_is_taken_and_scores_equal_full_inference(relay_run, mo
     behaviours, _ = traffic
     relay = [results[r.request_id] for r in sent if results[r.request_id].path.value.startswith("relay")]
     assert len(relay) >= len(USERS) // 2, {res.path for res in results.values()}
-    model = HSTURanker.load(model_dir)
+    model = ModelRunner(HSTURanker.load(model_dir))
     by_id = {r.request_id: r for r in sent}
     for res in relay:
         req = by_id[res.request_id]

@@ -5,7 +5,7 @@ Budgets are in units of one 10-token synthetic prefix (the core never looks insi
 from __future__ import annotations
 
 import torch
-from test_prefix_store import MV, NB10, Clock, history, prefix_for
+from test_prefix_store import MV, NB10, ND10, PAGE, Clock, history, prefix_for
 
 from relaygr.workers.store.placement import PrefixPlacement
 from relaygr.workers.store.prefix_store import PrefixStoreConfig
@@ -13,7 +13,9 @@ from relaygr.workers.store.prefix_store import PrefixStoreConfig
 
 def make_core(*, device: int = 2, host: int = 2, clock: Clock | None = None) -> tuple[PrefixPlacement, list]:
     hosted: list = []
-    cfg = PrefixStoreConfig(device_budget_bytes=device * NB10, host_budget_bytes=host * NB10)
+    cfg = PrefixStoreConfig(
+        device_budget_bytes=device * ND10, page_tokens=PAGE, host_budget_bytes=host * NB10
+    )
     core = PrefixPlacement(
         cfg,
         MV,
@@ -39,9 +41,9 @@ def test_device_pressure_demotes_the_least_recently_used_to_host_then_evicts() -
 def test_a_lease_makes_room_and_its_entry_is_never_demoted() -> None:
     core, _ = make_core()
     core.put(0, prefix_for(history(0, 10)))
-    assert core.lease(0, ttl_s=10, expected_bytes=NB10)
-    assert core.lease(1, ttl_s=10, expected_bytes=NB10)
-    refused = core.lease(2, ttl_s=10, expected_bytes=NB10)
+    assert core.lease(0, ttl_s=10, expected_bytes=ND10)
+    assert core.lease(1, ttl_s=10, expected_bytes=ND10)
+    refused = core.lease(2, ttl_s=10, expected_bytes=ND10)
     assert not refused and refused.reason == "pinned_budget_exceeded"
     for user in (3, 4):  # no room left beside the reservations: straight to host
         assert core.put(user, prefix_for(history(user, 10))) == "host"

@@ -14,6 +14,7 @@ import torch
 from rocksdict import Options, Rdict
 from store_probe import is_leased, keys_by_tier
 
+from relaygr.workers.kv_pages import KVLayout
 from relaygr.workers.prefix_kv import Events, PrefixKV, history_fingerprint
 from relaygr.workers.store.blob_files import BlobFiles
 from relaygr.workers.store.prefix_store import PrefixStore, PrefixStoreConfig
@@ -44,10 +45,13 @@ def prefix_for(h: Events, n: int | None = None, *, mv: str = MV, seed: int = 0) 
     )
 
 
-NB10 = prefix_for(history(0, 10)).nbytes()  # 1440 bytes for 10 tokens
+NB10 = prefix_for(history(0, 10)).nbytes()  # 1440 bytes for 10 tokens (host and disk: dense)
+PAGE = 1  # tokens a device page holds here: a prefix's device bytes are its tokens'
+ND10 = KVLayout(2, 2, 4, 4, torch.float32, PAGE).bytes_for(10)  # 1360 bytes on the device (in pages)
 
 
 def same(a: PrefixKV, b: PrefixKV) -> bool:
+    a, b = a.dense(), b.dense()  # a paged prefix's tokens, gathered
     return (
         a.length == b.length
         and a.fingerprint == b.fingerprint
@@ -66,9 +70,11 @@ class Clock:
 
 
 def make_store(tmp_path=None, *, device=3, host=3, disk=None, clock=None, **kw) -> PrefixStore:
-    """Budgets in units of one 10-token prefix; ``disk`` in the same units (None: no disk tier)."""
+    """Budgets in units of one 10-token prefix (its pages' bytes on the device, its dense bytes on
+    host); ``disk`` in host units (None: no disk tier)."""
     cfg = PrefixStoreConfig(
-        device_budget_bytes=device * NB10,
+        device_budget_bytes=device * ND10,
+        page_tokens=PAGE,
         host_budget_bytes=host * NB10,
         disk_path=None if disk is None else str(tmp_path / "kv"),
         disk_budget_bytes=(disk or 0) * (NB10 + 1024),
@@ -83,9 +89,11 @@ async def test_device_hit_returns_what_was_stored() -> None:
     p = prefix_for(h)
     assert store.put(1, p) == "device"
     got = await store.lookup(1, h)
-    assert got.tier == "device" and got.hit and got.prefix is p
+    # Written into the device tier's pages once; every hit is that paged prefix, no copy.
+    assert got.tier == "device" and got.hit and got.prefix.is_paged and same(got.prefix, p)
+    assert (await store.lookup(1, h)).prefix is got.prefix
     m = store.metrics()
-    assert (m["hits_device"], m["lookups"], m["bytes_device"], m["entries_device"]) == (1, 1, NB10, 1)
+    assert (m["hits_device"], m["lookups"], m["bytes_device"], m["entries_device"]) == (2, 2, ND10, 1)
     miss = await store.lookup(2, history(2, 10))
     assert miss.tier == "miss" and miss.prefix is None
     m = store.metrics()
@@ -130,12 +138,12 @@ async def test_demotion_then_promotion_returns_equal_tensors() -> None:
 async def test_pinned_entries_are_never_evicted_or_demoted() -> None:
     store = make_store(device=3, host=1)
     for u in (0, 1):
-        assert store.lease(u, ttl_s=60, expected_bytes=NB10).admitted
+        assert store.lease(u, ttl_s=60, expected_bytes=ND10).admitted
         store.put(u, prefix_for(history(u, 10)))
     for u in range(10, 30):
         store.put(u, prefix_for(history(u, 10)))
         assert store.where(0) == "device" and store.where(1) == "device"
-        assert store.metrics()["bytes_device"] <= 3 * NB10
+        assert store.metrics()["bytes_device"] <= 3 * ND10
     # the one unpinned device slot cycles; the pinned ones stay
     assert sorted(k[0] for k in keys_by_tier(store)["device"]) == [0, 1, 29]
     store.release(0)
@@ -156,7 +164,7 @@ async def test_leased_entry_in_host_stays_in_memory_then_promotes_pinned() -> No
     assert store.where(0) == "host" and store.where(1) is None
     got = await store.lookup(0, h0)
     assert got.tier == "host" and store.where(0) == "device"
-    assert store.metrics()["bytes_reserved"] == NB10  # the promotion grew the reservation
+    assert store.metrics()["bytes_reserved"] == ND10  # the promotion grew the reservation
     store.put(3, prefix_for(history(3, 10)))
     assert store.where(0) == "device" and store.where(3) == "host"
     store.close()
@@ -165,25 +173,25 @@ async def test_leased_entry_in_host_stays_in_memory_then_promotes_pinned() -> No
 def test_lease_admission_fails_when_pins_exceed_device_budget() -> None:
     store = make_store(device=3)
     for u in range(3):
-        r = store.lease(u, ttl_s=10, expected_bytes=NB10)
+        r = store.lease(u, ttl_s=10, expected_bytes=ND10)
         assert r.admitted and r.reason == "admitted"
-    refused = store.lease(3, ttl_s=10, expected_bytes=NB10)
+    refused = store.lease(3, ttl_s=10, expected_bytes=ND10)
     assert not refused and refused.reason == "pinned_budget_exceeded"
-    assert refused.pinned_bytes == 3 * NB10 and refused.budget_bytes == 3 * NB10
-    assert store.lease(0, ttl_s=20, expected_bytes=NB10).reason == "renewed"
-    assert not store.lease(0, ttl_s=20, expected_bytes=2 * NB10)  # growing a renewal must fit too
+    assert refused.pinned_bytes == 3 * ND10 and refused.budget_bytes == 3 * ND10
+    assert store.lease(0, ttl_s=20, expected_bytes=ND10).reason == "renewed"
+    assert not store.lease(0, ttl_s=20, expected_bytes=2 * ND10)  # growing a renewal must fit too
     assert store.release(1) and not store.release(1)
-    assert store.lease(3, ttl_s=10, expected_bytes=NB10).admitted
+    assert store.lease(3, ttl_s=10, expected_bytes=ND10).admitted
     m = store.metrics()
     assert (m["leases_admitted"], m["leases_refused"], m["leases_renewed"]) == (4, 2, 1)
-    assert m["bytes_reserved"] == 3 * NB10
+    assert m["bytes_reserved"] == 3 * ND10
     store.close()
 
 
 def test_leases_expire_lazily_on_the_injected_clock() -> None:
     clock = Clock()
     store = make_store(device=2, host=0, clock=clock)
-    store.lease(0, ttl_s=5, expected_bytes=NB10)
+    store.lease(0, ttl_s=5, expected_bytes=ND10)
     store.put(0, prefix_for(history(0, 10)))
     clock.t += 4.9
     assert store.expire_leases() == 0 and is_leased(store, 0)
@@ -202,8 +210,8 @@ def test_reserved_room_keeps_unpinned_entries_out() -> None:
     for u in range(3):
         store.put(u, prefix_for(history(u, 10)))
     # leasing two users that are not resident yet demotes two unpinned entries right away
-    store.lease(7, expected_bytes=NB10)
-    store.lease(8, expected_bytes=NB10)
+    store.lease(7, expected_bytes=ND10)
+    store.lease(8, expected_bytes=ND10)
     assert len(keys_by_tier(store)["device"]) == 1
     store.put(7, prefix_for(history(7, 10)))
     store.put(8, prefix_for(history(8, 10)))
@@ -213,7 +221,7 @@ def test_reserved_room_keeps_unpinned_entries_out() -> None:
     store.put(9, prefix_for(history(9, 25)))
     m = store.metrics()
     assert m["lease_revocations"] == 1 and not is_leased(store, 9)
-    assert m["bytes_device"] <= 3 * NB10
+    assert m["bytes_device"] <= 3 * ND10
     store.close()
 
 
@@ -371,7 +379,7 @@ async def test_get_or_compute_extends_the_longest_valid_prefix() -> None:
         return prefix_for(h)
 
     p, src = await store.get_or_compute(3, h, extend)
-    assert src == "extended" and seen == [short] and p.length == 16
+    assert src == "extended" and len(seen) == 1 and same(seen[0], short) and p.length == 16
     assert (await store.lookup(3, h)).length == 16
     assert store.metrics()["extensions"] == 1
     store.close()
@@ -389,7 +397,7 @@ async def test_get_or_compute_at_least_takes_a_longer_cached_prefix_and_keeps_it
         return prefix_for(h, 12)
 
     p, src = await store.get_or_compute(3, h, compute, at_least=12)
-    assert src == "device" and p is long and calls == []
+    assert src == "device" and same(p, long) and calls == []
     # A compute that finishes after a longer prefix of the same history was stored: the longer stays.
     store2 = make_store()
     short = prefix_for(h, 8)
@@ -401,7 +409,7 @@ async def test_get_or_compute_at_least_takes_a_longer_cached_prefix_and_keeps_it
 
     p, src = await store2.get_or_compute(3, h, slow, at_least=12)
     assert src == "extended" and p.length == 12
-    assert (await store2.lookup(3, h)).prefix is long
+    assert same((await store2.lookup(3, h)).prefix, long)
     with pytest.raises(ValueError, match="at_least"):
         await store.get_or_compute(3, h, compute, at_least=21)
 

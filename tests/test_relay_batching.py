@@ -17,6 +17,7 @@ from relaygr.workers.engine.latency_model import LatencyModel
 from relaygr.workers.engine.ranker import RankingEngine, RankOutcome
 from relaygr.workers.engine.scheduler import DeviceScheduler, Priority
 from relaygr.workers.model.model import HSTURanker
+from relaygr.workers.model.runner import ModelRunner
 from relaygr.workers.prefix_kv import Events, PrefixKV
 from relaygr.workers.store.prefix_store import PrefixStore, PrefixStoreConfig
 
@@ -25,14 +26,17 @@ USERS = 5
 
 
 @pytest.fixture(scope="module")
-def model() -> HSTURanker:
-    return tiny_model(3)
+def model() -> ModelRunner:
+    """The model's runner for reference rankings; each engine serves the module with its own."""
+    return ModelRunner(tiny_model(3))
 
 
 def engine(model: HSTURanker, **kw) -> RankingEngine:
     store = PrefixStore(PrefixStoreConfig(device_budget_bytes=1 << 26), model.model_version)
     cfg = EngineConfig(prefill_chunk=64, **kw)
-    return RankingEngine(model, store, DeviceScheduler("test"), cfg, LatencyModel(1.0, 0.0, 0.0))
+    return RankingEngine(
+        ModelRunner(model.model), store, DeviceScheduler("test"), cfg, LatencyModel(1.0, 0.0, 0.0)
+    )
 
 
 def users() -> list[tuple[str, Events, int, torch.Tensor]]:
@@ -84,8 +88,8 @@ async def test_waiting_users_rank_in_one_forward_as_if_alone(model) -> None:
     e = engine(model, batch_tokens=4096)
     await prefill_all(e, jobs)
     calls = []
-    real = e.model.rank_users
-    e.model.rank_users = lambda reqs: calls.append(len(reqs)) or real(reqs)  # type: ignore[method-assign]
+    real = e.runner.rank_users
+    e.runner.rank_users = lambda reqs: calls.append(len(reqs)) or real(reqs)  # type: ignore[method-assign]
     got = await rank_while_busy(e, jobs)
     assert calls == [USERS] and e.scheduler.batches_run == 1
     assert e.batch_sizes() == {USERS: 1}

@@ -8,6 +8,7 @@ import torch
 
 from relaygr.tools.experiment.deployment import serving_cap_at_least
 from relaygr.workers.model.model import HSTURanker
+from relaygr.workers.model.runner import ModelRunner
 from tests.synthetic import history, tiny_model
 
 
@@ -28,4 +29,6 @@ def test_a_cap_below_the_longest_point_is_raised_in_a_copy_that_ranks_alike(tmp_
     h = history(min(cap, 300), seed=1)
     cands = torch.arange(1, 9)
     ts = float(h.timestamps[-1]) + 60.0
-    torch.testing.assert_close(copy.rank(None, h, cands, ts), HSTURanker.load(src).rank(None, h, cands, ts))
+    torch.testing.assert_close(
+        ModelRunner(copy).rank(None, h, cands, ts), ModelRunner(HSTURanker.load(src)).rank(None, h, cands, ts)
+    )

@@ -18,9 +18,10 @@ import pytest
 import torch
 from rocksdict import Options, Rdict
 from test_model_relay import NUM_ITEMS, _config
-from test_prefix_store import MV, NB10, history, make_store, prefix_for, same
+from test_prefix_store import MV, NB10, ND10, PAGE, history, make_store, prefix_for, same
 
 from relaygr.workers.model.model import HSTURanker
+from relaygr.workers.model.runner import ModelRunner
 from relaygr.workers.prefix_kv import Events
 from relaygr.workers.store import blob_files
 from relaygr.workers.store.blob_files import BlobFiles, RecyclingBuffers, aligned_buffer
@@ -106,7 +107,8 @@ async def test_a_host_tier_predicted_slower_is_not_served(tmp_path) -> None:
 async def test_no_prefix_is_written_to_a_disk_slower_than_recompute(tmp_path) -> None:
     store = PrefixStore(
         PrefixStoreConfig(
-            device_budget_bytes=NB10,
+            device_budget_bytes=ND10,
+            page_tokens=PAGE,
             host_budget_bytes=0,
             disk_path=str(tmp_path / "kv"),
             disk_budget_bytes=10 * (NB10 + 1024),
@@ -231,7 +233,7 @@ def test_a_wrong_reader_checksum_is_a_codec_error() -> None:
 
 async def test_a_large_prefix_of_a_real_model_goes_through_the_disk_path(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(blob_files, "CHUNK", 256 << 10)  # several chunks: checksum beside the reads
-    model = HSTURanker(_config(max_seq_len=8192, attn_block=256)).eval()
+    model = ModelRunner(HSTURanker(_config(max_seq_len=8192, attn_block=256)).eval())
     gen = torch.Generator().manual_seed(5)
     n = 6000
     h = Events(
@@ -285,7 +287,7 @@ def test_a_read_buffer_is_reused_only_once_nothing_views_it() -> None:
 def test_a_calibration_with_tier_costs_is_read_back(tmp_path) -> None:
     from relaygr.workers.engine.calibration import calibrate_and_save
 
-    model = HSTURanker(_config()).eval()
+    model = ModelRunner(HSTURanker(_config()).eval())
     out = tmp_path / "calibration.json"
     calibrate_and_save(
         model, out, lengths=(16, 32, 64), candidates=4, repeats=1, tier_costs_dir=tmp_path / "d"

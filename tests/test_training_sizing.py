@@ -17,6 +17,7 @@ from synthetic import write_csv
 from test_interactions import COLS, tiny_log_rows
 
 from relaygr.workers.model.model import HSTUConfig, HSTURanker
+from relaygr.workers.model.runner import ModelRunner
 from relaygr.workers.prefix_kv import Events
 from relaygr.workers.training import train
 from relaygr.workers.training.fit import EarlyStopping
@@ -180,7 +181,7 @@ def test_a_model_with_the_sized_normaliser_is_still_relay_exact() -> None:
         max_len=96,
         attn_normaliser=96.0,
     )
-    model = HSTURanker(cfg).eval()
+    model = ModelRunner(HSTURanker(cfg).eval())
     n = 40
     hist = Events.from_lists(
         torch.randint(1, 31, (n,)).tolist(), np.cumsum(np.arange(n) * 7.0).tolist(), [1] * n

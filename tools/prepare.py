@@ -35,6 +35,7 @@ def ensure_calibration(model_dir: Path) -> Path:
     from relaygr.streams.config import PipelineSettings
     from relaygr.workers.engine.calibration import calibrate_and_save
     from relaygr.workers.model.model import HSTURanker
+    from relaygr.workers.model.runner import ModelRunner
 
     path = model_dir / "calibration.json"
     _step("calibrating full-ranking latency on this machine, and the pace of relay rankings")
@@ -42,7 +43,7 @@ def ensure_calibration(model_dir: Path) -> Path:
     settings = PipelineSettings()
     # Timed as the workers will run it; the paces as `relaygr calibrate` measures them.
     paces = settings.pace_settings()
-    _, samples = calibrate_and_save(model, path, threads=settings.torch_threads, paces=paces)
+    _, samples = calibrate_and_save(ModelRunner(model), path, threads=settings.torch_threads, paces=paces)
     print("   " + ", ".join(f"{n} tokens {ms:.1f} ms" for n, ms in samples), file=sys.stderr)
     relay = json.loads(path.read_text()).get("relay_pace", [])
     print(

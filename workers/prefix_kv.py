@@ -15,10 +15,13 @@ Primitives:
 - ``PrefixKV``: what pre-inference leaves behind for ranking — per-layer keys and values of the
   prefix tokens plus what the suffix needs to attend to them (positions, timestamps, length),
   the fingerprint of the history it came from and the version of the model that computed it; in
-  a cold tier, possibly in a compressed form (``kv_formats``).
+  a cold tier, possibly in a compressed form (``kv_formats``). On the device it is paged
+  (``PrefixKV.paged``: its tokens in the pages of a ``kv_pages.KVPages``, read in place, grown by
+  appending pages); ``dense()`` gathers such a prefix into tensors of its own.
 
 This module is the interface between the model (which produces and consumes ``PrefixKV``) and the
-prefix store (which keeps it in device memory, host memory or RocksDB). It imports only torch.
+prefix store (which keeps it in device memory, host memory or RocksDB). It imports only torch and
+the pages (``kv_pages``).
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ import weakref
 from dataclasses import dataclass, field, replace
 
 import torch
+
+from relaygr.workers.kv_pages import PagedKV
 
 FINGERPRINT_BYTES = 16
 
@@ -108,6 +113,10 @@ class PrefixKV:
     (float64) of the prefix tokens travel with them: relative attention bias is computed from
     the absolute positions and timestamps of each token pair. ``fingerprint`` is
     ``history_fingerprint(history, length)``. ``model_version`` names the weights that computed it.
+
+    Paged (``pages`` set, ``PrefixKV.paged``): the keys, values and timestamps live in the pages
+    of a ``KVPages`` (``keys``, ``values``, ``positions`` and ``timestamps`` are then empty; the
+    positions are ``0 .. length - 1``); ``dense()`` gathers them.
     """
 
     keys: list[torch.Tensor]
@@ -126,26 +135,78 @@ class PrefixKV:
     # The last history found to match (``matches``): a ranking checks one history several times
     # (the cached length, then the lookup), and hashing thousands of events is the costly part.
     _matched: weakref.ref[Events] | None = field(default=None, init=False, repr=False, compare=False)
+    # The device's paged form: where its tokens lie (the tensors above are then empty).
+    pages: PagedKV | None = field(default=None, repr=False, compare=False)
+
+    @classmethod
+    def paged(
+        cls, run: PagedKV, fingerprint: bytes, model_version: str, meta: dict[str, str] | None = None
+    ) -> PrefixKV:
+        """A prefix of ``run.length`` tokens held in ``run``'s pages."""
+        device = run.pool.device
+        return cls(
+            keys=[],
+            values=[],
+            positions=torch.empty(0, dtype=torch.int64, device=device),
+            timestamps=torch.empty(0, dtype=torch.float64, device=device),
+            length=run.length,
+            fingerprint=fingerprint,
+            model_version=model_version,
+            meta=dict(meta or {}),
+            pages=run,
+        )
+
+    @property
+    def is_paged(self) -> bool:
+        return self.pages is not None
 
     @property
     def device(self) -> torch.device:
+        if self.pages is not None:
+            return self.pages.pool.device
         return self.keys[0].device if self.keys else self.positions.device
 
     @property
     def dtype(self) -> torch.dtype:
+        if self.pages is not None:
+            return self.pages.pool.layout.dtype
         return self.keys[0].dtype if self.keys else torch.float32
 
     @property
     def num_layers(self) -> int:
-        return len(self.keys)
+        return self.pages.pool.layout.layers if self.pages is not None else len(self.keys)
 
     def nbytes(self) -> int:
-        """Bytes held by all tensors (what the prefix store budgets)."""
+        """Bytes held by all tensors (what the prefix store budgets); paged, its pages' bytes."""
+        if self.pages is not None:
+            return self.pages.nbytes()
         tensors = [*self.keys, *self.values, *self.scales, self.positions, self.timestamps]
         return sum(t.numel() * t.element_size() for t in tensors)
 
+    def dense(self) -> PrefixKV:
+        """This prefix with tensors of its own, on its device: a paged one's tokens gathered from
+        its pages (a copy), any other itself."""
+        run = self.pages
+        if run is None:
+            return self
+        keys, values, timestamps = run.pool.gather(run)
+        # [layers, n, H, d] -> per layer [H, n, d], every layer in one tensor (back to back).
+        keys, values = keys.transpose(1, 2).contiguous(), values.transpose(1, 2).contiguous()
+        return replace(
+            self,
+            keys=list(keys.unbind(0)),
+            values=list(values.unbind(0)),
+            positions=torch.arange(self.length, device=run.pool.device),
+            timestamps=timestamps,
+            meta=dict(self.meta),
+            pages=None,
+        )
+
     def to(self, device: torch.device | str, *, pin: bool = False, non_blocking: bool = False) -> PrefixKV:
-        """A copy on ``device``. ``pin=True`` on a CPU target pins host memory (for fast H2D)."""
+        """A copy on ``device`` (a paged prefix's tokens gathered first). ``pin=True`` on a CPU
+        target pins host memory (for fast H2D)."""
+        if self.pages is not None:
+            return self.dense().to(device, pin=pin, non_blocking=non_blocking)
         device = torch.device(device)
 
         def move(t: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ from relaygr.workers.engine.latency_model import LatencyModel
 from relaygr.workers.engine.ranker import RankingEngine
 from relaygr.workers.engine.scheduler import DeviceScheduler
 from relaygr.workers.model.model import HSTURanker
+from relaygr.workers.model.runner import ModelRunner
 from relaygr.workers.store.prefix_store import PrefixStore, PrefixStoreConfig
 from relaygr.workers.store.tier_costs import TierChoice, TierCosts
 
@@ -36,6 +37,7 @@ def build_engine(
     prefix store of a relay worker, and the latency model they plan with; and ``pipeline`` as
     this worker runs it (its share of the device, ``device_shared``)."""
     model = HSTURanker.load(pipeline.model_dir, device=pipeline.device)
+    runner = ModelRunner(model)
     pipeline = device_shared(pipeline, str(model.device))
     threads, core = pipeline.torch_threads, pipeline.device_core
 
@@ -62,18 +64,18 @@ def build_engine(
             model_version=model.model_version,
             clock=time.time,
         )
-    latency = latency_model(pipeline, model)
+    latency = latency_model(pipeline, runner)
     if store is not None:
         store.set_tier_choice(tier_choice(pipeline, latency))
-    return RankingEngine(model, store, scheduler, engine_config(pipeline), latency), pipeline
+    return RankingEngine(runner, store, scheduler, engine_config(pipeline), latency), pipeline
 
 
-def latency_model(pipeline: PipelineSettings, model: HSTURanker) -> LatencyModel:
+def latency_model(pipeline: PipelineSettings, runner: ModelRunner) -> LatencyModel:
     """The calibration file's latency model of full ranking, else one measured here now."""
     calibration = pipeline.calibration_file
     if calibration is not None and calibration.exists():
         return LatencyModel.load(calibration)
-    fitted, samples = calibrate(model, repeats=2)
+    fitted, samples = calibrate(runner, repeats=2)
     log.info("calibrated full ranking on this machine: %s -> %s", samples, fitted)
     return fitted
 

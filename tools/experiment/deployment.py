@@ -151,11 +151,12 @@ def calibrate_latency(model_dir: Path, threads: int, out: Path, device: str | No
     from relaygr.streams.config import PipelineSettings
     from relaygr.workers.engine.calibration import calibrate_and_save
     from relaygr.workers.model.model import HSTURanker
+    from relaygr.workers.model.runner import ModelRunner
 
     settings = PipelineSettings()
     paces = settings.pace_settings()
     model = HSTURanker.load(model_dir, device=device) if device else HSTURanker.load(model_dir)
-    return calibrate_and_save(model, out, repeats=5, threads=threads, paces=paces)
+    return calibrate_and_save(ModelRunner(model), out, repeats=5, threads=threads, paces=paces)
 
 
 def pipeline_env(

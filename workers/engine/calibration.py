@@ -2,17 +2,17 @@
 
 Primitives:
 - ``CALIBRATION_LENGTHS``: the history lengths timed by default.
-- ``calibrate(model, lengths, candidates, repeats, threads)``: the median time of ``rank_full``
+- ``calibrate(runner, lengths, candidates, repeats, threads)``: the median time of ``rank_full``
   per history length, and the latency model fitted to them.
-- ``measure_paces(model, latency, slice_ms=..., chunk=...)``: how much slower than the latency
+- ``measure_paces(runner, latency, slice_ms=..., chunk=...)``: how much slower than the latency
   model's marginal times a sliced pre-inference and a relay ranking run (``prefill_pace``,
   ``relay_pace``; what ``relaygr plan`` multiplies its device time by).
-- ``calibrate_and_save(model, out, ..., paces=None, tier_costs_dir=None)``: the same, written as
+- ``calibrate_and_save(runner, out, ..., paces=None, tier_costs_dir=None)``: the same, written as
   a calibration file (JSON: the coefficients, the samples, the model version, device and thread
   count, the paces when asked for, and with ``tier_costs_dir`` the prefix store's promotion
   speeds measured there: ``tier_costs``, from ``workers.store.tier_costs.measure_tier_costs``)
   that workers load through ``RELAYGR_CALIBRATION_FILE``.
-- ``warm_up_work(model, history_len, num_candidates, rounds, chunk)``: the one-off work a fresh
+- ``warm_up_work(runner, history_len, num_candidates, rounds, chunk)``: the one-off work a fresh
   process runs before serving (``RankingEngine.warm_up``).
 """
 
@@ -28,7 +28,7 @@ import torch
 
 from relaygr.workers.engine.latency_model import LatencyModel
 from relaygr.workers.model.devices import keep_host_pages
-from relaygr.workers.model.model import HSTURanker
+from relaygr.workers.model.runner import ModelRunner
 from relaygr.workers.prefix_kv import Events
 
 CALIBRATION_LENGTHS: tuple[int, ...] = (64, 256, 512, 1024, 2048)
@@ -38,16 +38,16 @@ PACE_LENGTHS: tuple[int, ...] = (512, 1024, 2048, 4096, 8192)
 """Cached lengths at which ``measure_paces`` times sliced pre-inference and relay ranking."""
 
 
-def _synthetic(model: HSTURanker, n: int, gen: torch.Generator) -> Events:
+def _synthetic(runner: ModelRunner, n: int, gen: torch.Generator) -> Events:
     return Events(
-        torch.randint(1, model.config.num_items + 1, (n,), generator=gen),
-        torch.randint(1, model.config.num_actions + 1, (n,), generator=gen),
+        torch.randint(1, runner.config.num_items + 1, (n,), generator=gen),
+        torch.randint(1, runner.config.num_actions + 1, (n,), generator=gen),
         torch.arange(n, dtype=torch.float64) * 60.0,
     )
 
 
 def calibrate(
-    model: HSTURanker,
+    runner: ModelRunner,
     lengths: tuple[int, ...] = CALIBRATION_LENGTHS,
     candidates: int = 128,
     repeats: int = 3,
@@ -63,26 +63,26 @@ def calibrate(
         old = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
-            return calibrate(model, lengths, candidates, repeats, clock=clock)
+            return calibrate(runner, lengths, candidates, repeats, clock=clock)
         finally:
             torch.set_num_threads(old)
     gen = torch.Generator().manual_seed(0)
-    cands = torch.randint(1, model.config.num_items + 1, (candidates,), generator=gen)
+    cands = torch.randint(1, runner.config.num_items + 1, (candidates,), generator=gen)
     samples = []
     for n in lengths:
-        hist = _synthetic(model, n, gen)
-        model.rank_full(hist, cands, float(n) * 60.0)  # warm-up
+        hist = _synthetic(runner, n, gen)
+        runner.rank_full(hist, cands, float(n) * 60.0)  # warm-up
         times = []
         for _ in range(repeats):
             t0 = clock()
-            model.rank_full(hist, cands, float(n) * 60.0)
+            runner.rank_full(hist, cands, float(n) * 60.0)
             times.append((clock() - t0) * 1000)
         samples.append((n, statistics.median(times)))
     return LatencyModel.fit(samples), samples
 
 
 def measure_paces(
-    model: HSTURanker,
+    runner: ModelRunner,
     latency: LatencyModel,
     *,
     slice_ms: float,
@@ -103,24 +103,24 @@ def measure_paces(
     from relaygr.workers.engine.pacing import Slicer
 
     gen = torch.Generator().manual_seed(1)
-    cands = torch.randint(1, model.config.num_items + 1, (candidates,), generator=gen)
+    cands = torch.randint(1, runner.config.num_items + 1, (candidates,), generator=gen)
     out: dict[str, list[list[float]]] = {"prefill_pace": [], "relay_pace": []}
     pace = DevicePace()  # carried from length to length, as a worker's is
     for n in lengths:
-        hist = _synthetic(model, n + suffix, gen)
+        hist = _synthetic(runner, n + suffix, gen)
         head = hist.slice(0, n)
         ts = float(hist.timestamps[-1]) + 60.0
-        prefix = model.prefill(head)  # warm-up, and the prefix the relay ranking reads
+        prefix = runner.prefill(head)  # warm-up, and the prefix the relay ranking reads
         slicer = Slicer(latency, pace, slice_ms, chunk) if slice_ms else None
-        steps = model.prefill_steps(head, slicer or chunk)
+        steps = runner.prefill_steps(head, slicer or chunk)
         t0 = clock()
         for _ in slicer.measured(steps) if slicer is not None else steps:
             pass
         spent = (clock() - t0) * 1000
         out["prefill_pace"].append([n, spent / (latency.predict_ms(n) - latency.predict_ms(0))])
-        model.rank(prefix, hist.slice(n), cands, ts)  # warm-up
+        runner.rank(prefix, hist.slice(n), cands, ts)  # warm-up
         t0 = clock()
-        model.rank(prefix, hist.slice(n), cands, ts)
+        runner.rank(prefix, hist.slice(n), cands, ts)
         spent = (clock() - t0) * 1000
         out["relay_pace"].append(
             [n, spent / (latency.predict_ms(n + suffix + candidates) - latency.predict_ms(n))]
@@ -129,7 +129,7 @@ def measure_paces(
 
 
 def calibrate_and_save(
-    model: HSTURanker,
+    runner: ModelRunner,
     out: Path,
     *,
     lengths: tuple[int, ...] = CALIBRATION_LENGTHS,
@@ -143,26 +143,26 @@ def calibrate_and_save(
     of ``measure_paces``' keyword arguments; with ``tier_costs_dir``, the tier costs measured
     in that folder, the disk tier's filesystem, on the model's device); returns what
     ``calibrate`` returns."""
-    lat, samples = calibrate(model, lengths, candidates, repeats, threads)
+    lat, samples = calibrate(runner, lengths, candidates, repeats, threads)
     extra: dict[str, object] = {}
     if paces is not None:
         old = torch.get_num_threads()
         if threads:
             torch.set_num_threads(threads)
         try:
-            extra = dict(measure_paces(model, lat, candidates=candidates, **paces))
+            extra = dict(measure_paces(runner, lat, candidates=candidates, **paces))
         finally:
             torch.set_num_threads(old)
     if tier_costs_dir is not None:
         from relaygr.workers.store.tier_costs import measure_tier_costs
 
         Path(tier_costs_dir).mkdir(parents=True, exist_ok=True)
-        extra["tier_costs"] = measure_tier_costs(tier_costs_dir, model.device).to_dict()
+        extra["tier_costs"] = measure_tier_costs(tier_costs_dir, runner.device).to_dict()
     lat.save(
         Path(out),
         samples=samples,
-        model_version=model.model_version,
-        device=str(model.device),
+        model_version=runner.model_version,
+        device=str(runner.device),
         threads=threads,
         **extra,
     )
@@ -170,12 +170,12 @@ def calibrate_and_save(
 
 
 def warm_up_work(
-    model: HSTURanker, history_len: int, num_candidates: int, rounds: int, chunk: int
+    runner: ModelRunner, history_len: int, num_candidates: int, rounds: int, chunk: int
 ) -> Callable[[], None]:
     """A full ranking, a pre-inference (in ``chunk``-token chunks) and a relay ranking of a
     synthetic user, ``rounds`` times: what ``RankingEngine.warm_up`` runs on the device thread.
     With bucketed relay rankings on, every bucket is built (captured on CUDA) first."""
-    cfg = model.config
+    cfg = runner.config
     n = max(2, min(history_len, cfg.max_seq_len))
     g = torch.Generator().manual_seed(0)
     hist = Events(
@@ -188,11 +188,11 @@ def warm_up_work(
     split = max(1, n - 64)
 
     def work() -> None:
-        if model.graph_relay is not None:
-            model.graph_relay.warm_up()
+        if runner.graph_relay is not None:
+            runner.graph_relay.warm_up()
         for _ in range(rounds):
-            model.rank(None, hist, cands, request_ts)
-            prefix = model.prefill(hist.slice(0, split), chunk)
-            model.rank(prefix, hist.slice(split), cands, request_ts)
+            runner.rank(None, hist, cands, request_ts)
+            prefix = runner.prefill(hist.slice(0, split), chunk)
+            runner.rank(prefix, hist.slice(split), cands, request_ts)
 
     return work

@@ -4,7 +4,8 @@ Primitives:
 - ``lognormal_lengths(p50, p99, cap, points)``: a representative sample of history lengths (equally
   spaced quantiles of a log-normal through the given median and 99th percentile, capped at the
   model's ``max_seq_len``: what a ranking serves).
-- ``ModelShape``: the model's KV shape and dtype; ``token_bytes(fmt)`` per cached event.
+- ``ModelShape``: the model's KV shape and dtype; ``token_bytes(fmt)`` per cached event in a cold
+  format, ``device_bytes(length)`` per cached prefix in the device tier's pages.
 - ``WorkerShape``: what one ranking worker brings (tier budgets) and the load it may carry.
 - ``Workload``: users, requests per second, the trigger's settings, the target hit rate.
 - ``capacity_plan(model_shape, latency, lengths, workload, worker, formats) -> dict``: per cold
@@ -22,9 +23,9 @@ The models behind the figures, stated so that they can be checked:
   (``min(history, max_seq_len)``) is predicted over ``budget × theta`` and the prefix (history
   minus the short-term suffix) is at least ``min_prefix`` long. A relay ranking keeps the suffix
   it computed (``retain_suffix``), so a cached user holds the whole served history.
-- Bytes: the device tier holds the model's dtype (``kv_formats.token_bytes(..., "exact")`` per
-  event, as ``PrefixKV.nbytes``), the host tier the cold format, the disk tier the cold format
-  plus the blob's overhead.
+- Bytes: the device tier holds the model's dtype in pages (``kv_pages.KVLayout.bytes_for``: whole
+  pages of keys, values and a timestamp per event, as a paged ``PrefixKV.nbytes``), the host tier
+  the cold format, the disk tier the cold format plus the blob's overhead.
 - Device time (the latency model's own arithmetic, as ``workers.engine.pacing`` plans with it): a
   pre-inference of p events costs ``(predict(p) - predict(0)) × prefill_pace``; a relay ranking
   of s new events and C candidates against p cached ones ``(predict(p + s + C) - predict(p)) ×
@@ -50,6 +51,7 @@ import numpy as np
 import torch
 
 from relaygr.workers.engine.latency_model import LatencyModel
+from relaygr.workers.kv_pages import KVLayout
 from relaygr.workers.prefix_kv import FINGERPRINT_BYTES, PrefixKV
 from relaygr.workers.store.kv_codec import encode
 from relaygr.workers.store.kv_formats import COLD_FORMATS, to_cold, token_bytes
@@ -73,6 +75,10 @@ class ModelShape:
 
     def token_bytes(self, fmt: str) -> int:
         return token_bytes(self.layers, self.heads, self.attn_dim, self.linear_dim, self.dtype, fmt)
+
+    def device_bytes(self, length: int) -> int:
+        """Bytes a prefix of ``length`` events takes in the device tier's pages."""
+        return KVLayout(self.layers, self.heads, self.attn_dim, self.linear_dim, self.dtype).bytes_for(length)
 
 
 @dataclass(frozen=True)
@@ -208,7 +214,7 @@ def capacity_plan(
     device_workers = devices_for_time * worker.workers_per_device
     at_risk_users = workload.users * share
     cached_users = workload.hit_rate * at_risk_users
-    device_user = shape.token_bytes("exact") * mean_len
+    device_user = float(np.mean([shape.device_bytes(int(n)) for n in cached_len])) if len(cached_len) else 0.0
     out_formats: dict[str, Any] = {}
     for fmt in formats:
         host_user = shape.token_bytes(fmt) * mean_len

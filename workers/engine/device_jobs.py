@@ -7,16 +7,17 @@ Primitives:
   yields at every step (``DeviceScheduler.submit_steps``); ``breakdown`` gets ``device_queue``,
   ``compute`` (its steps' own time) and ``between_slices`` (other jobs' steps run between two of
   its own). Returns the last step's result.
-- ``run_in_burst(scheduler, model, prefix, ...)``: a relay ranking that keeps its suffix,
+- ``run_in_burst(scheduler, runner, prefix, ...)``: a relay ranking that keeps its suffix,
   batched with the same user's rankings waiting for the device against the same prefix, and,
   given a ``RelayBatching``, with other users' relay rankings waiting for it (one
-  ``HSTURanker.rank_users`` forward, within a token budget). A user of the batch that fails
+  ``ModelRunner.rank_users`` forward, within a token budget). A user of the batch that fails
   (its prefix no longer matches its history) gets its own ``RelayItemFailed``; the others rank.
 - ``RelayBatching``: the cross-user pool, its budgets (tokens computed, cached events read) and
   wait, and the batch sizes seen.
-- ``use_relay_graphs(model, config, bytes_per_token)``: a relay engine's rankings in bucketed
-  forwards over a paged device prefix pool, replayed from CUDA graphs (``EngineConfig.cuda_graphs``);
-  ``graph_replays(model, cached, new, candidates)``: whether a ranking of that shape replays one.
+- ``use_relay_graphs(runner, config)``: a relay engine's rankings in bucketed forwards that read
+  the runner's pages in place, replayed from CUDA graphs (``EngineConfig.cuda_graphs``), their new
+  tokens in ``graph_rows(runner, config)`` tokens of pages beside the device tier's;
+  ``graph_replays(runner, cached, new, candidates)``: whether a ranking of that shape replays one.
 
 Each times with ``timer`` (monotonic seconds; ``time.perf_counter`` unless a test simulates one).
 """
@@ -32,8 +33,9 @@ import torch
 
 from relaygr.workers.engine.engine_config import EngineConfig
 from relaygr.workers.engine.scheduler import DeviceScheduler, Priority
+from relaygr.workers.model.graph_runner import NEW_ROWS
 from relaygr.workers.model.inference import UserRanking
-from relaygr.workers.model.model import HSTURanker
+from relaygr.workers.model.runner import ModelRunner
 from relaygr.workers.prefix_kv import Events, PrefixKV
 
 T = TypeVar("T")
@@ -136,38 +138,51 @@ class _BurstItem:
 Ranked = tuple[torch.Tensor, Grow | None] | RelayItemFailed
 
 
-def use_relay_graphs(model: HSTURanker, config: EngineConfig, bytes_per_token: int) -> None:
-    """A relay engine's rankings in bucketed forwards over a paged device pool of
-    ``config.graph_pool_mb`` (``HSTURanker.use_graph_relay``; ``config.cuda_graphs`` unset: on
-    CUDA), replayed from CUDA graphs; a baseline engine's never."""
+def graph_rows(runner: ModelRunner, config: EngineConfig) -> int:
+    """Tokens of pages the buckets' new tokens take beside the device tier's (0 without buckets):
+    the grid's largest bucket's, at most ``config.graph_pool_mb`` of them."""
     enabled = config.cuda_graphs if config.mode == "relay" else False
-    model.use_graph_relay(enabled, pool_tokens=int(config.graph_pool_mb * 2**20) // bytes_per_token)
+    if enabled is None:
+        enabled = runner.device.type == "cuda"
+    if not enabled:
+        return 0
+    return min(NEW_ROWS, int(config.graph_pool_mb * 2**20) // runner.kv_layout().token_bytes)
 
 
-def graph_replays(model: HSTURanker, cached: int, new: int, candidates: int) -> bool:
+def use_relay_graphs(runner: ModelRunner, config: EngineConfig) -> None:
+    """A relay engine's rankings in bucketed forwards that read the cached prefixes in place from
+    the runner's pages, their new tokens' rows at most ``config.graph_pool_mb`` of them
+    (``ModelRunner.use_graph_relay``; ``config.cuda_graphs`` unset: on CUDA), replayed from CUDA
+    graphs; a baseline engine's never."""
+    enabled = config.cuda_graphs if config.mode == "relay" else False
+    rows = int(config.graph_pool_mb * 2**20) // runner.kv_layout().token_bytes
+    runner.use_graph_relay(enabled, rows_tokens=min(NEW_ROWS, rows))
+
+
+def graph_replays(runner: ModelRunner, cached: int, new: int, candidates: int) -> bool:
     """Whether a relay ranking of this shape replays a captured CUDA graph (then it is never
     sliced: a replay is one launch, and slicing it ran it eagerly a layer a slice, other jobs in
     between: on an H200, 18-28 ms and up to 330 ms between slices at 9k cached events, where the
     replay takes about 3)."""
-    graphs = model.graph_relay
+    graphs = runner.graph_relay
     return graphs is not None and graphs.replays(new, candidates, cached)
 
 
-def _rank_group(model: HSTURanker, items: list[_BurstItem]) -> list[Ranked]:
+def _rank_group(runner: ModelRunner, items: list[_BurstItem]) -> list[Ranked]:
     """One user's burst against one prefix (``rank_many``): ``grow`` for the longest history."""
-    many, grow = model.rank_many(items[0].prefix, [(i.history, i.candidates, i.request_ts) for i in items])
+    many, grow = runner.rank_many(items[0].prefix, [(i.history, i.candidates, i.request_ts) for i in items])
     widest = max(range(len(items)), key=lambda k: len(items[k].history))
     return [(sc, grow if k == widest else None) for k, sc in enumerate(many)]
 
 
-def _rank_alone(model: HSTURanker, item: _BurstItem) -> Ranked:
+def _rank_alone(runner: ModelRunner, item: _BurstItem) -> Ranked:
     try:
-        return model.rank_and_extend(item.prefix, item.history, item.candidates, item.request_ts)
+        return runner.rank_and_extend(item.prefix, item.history, item.candidates, item.request_ts)
     except Exception as e:
         return RelayItemFailed(f"relay ranking failed: {e}")
 
 
-def _rank_singles(model: HSTURanker, items: list[_BurstItem]) -> list[Ranked]:
+def _rank_singles(runner: ModelRunner, items: list[_BurstItem]) -> list[Ranked]:
     """Users' rankings in one ``rank_users`` forward; one whose prefix no longer matches its
     history fails alone, and when the forward fails, each ranks alone (its own error, if any)."""
     out: list[Ranked | None] = [None] * len(items)
@@ -178,22 +193,22 @@ def _rank_singles(model: HSTURanker, items: list[_BurstItem]) -> list[Ranked]:
         else:
             out[k] = RelayItemFailed("relay ranking failed: the prefix no longer matches the history")
     if len(ok) == 1:
-        out[ok[0]] = _rank_alone(model, items[ok[0]])
+        out[ok[0]] = _rank_alone(runner, items[ok[0]])
     elif ok:
         reqs = [
             UserRanking(items[k].prefix, items[k].history, items[k].candidates, items[k].request_ts)
             for k in ok
         ]
         try:
-            for k, got in zip(ok, model.rank_users(reqs), strict=True):
+            for k, got in zip(ok, runner.rank_users(reqs), strict=True):
                 out[k] = got
         except Exception:
             for k in ok:
-                out[k] = _rank_alone(model, items[k])
+                out[k] = _rank_alone(runner, items[k])
     return [o for o in out if o is not None]
 
 
-def _rank_items(model: HSTURanker, items: list[_BurstItem]) -> list[Ranked]:
+def _rank_items(runner: ModelRunner, items: list[_BurstItem]) -> list[Ranked]:
     """The items, in order: each key's burst of several with ``rank_many``, the rest (one per
     key) together with ``rank_users``."""
     groups: dict[object, list[int]] = {}
@@ -204,12 +219,12 @@ def _rank_items(model: HSTURanker, items: list[_BurstItem]) -> list[Ranked]:
     for ks in groups.values():
         if len(ks) > 1:
             try:
-                got = _rank_group(model, [items[k] for k in ks])
+                got = _rank_group(runner, [items[k] for k in ks])
             except Exception as e:
                 got = [RelayItemFailed(f"relay ranking failed: {e}")] * len(ks)
             for k, r in zip(ks, got, strict=True):
                 out[k] = r
-    for k, r in zip(singles, _rank_singles(model, [items[k] for k in singles]), strict=True):
+    for k, r in zip(singles, _rank_singles(runner, [items[k] for k in singles]), strict=True):
         out[k] = r
     assert all(o is not None for o in out)
     return out  # type: ignore[return-value]
@@ -217,7 +232,7 @@ def _rank_items(model: HSTURanker, items: list[_BurstItem]) -> list[Ranked]:
 
 async def run_in_burst(
     scheduler: DeviceScheduler,
-    model: HSTURanker,
+    runner: ModelRunner,
     prefix: PrefixKV,
     key: object,
     limit: int,
@@ -230,8 +245,8 @@ async def run_in_burst(
     batching: RelayBatching | None = None,
 ) -> tuple[torch.Tensor, Grow | None, int]:
     """``rank_and_extend`` on the device, batched (up to ``limit``, under ``key``) with the other
-    rankings that wait for the device against the same cached prefix (``HSTURanker.rank_many``),
-    and with ``batching``, with other users' (``HSTURanker.rank_users``). Returns the scores,
+    rankings that wait for the device against the same cached prefix (``ModelRunner.rank_many``),
+    and with ``batching``, with other users' (``ModelRunner.rank_users``). Returns the scores,
     ``grow`` for the ranking that saw the longest history (``None`` for the others of its
     user's burst: one grown prefix per burst is stored), and the size of the batch it ran in.
     Raises ``RelayItemFailed`` when this ranking failed on the device."""
@@ -239,7 +254,7 @@ async def run_in_burst(
 
     def run(items: list[_BurstItem]) -> list[Ranked]:
         t0 = timer()
-        out = _rank_items(model, items)
+        out = _rank_items(runner, items)
         t1 = timer()
         for i in items:
             i.started, i.finished, i.batch = t0, t1, len(items)

@@ -22,16 +22,17 @@ class EngineConfig(BaseModel):
     cuda_graphs: bool | None = Field(
         default=None,
         description=(
-            "Relay: rankings run as bucketed static forwards (users, suffix, candidates, prefix "
-            "blocks) over a paged device pool of cached prefixes, each bucket captured once as a "
-            "CUDA graph and replayed; off CUDA the same forward runs eagerly. Unset: on for a CUDA "
-            "model, off elsewhere. Shapes outside every bucket take the eager path."
+            "Relay: rankings run as bucketed static forwards (users, suffix, candidates) that read "
+            "the cached prefixes in place from the device tier's pages, each bucket captured once "
+            "as a CUDA graph and replayed; off CUDA the same forward runs eagerly. Unset: on for a "
+            "CUDA model, off elsewhere. Shapes outside every bucket take the eager path."
         ),
     )
     graph_pool_mb: float = Field(
         default=1024.0,
         gt=0,
-        description="Relay with cuda_graphs: device MiB of the paged prefix pool the graphs read.",
+        description="Relay with cuda_graphs: most device MiB of pages, beside the device tier's, that "
+        "the buckets' new tokens take (their shared rows: the grid's largest bucket's, 12,288 tokens).",
     )
 
     mode: Literal["relay", "baseline"] = Field(

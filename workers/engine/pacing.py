@@ -14,7 +14,7 @@ Primitives:
     pre-inference: the time there is to wait, if what it has left fits in it.
   - ``relay_steps(...)`` / ``full_steps(...)``: a sliced relay ranking and a sliced (re-planned)
     full ranking as step generators for ``DeviceScheduler.submit_steps``.
-- ``Slicer``: chunk sizes for ``HSTURanker.prefill_steps`` by device time.
+- ``Slicer``: chunk sizes for ``ModelRunner.prefill_steps`` by device time.
 
 Slices are sized by the latency model times the pace the device keeps now: calibrated on a quiet
 machine, a slice would overrun its ``slice_ms`` 2-3x on cores shared with a broker and other
@@ -31,7 +31,7 @@ import torch
 
 from relaygr.workers.engine.engine_config import EngineConfig
 from relaygr.workers.engine.latency_model import DevicePace, EngineClock, IngestMeter, LatencyModel
-from relaygr.workers.model.model import HSTURanker
+from relaygr.workers.model.runner import ModelRunner
 from relaygr.workers.prefix_kv import Events, PrefixKV
 
 # A sliced full ranking re-plans (once) when, at the pace its own slices ran, the rest would take
@@ -201,7 +201,7 @@ class DevicePacing:
 
     def full_steps(
         self,
-        model: HSTURanker,
+        runner: ModelRunner,
         plan: Callable[[float | None], Events],
         candidates: torch.Tensor,
         request_ts: float,
@@ -219,7 +219,7 @@ class DevicePacing:
         history, replanned = plan(None), False
         while True:
             prefix, predicted, measured, restart = None, 0.0, 0.0, False
-            chunks = model.prefill_steps(history, slicer or self.config.prefill_chunk)
+            chunks = runner.prefill_steps(history, slicer or self.config.prefill_chunk)
             for ran, out in enumerate(slicer.measured(chunks) if slicer is not None else chunks, 1):
                 if out is not None:
                     prefix = out
@@ -243,7 +243,7 @@ class DevicePacing:
             if not restart:
                 break
         ranked.append(history)
-        yield model.rank(prefix, history.slice(len(history)), candidates, request_ts)
+        yield runner.rank(prefix, history.slice(len(history)), candidates, request_ts)
 
     # ------------------------------------------------------------------ relay rankings
 
@@ -271,7 +271,7 @@ class DevicePacing:
 
     def relay_steps(
         self,
-        model: HSTURanker,
+        runner: ModelRunner,
         prefix: PrefixKV,
         history: Events,
         candidates: torch.Tensor,
@@ -280,14 +280,14 @@ class DevicePacing:
     ) -> Iterator[torch.Tensor | None]:
         """A relay ranking as steps: the new events extend the cached prefix in time slices,
         then the candidates are scored against it a slice's worth of keys at a time
-        (``HSTURanker.score_steps``: all candidates against a range of one layer's keys, so each
+        (``ModelRunner.score_steps``: all candidates against a range of one layer's keys, so each
         key is read once per layer, however many slices; slicing the candidates instead read
         every key once per slice, which cost a heavy user's ranking ~1.5x once slices got
         small). ``grown`` gets the prefix grown by the new events."""
         slicer = self.slicer(prefix.length)
         n, c = len(history), len(candidates)
         # The candidates' predicted cost spread evenly over the keys each layer visits.
-        visits = max(1, n * len(model.layers) * -(-c // model.config.candidate_batch))
+        visits = max(1, n * runner.config.layers * -(-c // runner.config.candidate_batch))
         per_visit_ms = max(0.0, self.latency.predict_ms(n + c) - self.latency.predict_ms(n)) / visits
         step_started = 0.0
 
@@ -303,14 +303,14 @@ class DevicePacing:
         grown_prefix = prefix
         if n > prefix.length:
             assert slicer is not None  # sliced relay rankings exist only with slice_ms
-            for out in slicer.measured(model.prefill_steps(history, slicer, prefix=prefix)):
+            for out in slicer.measured(runner.prefill_steps(history, slicer, prefix=prefix)):
                 if out is None:
                     yield None
                 else:
                     grown_prefix = out
         grown.append(grown_prefix)
         t0 = step_started = self.clock.timer()
-        for out in model.score_steps(grown_prefix, candidates, request_ts, keys_per_step):
+        for out in runner.score_steps(grown_prefix, candidates, request_ts, keys_per_step):
             if isinstance(out, int):  # keys visited by a step: timed into the pace
                 self.score.observe(out * per_visit_ms, (self.clock.timer() - t0) * 1000)
                 yield None

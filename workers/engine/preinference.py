@@ -32,7 +32,8 @@ from relaygr.workers.engine.latency_model import EngineClock
 from relaygr.workers.engine.pacing import DevicePacing, Slicer
 from relaygr.workers.engine.prefill_ledger import PrefillLedger
 from relaygr.workers.engine.scheduler import DeviceScheduler, Priority, SchedulerClosed
-from relaygr.workers.model.model import HSTURanker
+from relaygr.workers.kv_pages import KVLayout
+from relaygr.workers.model.runner import ModelRunner
 from relaygr.workers.prefix_kv import Events, PrefixKV
 from relaygr.workers.store.prefix_store import PrefixStore
 
@@ -90,17 +91,17 @@ class PreInference:
 
     def __init__(
         self,
-        model: HSTURanker,
+        runner: ModelRunner,
         store: PrefixStore | None,
         scheduler: DeviceScheduler,
         config: EngineConfig,
         pacing: DevicePacing,
         clock: EngineClock,
-        bytes_per_token: int,
+        kv_layout: KVLayout,
         grown: GrownPrefixes,
     ) -> None:
-        self.model, self.store, self.scheduler, self.config = model, store, scheduler, config
-        self.pacing, self.clock, self.bytes_per_token, self.grown = pacing, clock, bytes_per_token, grown
+        self.runner, self.store, self.scheduler, self.config = runner, store, scheduler, config
+        self.pacing, self.clock, self.kv_layout, self.grown = pacing, clock, kv_layout, grown
         # Users whose in-flight pre-inference a waiting ranking job has promoted: (priority, deadline).
         self._urgent: dict[str, tuple[Priority, float]] = {}
         self._waiters: dict[str, int] = {}  # rankings waiting for a user's pre-inference
@@ -132,7 +133,8 @@ class PreInference:
         if n == 0:
             return PrefillOutcome("skipped")
         t0 = self.clock.timer()
-        lease = self.store.lease(user_id, ttl_s or self.config.lease_ttl_s, n * self.bytes_per_token)
+        # Room for the prefix in the device tier's pages (whole pages of its tokens).
+        lease = self.store.lease(user_id, ttl_s or self.config.lease_ttl_s, self.kv_layout.bytes_for(n))
         if not lease:
             self.prefills.counts["refused"] += 1
             return PrefillOutcome(f"refused:{lease.reason}", n)
@@ -142,7 +144,7 @@ class PreInference:
         async def compute(best: PrefixKV | None) -> PrefixKV:
             start = best.length if best is not None else 0
             slicer = self.pacing.slicer(start)
-            steps = self.model.prefill_steps(
+            steps = self.runner.prefill_steps(
                 history.slice(0, n), slicer or self.config.prefill_chunk, prefix=best
             )
             if slicer is not None:
@@ -185,7 +187,7 @@ class PreInference:
         and they are known now. A ranking that comes first computes them itself, as before."""
         slicer = self.pacing.slicer(prefix.length)
         assert slicer is not None  # only when sliced by time (``suffix_costs_a_slice``)
-        steps = slicer.measured(self.model.prefill_steps(history, slicer, prefix=prefix))
+        steps = slicer.measured(self.runner.prefill_steps(history, slicer, prefix=prefix))
         self.grown.put_when_computed(
             user_id,
             lambda: self.scheduler.submit_steps(steps, priority=Priority.PREFILL, tag=("prefill", user_id)),

@@ -2,6 +2,8 @@
 
 Primitives:
 - ``EngineConfig`` (``engine_config``): mode (``relay`` or ``baseline``), the ranking budget, chunking, leases.
+- ``RankingEngine(runner, store, scheduler, config, latency)``: the model runner
+  (``model.runner.ModelRunner``, the engine's one door to the model) and the prefix store.
 - ``RankingEngine.prefill(user_id, history, ttl_s, prefix_len=n)``: pre-inference on a prefill
   signal (``preinference.PreInference``) — lease, then promote, extend or compute the first ``n``
   events' prefix (chunked on the device scheduler, so a ranking job waits for at most one chunk);
@@ -33,7 +35,7 @@ Primitives:
   ``refit_latency()``, ``latency_samples()`` / ``inherit_latency_samples()`` (a predecessor's
   timings, at a hand-over), and what a caller needs of the model and store: ``to_model_ids``,
   ``cached_length``, ``note_applied`` / ``ranking_now`` (the behaviour applier's side), ``close``.
-- ``kv_bytes_per_token(model)``: device bytes one cached token takes.
+- ``kv_bytes_per_token(model)``: device bytes one cached token takes (a model or its runner).
 
 How long device work runs (slices, paces, truncation, re-planning) is the policy of
 ``workers.engine.pacing``; running and timing jobs on the scheduler is ``workers.engine.device_jobs``;
@@ -54,6 +56,7 @@ from relaygr.workers.engine.device_jobs import (
     RelayBatching,
     RelayItemFailed,
     graph_replays,
+    graph_rows,
     run_in_burst,
     run_job,
     run_steps,
@@ -64,9 +67,10 @@ from relaygr.workers.engine.latency_model import EngineClock, LatencyModel
 from relaygr.workers.engine.pacing import DevicePacing
 from relaygr.workers.engine.preinference import GrownPrefixes, PrefillOutcome, PreInference
 from relaygr.workers.engine.scheduler import DeviceScheduler, Priority
+from relaygr.workers.kv_pages import KVLayout
 from relaygr.workers.model.model import HSTURanker
+from relaygr.workers.model.runner import ModelRunner
 from relaygr.workers.prefix_kv import Events, PrefixKV
-from relaygr.workers.store.kv_formats import token_bytes
 from relaygr.workers.store.prefix_store import PrefixStore
 
 log = logging.getLogger(__name__)
@@ -90,7 +94,7 @@ class RankOutcome:
 class RankingEngine:
     def __init__(
         self,
-        model: HSTURanker,
+        runner: ModelRunner,
         store: PrefixStore | None,
         scheduler: DeviceScheduler,
         config: EngineConfig,
@@ -99,18 +103,21 @@ class RankingEngine:
     ) -> None:
         if config.mode == "relay" and store is None:
             raise ValueError("relay mode needs a prefix store")
-        self.model, self.store = model, store
+        self.runner, self.store = runner, store
         self.scheduler = scheduler
         self.config = config
         self.clock = clock or EngineClock()  # a test's simulated one: see ``EngineClock``
         self.pacing = DevicePacing(config, latency, self.clock)
         scheduler.reserve(config.prefill_share if config.mode == "relay" else 0.0)
-        self.bytes_per_token = kv_bytes_per_token(model)
-        use_relay_graphs(model, config, self.bytes_per_token)
+        if store is not None:  # one copy of a prefix on the device: the runner reads the store's pages
+            layout = runner.kv_layout(store.config.page_tokens)
+            runner.use_pages(store.device_pages(layout, graph_rows(runner, config)))
+        use_relay_graphs(runner, config)
+        self.kv_layout = runner.pages.layout if store is not None else runner.kv_layout()
         # Prefixes grown by rankings (``retain_suffix``) or pre-inferences, stored in the background.
         self.grown = GrownPrefixes(store)
         self.preinference = PreInference(
-            model, store, scheduler, config, self.pacing, self.clock, self.bytes_per_token, self.grown
+            runner, store, scheduler, config, self.pacing, self.clock, self.kv_layout, self.grown
         )
         self.prefills = self.preinference.prefills
         self.batched_rankings = 0  # rankings that shared their device job with others of a burst
@@ -124,11 +131,11 @@ class RankingEngine:
     @property
     def max_seq_len(self) -> int:
         """Most events of a history the model serves."""
-        return self.model.config.max_seq_len
+        return self.runner.config.max_seq_len
 
     def to_model_ids(self, keys: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Raw item keys (``vocab.item_keys``) as model ids, and how many the vocabulary lacks."""
-        return self.model.vocab.to_model_tensor(keys)
+        return self.runner.vocab.to_model_tensor(keys)
 
     def cached_length(self, user_id: str, history: Events) -> int:
         """Length of the prefix of ``history`` held in memory for ``user_id`` (0: none, or baseline)."""
@@ -202,7 +209,7 @@ class RankingEngine:
         costs on its first calls (allocator growth, kernel choice): the first real rankings
         otherwise computed up to 6x their calibrated time. Nothing here enters the latency model
         or the prefix store."""
-        work = warm_up_work(self.model, history_len, num_candidates, rounds, self.config.prefill_chunk)
+        work = warm_up_work(self.runner, history_len, num_candidates, rounds, self.config.prefill_chunk)
         t0 = self.clock.timer()
         await self.scheduler.submit(work, priority=Priority.PREFILL)
         return self.clock.timer() - t0
@@ -279,7 +286,7 @@ class RankingEngine:
         assert self.store is not None
         suffix = history.slice(prefix.length)
         new, c, m = len(suffix), len(candidates), prefix.length
-        if self.pacing.slice_relay(m, new, c) and not graph_replays(self.model, m, new, c):
+        if self.pacing.slice_relay(m, new, c) and not graph_replays(self.runner, m, new, c):
             scores = await self._rank_relay_sliced(
                 user_id, prefix, history, candidates, request_ts, deadline, breakdown
             )
@@ -290,7 +297,7 @@ class RankingEngine:
             try:  # with the user's other rankings against ``prefix`` and other users' (one forward)
                 scores, grow, batch = await run_in_burst(
                     self.scheduler,
-                    self.model,
+                    self.runner,
                     prefix,
                     ("burst", user_id, id(prefix)),
                     limit,
@@ -344,7 +351,7 @@ class RankingEngine:
 
             ranked: list[Events] = []
             steps = self.pacing.full_steps(
-                self.model, plan, candidates, request_ts, deadline, breakdown, ranked
+                self.runner, plan, candidates, request_ts, deadline, breakdown, ranked
             )
             scores = await run_steps(self.scheduler, steps, deadline, breakdown, self.clock.timer)
             used, in_burst = ranked[0], bursts[0]
@@ -382,7 +389,7 @@ class RankingEngine:
         before its next slice, whatever their deadlines, so that they wait for one slice of a
         heavy user's ranking rather than all of it. The grown prefix is kept (``retain_suffix``)."""
         grown: list[PrefixKV] = []
-        steps = self.pacing.relay_steps(self.model, prefix, history, candidates, request_ts, grown)
+        steps = self.pacing.relay_steps(self.runner, prefix, history, candidates, request_ts, grown)
         scores = await run_steps(self.scheduler, steps, deadline, breakdown, self.clock.timer)
         if self.config.retain_suffix and len(history) > prefix.length and grown:
             assert self.store is not None
@@ -416,7 +423,7 @@ class RankingEngine:
         """Rank in one job on the device thread (``device_jobs.run_job``)."""
         return await run_job(
             self.scheduler,
-            lambda: self.model.rank(prefix, events, candidates, request_ts),
+            lambda: self.runner.rank(prefix, events, candidates, request_ts),
             deadline,
             breakdown,
             self.clock.timer,
@@ -444,7 +451,8 @@ class RankingEngine:
             self.store.close()
 
 
-def kv_bytes_per_token(model: HSTURanker) -> int:
+def kv_bytes_per_token(model: HSTURanker | ModelRunner) -> int:
+    """Device bytes one cached token takes in the pages: its keys and values in every layer, in
+    the model's dtype, and its timestamp (a prefix takes whole pages of them)."""
     c = model.config
-    # keys + values per layer in the model's dtype, plus the token's position and timestamp.
-    return token_bytes(len(model.layers), c.heads, c.attn_dim, c.linear_dim, model.dtype, "exact")
+    return KVLayout(c.layers, c.heads, c.attn_dim, c.linear_dim, model.dtype).token_bytes

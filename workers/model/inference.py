@@ -1,21 +1,13 @@
-"""Inference of the HSTU ranker: pre-inference of a prefix, its extension, and ranking against it.
+"""The eager serving forward of the HSTU ranker: what the model runner (``runner.ModelRunner``)
+runs on CPU and NPU, and on CUDA for a shape no captured bucket holds.
 
-Primitives (methods of ``HSTURanker``, through ``RelayInference``; all under
-``torch.inference_mode``, on the model's device and dtype):
-- ``prefill`` / ``prefill_steps``: history -> ``PrefixKV``, optionally chunk by chunk (the device
-  is free for other work between two chunks);
-- ``extend``: ``PrefixKV`` + longer history -> ``PrefixKV``;
-- ``rank``: cached prefix + suffix + candidates -> scores; ``score_steps``: candidates against a
-  cached prefix, a layer at a time (time slices); ``rank_and_extend``: the same as ``rank``, plus
-  the prefix grown by the suffix; ``rank_many``: a burst of one user's requests against one
-  prefix, the new events computed once; ``rank_users``: several users' rankings in one forward;
-  ``rank_full``: the no-cache baseline, the same code.
-- ``UserRanking``: one user's request to ``rank_users``.
-- ``graph_relay``: when set (``HSTURanker.use_graph_relay``), ``rank``, ``rank_and_extend`` and
-  ``rank_users`` run as a bucketed static forward over a paged device prefix pool
-  (``graph_relay.GraphRelay``: a CUDA graph's replay on CUDA), falling back to the forward below
-  for what fits no bucket; ``LayerPass`` is the per-layer forward both run; ``serving()`` what
-  it reads of the weights.
+Primitives:
+- ``LayerPass(runner, plan, sv)``: one forward over a ``jagged.ForwardPlan``, a layer per step
+  (``steps``, ``run``); then ``scores`` per user and ``new_kv`` (per layer, the keys and values of
+  every new row). The bucketed forward (``graph_runner.BucketRunner``) runs its layers too.
+- ``UserRanking``: one user's request to ``ModelRunner.rank_users``.
+- ``ServingRunner``: what a forward reads of its runner (the config, the device, the weights'
+  serving form): the runner's protocol, so that the forwards import nothing of it.
 
 How a call runs: the users, their cached prefixes, new events and candidates are planned into one
 jagged batch (``jagged.ForwardPlan``); the forward then loops over the layers only, and each
@@ -26,28 +18,33 @@ gate; the output projection with the residual), whatever the number of users or 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from relaygr.workers.kernels import hstu_mha_gated
-from relaygr.workers.model.inference_state import LayerWeights, Serving, serving_state
-from relaygr.workers.model.jagged import ForwardPlan, UserSlot
-from relaygr.workers.prefix_kv import Events, PrefixKV, history_fingerprint
+from relaygr.workers.model.inference_state import LayerWeights, Serving
+from relaygr.workers.model.jagged import ForwardPlan
+from relaygr.workers.prefix_kv import Events, PrefixKV
 
 
-class GraphedRelay(Protocol):
-    """What the relay paths call when bucketed rankings are on (``graph_relay.GraphRelay``)."""
+class ServingRunner(Protocol):
+    """What a forward reads of the runner that serves the model (``runner.ModelRunner``)."""
 
-    def rank(
-        self, model: RelayInference, sv: Serving, slots: list[UserSlot], keep_kv: bool = True
-    ) -> list[tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]] | None: ...
+    @property
+    def config(self) -> Any: ...
 
-    def warm_up(self) -> dict[str, object]: ...
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    def serving(self) -> Serving: ...
 
 
 @dataclass(frozen=True)
@@ -65,8 +62,8 @@ class LayerPass:
     """One forward over a plan, a layer per step (``steps``); then ``scores`` per user and
     ``new_kv`` (per layer, the keys and values ``[rows, H, d]`` of every new row)."""
 
-    def __init__(self, model: RelayInference, plan: ForwardPlan, sv: Serving) -> None:
-        self.model, self.plan, self.sv = model, plan, sv
+    def __init__(self, runner: ServingRunner, plan: ForwardPlan, sv: Serving) -> None:
+        self.runner, self.plan, self.sv = runner, plan, sv
         self.new_kv: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.scores: list[torch.Tensor] = []
 
@@ -76,13 +73,15 @@ class LayerPass:
         if len(pieces) == 1:
             a, b = pieces[0]
             return k_new[a:b], v_new[a:b]
-        ks, vs, users = [], [], iter(self.plan.slots)
-        for user_pieces in self.plan.key_pieces:
-            slot = next(users)
+        if self.plan.cached.tail is not None:  # one user: its new rows written after its prefix's
+            return self.plan.cached.tail_layer(li, k_new, v_new)
+        ks, vs = [], []
+        for user, (slot, user_pieces) in enumerate(zip(self.plan.slots, self.plan.key_pieces, strict=True)):
             for piece in user_pieces:
-                if piece is None:
-                    ks.append(slot.prefix.keys[li].transpose(0, 1))
-                    vs.append(slot.prefix.values[li].transpose(0, 1))
+                if piece is None:  # its cached prefix's (gathered from its pages once per forward)
+                    k, v = self.plan.cached.layer(slot, user, li)
+                    ks.append(k)
+                    vs.append(v)
                 else:
                     ks.append(k_new[piece[0] : piece[1]])
                     vs.append(v_new[piece[0] : piece[1]])
@@ -93,7 +92,7 @@ class LayerPass:
         the candidate rows only, on the last layer)."""
         w: LayerWeights = self.sv.layers[li]
         hv, hq, hk, _ = self.sv.splits
-        cfg = self.model.config
+        cfg = self.runner.config
         heads, dqk, dv = cfg.heads, cfg.attn_dim, cfg.linear_dim
         rows = x.shape[0]
         h = F.layer_norm(x, x.shape[-1:], *w.norm[:2], eps=w.norm[2])
@@ -121,10 +120,10 @@ class LayerPass:
 
     def steps(self) -> Iterator[None]:
         """Runs the layers, yielding after each; then fills ``scores``."""
-        model, plan = self.model, self.plan
-        device = model.device
+        runner, plan = self.runner, self.plan
+        device = runner.device
         # A token: its item's row plus its action's (after the items) of one table, one bag each.
-        bags = np.stack([plan.items, plan.actions + model.config.num_items + 1], axis=1).reshape(-1)
+        bags = np.stack([plan.items, plan.actions + runner.config.num_items + 1], axis=1).reshape(-1)
         bags_t = torch.from_numpy(bags).to(device, non_blocking=True)
         starts = torch.from_numpy(np.arange(0, len(bags), 2)).to(device, non_blocking=True)
         x = x0 = F.embedding_bag(bags_t, self.sv.tokens, starts, mode="sum")
@@ -142,9 +141,9 @@ class LayerPass:
             x = self._candidate_rows(x)
         x0 = self._candidate_rows(x0)
         cand_items = torch.from_numpy(plan.items[plan.candidate_rows()]).to(device, non_blocking=True)
-        e = F.embedding(cand_items, model.item_emb.weight)
-        norm = model.final_norm
-        out = torch.linalg.vecdot(F.layer_norm(x - x0, x.shape[-1:], norm.weight, norm.bias, norm.eps), e)
+        e = F.embedding(cand_items, self.sv.items)
+        norm_w, norm_b, eps = self.sv.final_norm
+        out = torch.linalg.vecdot(F.layer_norm(x - x0, x.shape[-1:], norm_w, norm_b, eps), e)
         out = out.float()
         at = 0
         for a, b in plan.cand_rows:
@@ -155,342 +154,3 @@ class LayerPass:
         for _ in self.steps():
             pass
         return self
-
-
-class RelayInference:
-    """The inference paths of ``HSTURanker`` (see the module docstring). The model provides the
-    modules (``config``, ``layers``, ``item_emb``, ``action_emb``, ``final_norm``) and calls
-    ``_init_inference`` once its parameters are in place."""
-
-    def _init_inference(self) -> None:
-        self._params = list(self.parameters())
-        self._serving_cache: Serving | None = None
-        # Bucketed relay rankings over a paged prefix pool (``graph_relay.GraphRelay``), when on.
-        self.graph_relay: GraphedRelay | None = None
-
-    def _serving(self) -> Serving:
-        """Derived weights for the current weights (``serving_state``)."""
-        built = serving_state(self, self._serving_cache)
-        self._serving_cache = built
-        return built
-
-    def serving(self) -> Serving:
-        """What the serving forward reads of the weights, in eval mode (built once per weights)."""
-        self._for_serving()
-        return self._serving()
-
-    def _for_serving(self) -> None:
-        """Serving runs in eval mode; switching walks every module, so only when needed."""
-        if self.training:
-            self.eval()
-
-    def _checked(self, prefix: PrefixKV | None) -> PrefixKV | None:
-        """``prefix`` on the model's device, or ``ValueError`` if another model computed it."""
-        if prefix is None:
-            return None
-        if prefix.model_version != self.model_version:
-            raise ValueError(
-                f"prefix was computed by model {prefix.model_version!r}, this is {self.model_version!r}"
-            )
-        if prefix.num_layers != len(self.layers) or (prefix.length and prefix.dtype != self.dtype):
-            raise ValueError("prefix does not match this model's layers or dtype")
-        if prefix.length and prefix.device != self.device:
-            prefix = prefix.to(self.device)
-        return prefix if prefix.length else None
-
-    def _pass(self, slots: list[UserSlot]) -> LayerPass:
-        self._for_serving()
-        plan = ForwardPlan.build(slots, (self.config.num_items, self.config.num_actions), self.device)
-        return LayerPass(self, plan, self._serving())
-
-    def _graphed(
-        self, slots: list[UserSlot], keep_kv: bool = True
-    ) -> list[tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]] | None:
-        """The slots ranked by ``graph_relay`` (scores, events' keys and values), or ``None``:
-        off, or outside its buckets and pool."""
-        if self.graph_relay is None:
-            return None
-        self._for_serving()
-        return self.graph_relay.rank(self, self._serving(), slots, keep_kv)
-
-    def _slot(self, prefix: PrefixKV | None, events: Events, candidates, request_ts: float) -> UserSlot:
-        return UserSlot(self._checked(prefix), events, _raw_ids(candidates), float(request_ts))
-
-    def _prefix_kv(
-        self,
-        prefix: PrefixKV | None,
-        new_kv: list[tuple[torch.Tensor, torch.Tensor]],
-        history: Events,
-        final: bool = True,
-    ) -> PrefixKV:
-        """The ``PrefixKV`` of all of ``history``: ``prefix``'s keys and values, then ``new_kv``
-        (per layer, ``[m, H, d]``: the events after the prefix). Not ``final``: a chunk of a
-        pre-inference, which no one else sees (its fingerprint is left out)."""
-        keys, values = [], []
-        for li, (k, v) in enumerate(new_kv):
-            k, v = k.transpose(0, 1), v.transpose(0, 1)
-            if prefix is not None and prefix.length:
-                pk, pv = prefix.keys[li], prefix.values[li]
-                k, v = (torch.cat([pk, k], dim=1), torch.cat([pv, v], dim=1)) if k.shape[1] else (pk, pv)
-            keys.append(k.contiguous())
-            values.append(v.contiguous())
-        return PrefixKV(
-            keys=keys,
-            values=values,
-            positions=torch.arange(len(history), device=self.device),
-            timestamps=history.timestamps.to(self.device, torch.float64).clone(),
-            length=len(history),
-            fingerprint=history_fingerprint(history) if final else b"",
-            model_version=self.model_version,
-            # A grown prefix keeps who computed it (the worker that grows it is the same one).
-            meta=dict(prefix.meta) if prefix is not None else {},
-        )
-
-    def _events_kv(self, done: LayerPass, user: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        a, b = done.plan.event_rows[user]
-        return [(k[a:b], v[a:b]) for k, v in done.new_kv]
-
-    def _step(self, chunk_size: int | None) -> int:
-        if chunk_size is not None and chunk_size < 1:
-            raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-        return min(chunk_size or self.config.attn_block, self.config.attn_block)
-
-    @torch.inference_mode()
-    def prefill_steps(
-        self, history: Events, chunk_size: int | Callable[[int], int], prefix: PrefixKV | None = None
-    ) -> Iterator[PrefixKV | None]:
-        """Chunked pre-inference: yields ``None`` after each chunk of ``chunk_size`` new events
-        but the last, then the finished ``PrefixKV`` of the whole ``history``. Between two steps
-        the device is free for other work (a ranking job waits at most one chunk). A callable
-        ``chunk_size(cached)`` sizes each chunk by the keys already computed (chunks sliced by
-        device time: later chunks attend to more keys). With ``prefix``, it extends that prefix
-        (see ``extend``). Chunks are at most ``attn_block`` events (one chunk's scores are
-        ``chunk x history``). Results equal one-shot ``prefill``."""
-        start = 0
-        if prefix is not None:
-            if not prefix.matches(history):
-                raise ValueError(
-                    f"extend: the history's first {prefix.length} events are not the cached prefix "
-                    "(different fingerprint) or the history is shorter"
-                )
-            start = prefix.length
-        if not callable(chunk_size):
-            self._step(chunk_size)  # rejects a size below 1
-        size_at = chunk_size if callable(chunk_size) else (lambda _cached: chunk_size)
-        current, n, block = prefix, len(history), self.config.attn_block
-        c0 = start
-        while True:
-            c1 = min(n, c0 + max(1, int(size_at(c0))))
-            for s0 in range(c0, max(c1, c0 + 1), block):  # one pass for an empty history
-                s1 = min(c1, s0 + block)
-                done = self._pass([self._slot(current, history.slice(s0, s1), [], 0.0)]).run()
-                current = self._prefix_kv(current, self._events_kv(done, 0), history.slice(0, s1), s1 >= n)
-            c0 = c1
-            if c1 >= n:
-                break
-            yield None
-        yield current
-
-    def prefill(self, history: Events, chunk_size: int | None = None) -> PrefixKV:
-        """Per-layer K/V of ``history`` (positions 0..n-1). ``chunk_size`` computes it
-        ``chunk_size`` events at a time with identical results (up to float rounding)."""
-        out = None
-        for out in self.prefill_steps(history, chunk_size or max(1, len(history))):  # noqa: B007
-            pass
-        assert out is not None
-        return out
-
-    def extend(self, prefix: PrefixKV, history: Events, chunk_size: int | None = None) -> PrefixKV:
-        """``prefix`` extended to the full, longer ``history`` (whose first ``prefix.length``
-        events must be the cached ones: ``ValueError`` otherwise). Equals ``prefill(history)``
-        and carries ``history_fingerprint(history)``."""
-        out = None
-        for out in self.prefill_steps(history, chunk_size or max(1, len(history)), prefix=prefix):  # noqa: B007
-            pass
-        assert out is not None
-        return out
-
-    @torch.inference_mode()
-    def rank(
-        self,
-        prefix: PrefixKV | None,
-        suffix: Events,
-        candidates: torch.Tensor,
-        request_ts: float,
-        *,
-        micro_batch: int | None = None,
-    ) -> torch.Tensor:
-        """Scores (float32, CPU, one per candidate) of raw item ids ``candidates`` for the history
-        ``prefix events + suffix`` at time ``request_ts``. Only the suffix and the candidates are
-        computed; ``prefix=None`` means the suffix is the whole history. A prefix on another
-        device is moved to the model's. ``micro_batch`` is accepted for compatibility: the
-        candidates are scored together (each sees the history and itself only, so the grouping
-        never changed a score)."""
-        slot = self._slot(prefix, suffix, candidates, request_ts)
-        graphed = self._graphed([slot], keep_kv=False) if prefix is not None else None
-        if graphed is not None:
-            return graphed[0][0]
-        return self._pass([slot]).run().scores[0].cpu()
-
-    @torch.inference_mode()
-    def score_steps(
-        self,
-        prefix: PrefixKV,
-        candidates: torch.Tensor,
-        request_ts: float,
-        keys_per_step: Callable[[], int],
-    ) -> Iterator[int | torch.Tensor]:
-        """Scores of raw item ids ``candidates`` against the cached ``prefix`` alone (no new
-        events), in steps of whole layers: a step ends after the layer with which its keys (the
-        prefix's, per layer) reach ``keys_per_step()``, and yields how many keys it visited; the
-        last yields the scores (float32, CPU). Equal to ``rank(prefix, <no events>, candidates,
-        request_ts)`` (tested). Keys are counted once per layer and ``candidate_batch`` of
-        candidates, the unit the engine's pacing spreads a scoring's cost over."""
-        done = self._pass([self._slot(prefix, Events.empty(), candidates, request_ts)])
-        groups = -(-len(done.plan.slots[0].candidates) // self.config.candidate_batch)
-        per_layer = max(1, prefix.length * max(1, groups))
-        visited = 0
-        for _ in done.steps():
-            visited += per_layer
-            if visited >= keys_per_step():
-                yield visited
-                visited = 0
-        yield done.scores[0].cpu()
-
-    @torch.inference_mode()
-    def rank_and_extend(
-        self,
-        prefix: PrefixKV | None,
-        history: Events,
-        candidates: torch.Tensor,
-        request_ts: float,
-        *,
-        micro_batch: int | None = None,
-    ) -> tuple[torch.Tensor, Callable[[], PrefixKV]]:
-        """``rank(prefix, history[prefix.length:], ...)``, plus ``grown()``, which returns the
-        ``PrefixKV`` of all of ``history``: ranking computes the suffix's keys and values anyway,
-        and keeping them lets the user's next request compute only what is new. ``grown`` copies
-        the prefix's keys and values, so a caller runs it after the scores are out. ``prefix`` must
-        be a prefix of ``history`` (``ValueError`` otherwise)."""
-        ((scores, grown),) = self.rank_users([UserRanking(prefix, history, candidates, request_ts)])
-        return scores, grown
-
-    @torch.inference_mode()
-    def rank_users(
-        self, requests: Sequence[UserRanking]
-    ) -> list[tuple[torch.Tensor, Callable[[], PrefixKV]]]:
-        """Several users' relay rankings in one forward, as one jagged batch: each request
-        ``(prefix, history, candidates, request_ts)`` scores its candidates against its own cached
-        prefix and the events after it, exactly as ``rank_and_extend`` of that request alone.
-        Returns, in request order, its scores (float32, CPU) and ``grown()``."""
-        if not requests:
-            raise ValueError("rank_users: no requests")
-        slots = []
-        for r in requests:
-            start = 0
-            if r.prefix is not None:
-                if not r.prefix.matches(r.history):
-                    raise ValueError("rank_and_extend: the prefix is not the start of this history")
-                start = r.prefix.length
-            slots.append(self._slot(r.prefix, r.history.slice(start), r.candidates, r.request_ts))
-        graphed = self._graphed(slots)
-        if graphed is not None:
-            return [
-                (scores, _grower(self, r.prefix, kv, r.history))
-                for (scores, kv), r in zip(graphed, requests, strict=True)
-            ]
-        done = self._pass(slots).run()
-        scores = _on_host(done.scores)
-        out = []
-        for user, r in enumerate(requests):
-            kv = self._events_kv(done, user)
-            out.append((scores[user], _grower(self, r.prefix, kv, r.history)))
-        return out
-
-    @torch.inference_mode()
-    def rank_many(
-        self,
-        prefix: PrefixKV,
-        requests: Sequence[tuple[Events, torch.Tensor, float]],
-        *,
-        micro_batch: int | None = None,
-    ) -> tuple[list[torch.Tensor], Callable[[], PrefixKV]]:
-        """``rank_and_extend`` for several requests ``(history, candidates, request_ts)`` of one
-        user at once. Each history must start with ``prefix`` and be a prefix of the longest one,
-        as a user's histories are when requests come in a burst (``ValueError`` otherwise). The
-        events after ``prefix`` are computed once, for the longest history, and each request
-        scores its candidates against its own part of them. Returns the scores in request order
-        and ``grown()`` for the longest history."""
-        if not requests:
-            raise ValueError("rank_many: no requests")
-        widest = max(range(len(requests)), key=lambda k: len(requests[k][0]))
-        longest = requests[widest][0]
-        start = prefix.length
-        if not prefix.matches(longest):
-            raise ValueError("rank_many: the prefix is not the start of the histories")
-        _check_nested(requests, longest, start)
-        order = [widest] + [i for i in range(len(requests)) if i != widest]
-        slots = []
-        for i in order:
-            h, c, ts = requests[i]
-            if i == widest:
-                slots.append(self._slot(prefix, longest.slice(start), c, ts))
-            else:
-                slot = self._slot(prefix, Events.empty(), c, ts)
-                slots.append(
-                    UserSlot(slot.prefix, slot.events, slot.candidates, slot.request_ts, (0, len(h) - start))
-                )
-        done = self._pass(slots).run()
-        scores = [torch.empty(0)] * len(requests)
-        for i, got in zip(order, _on_host(done.scores), strict=True):  # i: the request's index
-            scores[i] = got
-        return scores, _grower(self, prefix, self._events_kv(done, 0), longest)
-
-    def rank_full(
-        self, history: Events, candidates: torch.Tensor, request_ts: float, *, micro_batch: int | None = None
-    ) -> torch.Tensor:
-        """The no-cache baseline: the whole history and the candidates in one inference (the same
-        code as ``rank``)."""
-        return self.rank(None, history, candidates, request_ts)
-
-
-def _on_host(scores: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Every user's scores on the host in one device read (one wait, not one a user)."""
-    if not scores or scores[0].device.type == "cpu":
-        return scores
-    return list(torch.cat(scores).cpu().split([int(s.shape[0]) for s in scores]))
-
-
-def _raw_ids(candidates) -> np.ndarray:
-    if isinstance(candidates, torch.Tensor):
-        candidates = candidates.numpy() if candidates.device.type == "cpu" else candidates.cpu().numpy()
-    return np.asarray(candidates, dtype=np.int64).reshape(-1)
-
-
-def _grower(
-    model: RelayInference,
-    prefix: PrefixKV | None,
-    kv: list[tuple[torch.Tensor, torch.Tensor]],
-    history: Events,
-) -> Callable[[], PrefixKV]:
-    def grown() -> PrefixKV:
-        with torch.inference_mode():
-            return model._prefix_kv(prefix, kv, history)
-
-    return grown
-
-
-def _check_nested(
-    requests: Sequence[tuple[Events, torch.Tensor, float]], longest: Events, start: int
-) -> None:
-    for h, _, _ in requests:
-        n = len(h)
-        if n < start or not all(
-            torch.equal(a[start:], b[start:n])
-            for a, b in (
-                (h.item_ids, longest.item_ids),
-                (h.action_ids, longest.action_ids),
-                (h.timestamps, longest.timestamps),
-            )
-        ):
-            raise ValueError("rank_many: the histories do not nest (one is not a prefix of the longest)")

@@ -8,9 +8,10 @@ Primitives:
   add, the projection and its bias are one ``addmm`` over the gated output and a column of ones),
   the norms, and the flattened bias table.
 - ``Serving``: those of every layer, the item and action embeddings as one table (a token's
-  embedding is one ``embedding_bag`` sum), the attention constants (``kernels.AttentionParams``) and the
-  shapes; ``serving_state(modules, cached)`` builds it, or returns ``cached`` while no parameter
-  has changed (its storage or version), so that a ranking does not rebuild it.
+  embedding is one ``embedding_bag`` sum), the item embeddings and final norm the scores read, the
+  attention constants (``kernels.AttentionParams``) and the shapes; ``serving_state(modules,
+  params, cached)`` builds it, or returns ``cached`` while no parameter of ``params`` has changed
+  (its storage or version), so that a ranking does not rebuild it.
 
 It reads the modules through ``RankerModules`` (what ``HSTURanker`` has), and imports nothing of
 the model module.
@@ -33,8 +34,8 @@ class RankerModules(Protocol):
     layers: nn.ModuleList
     item_emb: nn.Embedding
     action_emb: nn.Embedding
+    final_norm: nn.LayerNorm
     config: object
-    _params: list[nn.Parameter]  # every parameter, listed once
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,8 @@ class Serving:
     key: tuple
     layers: list[LayerWeights]
     tokens: torch.Tensor  # item embeddings, then action embeddings: a token is one row of each
+    items: torch.Tensor  # item embeddings (a candidate's score is a dot product with its row)
+    final_norm: tuple[torch.Tensor, torch.Tensor, float]  # weight, bias, eps
     params: AttentionParams
     splits: tuple[int, int, int, int]  # u, q, k, v columns of the projection
 
@@ -80,9 +83,10 @@ def _layer_weights(layer: nn.Module, heads: int) -> LayerWeights:
     )
 
 
-def serving_state(modules: RankerModules, cached: Serving | None) -> Serving:
-    """``modules``' ``Serving``: ``cached`` if it was built from these very weights, else a new one."""
-    key = tuple((p.data_ptr(), p._version) for p in modules._params)
+def serving_state(modules: RankerModules, params: list[nn.Parameter], cached: Serving | None) -> Serving:
+    """``modules``' ``Serving``: ``cached`` if it was built from these very weights (``params``,
+    every parameter of ``modules``), else a new one."""
+    key = tuple((p.data_ptr(), p._version) for p in params)
     if cached is not None and cached.key == key:
         return cached
     cfg = modules.config
@@ -92,6 +96,12 @@ def serving_state(modules: RankerModules, cached: Serving | None) -> Serving:
             key=key,
             layers=[_layer_weights(layer, cfg.heads) for layer in modules.layers],
             tokens=torch.cat([modules.item_emb.weight.detach(), modules.action_emb.weight.detach()]),
+            items=modules.item_emb.weight.detach(),
+            final_norm=(
+                modules.final_norm.weight.detach(),
+                modules.final_norm.bias.detach(),
+                modules.final_norm.eps,
+            ),
             params=AttentionParams(
                 num_pos=cfg.position_buckets,
                 num_time=cfg.time_buckets,

@@ -9,6 +9,11 @@ Primitives:
   own events, then its candidates), which keys each user attends to (its prefix, the events it
   sees, its candidates), the tokens' embedding ids, and the ``JaggedBatch``es: one for the layers
   whose queries are every new token, and the last layer's, whose queries are the candidates only.
+- ``CachedKeys.of(slots, pieces)``: the cached keys, values and timestamps the users read: every
+  paged prefix's (``PrefixKV.paged``) gathered from the pages at once, one copy per tensor for all
+  the layers and users; a dense prefix's as it is. One user's keys (a ranking, a pre-inference's
+  chunk) are gathered with room for its new rows after them, which each layer writes there: its
+  keys are then that buffer's layer, with no concatenation.
 
 Everything here is arithmetic over host lengths (numpy); the device receives a fixed number of
 tensors whatever the number of users or events.
@@ -56,6 +61,80 @@ class UserSlot:
 
 
 @dataclass(frozen=True)
+class CachedKeys:
+    """The cached keys, values and timestamps of a forward's users (see the module docstring):
+    ``keys [layers, N, H, dqk]``, ``values`` and ``timestamps [N]`` of the paged prefixes, one
+    after another, and per user the rows of its own there (``None``: a dense prefix, or none);
+    ``tail``: one user's new rows ``[a, b)`` whose keys and values follow its prefix's there."""
+
+    keys: torch.Tensor | None
+    values: torch.Tensor | None
+    timestamps: torch.Tensor | None
+    spans: list[tuple[int, int] | None]
+    tail: tuple[int, int] | None = None
+
+    @classmethod
+    def of(cls, slots: list[UserSlot], pieces: list[list[tuple[int, int] | None]]) -> CachedKeys:
+        runs = [s.prefix.pages if s.prefix is not None else None for s in slots]
+        paged = [r for r in runs if r is not None]
+        if not paged:
+            return cls(None, None, None, [None] * len(slots))
+        pool = paged[0].pool
+        if any(r.pool is not pool for r in paged):
+            raise ValueError("the prefixes of one forward lie in different pages")
+        spans: list[tuple[int, int] | None] = []
+        at = 0
+        for r in runs:
+            spans.append(None if r is None else (at, at + r.length))
+            at += 0 if r is None else r.length
+        tail = None
+        if len(slots) == 1 and runs[0] is not None and len(pieces[0]) == 2 and pieces[0][1] is not None:
+            tail = pieces[0][1]  # its prefix, then its own new rows: room for them after the prefix
+            rows = paged[0].row_index(pad=tail[1] - tail[0])  # built once a prefix and width
+        else:
+            rows = _device(np.concatenate([r.rows() for r in paged]), pool.device)
+        keys, values = pool.stores()
+        return cls(
+            keys.index_select(1, rows),
+            values.index_select(1, rows),
+            pool.timestamps.index_select(0, rows),
+            spans,
+            tail,
+        )
+
+    def tail_layer(
+        self, li: int, k_new: torch.Tensor, v_new: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The one user's keys and values of layer ``li``: its prefix's, then its new rows of
+        ``k_new``/``v_new`` (``tail``), written after them."""
+        assert self.tail is not None and self.keys is not None and self.values is not None
+        a, b = self.tail
+        n = self.keys.shape[1] - (b - a)
+        keys, values = self.keys[li], self.values[li]
+        keys[n:].copy_(k_new[a:b])
+        values[n:].copy_(v_new[a:b])
+        return keys, values
+
+    def layer(self, slot: UserSlot, user: int, li: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """User ``user``'s cached keys and values of layer ``li``, ``[n, H, d]``."""
+        span = self.spans[user]
+        if span is None:
+            assert slot.prefix is not None
+            return slot.prefix.keys[li].transpose(0, 1), slot.prefix.values[li].transpose(0, 1)
+        assert self.keys is not None and self.values is not None
+        return self.keys[li, span[0] : span[1]], self.values[li, span[0] : span[1]]
+
+    def times(self, slot: UserSlot, user: int) -> torch.Tensor:
+        """User ``user``'s cached timestamps."""
+        span = self.spans[user]
+        if span is None:
+            assert slot.prefix is not None
+            return slot.prefix.timestamps
+        assert self.timestamps is not None
+        return self.timestamps[span[0] : span[1]]
+
+
+@dataclass(frozen=True)
 class ForwardPlan:
     """Where every user's tokens and keys lie in one forward (see the module docstring)."""
 
@@ -68,6 +147,7 @@ class ForwardPlan:
     batch: JaggedBatch | None  # queries: every row (None: no rows)
     last: JaggedBatch | None  # the last layer's queries: candidate rows, or ``batch`` (None: no candidates)
     cand_index: torch.Tensor | None  # candidate rows, when they are not the last rows of one user
+    cached: CachedKeys  # the users' cached keys, values and timestamps
 
     @property
     def rows(self) -> int:
@@ -109,7 +189,8 @@ class ForwardPlan:
             row += own + len(slot.candidates)
         plan_ids = (np.concatenate(items).astype(np.int64), np.concatenate(actions).astype(np.int64))
         k_pos_t = _device(np.concatenate(k_pos), device)
-        k_ts = _key_times(slots, k_host_ts, device)
+        cached = CachedKeys.of(slots, pieces)
+        k_ts = _key_times(slots, cached, k_host_ts, device)
         k_lengths = [len(p) for p in k_pos[::2]]
         k_lengths = [n + len(c) for n, c in zip(k_lengths, [s.candidates for s in slots], strict=True)]
         batch = last = None
@@ -135,7 +216,7 @@ class ForwardPlan:
             )
         if len(cand) and len(slots) > 1 and not np.array_equal(cand, np.arange(row - len(cand), row)):
             cand_index = _device(cand, device)
-        return cls(slots, event_rows, cand_rows, pieces, *plan_ids, batch, last, cand_index)
+        return cls(slots, event_rows, cand_rows, pieces, *plan_ids, batch, last, cand_index, cached)
 
 
 def _seen(
@@ -165,15 +246,17 @@ def _device(values: np.ndarray, device: torch.device) -> torch.Tensor:
     return t if device.type == "cpu" else t.to(device, non_blocking=True)
 
 
-def _key_times(slots: list[UserSlot], host: list[np.ndarray], device: torch.device) -> torch.Tensor:
+def _key_times(
+    slots: list[UserSlot], cached: CachedKeys, host: list[np.ndarray], device: torch.device
+) -> torch.Tensor:
     """Every user's key timestamps: its prefix's (on the device), then the host ones."""
     tail = _device(np.concatenate(host).astype(np.float64), device)
     if all(s.prefix is None for s in slots):
         return tail
     pieces, at = [], 0
-    for slot, part in zip(slots, host, strict=True):
+    for user, (slot, part) in enumerate(zip(slots, host, strict=True)):
         if slot.prefix is not None:
-            pieces.append(slot.prefix.timestamps)
+            pieces.append(cached.times(slot, user))
         pieces.append(tail[at : at + len(part)])
         at += len(part)
     return torch.cat(pieces)

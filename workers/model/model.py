@@ -13,13 +13,12 @@ Primitives:
   its input embedding: the answer of the history to "how about this item?"), normalised and
   dotted with its item embedding. Leaving the input out keeps the item's own embedding norm
   from swamping the history's contribution.
-  Its inference (``prefill``, ``extend``, ``rank``, ``rank_and_extend``, ``rank_many``,
-  ``rank_users``, ``rank_full``) lives in ``inference`` (``RelayInference``, over the one
-  attention interface ``kernels.hstu_mha``); the dense path that training
-  differentiates, and the oracle of serving, in ``dense``. Here: the modules, ``model_version``,
-  ``item_embeddings``, ``flops`` (what one call computes), ``use_graph_relay`` (relay rankings
-  replayed from CUDA graphs over a paged prefix pool, ``graph_relay``) and the checkpoint,
-  ``save`` / ``load``.
+  The module and its checkpoint only: serving it (``prefill``, ``extend``, ``rank``,
+  ``rank_and_extend``, ``rank_many``, ``rank_users``, ``rank_full``, over the one attention
+  interface ``kernels.hstu_mha``, and the buckets replayed from CUDA graphs) is the model runner's
+  (``runner.ModelRunner``); the dense path that training differentiates, and the oracle of
+  serving, is ``dense``. Here: the modules, ``model_version``, ``item_embeddings``, ``flops``
+  (what one call computes) and the checkpoint, ``save`` / ``load``.
 
 Relay exactness: every history token's keys and values depend only on the tokens before it
 (causal), the bias depends only on absolute positions and timestamps of the pair, ``N`` is a
@@ -46,10 +45,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from relaygr.workers.model.devices import resolve_device, resolve_dtype
-from relaygr.workers.model.graph_relay import DEFAULT_POOL_TOKENS, GraphRelay
-from relaygr.workers.model.graph_runner import DEFAULT_BLOCK_TOKENS
 from relaygr.workers.model.hstu_attention import is_bucket_boundary
-from relaygr.workers.model.inference import RelayInference
 from relaygr.workers.model.vocab import ItemVocab
 
 NEAR_KEYS = 64
@@ -172,8 +168,9 @@ class HSTULayer(nn.Module):
         return x + self.drop(self.out(self.attn_norm(a) * u))
 
 
-class HSTURanker(RelayInference, nn.Module):
-    """HSTU ranker with a relay-exact prefix KV cache and target-aware candidate scoring."""
+class HSTURanker(nn.Module):
+    """HSTU ranker with a relay-exact prefix KV cache and target-aware candidate scoring (served by
+    ``runner.ModelRunner``)."""
 
     def __init__(self, config: HSTUConfig) -> None:
         super().__init__()
@@ -191,7 +188,6 @@ class HSTURanker(RelayInference, nn.Module):
         self.vocab = ItemVocab.identity_of(config.num_items)
         self.model_version = ""
         self.refresh_version()
-        self._init_inference()
 
     # ----------------------------------------------------------------------------- basics
     @property
@@ -241,35 +237,6 @@ class HSTURanker(RelayInference, nn.Module):
         """The ``[num_items + 1, dim]`` item embedding table (row 0: unknown), for retrieval by
         inner product."""
         return self.item_emb.weight.detach()
-
-    def use_graph_relay(
-        self,
-        enabled: bool | None = None,
-        *,
-        pool_tokens: int = DEFAULT_POOL_TOKENS,
-        block_tokens: int = DEFAULT_BLOCK_TOKENS,
-        capture: bool | None = None,
-        prefix_tokens: int | None = None,
-    ) -> GraphRelay | None:
-        """Relay rankings (``rank``, ``rank_and_extend``, ``rank_users``) in bucketed static
-        forwards over a paged device pool of ``pool_tokens`` cached tokens (``graph_relay``),
-        captured as CUDA graphs when ``capture`` (default: on CUDA); what fits no bucket runs the
-        eager path. ``enabled`` None: on for a CUDA model, off elsewhere; False turns it off.
-        ``prefix_tokens``: the buckets' prefix capacity per user (default ``max_seq_len``)."""
-        if enabled is None:
-            enabled = self.device.type == "cuda"
-        self.graph_relay = (
-            GraphRelay(
-                self,
-                pool_tokens=pool_tokens,
-                block_tokens=block_tokens,
-                capture=capture,
-                prefix_tokens=prefix_tokens,
-            )
-            if enabled
-            else None
-        )
-        return self.graph_relay
 
     def flops(self, cached: int, new: int, candidates: int) -> int:
         """FLOPs (projections and attention) of computing ``new`` history tokens after ``cached``

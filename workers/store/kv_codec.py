@@ -94,7 +94,8 @@ def _tensors(prefix: PrefixKV) -> list[tuple[str, torch.Tensor]]:
 
 
 def encode(prefix: PrefixKV) -> bytes:
-    """Serialise ``prefix`` (on any device) into one blob."""
+    """Serialise ``prefix`` (on any device; a paged one's tokens gathered) into one blob."""
+    prefix = prefix.dense()
     if len(prefix.fingerprint) != FINGERPRINT_BYTES:
         raise ValueError(f"kv_codec: fingerprint must be {FINGERPRINT_BYTES} bytes")
     if len(prefix.keys) != len(prefix.values):

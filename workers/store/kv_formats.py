@@ -1,7 +1,8 @@
 """Formats of the prefix store's cold tiers (host memory and disk): ``exact``, ``bf16`` or ``int8``.
 
-The device tier always holds a prefix exactly as the model computed it. A colder tier may keep its
-keys and values in fewer bytes; a promotion decodes them back to the model's dtype on the device.
+The device tier always holds a prefix exactly as the model computed it (in pages: ``PrefixKV.paged``).
+A colder tier may keep its keys and values in fewer bytes; a promotion decodes them back to the
+model's dtype on the device. A paged prefix is gathered from its pages first (``PrefixKV.dense``).
 
 Primitives:
 - ``ColdFormat`` (named in ``store_config``, without torch): ``exact`` (the model's dtype, bit for
@@ -14,6 +15,8 @@ Primitives:
   tensors are moved first, then decoded there: fewer bytes cross the bus). int8 blocks that lie
   back to back (as ``to_cold`` and the disk codec lay them out) move in one copy and decode in one
   multiplication for all layers.
+- ``warm_layer(prefix, li, device)``: layer ``li``'s exact keys and values on ``device`` (moved,
+  then decoded there): what a promotion writes into the device tier's pages, a layer at a time.
 - ``same_device(a, b)``: one device (``cuda`` and ``cuda:0`` alike).
 - ``cold_nbytes(prefix, fmt)``: the bytes of ``to_cold(prefix, fmt)`` without building it.
 - ``token_bytes(layers, heads, attn_dim, linear_dim, dtype, fmt)``: bytes one cached token takes in
@@ -69,6 +72,11 @@ def token_bytes(layers: int, heads: int, attn_dim: int, linear_dim: int, dtype: 
 def cold_nbytes(prefix: PrefixKV, fmt: str) -> int:
     """``to_cold(prefix, fmt).nbytes()``, computed from the shapes alone."""
     check_format(fmt)
+    if prefix.pages is not None:  # its dense form's, per token
+        lay = prefix.pages.pool.layout
+        return prefix.length * token_bytes(
+            lay.layers, lay.heads, lay.attn_dim, lay.linear_dim, lay.dtype, fmt
+        )
     if fmt == "exact" or prefix.kv_format == fmt:
         return prefix.nbytes()
     if prefix.kv_format != "exact":  # re-encoding a cold prefix goes through its exact form
@@ -137,8 +145,9 @@ def _back_to_back(tensors: list[torch.Tensor]) -> torch.Tensor | None:
 
 
 def to_cold(prefix: PrefixKV, fmt: str) -> PrefixKV:
-    """The cold form of ``prefix`` in ``fmt``, on the prefix's device."""
+    """The cold form of ``prefix`` in ``fmt``, on the prefix's device (a paged one's gathered)."""
     check_format(fmt)
+    prefix = prefix.dense()
     if fmt == "exact" or prefix.kv_format == fmt:
         return prefix
     if prefix.kv_format != "exact":
@@ -166,6 +175,8 @@ def to_warm(prefix: PrefixKV, device: torch.device | str, *, non_blocking: bool 
     ``non_blocking``: the copies from pinned host memory are queued on the current stream without
     waiting for each (work queued after them on that stream sees their result)."""
     device = torch.device(device)
+    if prefix.pages is not None:  # exact already: in its pages, or gathered to go elsewhere
+        return prefix if same_device(prefix.device, device) else prefix.to(device, non_blocking=non_blocking)
     dtype = prefix.exact_dtype or torch.float32
     n = len(prefix.keys)
     if prefix.kv_format == "int8":
@@ -192,6 +203,28 @@ def to_warm(prefix: PrefixKV, device: torch.device | str, *, non_blocking: bool 
     else:
         tensors = [t.to(dtype) for t in (*moved.keys, *moved.values)]
     return _exact_form(moved, tensors, device)
+
+
+def warm_layer(
+    prefix: PrefixKV, li: int, device: torch.device | str, *, non_blocking: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer ``li``'s keys and values of ``prefix`` (dense, any format) in its exact dtype on
+    ``device``: the compressed tensors moved, then decoded there, as ``to_warm`` decodes them."""
+    device = torch.device(device)
+    n, dtype = len(prefix.keys), prefix.exact_dtype or prefix.dtype
+    pair = []
+    for i, t in ((li, prefix.keys[li]), (n + li, prefix.values[li])):
+        moved = t if same_device(t.device, device) else t.to(device, non_blocking=non_blocking)
+        if prefix.kv_format == "int8":
+            scale = prefix.scales[i]
+            scale = (
+                scale if same_device(scale.device, device) else scale.to(device, non_blocking=non_blocking)
+            )
+            moved = moved.to(torch.float32).mul_(scale).to(dtype)
+        elif prefix.kv_format != "exact":
+            moved = moved.to(dtype)
+        pair.append(moved)
+    return pair[0], pair[1]
 
 
 def _exact_form(prefix: PrefixKV, tensors: list[torch.Tensor], device: torch.device) -> PrefixKV:

@@ -3,8 +3,8 @@
 Primitives:
 - ``PrefixPlacement(config, model_version, device=, clock=, on_host=, tier_choice=)``: one entry per key
   ``(user_id, model_version)`` in at most one memory tier (device or host) plus, optionally, a copy on
-  disk (``tiers.DiskTier`` and its write-back queue, ``disk_writer``). Every method takes ``lock``
-  (reentrant) and returns without waiting for anything but the lock; no asyncio here.
+  disk (its side: ``disk_placement``). Every method takes ``lock`` (reentrant) and returns without
+  waiting for anything but the lock (and, on CUDA, a prefix's copy into the pages); no asyncio here.
   - ``lease(user_id, ttl_s, expected_bytes) -> LeaseResult`` / ``release(user_id)`` / ``expire(now)``:
     pins and their device-byte reservations.
   - ``put(user_id, prefix, keep_longer=False) -> tier`` and ``put_computed(user_id, prefix, history)``:
@@ -13,11 +13,15 @@ Primitives:
     pending disk write, read the disk, or miss), dropping entries whose history changed.
   - ``promoted(key, plan, moved)`` / ``loaded(key, prefix)`` / ``corrupt(key, seq)``: the outcome of the
     copy or read a plan asked for.
+  - ``device_pages(layout, reserve_tokens)``: the device tier's pages (``device_tier``), which the
+    model runner reads and writes in place; ``admit(prefix)``: a promotion's copy into them.
   - ``forget(user_ids)``, ``cached_length``, ``where``, ``metrics``, ``layout``, ``persist_unwritten``.
-- ``Entry``, ``Plan``: its records (``LeaseResult``: ``leases``').
+- ``Entry``, ``Plan`` (``tiers``): its records (``LeaseResult``: ``leases``').
 
-The device tier holds prefixes as computed, host and disk in the cold format (``kv_formats``); every
-tier's byte counts (budgets, room-making, metrics) are the bytes it stores.
+The device tier holds prefixes as computed, in pages (``kv_pages``: a prefix placed there lies in
+them once, and grows by appending pages); host and disk hold them in the cold format
+(``kv_formats``); every tier's byte counts (budgets, room-making, metrics) are the bytes it stores
+(the device's: whole pages).
 
 Placement and eviction policy (LRU per tier, pins respected): an entry goes to the highest tier whose
 budget can take it; a tier the tier choice (``tier_costs``) predicts slower than recomputing serves no
@@ -28,11 +32,15 @@ its own least recently used entries. Any use promotes an entry back to the devic
 
 Leases reserve ``max(expected_bytes, resident bytes)`` of the device budget; the sum of reservations
 never exceeds it, and unpinned device entries only use what reservations leave, so a leased prefix
-always has room when it arrives.
+always has room when it arrives. The pages hold the budget and a reserve for what the model runner
+holds beside the entries; when they run short (a prefix computed into them, a ranking's grown one)
+they ask ``reclaim``: the least recently used unpinned device entries are demoted until enough
+pages are free (a page still read by a ranking in flight is freed when that ranking lets go).
 
-An entry placed on host is handed to ``on_host(key, entry)``: the orchestration moves its tensors off
-the device on its copy thread (until then the entry keeps them, and a promotion back needs no copy).
-Placing on the device moves a prefix that lives elsewhere (``PrefixKV.to``).
+Demoting an entry gathers its pages (``PrefixKV.dense``) and hands it to ``on_host(key, entry)``:
+the orchestration moves its tensors off the device on its copy thread (until then the entry keeps
+them, and a promotion back copies them into pages on the device). Placing a prefix that does not
+lie in the pages yet writes its tokens there (``DeviceTier.admit``).
 One job: every method keeps these invariants over the same entries and tiers, under one lock."""
 
 from __future__ import annotations
@@ -41,45 +49,24 @@ import itertools
 import logging
 import threading
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
+from relaygr.workers.kv_pages import KVLayout, KVPages, PagesExhausted
 from relaygr.workers.prefix_kv import Events, PrefixKV, history_fingerprint
-from relaygr.workers.store.disk_writer import DiskWriter
-from relaygr.workers.store.kv_formats import check_format, cold_nbytes, same_device, to_warm
+from relaygr.workers.store.device_tier import DeviceTier
+from relaygr.workers.store.disk_placement import DiskPlacement
+from relaygr.workers.store.kv_formats import check_format, cold_nbytes
 from relaygr.workers.store.leases import LeaseResult, LeaseTable
 from relaygr.workers.store.store_counters import StoreCounters
 from relaygr.workers.store.tier_costs import TierChoice
-from relaygr.workers.store.tiers import DiskMeta, DiskTier, MemoryTier, StoreKey
+from relaygr.workers.store.tiers import Entry, MemoryTier, Plan, StoreKey
 
 log = logging.getLogger(__name__)
 
 UserId = int | str
 Tier = Literal["device", "host", "disk"]
-
-
-@dataclass
-class Entry:
-    prefix: PrefixKV
-    nbytes: int
-    tier: str  # "device" | "host"
-    gen: int  # identity of this prefix version across moves between tiers
-    on_disk: bool = False  # the disk tier holds exactly this version
-
-
-@dataclass
-class Plan:
-    """What a lookup must do, decided under the lock: ``device`` (found there), ``host`` (copy
-    ``entry`` to the device), ``pending`` (copy a prefix on its way to disk), ``disk`` (read it),
-    or ``done`` (a miss)."""
-
-    kind: str
-    entry: Entry | None = None
-    pending: tuple[int, PrefixKV] | None = None
-    disk_meta: DiskMeta | None = None
-    invalidated: int = 0
 
 
 class PrefixPlacement:
@@ -106,25 +93,33 @@ class PrefixPlacement:
         self.counters = StoreCounters()
         self.cold_format = check_format(config.cold_kv_format)
         self._on_host = on_host or (lambda key, entry: None)
-        self._device_tier: MemoryTier[StoreKey, Entry] = MemoryTier("device", config.device_budget_bytes)
+        self._device_tier = DeviceTier(config.device_budget_bytes, device, config.page_tokens)
+        self._device_tier.reclaim = self._reclaim
         self._host_tier: MemoryTier[StoreKey, Entry] = MemoryTier("host", config.host_budget_bytes)
         self._entries: dict[StoreKey, Entry] = {}
         self._leases: LeaseTable[StoreKey] = LeaseTable(config.device_budget_bytes)
         self._gen = itertools.count(1)
-        self.disk: DiskTier | None = None
-        self.writer: DiskWriter | None = None
-        if config.disk_path is not None:
-            self.disk = DiskTier(config.disk_path, config.disk_budget_bytes)
-            if config.purge_other_model_versions:
-                for key in self.disk.list_keys():
-                    if key[1] != model_version:
-                        self.disk.delete(key)
-                        self.counters["disk_purged_other_version"] += 1
-            backlog, on_write = config.disk_backlog_bytes, self._on_disk_write
-            self.writer = DiskWriter(
-                self.disk, backlog, self.lock, self.counters, on_write, cold_format=self.cold_format
-            )
+        self.disk_side = DiskPlacement(
+            config, model_version, self.lock, self.counters, self._entries.get, self.cold_format
+        )
+        self.disk, self.writer = self.disk_side.disk, self.disk_side.writer
         self.tiers = ("device", "host", "disk") if self.disk is not None else ("device", "host")
+
+    def device_pages(self, layout: KVLayout, reserve_tokens: int = 0) -> KVPages:
+        """The device tier's pages for ``layout``'s tokens, made now if they are not yet (with
+        ``reserve_tokens`` beyond the budget's), for the model runner to read and write in place."""
+        return self._device_tier.pages_for(layout, reserve_tokens)
+
+    def device_bytes(self, prefix: PrefixKV) -> int:
+        """The bytes ``prefix`` takes in the device tier: whole pages."""
+        return self._device_tier.nbytes(prefix)
+
+    def admit(self, prefix: PrefixKV) -> PrefixKV:
+        """``prefix`` written into free pages of the device tier, not placed yet (a promotion's copy,
+        made outside the lock; ``promoted`` or ``loaded`` places it); ``PagesExhausted`` when too few
+        are free: making room demotes entries, which the placement does in its order, under the
+        lock, when it places the prefix."""
+        return self._device_tier.admit(prefix, reclaim=False)
 
     def key(self, user_id: UserId) -> StoreKey:
         return (user_id, self.model_version)
@@ -252,9 +247,22 @@ class PrefixPlacement:
         """Bytes ``prefix`` takes in the host tier: its cold form's (``kv_formats``)."""
         return cold_nbytes(prefix, self.cold_format)
 
+    def _reclaim(self, pages: int) -> None:
+        """The pages are short of ``pages`` free ones: demote least recently used unpinned device
+        entries until they have them (or none is left to demote)."""
+        with self.lock:
+            tier = self._device_tier
+            while tier.pages is not None and tier.pages.free_pages < pages:
+                victim = next((k for k in tier.lru_keys() if k not in self._leases), None)
+                if victim is None:
+                    return
+                self._demote_from_device(victim)
+                self.counters["reclaims"] += 1
+
     def _demote_from_device(self, key: StoreKey) -> None:
         entry = self._device_tier.pop(key)
         assert entry is not None
+        entry.prefix = entry.prefix.dense()  # out of the pages (given back once no ranking reads them)
         host_nb = self.host_bytes(entry.prefix)
         if self._make_host_room(host_nb):
             entry.tier, entry.nbytes = "host", host_nb
@@ -264,15 +272,11 @@ class PrefixPlacement:
         else:
             self._spill(key, entry)
 
-    def _disk_has(self, key: StoreKey, entry: Entry) -> bool:
-        """The disk holds, or is about to hold, exactly this version of ``key``."""
-        return entry.on_disk or (self.writer is not None and self.writer.pending_gen(key) == entry.gen)
-
     def _spill(self, key: StoreKey, entry: Entry) -> None:
         """``entry`` has left memory: keep it on disk or drop it."""
         del self._entries[key]
         if self.writer is not None:
-            if self._disk_has(key, entry):
+            if self.disk_side.has(key, entry):
                 self.counters["demotions_to_disk"] += 1
                 return
             if self._worth(
@@ -302,9 +306,7 @@ class PrefixPlacement:
     def _place(self, key: StoreKey, prefix: PrefixKV, gen: int, on_disk: bool) -> str:
         """Put ``prefix`` in the highest tier that takes it; returns "device", "host", "disk" or
         "none". The key must have no memory entry."""
-        if prefix.kv_format != "exact":  # the device tier holds exact prefixes only
-            prefix = to_warm(prefix, prefix.device)
-        nb = prefix.nbytes()
+        nb = self._device_tier.nbytes(prefix)
         lease = self._leases.get(key)
         to_device = False
         if lease is not None:
@@ -317,21 +319,26 @@ class PrefixPlacement:
         if not to_device and key not in self._leases:
             to_device = self._make_device_room(nb)
         if to_device:
-            if not same_device(prefix.device, self.device):
-                prefix = prefix.to(self.device)
-            entry = Entry(prefix, nb, "device", gen, on_disk)
+            try:  # in the pages: itself when it lies there, else its tokens written there
+                paged = self._device_tier.admit(prefix)
+            except PagesExhausted as e:
+                log.info("prefix store: %r goes to host: %s", key, e)
+                self.counters["device_pages_exhausted"] += 1
+                paged, to_device = prefix, False
+        if to_device:
+            entry = Entry(paged, nb, "device", gen, on_disk)
             self._device_tier.add(key, entry, nb)
             self._entries[key] = entry
             return "device"
         host_nb = self.host_bytes(prefix)
-        entry = Entry(prefix, host_nb, "host", gen, on_disk)
+        entry = Entry(prefix.dense(), host_nb, "host", gen, on_disk)
         self._entries[key] = entry
         if self._make_host_room(host_nb):
             self._host_tier.add(key, entry, host_nb)
             self._on_host(key, entry)
             return "host"
         self._spill(key, entry)
-        return "disk" if self._disk_has(key, entry) else "none"
+        return "disk" if self.disk_side.has(key, entry) else "none"
 
     # ------------------------------------------------------------------ puts
 
@@ -345,9 +352,10 @@ class PrefixPlacement:
         key = self.key(user_id)
         with self.lock:
             self._maybe_expire()
-            entry = self._entries.get(key)
-            if keep_longer and entry is not None and entry.prefix.length >= prefix.length:
+            old = self._entries.get(key)
+            if keep_longer and old is not None and old.prefix.length >= prefix.length:
                 return "kept"
+            old = None  # its pages are free once no one else reads them: this is the last look
             self._remove(key)
             gen = next(self._gen)
             tier = self._place(key, prefix, gen, on_disk=False)
@@ -370,6 +378,7 @@ class PrefixPlacement:
             newer = (
                 entry is not None and entry.prefix.length > prefix.length and entry.prefix.matches(history)
             )
+            entry = None  # not held while ``put`` replaces it (its pages)
             if not newer:
                 self.put(user_id, prefix)
             self.counters["computations"] += 1
@@ -406,21 +415,8 @@ class PrefixPlacement:
                     best_len, plan = length, Plan("device", entry=entry)
                 elif self._worth("host", entry.nbytes, length):
                     best_len, plan = length, Plan("host", entry=entry)
-            if self.writer is not None and self.disk is not None:
-                pend = self.writer.pending_prefix(key)
-                if pend is not None and best_len < pend[1].length <= n:
-                    p = pend[1]
-                    if valid(p.length, p.fingerprint) and self._worth(
-                        "host", p.nbytes(), p.length, max(best_len, 0)
-                    ):
-                        best_len, plan = p.length, Plan("pending", pending=pend)
-                meta = self.disk.meta(key)
-                if meta is not None and best_len < meta.length <= n:
-                    if not valid(meta.length, meta.fingerprint):
-                        self._discard_disk(key, meta.seq)
-                        invalidated += 1
-                    elif self._worth("disk", meta.nbytes, meta.length, max(best_len, 0)):
-                        plan = Plan("disk", disk_meta=meta)
+            on_disk, invalid = self.disk_side.plan(key, n, best_len, valid, self._worth)
+            plan, invalidated = on_disk or plan, invalidated + invalid
             plan.invalidated = invalidated
             if invalidated:
                 self.counters["invalidations"] += invalidated
@@ -431,9 +427,10 @@ class PrefixPlacement:
                 self.counters.hit("miss", self.tiers)
             return plan
 
-    def promoted(self, key: StoreKey, plan: Plan, moved: PrefixKV) -> None:
+    def promoted(self, key: StoreKey, plan: Plan, moved: PrefixKV) -> PrefixKV:
         """A host or pending prefix of ``plan`` was copied to the device as ``moved``: it takes
-        its place there (unless the entry changed meanwhile)."""
+        its place there (unless the entry changed meanwhile). Returns what a lookup hands out: the
+        device entry's prefix (in the pages) when it went there, else ``moved``."""
         with self.lock:
             entry = self._entries.get(key)
             if plan.kind == "host":
@@ -447,60 +444,38 @@ class PrefixPlacement:
                 if self._place(key, moved, plan.pending[0], on_disk=False) == "device":
                     self.counters["promotions_host_to_device"] += 1
             self.counters.hit("host", self.tiers)
+            return self._handed_out(key, moved)
 
-    def loaded(self, key: StoreKey, prefix: PrefixKV | None) -> None:
+    def _handed_out(self, key: StoreKey, moved: PrefixKV) -> PrefixKV:
+        """The device entry's prefix of ``key`` when it is ``moved``'s version, else ``moved``."""
+        entry = self._entries.get(key)
+        same = entry is not None and entry.tier == "device" and entry.prefix.fingerprint == moved.fingerprint
+        return entry.prefix if same and entry.prefix.length == moved.length else moved
+
+    def loaded(self, key: StoreKey, prefix: PrefixKV | None) -> PrefixKV | None:
         """A disk read of ``key`` returned ``prefix`` (None: deleted since the plan): placed in
-        memory unless another version got there first."""
+        memory unless another version got there first. Returns what a lookup hands out (as
+        ``promoted``)."""
         with self.lock:
             if prefix is None:
                 self.counters.hit("miss", self.tiers)
-                return
+                return None
             placed = "skipped" if key in self._entries else self._place(key, prefix, next(self._gen), True)
             if placed == "device":
                 self.counters["promotions_disk_to_device"] += 1
             self.counters.hit("disk", self.tiers)
+            return self._handed_out(key, prefix)
 
     def corrupt(self, key: StoreKey, seq: int) -> None:
         """The disk entry ``seq`` of ``key`` did not decode: deleted and counted."""
         with self.lock:
             self.counters["disk_corrupt"] += 1
-            self._discard_disk(key, seq)
-
-    # ------------------------------------------------------------------ the disk tier
-
-    def _on_disk_write(
-        self, key: StoreKey, gen: int, written: bool, was_pending: bool, evicted: list[StoreKey]
-    ) -> None:
-        """The disk writer landed (or failed) version ``gen`` of ``key``, evicting ``evicted``
-        (called under the lock)."""
-        entry = self._entries.get(key)
-        if written:
-            if entry is not None:
-                entry.on_disk = entry.gen == gen
-        elif was_pending and entry is None:
-            self.counters["evictions"] += 1  # it was only on its way to disk and did not fit
-        for victim in evicted:
-            self.counters["evictions_disk"] += 1
-            entry = self._entries.get(victim)
-            if entry is not None:
-                entry.on_disk = False
-
-    def _discard_disk(self, key: StoreKey, seq: int) -> None:
-        """Hide a disk entry now and delete it behind the pending writes."""
-        assert self.writer is not None
-        self.writer.discard(key, seq)
-        entry = self._entries.get(key)
-        if entry is not None:
-            entry.on_disk = False
+            self.disk_side.discard(key, seq)
 
     def persist_unwritten(self) -> None:
         """Queue every memory entry the disk lacks (forced past the backlog bound)."""
-        if self.writer is None:
-            return
         with self.lock:
-            for key, entry in list(self._entries.items()):
-                if not self._disk_has(key, entry):
-                    self.writer.enqueue(key, entry.gen, entry.prefix, force=True)
+            self.disk_side.persist(list(self._entries.items()))
 
     # ------------------------------------------------------------------ forgetting, introspection
 
@@ -514,15 +489,7 @@ class PrefixPlacement:
                 had = self._remove(key) is not None
                 if key in self._leases:
                     self._drop_lease(key)
-                if self.disk is not None and self.writer is not None:
-                    pend = self.writer.pending_gen(key)
-                    meta = self.disk.meta(key)
-                    had = had or pend is not None or meta is not None
-                    if meta is not None:
-                        self.disk.hide(key, meta.seq)
-                    if pend is not None or meta is not None:
-                        self.writer.delete_all(key)
-                forgotten += had
+                forgotten += self.disk_side.forget(key) or had
             if forgotten:
                 self.counters["forgotten"] += forgotten
         return forgotten
@@ -551,11 +518,7 @@ class PrefixPlacement:
             entry = self._entries.get(key)
             if entry is not None:
                 return entry.tier
-            if self.writer is not None and self.writer.pending_gen(key) is not None:
-                return "pending"
-        if self.disk is not None and self.disk.meta(key) is not None:
-            return "disk"
-        return None
+            return self.disk_side.where(key)
 
     def layout(self) -> dict[str, Any]:
         """Keys per tier (device and host in LRU order; ``host_in_memory``: those whose tensors
@@ -567,8 +530,7 @@ class PrefixPlacement:
                 "host_in_memory": [
                     k for k in self._host_tier.lru_keys() if self._entries[k].prefix.device.type == "cpu"
                 ],
-                "pending": self.writer.pending_keys() if self.writer is not None else [],
-                "disk": self.disk.list_keys() if self.disk is not None else [],
+                **self.disk_side.layout(),
                 "leases": {k: (v.expires_at, v.reserved) for k, v in self._leases.items()},
             }
 
@@ -579,22 +541,18 @@ class PrefixPlacement:
             out = self.counters.snapshot()
             out["bytes_device"] = self._device_tier.used_bytes
             out["bytes_host"] = self._host_tier.used_bytes
-            out["bytes_disk"] = self.disk.used_bytes if self.disk is not None else 0
             out["bytes_pinned"] = self._pinned_resident()
             out["bytes_reserved"] = self._leases.reserved
-            out["bytes_pending_disk"] = self.writer.pending_bytes if self.writer is not None else 0
             out["entries_device"] = len(self._device_tier)
             out["entries_host"] = len(self._host_tier)
-            out["entries_disk"] = len(self.disk) if self.disk is not None else 0
             out["leases"] = len(self._leases)
             out["budget_device_bytes"] = self.config.device_budget_bytes
             out["budget_host_bytes"] = self.config.host_budget_bytes
-            out["budget_disk_bytes"] = self.config.disk_budget_bytes if self.disk is not None else 0
+            out.update(self.disk_side.gauges(self.config.disk_budget_bytes))
+            pages = self._device_tier.pages
+            out.update({f"device_{k}": v for k, v in (pages.counters() if pages is not None else {}).items()})
             return out
 
     def close(self) -> None:
         """Stop the disk writer and close the disk tier (after ``persist_unwritten`` and a flush)."""
-        if self.writer is not None:
-            self.writer.close()
-        if self.disk is not None:
-            self.disk.close()
+        self.disk_side.close()

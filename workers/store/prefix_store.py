@@ -22,14 +22,23 @@ Primitives:
   - ``persist(timeout_s)``: write what the disk lacks and wait for it (for a successor to adopt).
   - ``set_tier_choice(choice)``: the expander's choice (``tier_costs``): a tier predicted slower
     than recomputing serves no lookup and (disk) takes no write; counted.
+  - ``device_pages(layout, reserve_tokens)``: the device tier's pages (``kv_pages.KVPages``), for
+    the model runner to read and write prefixes in place: one copy of a prefix on the device.
   - ``put``, ``cached_length``, ``in_flight``, ``wait_in_flight``, ``where``, ``expire_leases``, ``metrics``,
     ``flush``, ``settle`` (host copies too), ``close``.
 - ``Lookup``: a lookup's result; ``LeaseResult`` (from ``placement``): a lease's.
 
-The parts beside it: the placement core (``placement``), the tiers (``tiers``: byte-budgeted LRU
-maps and the disk tier's blob files with their RocksDB index; ``staging``: its CUDA read path;
-``tier_costs``: the tier choice), the leases and their reservations (``leases``), the disk write-back
-queue (``disk_writer``), single-flight (``single_flight``) and the counters (``store_counters``).
+The parts beside it: the placement core (``placement``), the tiers (``device_tier``: the device's
+entries in pages; ``tiers``: byte-budgeted LRU maps and the disk tier's blob files with their
+RocksDB index; ``disk_placement``: the disk's side of placement; ``staging``: the CUDA copies to
+and from host memory; ``tier_costs``: the tier choice), the leases and their reservations
+(``leases``), the disk write-back queue (``disk_writer``), single-flight (``single_flight``) and the
+counters (``store_counters``).
+
+A promotion (host or disk to device) writes the prefix's tokens into fresh pages layer by layer
+(on CUDA from pinned memory, on a side stream); a demotion gathers its pages and copies them to
+host memory on the copy thread (on CUDA into pinned memory, a layer at a time, without a wait per
+copy). On a CPU both are plain copies.
 
 Threading: placement state lives behind the core's lock; call the store from one asyncio loop
 (sync methods may be called from any thread). Copies between host and device run on
@@ -47,29 +56,21 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import partial
 from typing import Literal
 
 import torch
 
+from relaygr.workers.kv_pages import KVLayout, KVPages, PagesExhausted
 from relaygr.workers.prefix_kv import Events, PrefixKV, history_fingerprint
 from relaygr.workers.store.blob_files import RecyclingBuffers
 from relaygr.workers.store.kv_codec import CodecError, decode
-from relaygr.workers.store.kv_formats import to_cold, to_warm
-from relaygr.workers.store.placement import (
-    Entry,
-    LeaseResult,
-    Plan,
-    PrefixPlacement,
-    Tier,
-    UserId,
-    same_device,
-)
+from relaygr.workers.store.kv_formats import same_device, to_cold, to_warm
+from relaygr.workers.store.placement import LeaseResult, PrefixPlacement, Tier, UserId
 from relaygr.workers.store.single_flight import FlightAbandoned, SingleFlight
-from relaygr.workers.store.staging import PinnedStaging, staging_for
+from relaygr.workers.store.staging import PinnedStaging, staging_for, to_host
 from relaygr.workers.store.store_config import PrefixStoreConfig
 from relaygr.workers.store.tier_costs import TierChoice
-from relaygr.workers.store.tiers import DiskMeta, StoreKey
+from relaygr.workers.store.tiers import DiskMeta, Entry, Plan, StoreKey
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +143,15 @@ class PrefixStore:
             self._staging = staging_for(dev)
             self._read_buffers = RecyclingBuffers()
 
+    def device_pages(self, layout: KVLayout, reserve_tokens: int = 0) -> KVPages:
+        """The device tier's pages for ``layout``'s tokens (made now if they are not yet, with
+        ``reserve_tokens`` beyond the budget's for what the runner holds beside the entries)."""
+        return self.placement.device_pages(layout, reserve_tokens)
+
+    def device_bytes(self, prefix: PrefixKV) -> int:
+        """The bytes ``prefix`` takes in the device tier (whole pages)."""
+        return self.placement.device_bytes(prefix)
+
     def set_tier_choice(self, choice: TierChoice | None) -> None:
         """Use ``choice`` from now on (the worker sets it once its latency model is known)."""
         with self.placement.lock:
@@ -200,7 +210,7 @@ class PrefixStore:
 
         def copy() -> None:
             # Compressed where the tensors are (the device's bandwidth), then moved.
-            cold = to_cold(src, fmt).to("cpu", pin=self._pin)
+            cold = to_host(to_cold(src, fmt), pin=self._pin)
             self.placement.replace_host_tensors(key, entry, src, cold)
 
         self._executor.submit(copy)
@@ -255,31 +265,22 @@ class PrefixStore:
             else:
                 assert plan.pending is not None
                 src = plan.pending[1]
-            moved = src
-            if src.kv_format != "exact" or not same_device(src.device, self.device):
-                # From pinned memory the copies queue on the stream without a wait for each; the
-                # model's work queued after them on that stream reads their result.
-                warm = partial(to_warm, non_blocking=self._pin and src.device.type == "cpu")
-                moved = await loop.run_in_executor(self._executor, warm, src, self.device)
-            self.placement.promoted(key, plan, moved)
-            return Lookup(moved, "host", plan.invalidated)
+            # Into the device tier's pages, a layer at a time (``DeviceTier.admit``).
+            moved = await loop.run_in_executor(self._executor, self._to_device, src, False)
+            return Lookup(self.placement.promoted(key, plan, moved), "host", plan.invalidated)
 
         assert plan.kind == "disk" and plan.disk_meta is not None and self._reader is not None
         meta = plan.disk_meta
         try:
             loaded = await loop.run_in_executor(self._reader, self._read_disk, key, meta)
-            if loaded is not None and (
-                loaded.kv_format != "exact" or not same_device(loaded.device, self.device)
-            ):
-                loaded = await loop.run_in_executor(self._executor, to_warm, loaded, self.device)
         except CodecError as e:
             self.placement.corrupt(key, meta.seq)
             log.warning("prefix store: corrupt disk entry %r deleted (%s)", key, e)
             return Lookup(None, "miss", plan.invalidated + 1)
-        self.placement.loaded(key, loaded)
-        if loaded is None:  # deleted between the plan and the read
+        handed = self.placement.loaded(key, loaded)
+        if handed is None:  # deleted between the plan and the read
             return Lookup(None, "miss", plan.invalidated)
-        return Lookup(loaded, "disk", plan.invalidated)
+        return Lookup(handed, "disk", plan.invalidated)
 
     def _read_disk(self, key: StoreKey, meta: DiskMeta) -> PrefixKV | None:
         """One sequential read of the blob file (into the pinned staging buffer on CUDA, else a
@@ -299,11 +300,22 @@ class PrefixStore:
             if seq == meta.seq:
                 raise CodecError("bad_header", "blob does not match its index record")
             return None  # rewritten since the plan with another history: not what was validated
-        if staging is not None:
-            prefix = staging.to_device(prefix)
-        elif self.device.type == "cpu":  # decoded here: no hop to the device executor for it
-            prefix = to_warm(prefix, self.device)
-        return prefix
+        return self._to_device(prefix, True)
+
+    def _to_device(self, prefix: PrefixKV, staged: bool) -> PrefixKV:
+        """``prefix`` (any format, any device) in the device tier's pages, its tokens written there
+        a layer at a time; where the pages cannot take it, exact on the device as a tensor of its
+        own (``staged``: read into the staging buffer, which is free again on return)."""
+        try:
+            return self.placement.admit(prefix)
+        except PagesExhausted:
+            self.placement.count("device_pages_exhausted")
+        if staged and self._staging is not None:
+            prefix = self._staging.to_device(prefix)
+        if prefix.kv_format == "exact" and same_device(prefix.device, self.device):
+            return prefix
+        non_blocking = self._pin and prefix.device.type == "cpu"
+        return to_warm(prefix, self.device, non_blocking=non_blocking)
 
     # ------------------------------------------------------------------ compute, single-flight
 

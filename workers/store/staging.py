@@ -1,4 +1,5 @@
-"""Disk reads headed to a CUDA device: one reusable pinned staging buffer and per-layer async copies.
+"""Copies between host memory and a CUDA device: disk reads headed to the device (one reusable
+pinned staging buffer and per-layer async copies), and demoted prefixes headed to host memory.
 
 Primitives:
 - ``PinnedStaging(device)``: for a disk tier serving a CUDA device.
@@ -11,8 +12,12 @@ Primitives:
     buffer may be refilled and the caller's clock includes the copy.
 - ``staging_for(device) -> PinnedStaging | None``: one for a CUDA device, None elsewhere (on a
   CPU the read's own fresh buffer becomes the prefix: nothing to copy).
+- ``to_host(prefix, pin)``: ``prefix`` in host memory. From CUDA: every tensor copied into pinned
+  memory (``pin``) on a side stream, a layer at a time without a wait per copy, after the work
+  queued before it (the gather of its pages); the call returns once the last copy landed. On a CPU
+  it is ``prefix`` itself.
 
-One thread at a time (the store's disk reader).
+``PinnedStaging``: one thread at a time (the store's disk reader); ``to_host``: the copy thread.
 """
 
 from __future__ import annotations
@@ -79,3 +84,34 @@ class PinnedStaging:
 
 def staging_for(device: torch.device) -> PinnedStaging | None:
     return PinnedStaging(device) if device.type == "cuda" else None
+
+
+def to_host(prefix: PrefixKV, *, pin: bool = True) -> PrefixKV:
+    """``prefix`` in host memory (see the module docstring)."""
+    device = prefix.device
+    if device.type == "cpu":
+        return prefix
+    if device.type != "cuda":
+        return prefix.to("cpu")
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.default_stream(device))  # after its pages' gather
+
+    def move(t: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+        out.copy_(t, non_blocking=pin)
+        t.record_stream(stream)  # read here: not reused before this copy is done
+        return out
+
+    with torch.cuda.stream(stream):
+        keys, values = [], []
+        for k, v in zip(prefix.keys, prefix.values, strict=True):
+            keys.append(move(k))
+            values.append(move(v))
+        scales = [move(s) for s in prefix.scales]
+        positions, timestamps = move(prefix.positions), move(prefix.timestamps)
+        done = torch.cuda.Event()
+        done.record(stream)
+    done.synchronize()
+    return replace(
+        prefix, keys=keys, values=values, scales=scales, positions=positions, timestamps=timestamps
+    )

@@ -16,6 +16,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from relaygr.workers.store.leases import DEFAULT_LEASE_TTL_S
 
+DEFAULT_PAGE_TOKENS = 32
+"""Tokens a page of the device tier holds (``kv_pages.DEFAULT_PAGE_TOKENS``; named here without torch)."""
+
 ColdFormat = Literal["exact", "bf16", "int8"]
 COLD_FORMATS: tuple[str, ...] = get_args(ColdFormat)
 
@@ -30,6 +33,11 @@ class PrefixStoreConfig(BaseModel):
     )
     device_budget_bytes: int = Field(
         1 << 30, ge=0, description="Byte budget of the device tier (pinned and unpinned entries together)."
+    )
+    page_tokens: int = Field(
+        DEFAULT_PAGE_TOKENS,
+        ge=1,
+        description="Tokens a page of the device tier holds: a prefix takes whole pages (half a page wasted on average).",
     )
     host_budget_bytes: int = Field(4 << 30, ge=0, description="Byte budget of the host-memory tier.")
     disk_path: str | None = Field(

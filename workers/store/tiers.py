@@ -12,6 +12,7 @@ Primitives:
   RocksDB read-only instance of the index, and the blob files): for a successor that adopts its
   prefixes.
 - ``encode_key`` / ``decode_key``: the byte form of a store key ``(user_id, model_version)``.
+- ``Entry``, ``Plan``: the placement's records: one key's memory entry, and what a lookup must do.
 
 Crash safety: a blob file is written under a temporary name and renamed, then its index record
 is written; a deletion removes the index record first, then the file. So an index record never
@@ -41,6 +42,7 @@ from typing import Generic, TypeVar
 
 from rocksdict import AccessType, DBCompressionType, Options, Rdict, WriteBatch
 
+from relaygr.workers.prefix_kv import PrefixKV
 from relaygr.workers.store.blob_files import Alloc, BlobFiles, BlobRead
 
 K = TypeVar("K", bound=Hashable)
@@ -127,6 +129,17 @@ def decode_key(raw: bytes) -> StoreKey:
     return (user_id, str(model_version))
 
 
+@dataclass
+class Entry:
+    """One key's entry in a memory tier."""
+
+    prefix: PrefixKV  # on the device: paged (``device_tier``); on host: dense, in the cold format
+    nbytes: int
+    tier: str  # "device" | "host"
+    gen: int  # identity of this prefix version across moves between tiers
+    on_disk: bool = False  # the disk tier holds exactly this version
+
+
 @dataclass(frozen=True)
 class DiskMeta:
     """What the disk index knows about one stored blob."""
@@ -135,6 +148,19 @@ class DiskMeta:
     length: int
     fingerprint: bytes
     seq: int
+
+
+@dataclass
+class Plan:
+    """What a lookup must do, decided under the placement's lock: ``device`` (found there),
+    ``host`` (copy ``entry`` to the device), ``pending`` (copy a prefix on its way to disk),
+    ``disk`` (read it), or ``done`` (a miss)."""
+
+    kind: str
+    entry: Entry | None = None
+    pending: tuple[int, PrefixKV] | None = None
+    disk_meta: DiskMeta | None = None
+    invalidated: int = 0
 
 
 VALUE_PREFIX = b"v/"  # the older layout's value record: seq (u64) + blob (moved to a file at open)

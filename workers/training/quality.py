@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from relaygr.workers.model.model import HSTURanker
+from relaygr.workers.model.runner import ModelRunner
 from relaygr.workers.prefix_kv import Events
 from relaygr.workers.training.interactions import InteractionLog
 from relaygr.workers.training.movielens import MovieLens
@@ -149,7 +150,7 @@ def _requests(history: Events, test: Events):
 
 
 def rank_targets(
-    model: HSTURanker,
+    model: HSTURanker | ModelRunner,
     history: dict[str, Events],
     test: dict[str, Events],
     *,
@@ -159,18 +160,19 @@ def rank_targets(
     log: Callable[[str], None] = _log,
 ) -> dict[str, list[np.ndarray]]:
     """Per history length (``None``: all events), per user, the rank of each test target among
-    every item the user has not seen, via ``rank_full``."""
+    every item the user has not seen, via ``rank_full`` (of ``model``'s runner)."""
     users = spread_users(list(history), max_users)
     ranks: dict[str, list[np.ndarray]] = {_length_key(n): [] for n in lengths}
     t0 = time.perf_counter()
     num_items = model.config.num_items
+    runner = ModelRunner(model) if isinstance(model, HSTURanker) else model  # served as the workers do
     for i, u in enumerate(users):
         got: dict[str, list[float]] = {k: [] for k in ranks}
         for seen, target, request_ts in _requests(history[u], test[u]):
             cands, tpos = _candidates(num_items, seen, target)
             for n in lengths:
                 h = seen if n is None else seen.slice(max(0, len(seen) - n))
-                scores = model.rank_full(h, cands, request_ts, micro_batch=micro_batch).numpy()
+                scores = runner.rank_full(h, cands, request_ts, micro_batch=micro_batch).numpy()
                 got[_length_key(n)].append(_rank_of_target(scores, tpos))
         for k, v in got.items():
             ranks[k].append(np.asarray(v))
