@@ -207,7 +207,8 @@ def test_the_bucket_grids() -> None:
     assert bucket_for(17, 1, 1) is None
     assert bucket_for(1, 257, 1) is None
     assert bucket_for(1, 1, 513) is None
-    assert len(grid_buckets()) == 5 * 3 * 3
+    assert len(grid_buckets()) == 5 * 4 * 4
+    assert bucket_for(8, 128, 256) == RelayBucket(8, 128, 256)  # the anchor shape, unpadded
     some = grid_buckets(2, 20, 100)
     assert set(some) == {RelayBucket(u, s, c) for u in (1, 2) for s in (16, 64) for c in (32, 128)}
     assert [b.rows for b in some] == sorted(b.rows for b in some)

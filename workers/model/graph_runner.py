@@ -53,8 +53,10 @@ from relaygr.workers.model.jagged import host_ids
 from relaygr.workers.prefix_kv import Events
 
 BUCKET_USERS = (1, 2, 4, 8, 16)
-BUCKET_SUFFIX = (16, 64, 256)
-BUCKET_CANDIDATES = (32, 128, 512)
+# 128 new events and 256 candidates (a production shape, NVIDIA's cached HSTU block's among them)
+# have buckets of their own: on a 4x grid they were padded to 256 and 512, twice the rows.
+BUCKET_SUFFIX = (16, 64, 128, 256)
+BUCKET_CANDIDATES = (32, 128, 256, 512)
 
 
 NEW_ROWS = BUCKET_USERS[-1] * (BUCKET_SUFFIX[-1] + BUCKET_CANDIDATES[-1])
