@@ -18,7 +18,10 @@ machine at the start), so that the model's arithmetic is a small share of what i
    or the results arriving more than a second after the last was due).
 
 ``--rates`` fixes the ladder instead (two builds compared at the same rates); ``--profile DIR``
-samples the worker with py-spy in one more window at the highest rate held.
+samples the worker with py-spy in one more window at the highest rate held. ``--direct`` loads the
+ranking worker alone: each visit's prefill signal and rank request go straight onto its topics
+(``send_direct``), as retrieval and pre-processing write them, and the stages before it idle, so
+that on a small machine the worker's host path is measured at rates the whole cascade cannot hold.
 
 Per rate: requests, results, ranking P50/P99 (rank request produced -> result produced), the
 ranking worker process's CPU (user + system, every thread, from ``/proc/<pid>/stat``) from the
@@ -31,7 +34,7 @@ and the highest rate held; then one line with relay and baseline side by side. E
 and the other stages share the cores: the CPU per ranking is the figure to read, the rate held
 depends on the machine.
 
-Primitives: ``cpu_seconds_of_stat``, ``process_cpu_s``, ``parse_fractions``, ``ladder``, ``Window``,
+Primitives: ``send_direct``, ``cpu_seconds_of_stat``, ``process_cpu_s``, ``parse_fractions``, ``ladder``, ``Window``,
 ``point_figures``, ``held``, ``long_users``, ``tiny_model_dir``, ``deployment``, ``sampled``,
 ``side_by_side``.
 """
@@ -44,6 +47,7 @@ import contextlib
 import json
 import math
 import os
+import random
 import shutil
 import sys
 import tempfile
@@ -87,12 +91,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--modes", default="relay,baseline", help=f"comma-separated ({', '.join(MODES)})")
     parser.add_argument(
+        "--direct",
+        action="store_true",
+        help="load the ranking worker alone: each visit's prefill signal and rank request produced "
+        "straight onto its topics (as retrieval and pre-processing write them), the stages before "
+        "it idle, so their CPU is the worker's and the broker's (its host path at higher rates)",
+    )
+    parser.add_argument(
         "--profile",
         type=Path,
         default=None,
         metavar="DIR",
         help="then one more window at the highest rate held, the worker sampled by py-spy (a dev "
         "dependency) into DIR/<mode>-<rate>.txt (collapsed stacks, every thread)",
+    )
+    parser.add_argument(
+        "--profile-rate",
+        type=float_above(0),
+        default=None,
+        help="with --profile: sample at this rate instead of the highest held",
     )
 
 
@@ -301,11 +318,55 @@ def _device_cpu(pipe) -> tuple[float, float]:
     )
 
 
+def send_direct(
+    settings: Settings, reg: TopicRegistry, plan: list[RecommendationRequest], rate: float
+) -> None:
+    """``plan`` at ``rate`` as the ranking worker receives it (blocking; librdkafka): per visit a
+    ``PrefillSignal`` and a ``RankRequest`` of its user's catalogue candidates, stamped when sent,
+    due within the ranking budget, each on its user's partition by the cascade's partitioner."""
+    from confluent_kafka import Producer
+
+    from relaygr.infra.kafka import partition_for
+    from relaygr.infra.rdkafka_producer import rdkafka_config
+    from relaygr.schemas import PrefillSignal, RankRequest, TriggerReason, encode
+    from relaygr.streams.config import PipelineSettings
+
+    budget_s = PipelineSettings().budget_ms / 1000
+    # Not idempotent: its first record would wait for a producer id, past the first deadlines.
+    prod = Producer({**rdkafka_config(settings), "linger.ms": 1})
+    signals, ranks = reg.name("prefill"), reg.name("rank")
+    prod.list_topics(signals, timeout=10)  # connected, and the partitions' leaders known, first
+    prod.list_topics(ranks, timeout=10)
+    rng = random.Random(7)
+    t0 = time.monotonic()
+    for k, r in enumerate(plan):
+        delay = t0 + k / rate - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        now, key = time.time(), r.user_id.encode()
+        part = partition_for(key, reg.partitions)
+        sig = PrefillSignal(request_id=r.request_id, user_id=r.user_id, ts=now, history_len=1 << 20,
+                            prefix_len=1 << 20, issued_at=now)  # fmt: skip
+        req = RankRequest(request_id=r.request_id, user_id=r.user_id, ts=now, candidates=rng.sample(CATALOGUE, 128),
+                          deadline_ts=now + budget_s, prefill_expected=True, trigger=TriggerReason.ADMITTED,
+                          produced_at=now)  # fmt: skip
+        prod.produce(signals, encode(sig), key=key, partition=part)
+        prod.produce(ranks, encode(req), key=key, partition=part)
+        prod.poll(0)
+    prod.flush(30)
+
+
+CATALOGUE = list(range(1, 1683))
+"""The candidates of a direct visit: MovieLens-100K's item ids."""
+
+
 async def _load(
-    settings: Settings, reg: TopicRegistry, pipe, plan: list[RecommendationRequest], rate: float
-) -> tuple[list[RankedResult], Window, float]:
-    """Send ``plan`` at ``rate`` and read its results: the results, what the window cost the
-    worker, and how late (s) the last result came after its request was due."""
+    settings: Settings, reg: TopicRegistry, pipe, plan: list[RecommendationRequest], rate: float,
+    direct: bool = False,
+) -> tuple[list[RankedResult], Window, float]:  # fmt: skip
+    """Send ``plan`` at ``rate`` (``direct``: straight to the ranking worker, ``send_direct``) and
+    read its results: the results, what the window cost the worker, and how late (s) the last
+    result came after its request was due."""
     from relaygr.infra.kafka import consumer
     from relaygr.schemas import decode
     from relaygr.tools.sender import send_paced
@@ -320,9 +381,12 @@ async def _load(
         pids = stage_pids(pipe, settings)
         stages0 = stages_cpu_s(pids)
         (rank0, prefill0), cpu0, t0 = _device_cpu(pipe), process_cpu_s(pid), time.monotonic()
-        sending = asyncio.create_task(
-            asyncio.to_thread(send_paced, settings, reg.name("requests"), plan, rate, "librdkafka")
-        )
+        if direct:
+            sending = asyncio.create_task(asyncio.to_thread(send_direct, settings, reg, plan, rate))
+        else:
+            sending = asyncio.create_task(
+                asyncio.to_thread(send_paced, settings, reg.name("requests"), plan, rate, "librdkafka")
+            )
         due = t0 + len(plan) / rate
         deadline = due + max(30.0, len(plan) / rate)
         while not ids <= got.keys() and time.monotonic() < deadline:
@@ -377,7 +441,7 @@ async def _measure_mode(mode: str, settings: Settings, reg: TopicRegistry, pipe,
 
     async def point(i: int, rate: float) -> dict:
         plan = _plan(requests, max(1, round(rate * args.seconds)), f"{mode}{i}")
-        results, window, late = await _load(settings, reg, pipe, plan, rate)
+        results, window, late = await _load(settings, reg, pipe, plan, rate, direct=args.direct)
         window.idle_cpu_s_per_s = idle_ms_per_s / 1000
         fig = point_figures(rate, args.events, len(plan), results, window, late)
         fig["held"] = held(fig, budget_ms)
@@ -396,7 +460,7 @@ async def _measure_mode(mode: str, settings: Settings, reg: TopicRegistry, pipe,
             break
     top = [p for p in [probe, *points] if p["held"]]
     if args.profile is not None:
-        rate = top[-1]["rate"] if top else args.probe_rate
+        rate = args.profile_rate or (top[-1]["rate"] if top else args.probe_rate)
         out = args.profile / f"{mode}-{rate:g}.txt"
         with sampled(pipe.procs["ranker-0"].pid, out, args.seconds):
             profiled = await point(len(points) + 1, rate)
@@ -409,6 +473,7 @@ async def _measure_mode(mode: str, settings: Settings, reg: TopicRegistry, pipe,
         "events": args.events,
         "users": args.users,
         "budget_ms": budget_ms,
+        "direct": args.direct,
         "idle_cpu_ms_per_s": round(idle_ms_per_s, 2),
         "probe": probe,
         "points": points,
