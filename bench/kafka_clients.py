@@ -149,21 +149,17 @@ def _consume(client: str, bootstrap: str, topic: str, expect: int, seconds: floa
     return asyncio.run(run())
 
 
-def child(args: argparse.Namespace) -> None:
+def child(spec: dict) -> None:
     """One client's window, in this process: prints ``{"cpu_s": ..., "messages": ...}``."""
-    if args.role == "produce":
-        if args.client == "confluent":
-            cpu, n = asyncio.run(
-                _confluent_produce(args.bootstrap, args.topic, args.rate, args.seconds, args.linger_ms)
-            )
-        else:
-            wait = args.client == "aiokafka-wait-each"
-            cpu, n = asyncio.run(
-                _aiokafka_produce(args.bootstrap, args.topic, args.rate, args.seconds, args.linger_ms, wait)
-            )
+    where = (spec["bootstrap"], spec["topic"], spec["rate"], spec["seconds"])
+    if spec["role"] == "consume":
+        cpu, n = _consume(spec["client"], spec["bootstrap"], spec["topic"], spec["expect"], spec["seconds"],
+                          spec["min_fetch_bytes"])  # fmt: skip
+    elif spec["client"] == "confluent":
+        cpu, n = asyncio.run(_confluent_produce(*where, spec["linger_ms"]))
     else:
-        cpu, n = _consume(
-            args.client, args.bootstrap, args.topic, args.expect, args.seconds, args.min_fetch_bytes
+        cpu, n = asyncio.run(
+            _aiokafka_produce(*where, spec["linger_ms"], spec["client"] == "aiokafka-wait-each")
         )
     print(json.dumps({"cpu_s": cpu, "messages": n}))
 
@@ -177,11 +173,11 @@ def measure(bootstrap: str, role: str, client: str, rate: float, seconds: float,
     topic = f"bench-clients-{uuid.uuid4().hex[:8]}"
     admin = AdminClient({"bootstrap.servers": bootstrap})
     admin.create_topics([NewTopic(topic, 4, 1)])[topic].result(30)
+    spec = {"role": role, "client": client, "bootstrap": bootstrap, "topic": topic, "rate": rate,
+            "seconds": seconds, "linger_ms": linger_ms, "expect": max(1, round(rate * seconds)),
+            "min_fetch_bytes": min_fetch_bytes}  # fmt: skip
     try:
-        cmd = [sys.executable, "-m", "relaygr.bench.kafka_clients", "--child", role, "--client", client,
-               "--bootstrap", bootstrap, "--topic", topic, "--rate", str(rate), "--seconds", str(seconds),
-               "--linger-ms", str(linger_ms), "--expect", str(max(1, round(rate * seconds))),
-               "--min-fetch-bytes", str(min_fetch_bytes)]  # fmt: skip
+        cmd = [sys.executable, "-m", "relaygr.bench.kafka_clients", "--child", json.dumps(spec)]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
         if role == "consume":
             time.sleep(2.0)  # the consumer connected and positioned
@@ -201,16 +197,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--linger-ms", default="2,5", help="producer lingers to compare, comma-separated")
     parser.add_argument("--min-fetch-bytes", type=int_at_least(1), default=16384,
                         help="the byte minimum of the aiokafka-min-bytes consumer")  # fmt: skip
-    parser.add_argument("--child", choices=("produce", "consume"), help=argparse.SUPPRESS)
-    for name, kw in (("--client", {}), ("--bootstrap", {}), ("--topic", {}), ("--rate", {"type": float}),
-                     ("--expect", {"type": int})):  # fmt: skip
-        parser.add_argument(name, help=argparse.SUPPRESS, **kw)
+    parser.add_argument("--child", type=json.loads, help=argparse.SUPPRESS)  # one client's window
 
 
 def run(args: argparse.Namespace) -> int:
     if args.child:
-        args.role, args.linger_ms = args.child, float(args.linger_ms)
-        child(args)
+        child(args.child)
         return 0
     from relaygr.infra.kafka import resolve_bootstrap
     from relaygr.infra.local.cluster import ensure_broker

@@ -98,7 +98,7 @@ GROUPS: dict[str, tuple[str, dict[str, tuple[str, str]]]] = {
                 "report.json / report.md",
             ),
             "request-path": (
-                "relaygr.bench.request_path",
+                "relaygr.tools.request_path",
                 "the project files and lines one rank request runs through (relay or full path)",
             ),
             "host-path": (

@@ -1,4 +1,4 @@
-"""bench/request_path.py counts the files one rank request runs through (no broker): the files of
+"""tools/request_path.py counts the files one rank request runs through (no broker): the files of
 the handler, the engine, the model's forward and the attention kernel are among them, and the
 hook it installs is gone afterwards."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from relaygr.bench import request_path
+from relaygr.tools import request_path
 
 
 def _args(path: str) -> argparse.Namespace:
@@ -28,7 +28,7 @@ def test_one_relay_request_runs_through_the_handler_the_engine_and_the_kernel() 
         "workers/kernels/cpu.py",
     ):
         assert f"relaygr/{name}" in files, sorted(files)
-    assert "relaygr/bench/request_path.py" not in files  # the harness is not the path
+    assert "relaygr/tools/request_path.py" not in files  # the harness is not the path
     assert record["files"] == len(files)
     assert record["file_lines"] == sum(f["lines"] for f in files.values())
     assert 0 < record["function_lines"] <= record["file_lines"]
