@@ -35,6 +35,7 @@ import torch
 from relaygr.workers.model.model import FAR_KEYS, HSTUConfig, HSTURanker
 from relaygr.workers.model.vocab import ItemVocab
 from relaygr.workers.prefix_kv import Events
+from relaygr.workers.training.budget import BATCH_TOKENS, Deadline, TimePlan, default_budget, plan_time
 from relaygr.workers.training.fit import (
     BIAS_LR_SCALE,
     LONG_CUTS,
@@ -172,6 +173,8 @@ class TrainSettings:
     whole_share: float = 0.0
     near_keys: int = 0
     far_keys: float = FAR_KEYS
+    sampling_correction: bool = False
+    batch_tokens: int = BATCH_TOKENS
 
     @property
     def objective(self) -> Objective:
@@ -184,6 +187,7 @@ class TrainSettings:
             self.last_cut,
             self.long_cuts,
             self.aux_negatives,
+            self.sampling_correction,
         )
 
 
@@ -253,6 +257,8 @@ def resolve_settings(
         whole_share=getattr(args, "whole_histories", 0.0) or 0.0,
         near_keys=near,
         far_keys=far,
+        sampling_correction=getattr(args, "sampling_correction", "off") == "on",
+        batch_tokens=getattr(args, "batch_tokens", None) or BATCH_TOKENS,
     )
 
 
@@ -292,8 +298,10 @@ def train_once(
     split: tuple[dict[str, Events], dict[str, Events]],
     args: argparse.Namespace,
     progress=_log,
+    deadline: Deadline | None = None,
 ) -> Trained:
-    """A model trained with these settings on the training split, stopped early on validation."""
+    """A model trained with these settings on the training split, stopped early on validation
+    (and by ``deadline``)."""
     torch.manual_seed(args.seed)
     model = HSTURanker(model_config(s, log, args))
     model.set_vocab(log.vocab)
@@ -316,9 +324,52 @@ def train_once(
         decay_epochs=s.decay_epochs,
         bias_lr_scale=s.bias_lr,
         whole_share=s.whole_share,
+        batch_tokens=s.batch_tokens,
+        deadline=deadline,
         log=progress,
     )
     return Trained(model, losses, stopping, time.perf_counter() - t0, time.process_time() - cpu0)
+
+
+def plan_training(
+    s: TrainSettings,
+    log: InteractionLog,
+    split: tuple[dict[str, Events], dict[str, Events]],
+    history: dict[str, Events],
+    args: argparse.Namespace,
+    spent: float,
+) -> tuple[TrainSettings, TimePlan]:
+    """Time the probes on a model of these settings, fit the epochs into the budget and print the
+    estimate; the settings with the planned epochs."""
+    from relaygr.workers.training.probe import measure_costs
+
+    budget = args.time_budget or default_budget(log.num_events) * max(1, args.tune)
+    train_hist, valid = split
+    costs = measure_costs(
+        HSTURanker(model_config(s, log, args)),
+        s.objective,
+        train_hist,
+        [train_hist[u] for u in spread_users(list(valid), args.valid_users)],
+        [history[u] for u in spread_users(list(history), args.eval_users)],
+        _eval_lengths(args.eval_lengths),
+        batch_size=s.batch_size,
+        batch_tokens=s.batch_tokens,
+        spent=spent,
+    )
+    plan = plan_time(
+        costs,
+        budget,
+        epochs=s.epochs,
+        decay_epochs=s.decay_epochs,
+        min_epochs=s.min_epochs,
+        epochs_given=args.epochs is not None,
+        max_steps=args.max_steps,
+    )
+    for line in plan.lines:
+        _log(line)
+    return dataclasses.replace(
+        s, epochs=plan.epochs, decay_epochs=plan.decay_epochs, min_epochs=plan.min_epochs
+    ), plan
 
 
 def _eval_lengths(spec: str) -> list[int | None]:
@@ -379,12 +430,16 @@ def run(args: argparse.Namespace, log: InteractionLog | None = None, source: str
     split = split_validation(history)
     settings = resolve_settings(args, log.num_items, history)
     _log(f"{source}: {len(history)} users, {log.num_items} items, {log.num_events} events")
+    settings, plan = plan_training(settings, log, split, history, args, time.perf_counter() - t0)
+    deadline = Deadline(t0 + plan.training_deadline)
     if args.tune:
         from relaygr.workers.training.tuning import tune
 
-        trained, settings = tune(settings, args.tune, lambda s, p: train_once(s, log, split, args, p), args)
+        trained, settings = tune(
+            settings, args.tune, lambda s, p: train_once(s, log, split, args, p, deadline), args
+        )
     else:
-        trained = train_once(settings, log, split, args)
+        trained = train_once(settings, log, split, args, deadline=deadline)
     out = trained.model.save(args.out)
     metrics = {
         "dataset": source,
@@ -409,6 +464,11 @@ def run(args: argparse.Namespace, log: InteractionLog | None = None, source: str
         },
     }
     metrics["total_seconds"] = round(time.perf_counter() - t0, 1)
+    metrics["time_plan"] = {
+        "budget_seconds": round(plan.budget, 1),
+        "estimate_seconds": round(plan.estimate, 1),
+        "budget_binds": plan.binds,
+    }
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     for row in metrics["by_history_length"]:
         _log(f"history {row['history']:>4}: " + format_row(row))

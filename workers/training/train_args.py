@@ -97,6 +97,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
     parser.add_argument(
+        "--time-budget",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="the whole run (reading, training, evaluation) within this many seconds: only the epochs "
+        "that fit are planned, and training stops at the budget keeping the best validated weights "
+        "(default: 6 ms an event of the log, at least 10 minutes)",
+    )
+    parser.add_argument(
+        "--batch-tokens",
+        type=int,
+        default=None,
+        help="most tokens (rows x window) a training step reads (default 10240: 32 rows of a "
+        "320-event window; a longer window trains fewer rows a step)",
+    )
+    parser.add_argument(
         "--tune",
         type=int,
         default=0,
@@ -166,6 +182,13 @@ def add_objective_arguments(parser: argparse.ArgumentParser) -> None:
         help="share of negatives taken from the batch's other targets (the rest uniform or popular)",
     )
     parser.add_argument(
+        "--sampling-correction",
+        choices=["on", "off"],
+        default="off",
+        help="on: lower each sampled negative's logit by log(negatives x its draw probability), so "
+        "that the sampled softmax estimates the whole catalogue's (in-batch draws favour popular items)",
+    )
+    parser.add_argument(
         "--popular-share",
         type=float,
         default=0.0,
@@ -213,11 +236,22 @@ def add_objective_arguments(parser: argparse.ArgumentParser) -> None:
 
 def check_arguments(args: argparse.Namespace) -> None:
     """A clear error for a value that would train silently wrong (a negative rate, no targets)."""
-    at_least_one = ("test_events", "epochs", "decay_epochs", "min_epochs", "valid_users", "eval_users")
+    at_least_one = (
+        "test_events",
+        "epochs",
+        "decay_epochs",
+        "min_epochs",
+        "valid_users",
+        "eval_users",
+        "batch_tokens",
+    )
     for name in at_least_one:
         value = getattr(args, name, None)
         if value is not None and value < 1:
             raise SystemExit(f"--{name.replace('_', '-')} {value}: must be at least 1")
+    budget = getattr(args, "time_budget", None)
+    if budget is not None and not budget > 0:
+        raise SystemExit(f"--time-budget {budget}: must be above 0 seconds")
     if getattr(args, "bias_lr", 1.0) <= 0:
         raise SystemExit(f"--bias-lr {args.bias_lr}: must be above 0 (a multiple of the learning rate)")
     normaliser = getattr(args, "attn_normaliser", None)
