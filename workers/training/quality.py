@@ -15,6 +15,9 @@ Primitives:
 - ``paired_differences``: the whole history's metrics minus each truncation's, per user, with a
   paired bootstrap interval (the same resampled users for both).
 - ``popularity_metrics``: the same protocol for a most-popular baseline.
+- ``PROTOCOLS``: ``leave-last-out`` (candidates: every item the user has not seen) or ``hstu``
+  (Meta's HSTU MovieLens evaluation: every catalogue item but those of the history read, whose
+  published input is the last ``HSTU_INPUT`` events).
 - ``save_ranks`` / ``load_ranks``: every test target's rank per history length, per user
   (``test_ranks.npz`` beside ``metrics.json``), so that runs can be compared user by user later.
 - ``pooled``: several runs (seeds) that ranked the same users' targets: each metric per user
@@ -132,6 +135,16 @@ def _rank_of_target(scores: np.ndarray, target_pos: int) -> float:
     return 1.0 + greater + ties // 2
 
 
+PROTOCOLS = ("leave-last-out", "hstu")
+"""How a test target is ranked. ``leave-last-out``: against every catalogue item the user has
+not seen in the whole history, whatever history the model reads. ``hstu``: as Meta's HSTU
+publishes its MovieLens figures (generative-recommenders' evaluation): against every catalogue
+item except those of the history the model reads (the truncated input: an item seen before it
+stays a candidate), with ``HSTU_INPUT`` events as the input of its published figures."""
+HSTU_INPUT = 200
+"""Meta's HSTU MovieLens input: the last 200 events before the target (``max_sequence_length``)."""
+
+
 def _candidates(num_items: int, history: Events, target: int) -> tuple[torch.Tensor, int]:
     keep = np.ones(num_items + 1, dtype=bool)
     keep[0] = False
@@ -156,10 +169,14 @@ def rank_targets(
     lengths: Sequence[int | None] = DEFAULT_LENGTHS,
     max_users: int | None = None,
     micro_batch: int = 1024,
+    protocol: str = "leave-last-out",
     log: Callable[[str], None] = _log,
 ) -> dict[str, list[np.ndarray]]:
     """Per history length (``None``: all events), per user, the rank of each test target among
-    every item the user has not seen, via ``rank_full``."""
+    every item the user has not seen (``protocol`` "hstu": has not seen in the history read at
+    that length), via ``rank_full``."""
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"unknown protocol {protocol!r}; one of {', '.join(PROTOCOLS)}")
     users = spread_users(list(history), max_users)
     ranks: dict[str, list[np.ndarray]] = {_length_key(n): [] for n in lengths}
     t0 = time.perf_counter()
@@ -167,9 +184,11 @@ def rank_targets(
     for i, u in enumerate(users):
         got: dict[str, list[float]] = {k: [] for k in ranks}
         for seen, target, request_ts in _requests(history[u], test[u]):
-            cands, tpos = _candidates(num_items, seen, target)
+            every = _candidates(num_items, seen, target)
             for n in lengths:
                 h = seen if n is None else seen.slice(max(0, len(seen) - n))
+                hstu_read = protocol == "hstu" and len(h) < len(seen)
+                cands, tpos = _candidates(num_items, h, target) if hstu_read else every
                 scores = model.rank_full(h, cands, request_ts, micro_batch=micro_batch).numpy()
                 got[_length_key(n)].append(_rank_of_target(scores, tpos))
         for k, v in got.items():
@@ -204,9 +223,10 @@ def _length_key(n: int | None) -> str:
 
 
 def popularity_metrics(
-    history: dict[str, Events], test: dict[str, Events], num_items: int
+    history: dict[str, Events], test: dict[str, Events], num_items: int, window: int | None = None
 ) -> dict[str, float]:
-    """Most popular items first (counts over the training histories), same protocol."""
+    """Most popular items first (counts over the training histories), same protocol; ``window``:
+    the items of only the last ``window`` events are excluded (``hstu``)."""
     counts = np.zeros(num_items + 1)
     for h in history.values():
         np.add.at(counts, h.item_ids.numpy(), 1)
@@ -214,7 +234,8 @@ def popularity_metrics(
     for u in sorted(history):
         got = []
         for seen, target, _ in _requests(history[u], test[u]):
-            cands, tpos = _candidates(num_items, seen, target)
+            read = seen if window is None else seen.slice(max(0, len(seen) - window))
+            cands, tpos = _candidates(num_items, read, target)
             got.append(_rank_of_target(counts[cands.numpy()], tpos))
         ranks.append(np.asarray(got))
     return {**_metrics(ranks), "users": len(ranks), "targets": int(sum(len(r) for r in ranks))}

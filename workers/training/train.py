@@ -55,6 +55,7 @@ from relaygr.workers.training.interactions import (
 from relaygr.workers.training.movielens import load_atomic_log, load_movielens
 from relaygr.workers.training.objectives import Batch, batch_loss, make_batch
 from relaygr.workers.training.quality import (
+    HSTU_INPUT,
     RANKS_FILE,
     evaluate,
     format_row,
@@ -111,7 +112,9 @@ def load_log(args: argparse.Namespace) -> tuple[InteractionLog, str]:
         name = args.dataset or "ml-100k"
         if name == INSTACART:
             return load_instacart_log(), name
-        return (movielens_log(name) if name == "ml-100k" else load_atomic_log(name)), name
+        if name == "ml-100k":
+            return movielens_log(name), name
+        return load_atomic_log(name, catalogue=args.protocol == "hstu"), name
     read = read_interactions(
         args.interactions,
         columns_of(args),
@@ -351,7 +354,7 @@ def plan_training(
         train_hist,
         [train_hist[u] for u in spread_users(list(valid), args.valid_users)],
         [history[u] for u in spread_users(list(history), args.eval_users)],
-        _eval_lengths(args.eval_lengths),
+        _eval_lengths(args.eval_lengths, args.protocol),
         batch_size=s.batch_size,
         batch_tokens=s.batch_tokens,
         spent=spent,
@@ -372,7 +375,9 @@ def plan_training(
     ), plan
 
 
-def _eval_lengths(spec: str) -> list[int | None]:
+def _eval_lengths(spec: str | None, protocol: str = "leave-last-out") -> list[int | None]:
+    if spec is None:  # the hstu protocol adds the input of Meta's published figures
+        spec = "16,64,256,all" if protocol != "hstu" else f"16,64,{HSTU_INPUT},256,all"
     lengths = [None if x.strip() == "all" else int(x) for x in spec.split(",") if x.strip()]
     return lengths if None in lengths else [*lengths, None]
 
@@ -384,7 +389,12 @@ def _quality(
     truncation (paired), and the popularity baseline."""
     t_eval = time.perf_counter()
     ranks = rank_targets(
-        trained.model, history, test, lengths=_eval_lengths(args.eval_lengths), max_users=args.eval_users
+        trained.model,
+        history,
+        test,
+        lengths=_eval_lengths(args.eval_lengths, args.protocol),
+        max_users=args.eval_users,
+        protocol=args.protocol,
     )
     by_len = summarise(ranks)
     users = spread_users(list(history), args.eval_users)  # rank_targets' users, in its order
@@ -397,12 +407,20 @@ def _quality(
         "targets_evaluated": by_len["all"]["targets"],
         "by_history_length": [{"history": k, **v} for k, v in by_len.items()],
         "all_minus_truncation": paired_differences(ranks),
-        "popularity_baseline": popularity_metrics({u: history[u] for u in users}, test, num_items),
+        "popularity_baseline": popularity_metrics(
+            {u: history[u] for u in users}, test, num_items, HSTU_INPUT if args.protocol == "hstu" else None
+        ),
         "eval_seconds": round(time.perf_counter() - t_eval, 1),
     }
 
 
-def _protocol(test_events: int) -> str:
+def _protocol(test_events: int, protocol: str = "leave-last-out") -> str:
+    candidates = (
+        "every item the user has not seen"
+        if protocol != "hstu"
+        else "every catalogue item except those of the history read (HSTU's protocol; its published "
+        f"input: the last {HSTU_INPUT} events; popularity: the last {HSTU_INPUT} excluded)"
+    )
     split = (
         "leave-last-out; validation: the event before the test event"
         if test_events == 1
@@ -410,7 +428,7 @@ def _protocol(test_events: int) -> str:
         "each ranked after every event before it; validation: the event before the first of them"
     )
     return (
-        f"{split}; candidates: every item the user has not seen; ranked via rank_full; 95 % confidence "
+        f"{split}; candidates: {candidates}; ranked via rank_full; 95 % confidence "
         "intervals: percentile bootstrap over users (per user, the mean over its targets)"
     )
 
@@ -448,7 +466,8 @@ def run(args: argparse.Namespace, log: InteractionLog | None = None, source: str
         "events": log.num_events,
         "bad_rows": log.bad_count,
         "bad_row_examples": [str(b) for b in log.bad],
-        "protocol": _protocol(args.test_events),
+        "protocol": _protocol(args.test_events, args.protocol),
+        "protocol_name": args.protocol,
         "test_events": args.test_events,
         **_quality(trained, history, test, log.num_items, args),
         "train": {

@@ -18,6 +18,7 @@ from relaygr.workers.model.model import FAR_KEYS, NEAR_KEYS, HSTUConfig
 from relaygr.workers.training.fit import BIAS_LR_SCALE, LONG_CUTS, VALIDATION_USERS
 from relaygr.workers.training.instacart import INSTACART
 from relaygr.workers.training.movielens import DATASETS
+from relaygr.workers.training.quality import PROTOCOLS
 from relaygr.workers.training.sizing import PATIENCE
 
 
@@ -139,8 +140,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--eval-lengths",
-        default="16,64,256,all",
-        help="history lengths used at inference for the quality table (comma separated, 'all')",
+        default=None,
+        help="history lengths used at inference for the quality table (comma separated, 'all'; "
+        "default 16,64,256,all, and 200 too under --protocol hstu)",
+    )
+    parser.add_argument(
+        "--protocol",
+        choices=list(PROTOCOLS),
+        default="leave-last-out",
+        help="leave-last-out: each target ranked against every item the user has not seen; hstu: "
+        "as Meta's HSTU publishes its MovieLens figures: against every item of the catalogue (ML-1M: "
+        "its 3,883 movies, rated or not) except those of the history read (200 events in its figures)",
     )
 
 
