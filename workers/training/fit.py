@@ -77,7 +77,7 @@ class EarlyStopping:
     def score(self, model: HSTURanker) -> float:
         model.eval()
         hist = {u: self.histories[u] for u in self._users}
-        got = evaluate(model, hist, self.targets, lengths=[None], log=lambda _: None)
+        got = evaluate(model, hist, self.targets, lengths=[None], dense=True, log=lambda _: None)
         model.train()
         return float(got["all"]["NDCG@10"])
 

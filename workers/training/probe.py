@@ -8,7 +8,8 @@ Primitives:
 - ``measure_costs(model, objective, train, valid_users, eval_users, ...)`` -> ``budget.RunCosts``:
   two training steps (forward and backward, no update) of the shortest and the longest batch an
   epoch holds give the ``StepCost``; two rankings of the whole catalogue (after a short and after
-  the longest history) give the ``RankCost``; from them, every step of an epoch, a validation and
+  the longest history) give the ``RankCost`` of the final evaluation (``rank_full``) and of
+  validation (the dense path); from them, every step of an epoch, a validation and
   the final evaluation are predicted. The model's weights are left as they were, and training
   seeds its own random streams, so a probed run trains the same model as an unprobed one.
 """
@@ -21,6 +22,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from relaygr.workers.model.dense import dense_rank_full
 from relaygr.workers.model.model import HSTURanker
 from relaygr.workers.prefix_kv import Events
 from relaygr.workers.training.budget import BATCH_TOKENS, Clock, RankCost, RunCosts, StepCost, batch_shapes
@@ -93,16 +95,23 @@ def step_cost(
     return StepCost.fit((r1, w1, t1), (r2, w2, t2)), shapes
 
 
-def rank_cost(model: HSTURanker, longest: Events, clock: Clock = time.process_time) -> RankCost:
+def rank_cost(
+    model: HSTURanker, longest: Events, clock: Clock = time.process_time, dense: bool = False
+) -> RankCost:
     """The ranking cost model, from the whole catalogue ranked after 16 events and after
-    ``longest`` (its last ``PROBE_EVENTS``)."""
+    ``longest`` (its last ``PROBE_EVENTS``), through ``rank_full`` or (``dense``) the dense path
+    validation takes."""
     items = torch.arange(1, model.config.num_items + 1)
     long = longest.slice(max(0, len(longest) - PROBE_EVENTS))
     short = long.slice(max(0, len(long) - 16))
     ts = float(long.timestamps[-1])
+
+    def rank(h: Events) -> None:
+        (dense_rank_full(model, h, items, ts) if dense else model.rank_full(h, items, ts))
+
     with torch.no_grad():
-        t1 = _timed(lambda: model.rank_full(short, items, ts), clock)
-        t2 = _timed(lambda: model.rank_full(long, items, ts), clock)
+        t1 = _timed(lambda: rank(short), clock)
+        t2 = _timed(lambda: rank(long), clock)
     return RankCost.fit((len(short), len(items), t1), (len(long), len(items), t2))
 
 
@@ -133,7 +142,10 @@ def measure_costs(
     longest = max([*valid_histories, *eval_histories], key=len)
     ranks = rank_cost(model, longest, clock)
     n = model.config.num_items
-    validation = sum(ranks(len(h), _unseen(n, h)) for h in valid_histories)
+    validating = (
+        rank_cost(model, max(valid_histories, key=len), clock, dense=True) if valid_histories else ranks
+    )
+    validation = sum(validating(len(h), _unseen(n, h)) for h in valid_histories)
     evaluation = sum(
         ranks(len(h) if k is None else min(k, len(h)), _unseen(n, h))
         for h in eval_histories
