@@ -3,7 +3,8 @@
 Primitives:
 - ``add_source_arguments``: where the interactions come from (``--dataset`` or ``--interactions``
   and its columns); shared with the trace and experiment tools.
-- ``add_arguments``: every argument of ``relaygr train``; what is left unset is sized from the log
+- ``add_arguments``: every argument of ``relaygr train`` (``add_evaluation_arguments``: users,
+  targets, lengths and the protocol); what is left unset is sized from the log
   (``sizing``) and printed with the reason.
 - ``check_arguments``: a clear error for a value that would train silently wrong.
 """
@@ -120,6 +121,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="try N configurations on the validation split, keep the best, write tune.csv / tune.md",
     )
+    add_evaluation_arguments(parser)
+
+
+def add_evaluation_arguments(parser: argparse.ArgumentParser) -> None:
+    """Which users are trained and evaluated, and how targets are ranked."""
     parser.add_argument(
         "--eval-users", type=int, default=None, help="evaluate on N users spread over the log"
     )
