@@ -8,8 +8,8 @@ Primitives:
 - ``measure_costs(model, objective, train, valid_users, eval_users, ...)`` -> ``budget.RunCosts``:
   two training steps (forward and backward, no update) of the shortest and the longest batch an
   epoch holds give the ``StepCost``; two rankings of the whole catalogue (after a short and after
-  the longest history) give the ``RankCost`` of the final evaluation (``rank_full``) and of
-  validation (the dense path); from them, every step of an epoch, a validation and
+  the longest history, through the dense path validation and evaluation take) give the
+  ``RankCost``; from them, every step of an epoch, a validation and
   the final evaluation are predicted. The model's weights are left as they were, and training
   seeds its own random streams, so a probed run trains the same model as an unprobed one.
 """
@@ -29,11 +29,11 @@ from relaygr.workers.training.budget import BATCH_TOKENS, Clock, RankCost, RunCo
 from relaygr.workers.training.fit import Objective
 from relaygr.workers.training.objectives import batch_loss, make_batch
 
-PROBE_EVENTS = 2048
+PROBE_EVENTS = 1024
 """Longest history a ranking probe reads (the cost model extends it to longer ones)."""
 
 
-REPEATS = 3
+REPEATS = 2
 """Timings of each probe; the fastest counts (the first run of a shape pays one-off allocations,
 and a shared machine only ever adds time)."""
 
@@ -140,12 +140,9 @@ def measure_costs(
     steps, shapes = step_cost(model, obj, list(train.values()), batch_size, batch_tokens, clock)
     epoch = sum(steps(rows, window) for rows, window in shapes)
     longest = max([*valid_histories, *eval_histories], key=len)
-    ranks = rank_cost(model, longest, clock)
+    ranks = rank_cost(model, longest, clock, dense=True)
     n = model.config.num_items
-    validating = (
-        rank_cost(model, max(valid_histories, key=len), clock, dense=True) if valid_histories else ranks
-    )
-    validation = sum(validating(len(h), _unseen(n, h)) for h in valid_histories)
+    validation = sum(ranks(len(h), _unseen(n, h)) for h in valid_histories)
     evaluation = sum(
         ranks(len(h) if k is None else min(k, len(h)), _unseen(n, h))
         for h in eval_histories

@@ -10,7 +10,8 @@ Primitives:
   and validation rank).
 - ``rank_targets`` / ``summarise`` / ``evaluate``: each test target is ranked among every item
   the user has not seen, after the history (all earlier events, or only the last N), through the
-  serving API (``rank_full``; validation: the dense path, the same scores faster). HR@10, NDCG@10, MRR: per user the mean over its targets, then the
+  serving API (``rank_full``), or (``dense``, what ``relaygr train`` validates and evaluates
+  with) the dense path it is tested against: the same scores, several times faster. HR@10, NDCG@10, MRR: per user the mean over its targets, then the
   mean over users with a 95 % bootstrap confidence interval over users.
 - ``paired_differences``: the whole history's metrics minus each truncation's, per user, with a
   paired bootstrap interval (the same resampled users for both).
@@ -143,7 +144,7 @@ publishes its MovieLens figures (generative-recommenders' evaluation): against e
 item except those of the history the model reads (the truncated input: an item seen before it
 stays a candidate), with ``HSTU_INPUT`` events as the input of its published figures."""
 DENSE_EVENTS = 4096
-"""Longest history validation ranks through the dense path (its pair tensors grow with the square
+"""Longest history ranked through the dense path (its pair tensors grow with the square
 of the length)."""
 HSTU_INPUT = 200
 """Meta's HSTU MovieLens input: the last 200 events before the target (``max_sequence_length``)."""

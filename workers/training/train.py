@@ -395,6 +395,7 @@ def _quality(
         lengths=_eval_lengths(args.eval_lengths, args.protocol),
         max_users=args.eval_users,
         protocol=args.protocol,
+        dense=True,
     )
     by_len = summarise(ranks)
     users = spread_users(list(history), args.eval_users)  # rank_targets' users, in its order
@@ -428,7 +429,8 @@ def _protocol(test_events: int, protocol: str = "leave-last-out") -> str:
         "each ranked after every event before it; validation: the event before the first of them"
     )
     return (
-        f"{split}; candidates: {candidates}; ranked via rank_full; 95 % confidence "
+        f"{split}; candidates: {candidates}; ranked via the dense path (dense_rank_full, the oracle "
+        "rank_full is tested against: the same scores to float rounding); 95 % confidence "
         "intervals: percentile bootstrap over users (per user, the mean over its targets)"
     )
 
