@@ -3,7 +3,7 @@ ranked against, at each history length, for the model and for popularity."""
 
 from __future__ import annotations
 
-from test_long_context_training import _LowIdsFirst, _log_of
+from test_long_context_training import _log_of, _LowIdsFirst
 
 from relaygr.workers.model.model import HSTUConfig
 from relaygr.workers.training.quality import popularity_metrics, rank_targets, split_leave_last_out
