@@ -34,6 +34,7 @@ import torch
 from relaygr.workers.model.hstu_attention import position_bucket, time_bucket
 from relaygr.workers.model.model import HSTURanker
 from relaygr.workers.prefix_kv import Events
+from relaygr.workers.training.budget import BATCH_TOKENS, Deadline, batch_shapes
 from relaygr.workers.training.objectives import batch_loss, make_batch
 from relaygr.workers.training.quality import _log, evaluate, fmt_secs, spread_users
 
@@ -53,6 +54,7 @@ class Objective:
     last_cut: bool = False
     long_cuts: float = 0.0
     aux_negatives: int = 0
+    sampling_correction: bool = False
 
 
 @dataclass
@@ -75,7 +77,7 @@ class EarlyStopping:
     def score(self, model: HSTURanker) -> float:
         model.eval()
         hist = {u: self.histories[u] for u in self._users}
-        got = evaluate(model, hist, self.targets, lengths=[None], log=lambda _: None)
+        got = evaluate(model, hist, self.targets, lengths=[None], dense=True, log=lambda _: None)
         model.train()
         return float(got["all"]["NDCG@10"])
 
@@ -168,8 +170,10 @@ def _epoch_batches(
     rng: np.random.Generator,
     whole_share: float = 0.0,
     whole_cap: int = 8192,
+    batch_tokens: int = BATCH_TOKENS,
 ) -> list[list[Events]]:
-    """One random window of at most ``max_len`` events per sequence, grouped by length. With
+    """One random window of at most ``max_len`` events per sequence, grouped by length into steps
+    of at most ``batch_size`` rows and ``batch_tokens`` tokens (``budget.batch_shapes``). With
     ``whole_share``, a sequence longer than that is read whole (its last ``whole_cap`` events) with
     that probability, so training meets the lengths serving reads."""
     windows = []
@@ -180,7 +184,12 @@ def _epoch_batches(
         start = int(rng.integers(0, len(s) - max_len + 1)) if len(s) > max_len else 0
         windows.append(s.slice(start, start + max_len))
     order = np.argsort([len(w) + rng.random() for w in windows])  # length buckets, random ties
-    batches = [[windows[i] for i in order[k : k + batch_size]] for k in range(0, len(order), batch_size)]
+    ordered = [windows[i] for i in order]
+    lengths = [len(w) for w in ordered]
+    batches, start = [], 0
+    for rows, _ in batch_shapes(lengths, max(lengths, default=1), batch_size, batch_tokens):
+        batches.append(ordered[start : start + rows])
+        start += rows
     rng.shuffle(batches)
     return batches
 
@@ -198,6 +207,7 @@ def _batch(rows: list[Events], obj: Objective, model: HSTURanker, rng: np.random
         last_cut=obj.last_cut,
         long_cuts=obj.long_cuts,
         aux_negatives=obj.aux_negatives,
+        sampling_correction=obj.sampling_correction,
     )
 
 
@@ -270,6 +280,35 @@ def _epoch_line(
     )
 
 
+@dataclass
+class _Loop:
+    """What the steps of ``train_model`` share."""
+
+    model: HSTURanker
+    obj: Objective
+    opt: torch.optim.Optimizer
+    sched: torch.optim.lr_scheduler.LRScheduler
+    rng: np.random.Generator
+    popularity: np.ndarray
+    far: FarBiases
+    step: int = 0
+
+    def run_step(self, rows: list[Events]) -> float:
+        cfg = self.model.config
+        self.far.reach(rows, cfg.position_buckets, cfg.time_buckets)
+        loss = batch_loss(
+            self.model, _batch(rows, self.obj, self.model, self.rng, self.popularity), self.obj.aux_weight
+        )
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
+        self.sched.step()
+        self.far.tie(self.model)
+        self.step += 1
+        return float(loss.detach())
+
+
 def train_model(
     model: HSTURanker,
     sequences: dict[str, Events],
@@ -284,6 +323,8 @@ def train_model(
     decay_epochs: int | None = None,
     bias_lr_scale: float = 1.0,
     whole_share: float = 0.0,
+    batch_tokens: int = BATCH_TOKENS,
+    deadline: Deadline | None = None,
     log: Callable[[str], None] = _log,
     **objective_fields,
 ) -> list[float]:
@@ -291,50 +332,55 @@ def train_model(
     ``negatives``, ...) set an ``Objective`` when none is given. With ``stopping``, training ends
     when validation stops improving and the best epoch's weights are restored. The learning rate
     decays over ``decay_epochs`` (default: all ``epochs``), the attention biases' at
-    ``bias_lr_scale`` times the rate."""
+    ``bias_lr_scale`` times the rate. A step reads at most ``batch_size`` rows and ``batch_tokens``
+    tokens. Once ``deadline`` has passed no step or validation starts: training stops there and
+    keeps the best weights validated so far (its last ones when none was)."""
     obj = objective or Objective(**objective_fields)
     rng = np.random.default_rng(seed)
     torch.manual_seed(seed)
     random.seed(seed)
     seqs = [s for s in sequences.values() if len(s) >= 2]
-    popularity = _popularity(model, seqs)
-    steps_per_epoch = math.ceil(len(seqs) / batch_size)
+    cfg = model.config
+    steps_per_epoch = len(batch_shapes([len(s) for s in seqs], cfg.max_len, batch_size, batch_tokens))
     total = steps_per_epoch * epochs if max_steps is None else min(max_steps, steps_per_epoch * epochs)
     decay = total if decay_epochs is None else min(total, steps_per_epoch * decay_epochs)
     opt, sched = _optimiser(model, lr, decay, steps_per_epoch, bias_lr_scale)
+    loop = _Loop(model, obj, opt, sched, rng, _popularity(model, seqs), FarBiases())
     losses: list[float] = []
-    step, t0, cpu0 = 0, time.perf_counter(), time.process_time()
-    far, cfg = FarBiases(), model.config
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    late = False
     for epoch in range(epochs):
         model.train()
         ep_loss, ep_n = 0.0, 0
-        for rows in _epoch_batches(seqs, cfg.max_len, batch_size, rng, whole_share, cfg.max_seq_len):
-            if max_steps is not None and step >= max_steps:
+        for rows in _epoch_batches(
+            seqs, cfg.max_len, batch_size, rng, whole_share, cfg.max_seq_len, batch_tokens
+        ):
+            late = deadline is not None and deadline.passed()
+            if late or (max_steps is not None and loop.step >= max_steps):
                 break
-            far.reach(rows, cfg.position_buckets, cfg.time_buckets)
-            loss = batch_loss(model, _batch(rows, obj, model, rng, popularity), obj.aux_weight)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            sched.step()
-            far.tie(model)
-            ep_loss += float(loss.detach())
+            ep_loss += loop.run_step(rows)
             ep_n += 1
-            step += 1
         if ep_n == 0:
+            if late:
+                log(f"time budget reached after {loop.step} steps: training stops (--time-budget)")
             break
         losses.append(ep_loss / ep_n)
-        stop = stopping is not None and stopping.should_stop(model)
-        log(_epoch_line(epoch + 1, epochs, losses[-1], stopping, step, total, t0, cpu0))
+        late = late or (deadline is not None and deadline.passed())
+        stop = stopping is not None and not late and stopping.should_stop(model)
+        if late and stopping is not None and len(stopping.scores) < len(losses):
+            stopping.scores.append(None)  # the epoch the budget cut: not validated
+        log(_epoch_line(epoch + 1, epochs, losses[-1], stopping, loop.step, total, t0, cpu0))
+        if late:
+            log(f"time budget reached after {loop.step} steps: training stops (--time-budget)")
+            break
         if stop:
             log(f"early stop: best validation NDCG@10 {stopping.best:.4f} at epoch {stopping.best_epoch + 1}")
             break
     if stopping is not None:
         stopping.restore_best(model)
     log(
-        f"attention biases: position buckets past {far.position} and time buckets past {far.time} "
-        "(no training window reached them) take the farthest reached one's bias"
+        f"attention biases: position buckets past {loop.far.position} and time buckets past "
+        f"{loop.far.time} (no training window reached them) take the farthest reached one's bias"
     )
     model.eval()
     model.refresh_version()

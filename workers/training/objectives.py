@@ -39,6 +39,7 @@ class Batch:
     weight: torch.Tensor  # [B, S] 1 for real cut points, 0 for padding
     aux_pool: torch.Tensor | None = None  # [M] negatives of the next-item loss (None: all items)
     aux_log_q: torch.Tensor | None = None  # [M] log(M x the probability of drawing each)
+    neg_log_q: torch.Tensor | None = None  # [B, S, K-1] log(K-1 x each negative's draw probability)
 
 
 def make_batch(
@@ -53,6 +54,7 @@ def make_batch(
     last_cut: bool = False,
     long_cuts: float = 0.0,
     aux_negatives: int = 0,
+    sampling_correction: bool = False,
 ) -> Batch:
     """Pad ``windows`` (each >= 2 events) into a batch; pick up to ``cuts`` cut points per row
     (all of them for short rows) and ``negatives`` random negatives per cut: an ``in_batch_share``
@@ -63,7 +65,10 @@ def make_batch(
     with probability proportional to ``c ** long_cuts`` (more targets after long contexts, as
     serving ranks after a whole history); 0 draws them uniformly. ``aux_negatives`` > 0 draws that
     many items as the next-item loss's shared negatives (0: the whole catalogue), from an even mix
-    of the uniform distribution and ``popularity``."""
+    of the uniform distribution and ``popularity``. With ``sampling_correction`` the batch carries
+    each negative's log(negatives x q), q the probability of drawing it under that mix (in-batch
+    draws follow the batch's targets, so popular items are drawn often): ``batch_loss`` lowers the
+    negatives' logits by it, so that the sampled softmax estimates the whole catalogue's."""
     B = len(windows)
     T = max(len(w) for w in windows)
     S = min(cuts, T - 1)
@@ -95,6 +100,14 @@ def make_batch(
         neg[..., :n_in] = pool[rng.integers(0, len(pool), size=(B, S, n_in))]
     if n_pop:
         neg[..., n_in : n_in + n_pop] = rng.choice(len(popularity), size=(B, S, n_pop), p=popularity)
+    log_q = None
+    if sampling_correction and negatives:
+        q = np.full(num_items + 1, (negatives - n_in - n_pop) / negatives / num_items)
+        if n_in:
+            q += n_in / negatives * np.bincount(pool, minlength=num_items + 1)[: num_items + 1] / len(pool)
+        if n_pop:
+            q += n_pop / negatives * popularity[: num_items + 1]
+        log_q = torch.from_numpy(np.log(negatives * np.maximum(q[neg], 1e-12))).float()
     neg = torch.from_numpy(neg)
     return Batch(
         items=items,
@@ -105,6 +118,7 @@ def make_batch(
         cut_ts=cut_ts,
         candidates=torch.cat([targets[..., None], neg], dim=-1),
         weight=torch.from_numpy(weight),
+        neg_log_q=log_q,
         **_aux_pool(rng, num_items, aux_negatives, popularity),
     )
 
@@ -163,6 +177,8 @@ def batch_loss(model: HSTURanker, batch: Batch, aux_weight: float = 0.0) -> torc
     )
     scores, states = out if isinstance(out, tuple) else (out, None)
     scores = scores.float()
+    if batch.neg_log_q is not None:  # a draw of probability q stands for 1 / (K q) items
+        scores = torch.cat([scores[..., :1], scores[..., 1:] - batch.neg_log_q.to(scores.device)], dim=-1)
     cands = batch.candidates.to(scores.device)
     # A negative that happens to be the target is not a negative.
     clash = cands[..., 1:] == cands[..., :1]

@@ -10,11 +10,15 @@ Primitives:
   and validation rank).
 - ``rank_targets`` / ``summarise`` / ``evaluate``: each test target is ranked among every item
   the user has not seen, after the history (all earlier events, or only the last N), through the
-  serving API (``rank_full``). HR@10, NDCG@10, MRR: per user the mean over its targets, then the
+  serving API (``rank_full``), or (``dense``, what ``relaygr train`` validates and evaluates
+  with) the dense path it is tested against: the same scores, several times faster. HR@10, NDCG@10, MRR: per user the mean over its targets, then the
   mean over users with a 95 % bootstrap confidence interval over users.
 - ``paired_differences``: the whole history's metrics minus each truncation's, per user, with a
   paired bootstrap interval (the same resampled users for both).
 - ``popularity_metrics``: the same protocol for a most-popular baseline.
+- ``PROTOCOLS``: ``leave-last-out`` (candidates: every item the user has not seen) or ``hstu``
+  (Meta's HSTU MovieLens evaluation: every catalogue item but those of the history read, whose
+  published input is the last ``HSTU_INPUT`` events).
 - ``save_ranks`` / ``load_ranks``: every test target's rank per history length, per user
   (``test_ranks.npz`` beside ``metrics.json``), so that runs can be compared user by user later.
 - ``pooled``: several runs (seeds) that ranked the same users' targets: each metric per user
@@ -32,6 +36,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from relaygr.workers.model.dense import dense_rank_full
 from relaygr.workers.model.model import HSTURanker
 from relaygr.workers.model.runner import ModelRunner
 from relaygr.workers.prefix_kv import Events
@@ -133,6 +138,19 @@ def _rank_of_target(scores: np.ndarray, target_pos: int) -> float:
     return 1.0 + greater + ties // 2
 
 
+PROTOCOLS = ("leave-last-out", "hstu")
+"""How a test target is ranked. ``leave-last-out``: against every catalogue item the user has
+not seen in the whole history, whatever history the model reads. ``hstu``: as Meta's HSTU
+publishes its MovieLens figures (generative-recommenders' evaluation): against every catalogue
+item except those of the history the model reads (the truncated input: an item seen before it
+stays a candidate), with ``HSTU_INPUT`` events as the input of its published figures."""
+DENSE_EVENTS = 4096
+"""Longest history ranked through the dense path (its pair tensors grow with the square
+of the length)."""
+HSTU_INPUT = 200
+"""Meta's HSTU MovieLens input: the last 200 events before the target (``max_sequence_length``)."""
+
+
 def _candidates(num_items: int, history: Events, target: int) -> tuple[torch.Tensor, int]:
     keep = np.ones(num_items + 1, dtype=bool)
     keep[0] = False
@@ -157,22 +175,35 @@ def rank_targets(
     lengths: Sequence[int | None] = DEFAULT_LENGTHS,
     max_users: int | None = None,
     micro_batch: int = 1024,
+    protocol: str = "leave-last-out",
+    dense: bool = False,
     log: Callable[[str], None] = _log,
 ) -> dict[str, list[np.ndarray]]:
     """Per history length (``None``: all events), per user, the rank of each test target among
-    every item the user has not seen, via ``rank_full`` (of ``model``'s runner)."""
+    every item the user has not seen (``protocol`` "hstu": has not seen in the history read at
+    that length), via ``rank_full`` (of ``model``'s runner); with ``dense``, via the dense path
+    training differentiates (``dense_rank_full``: the same scores to float rounding, several times
+    faster on a CPU), for histories of at most ``DENSE_EVENTS`` events."""
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"unknown protocol {protocol!r}; one of {', '.join(PROTOCOLS)}")
     users = spread_users(list(history), max_users)
     ranks: dict[str, list[np.ndarray]] = {_length_key(n): [] for n in lengths}
     t0 = time.perf_counter()
     num_items = model.config.num_items
     runner = ModelRunner(model) if isinstance(model, HSTURanker) else model  # served as the workers do
+    module = runner.model  # what the dense path reads
     for i, u in enumerate(users):
         got: dict[str, list[float]] = {k: [] for k in ranks}
         for seen, target, request_ts in _requests(history[u], test[u]):
-            cands, tpos = _candidates(num_items, seen, target)
+            every = _candidates(num_items, seen, target)
             for n in lengths:
                 h = seen if n is None else seen.slice(max(0, len(seen) - n))
-                scores = runner.rank_full(h, cands, request_ts, micro_batch=micro_batch).numpy()
+                hstu_read = protocol == "hstu" and len(h) < len(seen)
+                cands, tpos = _candidates(num_items, h, target) if hstu_read else every
+                if dense and len(h) <= DENSE_EVENTS:
+                    scores = dense_rank_full(module, h, cands, request_ts).numpy()
+                else:
+                    scores = runner.rank_full(h, cands, request_ts, micro_batch=micro_batch).numpy()
                 got[_length_key(n)].append(_rank_of_target(scores, tpos))
         for k, v in got.items():
             ranks[k].append(np.asarray(v))
@@ -206,9 +237,10 @@ def _length_key(n: int | None) -> str:
 
 
 def popularity_metrics(
-    history: dict[str, Events], test: dict[str, Events], num_items: int
+    history: dict[str, Events], test: dict[str, Events], num_items: int, window: int | None = None
 ) -> dict[str, float]:
-    """Most popular items first (counts over the training histories), same protocol."""
+    """Most popular items first (counts over the training histories), same protocol; ``window``:
+    the items of only the last ``window`` events are excluded (``hstu``)."""
     counts = np.zeros(num_items + 1)
     for h in history.values():
         np.add.at(counts, h.item_ids.numpy(), 1)
@@ -216,7 +248,8 @@ def popularity_metrics(
     for u in sorted(history):
         got = []
         for seen, target, _ in _requests(history[u], test[u]):
-            cands, tpos = _candidates(num_items, seen, target)
+            read = seen if window is None else seen.slice(max(0, len(seen) - window))
+            cands, tpos = _candidates(num_items, read, target)
             got.append(_rank_of_target(counts[cands.numpy()], tpos))
         ranks.append(np.asarray(got))
     return {**_metrics(ranks), "users": len(ranks), "targets": int(sum(len(r) for r in ranks))}

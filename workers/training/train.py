@@ -35,6 +35,7 @@ import torch
 from relaygr.workers.model.model import FAR_KEYS, HSTUConfig, HSTURanker
 from relaygr.workers.model.vocab import ItemVocab
 from relaygr.workers.prefix_kv import Events
+from relaygr.workers.training.budget import BATCH_TOKENS, Deadline, TimePlan, default_budget, plan_time
 from relaygr.workers.training.fit import (
     BIAS_LR_SCALE,
     LONG_CUTS,
@@ -54,6 +55,7 @@ from relaygr.workers.training.interactions import (
 from relaygr.workers.training.movielens import load_atomic_log, load_movielens
 from relaygr.workers.training.objectives import Batch, batch_loss, make_batch
 from relaygr.workers.training.quality import (
+    HSTU_INPUT,
     RANKS_FILE,
     evaluate,
     format_row,
@@ -110,7 +112,9 @@ def load_log(args: argparse.Namespace) -> tuple[InteractionLog, str]:
         name = args.dataset or "ml-100k"
         if name == INSTACART:
             return load_instacart_log(), name
-        return (movielens_log(name) if name == "ml-100k" else load_atomic_log(name)), name
+        if name == "ml-100k":
+            return movielens_log(name), name
+        return load_atomic_log(name, catalogue=args.protocol == "hstu"), name
     read = read_interactions(
         args.interactions,
         columns_of(args),
@@ -172,6 +176,8 @@ class TrainSettings:
     whole_share: float = 0.0
     near_keys: int = 0
     far_keys: float = FAR_KEYS
+    sampling_correction: bool = False
+    batch_tokens: int = BATCH_TOKENS
 
     @property
     def objective(self) -> Objective:
@@ -184,6 +190,7 @@ class TrainSettings:
             self.last_cut,
             self.long_cuts,
             self.aux_negatives,
+            self.sampling_correction,
         )
 
 
@@ -253,6 +260,8 @@ def resolve_settings(
         whole_share=getattr(args, "whole_histories", 0.0) or 0.0,
         near_keys=near,
         far_keys=far,
+        sampling_correction=getattr(args, "sampling_correction", "off") == "on",
+        batch_tokens=getattr(args, "batch_tokens", None) or BATCH_TOKENS,
     )
 
 
@@ -292,8 +301,10 @@ def train_once(
     split: tuple[dict[str, Events], dict[str, Events]],
     args: argparse.Namespace,
     progress=_log,
+    deadline: Deadline | None = None,
 ) -> Trained:
-    """A model trained with these settings on the training split, stopped early on validation."""
+    """A model trained with these settings on the training split, stopped early on validation
+    (and by ``deadline``)."""
     torch.manual_seed(args.seed)
     model = HSTURanker(model_config(s, log, args))
     model.set_vocab(log.vocab)
@@ -316,12 +327,57 @@ def train_once(
         decay_epochs=s.decay_epochs,
         bias_lr_scale=s.bias_lr,
         whole_share=s.whole_share,
+        batch_tokens=s.batch_tokens,
+        deadline=deadline,
         log=progress,
     )
     return Trained(model, losses, stopping, time.perf_counter() - t0, time.process_time() - cpu0)
 
 
-def _eval_lengths(spec: str) -> list[int | None]:
+def plan_training(
+    s: TrainSettings,
+    log: InteractionLog,
+    split: tuple[dict[str, Events], dict[str, Events]],
+    history: dict[str, Events],
+    args: argparse.Namespace,
+    spent: float,
+) -> tuple[TrainSettings, TimePlan]:
+    """Time the probes on a model of these settings, fit the epochs into the budget and print the
+    estimate; the settings with the planned epochs."""
+    from relaygr.workers.training.probe import measure_costs
+
+    budget = args.time_budget or default_budget(log.num_events) * max(1, args.tune)
+    train_hist, valid = split
+    costs = measure_costs(
+        HSTURanker(model_config(s, log, args)),
+        s.objective,
+        train_hist,
+        [train_hist[u] for u in spread_users(list(valid), args.valid_users)],
+        [history[u] for u in spread_users(list(history), args.eval_users)],
+        _eval_lengths(args.eval_lengths, args.protocol),
+        batch_size=s.batch_size,
+        batch_tokens=s.batch_tokens,
+        spent=spent,
+    )
+    plan = plan_time(
+        costs,
+        budget,
+        epochs=s.epochs,
+        decay_epochs=s.decay_epochs,
+        min_epochs=s.min_epochs,
+        epochs_given=args.epochs is not None,
+        max_steps=args.max_steps,
+    )
+    for line in plan.lines:
+        _log(line)
+    return dataclasses.replace(
+        s, epochs=plan.epochs, decay_epochs=plan.decay_epochs, min_epochs=plan.min_epochs
+    ), plan
+
+
+def _eval_lengths(spec: str | None, protocol: str = "leave-last-out") -> list[int | None]:
+    if spec is None:  # the hstu protocol adds the input of Meta's published figures
+        spec = "16,64,256,all" if protocol != "hstu" else f"16,64,{HSTU_INPUT},256,all"
     lengths = [None if x.strip() == "all" else int(x) for x in spec.split(",") if x.strip()]
     return lengths if None in lengths else [*lengths, None]
 
@@ -333,7 +389,13 @@ def _quality(
     truncation (paired), and the popularity baseline."""
     t_eval = time.perf_counter()
     ranks = rank_targets(
-        trained.model, history, test, lengths=_eval_lengths(args.eval_lengths), max_users=args.eval_users
+        trained.model,
+        history,
+        test,
+        lengths=_eval_lengths(args.eval_lengths, args.protocol),
+        max_users=args.eval_users,
+        protocol=args.protocol,
+        dense=True,
     )
     by_len = summarise(ranks)
     users = spread_users(list(history), args.eval_users)  # rank_targets' users, in its order
@@ -346,12 +408,20 @@ def _quality(
         "targets_evaluated": by_len["all"]["targets"],
         "by_history_length": [{"history": k, **v} for k, v in by_len.items()],
         "all_minus_truncation": paired_differences(ranks),
-        "popularity_baseline": popularity_metrics({u: history[u] for u in users}, test, num_items),
+        "popularity_baseline": popularity_metrics(
+            {u: history[u] for u in users}, test, num_items, HSTU_INPUT if args.protocol == "hstu" else None
+        ),
         "eval_seconds": round(time.perf_counter() - t_eval, 1),
     }
 
 
-def _protocol(test_events: int) -> str:
+def _protocol(test_events: int, protocol: str = "leave-last-out") -> str:
+    candidates = (
+        "every item the user has not seen"
+        if protocol != "hstu"
+        else "every catalogue item except those of the history read (HSTU's protocol; its published "
+        f"input: the last {HSTU_INPUT} events; popularity: the last {HSTU_INPUT} excluded)"
+    )
     split = (
         "leave-last-out; validation: the event before the test event"
         if test_events == 1
@@ -359,7 +429,8 @@ def _protocol(test_events: int) -> str:
         "each ranked after every event before it; validation: the event before the first of them"
     )
     return (
-        f"{split}; candidates: every item the user has not seen; ranked via rank_full; 95 % confidence "
+        f"{split}; candidates: {candidates}; ranked via the dense path (dense_rank_full, the oracle "
+        "rank_full is tested against: the same scores to float rounding); 95 % confidence "
         "intervals: percentile bootstrap over users (per user, the mean over its targets)"
     )
 
@@ -379,12 +450,16 @@ def run(args: argparse.Namespace, log: InteractionLog | None = None, source: str
     split = split_validation(history)
     settings = resolve_settings(args, log.num_items, history)
     _log(f"{source}: {len(history)} users, {log.num_items} items, {log.num_events} events")
+    settings, plan = plan_training(settings, log, split, history, args, time.perf_counter() - t0)
+    deadline = Deadline(t0 + plan.training_deadline)
     if args.tune:
         from relaygr.workers.training.tuning import tune
 
-        trained, settings = tune(settings, args.tune, lambda s, p: train_once(s, log, split, args, p), args)
+        trained, settings = tune(
+            settings, args.tune, lambda s, p: train_once(s, log, split, args, p, deadline), args
+        )
     else:
-        trained = train_once(settings, log, split, args)
+        trained = train_once(settings, log, split, args, deadline=deadline)
     out = trained.model.save(args.out)
     metrics = {
         "dataset": source,
@@ -393,7 +468,8 @@ def run(args: argparse.Namespace, log: InteractionLog | None = None, source: str
         "events": log.num_events,
         "bad_rows": log.bad_count,
         "bad_row_examples": [str(b) for b in log.bad],
-        "protocol": _protocol(args.test_events),
+        "protocol": _protocol(args.test_events, args.protocol),
+        "protocol_name": args.protocol,
         "test_events": args.test_events,
         **_quality(trained, history, test, log.num_items, args),
         "train": {
@@ -409,6 +485,11 @@ def run(args: argparse.Namespace, log: InteractionLog | None = None, source: str
         },
     }
     metrics["total_seconds"] = round(time.perf_counter() - t0, 1)
+    metrics["time_plan"] = {
+        "budget_seconds": round(plan.budget, 1),
+        "estimate_seconds": round(plan.estimate, 1),
+        "budget_binds": plan.binds,
+    }
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     for row in metrics["by_history_length"]:
         _log(f"history {row['history']:>4}: " + format_row(row))

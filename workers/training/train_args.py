@@ -3,7 +3,8 @@
 Primitives:
 - ``add_source_arguments``: where the interactions come from (``--dataset`` or ``--interactions``
   and its columns); shared with the trace and experiment tools.
-- ``add_arguments``: every argument of ``relaygr train``; what is left unset is sized from the log
+- ``add_arguments``: every argument of ``relaygr train`` (``add_evaluation_arguments``: users,
+  targets, lengths and the protocol); what is left unset is sized from the log
   (``sizing``) and printed with the reason.
 - ``check_arguments``: a clear error for a value that would train silently wrong.
 """
@@ -18,6 +19,7 @@ from relaygr.workers.model.model import FAR_KEYS, NEAR_KEYS, HSTUConfig
 from relaygr.workers.training.fit import BIAS_LR_SCALE, LONG_CUTS, VALIDATION_USERS
 from relaygr.workers.training.instacart import INSTACART
 from relaygr.workers.training.movielens import DATASETS
+from relaygr.workers.training.quality import PROTOCOLS
 from relaygr.workers.training.sizing import PATIENCE
 
 
@@ -97,12 +99,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
     parser.add_argument(
+        "--time-budget",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="the whole run (reading, training, evaluation) within this many seconds: only the epochs "
+        "that fit are planned, and training stops at the budget keeping the best validated weights "
+        "(default: 6 ms an event of the log, at least 10 minutes)",
+    )
+    parser.add_argument(
+        "--batch-tokens",
+        type=int,
+        default=None,
+        help="most tokens (rows x window) a training step reads (default 10240: 32 rows of a "
+        "320-event window; a longer window trains fewer rows a step)",
+    )
+    parser.add_argument(
         "--tune",
         type=int,
         default=0,
         metavar="N",
         help="try N configurations on the validation split, keep the best, write tune.csv / tune.md",
     )
+    add_evaluation_arguments(parser)
+
+
+def add_evaluation_arguments(parser: argparse.ArgumentParser) -> None:
+    """Which users are trained and evaluated, and how targets are ranked."""
     parser.add_argument(
         "--eval-users", type=int, default=None, help="evaluate on N users spread over the log"
     )
@@ -123,8 +146,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--eval-lengths",
-        default="16,64,256,all",
-        help="history lengths used at inference for the quality table (comma separated, 'all')",
+        default=None,
+        help="history lengths used at inference for the quality table (comma separated, 'all'; "
+        "default 16,64,256,all, and 200 too under --protocol hstu)",
+    )
+    parser.add_argument(
+        "--protocol",
+        choices=list(PROTOCOLS),
+        default="leave-last-out",
+        help="leave-last-out: each target ranked against every item the user has not seen; hstu: "
+        "as Meta's HSTU publishes its MovieLens figures: against every item of the catalogue (ML-1M: "
+        "its 3,883 movies, rated or not) except those of the history read (200 events in its figures)",
     )
 
 
@@ -164,6 +196,13 @@ def add_objective_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=0.5,
         help="share of negatives taken from the batch's other targets (the rest uniform or popular)",
+    )
+    parser.add_argument(
+        "--sampling-correction",
+        choices=["on", "off"],
+        default="off",
+        help="on: lower each sampled negative's logit by log(negatives x its draw probability), so "
+        "that the sampled softmax estimates the whole catalogue's (in-batch draws favour popular items)",
     )
     parser.add_argument(
         "--popular-share",
@@ -213,11 +252,22 @@ def add_objective_arguments(parser: argparse.ArgumentParser) -> None:
 
 def check_arguments(args: argparse.Namespace) -> None:
     """A clear error for a value that would train silently wrong (a negative rate, no targets)."""
-    at_least_one = ("test_events", "epochs", "decay_epochs", "min_epochs", "valid_users", "eval_users")
+    at_least_one = (
+        "test_events",
+        "epochs",
+        "decay_epochs",
+        "min_epochs",
+        "valid_users",
+        "eval_users",
+        "batch_tokens",
+    )
     for name in at_least_one:
         value = getattr(args, name, None)
         if value is not None and value < 1:
             raise SystemExit(f"--{name.replace('_', '-')} {value}: must be at least 1")
+    budget = getattr(args, "time_budget", None)
+    if budget is not None and not budget > 0:
+        raise SystemExit(f"--time-budget {budget}: must be above 0 seconds")
     if getattr(args, "bias_lr", 1.0) <= 0:
         raise SystemExit(f"--bias-lr {args.bias_lr}: must be above 0 (a multiple of the learning rate)")
     normaliser = getattr(args, "attn_normaliser", None)
