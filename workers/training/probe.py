@@ -24,6 +24,7 @@ import torch
 
 from relaygr.workers.model.dense import dense_rank_full
 from relaygr.workers.model.model import HSTURanker
+from relaygr.workers.model.runner import ModelRunner
 from relaygr.workers.prefix_kv import Events
 from relaygr.workers.training.budget import BATCH_TOKENS, Clock, RankCost, RunCosts, StepCost, batch_shapes
 from relaygr.workers.training.fit import Objective
@@ -106,8 +107,10 @@ def rank_cost(
     short = long.slice(max(0, len(long) - 16))
     ts = float(long.timestamps[-1])
 
+    runner = ModelRunner(model)  # as validation and evaluation serve it
+
     def rank(h: Events) -> None:
-        (dense_rank_full(model, h, items, ts) if dense else model.rank_full(h, items, ts))
+        (dense_rank_full(model, h, items, ts) if dense else runner.rank_full(h, items, ts))
 
     with torch.no_grad():
         t1 = _timed(lambda: rank(short), clock)

@@ -191,7 +191,7 @@ def rank_targets(
     t0 = time.perf_counter()
     num_items = model.config.num_items
     runner = ModelRunner(model) if isinstance(model, HSTURanker) else model  # served as the workers do
-    module = runner.model  # what the dense path reads
+    module = model if isinstance(model, HSTURanker) else getattr(model, "model", None)  # the dense path's
     for i, u in enumerate(users):
         got: dict[str, list[float]] = {k: [] for k in ranks}
         for seen, target, request_ts in _requests(history[u], test[u]):
@@ -200,7 +200,7 @@ def rank_targets(
                 h = seen if n is None else seen.slice(max(0, len(seen) - n))
                 hstu_read = protocol == "hstu" and len(h) < len(seen)
                 cands, tpos = _candidates(num_items, h, target) if hstu_read else every
-                if dense and len(h) <= DENSE_EVENTS:
+                if dense and module is not None and len(h) <= DENSE_EVENTS:
                     scores = dense_rank_full(module, h, cands, request_ts).numpy()
                 else:
                     scores = runner.rank_full(h, cands, request_ts, micro_batch=micro_batch).numpy()
