@@ -20,7 +20,7 @@ machine at the start), so that the model's arithmetic is a small share of what i
 ``--rates`` fixes the ladder instead (two builds compared at the same rates); ``--profile DIR``
 samples the worker with py-spy in one more window at the highest rate held. ``--direct`` loads the
 ranking worker alone: each visit's prefill signal and rank request go straight onto its topics
-(``send_direct``), as retrieval and pre-processing write them, and the stages before it idle, so
+(``tools.sender.send_to_worker``), as retrieval and pre-processing write them, and the stages before it idle, so
 that on a small machine the worker's host path is measured at rates the whole cascade cannot hold.
 
 Per rate: requests, results, ranking P50/P99 (rank request produced -> result produced), the
@@ -34,7 +34,7 @@ and the highest rate held; then one line with relay and baseline side by side. E
 and the other stages share the cores: the CPU per ranking is the figure to read, the rate held
 depends on the machine.
 
-Primitives: ``send_direct``, ``cpu_seconds_of_stat``, ``process_cpu_s``, ``parse_fractions``, ``ladder``, ``Window``,
+Primitives: ``cpu_seconds_of_stat``, ``process_cpu_s``, ``parse_fractions``, ``ladder``, ``Window``,
 ``point_figures``, ``held``, ``long_users``, ``tiny_model_dir``, ``deployment``, ``sampled``,
 ``side_by_side``.
 """
@@ -47,7 +47,6 @@ import contextlib
 import json
 import math
 import os
-import random
 import shutil
 import sys
 import tempfile
@@ -69,48 +68,27 @@ LATE_S = 1.0  # results this much after the last was due: the worker (or the cas
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", action="store_true", help="print only the JSON lines")
-    parser.add_argument("--events", type=int_at_least(1), default=8192, help="behaviours per user")
-    parser.add_argument("--users", type=int_at_least(1), default=16, help="returning users")
-    parser.add_argument("--seconds", type=float_above(0), default=10.0, help="length of each rate's load")
-    parser.add_argument(
-        "--idle-s", type=float_above(0), default=3.0, help="the worker's idle CPU is measured this long"
-    )
-    parser.add_argument(
-        "--probe-rate", type=float_above(0), default=10.0, help="request rate of the sizing probe"
-    )
-    parser.add_argument(
-        "--fractions",
-        default="0.5,1,1.5,2,3",
-        help="the ladder's rates as fractions of one core's worth of rankings at the probe's CPU cost",
-    )
-    parser.add_argument(
-        "--rates",
-        default=None,
-        help="the ladder's rates (per s, ascending) instead of sized ones: to compare two builds at the same rates",
-    )
-    parser.add_argument("--modes", default="relay,baseline", help=f"comma-separated ({', '.join(MODES)})")
-    parser.add_argument(
-        "--direct",
-        action="store_true",
-        help="load the ranking worker alone: each visit's prefill signal and rank request produced "
-        "straight onto its topics (as retrieval and pre-processing write them), the stages before "
-        "it idle, so their CPU is the worker's and the broker's (its host path at higher rates)",
-    )
-    parser.add_argument(
-        "--profile",
-        type=Path,
-        default=None,
-        metavar="DIR",
+    add = parser.add_argument
+    add("--json", action="store_true", help="print only the JSON lines")
+    add("--events", type=int_at_least(1), default=8192, help="behaviours per user")
+    add("--users", type=int_at_least(1), default=16, help="returning users")
+    add("--seconds", type=float_above(0), default=10.0, help="length of each rate's load")
+    add("--idle-s", type=float_above(0), default=3.0, help="the worker's idle CPU is measured this long")
+    add("--probe-rate", type=float_above(0), default=10.0, help="request rate of the sizing probe")
+    add("--fractions", default="0.5,1,1.5,2,3",
+        help="the ladder's rates as fractions of one core's worth of rankings at the probe's CPU cost")  # fmt: skip
+    add("--rates", default=None,
+        help="the ladder's rates (per s, ascending) instead of sized ones: to compare two builds at the same rates")  # fmt: skip
+    add("--modes", default="relay,baseline", help=f"comma-separated ({', '.join(MODES)})")
+    add("--direct", action="store_true",
+        help="load the ranking worker alone: each visit's prefill signal and rank request produced straight onto "
+        "its topics (as retrieval and pre-processing write them), the stages before it idle, so their CPU is the "
+        "worker's and the broker's (its host path at higher rates)")  # fmt: skip
+    add("--profile", type=Path, default=None, metavar="DIR",
         help="then one more window at the highest rate held, the worker sampled by py-spy (a dev "
-        "dependency) into DIR/<mode>-<rate>.txt (collapsed stacks, every thread)",
-    )
-    parser.add_argument(
-        "--profile-rate",
-        type=float_above(0),
-        default=None,
-        help="with --profile: sample at this rate instead of the highest held",
-    )
+        "dependency) into DIR/<mode>-<rate>.txt (collapsed stacks, every thread)")  # fmt: skip
+    add("--profile-rate", type=float_above(0), default=None,
+        help="with --profile: sample at this rate instead of the highest held")  # fmt: skip
 
 
 def cpu_seconds_of_stat(text: str, ticks_per_s: float) -> float:
@@ -318,58 +296,16 @@ def _device_cpu(pipe) -> tuple[float, float]:
     )
 
 
-def send_direct(
-    settings: Settings, reg: TopicRegistry, plan: list[RecommendationRequest], rate: float
-) -> None:
-    """``plan`` at ``rate`` as the ranking worker receives it (blocking; librdkafka): per visit a
-    ``PrefillSignal`` and a ``RankRequest`` of its user's catalogue candidates, stamped when sent,
-    due within the ranking budget, each on its user's partition by the cascade's partitioner."""
-    from confluent_kafka import Producer
-
-    from relaygr.infra.kafka import partition_for
-    from relaygr.infra.rdkafka_producer import rdkafka_config
-    from relaygr.schemas import PrefillSignal, RankRequest, TriggerReason, encode
-    from relaygr.streams.config import PipelineSettings
-
-    budget_s = PipelineSettings().budget_ms / 1000
-    # Not idempotent: its first record would wait for a producer id, past the first deadlines.
-    prod = Producer({**rdkafka_config(settings), "linger.ms": 1})
-    signals, ranks = reg.name("prefill"), reg.name("rank")
-    prod.list_topics(signals, timeout=10)  # connected, and the partitions' leaders known, first
-    prod.list_topics(ranks, timeout=10)
-    rng = random.Random(7)
-    t0 = time.monotonic()
-    for k, r in enumerate(plan):
-        delay = t0 + k / rate - time.monotonic()
-        if delay > 0:
-            time.sleep(delay)
-        now, key = time.time(), r.user_id.encode()
-        part = partition_for(key, reg.partitions)
-        sig = PrefillSignal(request_id=r.request_id, user_id=r.user_id, ts=now, history_len=1 << 20,
-                            prefix_len=1 << 20, issued_at=now)  # fmt: skip
-        req = RankRequest(request_id=r.request_id, user_id=r.user_id, ts=now, candidates=rng.sample(CATALOGUE, 128),
-                          deadline_ts=now + budget_s, prefill_expected=True, trigger=TriggerReason.ADMITTED,
-                          produced_at=now)  # fmt: skip
-        prod.produce(signals, encode(sig), key=key, partition=part)
-        prod.produce(ranks, encode(req), key=key, partition=part)
-        prod.poll(0)
-    prod.flush(30)
-
-
-CATALOGUE = list(range(1, 1683))
-"""The candidates of a direct visit: MovieLens-100K's item ids."""
-
-
 async def _load(
     settings: Settings, reg: TopicRegistry, pipe, plan: list[RecommendationRequest], rate: float,
     direct: bool = False,
 ) -> tuple[list[RankedResult], Window, float]:  # fmt: skip
-    """Send ``plan`` at ``rate`` (``direct``: straight to the ranking worker, ``send_direct``) and
+    """Send ``plan`` at ``rate`` (``direct``: straight to the ranking worker) and
     read its results: the results, what the window cost the worker, and how late (s) the last
     result came after its request was due."""
     from relaygr.infra.kafka import consumer
     from relaygr.schemas import decode
-    from relaygr.tools.sender import send_paced
+    from relaygr.tools.sender import send_paced, send_to_worker
 
     pid = pipe.procs["ranker-0"].pid
     ids = {r.request_id for r in plan}
@@ -382,7 +318,7 @@ async def _load(
         stages0 = stages_cpu_s(pids)
         (rank0, prefill0), cpu0, t0 = _device_cpu(pipe), process_cpu_s(pid), time.monotonic()
         if direct:
-            sending = asyncio.create_task(asyncio.to_thread(send_direct, settings, reg, plan, rate))
+            sending = asyncio.create_task(asyncio.to_thread(send_to_worker, settings, reg, plan, rate))
         else:
             sending = asyncio.create_task(
                 asyncio.to_thread(send_paced, settings, reg.name("requests"), plan, rate, "librdkafka")

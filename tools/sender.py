@@ -23,6 +23,8 @@ Primitives:
   does delays a send: ``start()``, then ``stop() -> sent``.
 - ``send_paced(settings, topic, requests, qps, client)``: one plan of requests at a rate (``None``:
   all at once), blocking; returns them as sent.
+- ``send_to_worker(settings, registry, requests, qps)``: the visits of ``requests`` as a ranking
+  worker receives them (a prefill signal and a rank request each), the stages before it skipped.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator
 from typing import Any, Literal, Protocol
 
 from relaygr.infra.settings import Settings
-from relaygr.schemas import RecommendationRequest, encode
+from relaygr.schemas import RecommendationRequest, TopicRegistry, encode
 
 Client = Literal["aiokafka", "librdkafka"]
 POLL_S = 0.05  # how often a sender waiting for its next offset looks at ``stop``
@@ -237,3 +239,46 @@ class BackgroundLoad:
             self.sent = asyncio.run(go())
         except BaseException as e:  # raised in the caller's thread by stop()
             self._error = e
+
+
+CATALOGUE = list(range(1, 1683))
+"""The candidates of a visit sent straight to a ranking worker: MovieLens-100K's item ids."""
+
+
+def send_to_worker(
+    settings: Settings, reg: TopicRegistry, plan: list[RecommendationRequest], rate: float
+) -> None:
+    """``plan`` at ``rate`` as the ranking worker receives it, the stages before it skipped
+    (blocking; librdkafka): per visit a ``PrefillSignal`` and a ``RankRequest`` of 128 candidates of
+    ``CATALOGUE``, stamped when sent, due within the ranking budget, each on its user's partition
+    by the cascade's partitioner."""
+    from confluent_kafka import Producer
+
+    from relaygr.infra.kafka import partition_for
+    from relaygr.infra.rdkafka_producer import rdkafka_config
+    from relaygr.schemas import PrefillSignal, RankRequest, TriggerReason
+    from relaygr.streams.config import PipelineSettings
+
+    budget_s = PipelineSettings().budget_ms / 1000
+    # Not idempotent: its first record would wait for a producer id, past the first deadlines.
+    prod = Producer({**rdkafka_config(settings), "linger.ms": 1})
+    signals, ranks = reg.name("prefill"), reg.name("rank")
+    prod.list_topics(signals, timeout=10)  # connected, and the partitions' leaders known, first
+    prod.list_topics(ranks, timeout=10)
+    rng = random.Random(7)
+    t0 = time.monotonic()
+    for k, r in enumerate(plan):
+        delay = t0 + k / rate - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        now, key = time.time(), r.user_id.encode()
+        part = partition_for(key, reg.partitions)
+        sig = PrefillSignal(request_id=r.request_id, user_id=r.user_id, ts=now, history_len=1 << 20,
+                            prefix_len=1 << 20, issued_at=now)  # fmt: skip
+        req = RankRequest(request_id=r.request_id, user_id=r.user_id, ts=now, candidates=rng.sample(CATALOGUE, 128),
+                          deadline_ts=now + budget_s, prefill_expected=True, trigger=TriggerReason.ADMITTED,
+                          produced_at=now)  # fmt: skip
+        prod.produce(signals, encode(sig), key=key, partition=part)
+        prod.produce(ranks, encode(req), key=key, partition=part)
+        prod.poll(0)
+    prod.flush(30)
