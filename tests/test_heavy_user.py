@@ -382,13 +382,16 @@ async def test_a_sliced_full_ranking_is_planned_when_the_device_starts_it(model)
     h = history(3000, seed=13)
     device = _SimulatedDevice()
     e = _engine(model, LatencyModel(0.0, 1.0, 0.0), device.clock, slice_ms=50.0, truncate_headroom=0.5)
-    gate = threading.Event()
+    gate, running = threading.Event(), threading.Event()
 
     def busy() -> None:  # holds the device until the ranking is queued, for 0.5 s of its time
+        running.set()
         gate.wait(10)
         device.elapsed += 0.5
 
     held = e.scheduler.submit(busy, priority=Priority.RANK, deadline=device.deadline(0.0))
+    # On the device, not waiting in its queue: the queue's next ranking job is the one below.
+    assert await asyncio.to_thread(running.wait, 10)
     ranking = asyncio.create_task(e.rank("u", h, torch.arange(1, 9), 2e9, device.deadline(1.0)))
     while not e.scheduler.queue_depth(Priority.RANK):
         await asyncio.sleep(0)
