@@ -469,7 +469,7 @@ def test_device_and_dtype_resolution() -> None:
 _HEAP_USE = """
 import ctypes, ctypes.util, json, sys
 import torch
-from relaygr.workers.model.devices import keep_host_pages
+from relaygr.workers.model.devices import keep_all_host_pages, keep_host_pages
 
 
 class MallInfo2(ctypes.Structure):
@@ -480,11 +480,12 @@ class MallInfo2(ctypes.Structure):
 
 
 libc = ctypes.CDLL(ctypes.util.find_library("c"))
-if not hasattr(libc, "mallinfo2") or (sys.argv[1] == "keep" and not keep_host_pages()):
+keep = {"default": lambda: True, "keep": keep_host_pages, "keep_all": keep_all_host_pages}[sys.argv[1]]
+if not hasattr(libc, "mallinfo2") or not keep():
     sys.exit(3)
 libc.mallinfo2.restype = MallInfo2
 before = libc.mallinfo2()
-scratch = torch.ones(4 << 20, dtype=torch.uint8)  # a ranking's scratch buffer: a few MiB
+scratch = torch.ones(int(sys.argv[2]), dtype=torch.uint8)
 during = libc.mallinfo2()
 del scratch
 after = libc.mallinfo2()
@@ -502,9 +503,9 @@ def test_keep_host_pages_serves_ranking_scratch_from_the_kept_heap() -> None:
     import subprocess
     import sys
 
-    def heap_use(mode: str) -> dict:
+    def heap_use(mode: str, size: int = 4 << 20) -> dict:  # a ranking's scratch: a few MiB
         done = subprocess.run(
-            [sys.executable, "-c", _HEAP_USE, mode], capture_output=True, text=True, timeout=300
+            [sys.executable, "-c", _HEAP_USE, mode, str(size)], capture_output=True, text=True, timeout=300
         )
         if done.returncode == 3:
             pytest.skip("glibc's mallopt and mallinfo2 are not available here")
@@ -516,3 +517,9 @@ def test_keep_host_pages_serves_ranking_scratch_from_the_kept_heap() -> None:
     default, kept = heap_use("default"), heap_use("keep")
     assert default["mmapped"] >= 4 << 20, default
     assert kept["mmapped"] == 0 and kept["heap_kept"], kept
+    # A training step's attention scores: past glibc's 32 MiB ceiling only ``keep_all_host_pages``
+    # (what ``relaygr train`` sets on CPU) serves them from the heap.
+    big = 48 << 20
+    assert heap_use("keep", big)["mmapped"] >= big
+    kept_all = heap_use("keep_all", big)
+    assert kept_all["mmapped"] == 0 and kept_all["heap_kept"], kept_all

@@ -144,6 +144,56 @@ def test_training_stops_at_its_deadline_and_keeps_the_best_validated_weights() -
     assert any("time budget reached after 5 steps" in line for line in lines)
 
 
+def test_a_signal_ends_training_as_the_budget_does_and_a_second_one_at_once() -> None:
+    """SIGTERM (a service manager, ``timeout``) brings the deadline forward: the step under way
+    ends, training stops there keeping the best validated weights (then saved and evaluated); a
+    second SIGTERM stops the process. ``run`` gives the caller's handlers back."""
+    import os
+    import signal
+
+    deadline = Deadline(1e9, TickClock())
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        train.stop_on_signals(deadline)
+        assert not deadline.passed()
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert deadline.stopped == "SIGTERM" and deadline.passed() and deadline.left() == 0.0
+        with pytest.raises(SystemExit) as stopped:
+            os.kill(os.getpid(), signal.SIGTERM)
+        assert stopped.value.code == 128 + signal.SIGTERM
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+    # Training cut by it logs why, as the budget's cut does.
+    model, lines = _tiny(), []
+    stopped_now = Deadline(1e9, TickClock())
+    stopped_now.stop("SIGTERM")
+    losses = train_model(
+        model,
+        _histories(8, 12),
+        epochs=3,
+        batch_size=4,
+        objective=Objective(cuts=2, negatives=4),
+        deadline=stopped_now,
+        log=lines.append,
+    )
+    assert losses == [] and any("SIGTERM after 0 steps: training stops" in line for line in lines)
+
+
+def test_run_gives_the_callers_signal_handlers_back(monkeypatch) -> None:
+    import signal
+
+    def a_run(*_args) -> int:
+        train.stop_on_signals(Deadline(1e9, TickClock()))
+        assert signal.getsignal(signal.SIGTERM) is not before
+        return 0
+
+    before = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(train, "_run", a_run)
+    assert train.run(argparse.Namespace()) == 0
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
 def test_a_probed_run_trains_the_same_model_as_an_unprobed_one() -> None:
     hist = _histories(12, 20, seed=1)
     obj = Objective(cuts=2, negatives=4)

@@ -54,13 +54,18 @@ class Deadline:
 
     at: float
     clock: Clock = time.perf_counter
+    stopped: str | None = None  # why it was brought forward to now (``stop``)
 
     @classmethod
     def after(cls, seconds: float, clock: Clock = time.perf_counter) -> Deadline:
         return cls(clock() + seconds, clock)
 
+    def stop(self, why: str) -> None:
+        """Bring the deadline forward to now (a stop asked from outside: a signal)."""
+        self.stopped = why
+
     def left(self) -> float:
-        return self.at - self.clock()
+        return 0.0 if self.stopped else self.at - self.clock()
 
     def passed(self) -> bool:
         return self.left() <= 0

@@ -309,6 +309,12 @@ class _Loop:
         return float(loss.detach())
 
 
+def _late_line(steps: int, deadline: Deadline | None) -> str:
+    if deadline is not None and deadline.stopped:
+        return f"{deadline.stopped} after {steps} steps: training stops"
+    return f"time budget reached after {steps} steps: training stops (--time-budget)"
+
+
 def train_model(
     model: HSTURanker,
     sequences: dict[str, Events],
@@ -362,7 +368,7 @@ def train_model(
             ep_n += 1
         if ep_n == 0:
             if late:
-                log(f"time budget reached after {loop.step} steps: training stops (--time-budget)")
+                log(_late_line(loop.step, deadline))
             break
         losses.append(ep_loss / ep_n)
         late = late or (deadline is not None and deadline.passed())
@@ -371,7 +377,7 @@ def train_model(
             stopping.scores.append(None)  # the epoch the budget cut: not validated
         log(_epoch_line(epoch + 1, epochs, losses[-1], stopping, loop.step, total, t0, cpu0))
         if late:
-            log(f"time budget reached after {loop.step} steps: training stops (--time-budget)")
+            log(_late_line(loop.step, deadline))
             break
         if stop:
             log(f"early stop: best validation NDCG@10 {stopping.best:.4f} at epoch {stopping.best_epoch + 1}")

@@ -14,6 +14,7 @@ Primitives:
   ``test_ranks.npz`` (each test target's rank, for ``relaygr quality``); ``--tune N``
   first searches N configurations (``tuning``). ``log``: events already read (from the
   ``behaviors`` topic, by ``relaygr.tools.train_source``), so this module never touches Kafka.
+  SIGTERM or SIGINT ends training as the time budget does (``stop_on_signals``).
 
 Protocol: each user's last event is the test target, the one before it the validation target;
 training sees the events before both. The objectives live in ``objectives``, the loop in ``fit``,
@@ -25,13 +26,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from relaygr.workers.model.devices import keep_all_host_pages
 from relaygr.workers.model.model import FAR_KEYS, HSTUConfig, HSTURanker
 from relaygr.workers.model.vocab import ItemVocab
 from relaygr.workers.prefix_kv import Events
@@ -435,11 +439,48 @@ def _protocol(test_events: int, protocol: str = "leave-last-out") -> str:
     )
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def stop_on_signals(deadline: Deadline) -> None:
+    """SIGTERM or SIGINT ends training as the time budget does: between two steps, the best
+    weights so far kept, saved and evaluated. A second one stops at once (the checkpoint is
+    written before the evaluation)."""
+    if threading.current_thread() is not threading.main_thread():
+        return  # signal handlers live only in the main thread
+
+    def stop(signum: int, _frame: object) -> None:
+        if deadline.stopped:
+            raise SystemExit(128 + signum)
+        name = signal.Signals(signum).name
+        deadline.stop(name)
+        _log(
+            f"{name}: training stops after this step; the best weights are kept, saved and evaluated ({name} again: stop now)"
+        )
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, stop)
+
+
 def run(args: argparse.Namespace, log: InteractionLog | None = None, source: str | None = None) -> int:
+    """Train, save and evaluate (see the module docstring); the signal handlers it installs
+    (``stop_on_signals``) are the caller's again when it returns."""
+    main = threading.current_thread() is threading.main_thread()
+    previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS} if main else {}
+    try:
+        return _run(args, log, source)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _run(args: argparse.Namespace, log: InteractionLog | None, source: str | None) -> int:
     t0 = time.perf_counter()
     check_arguments(args)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if str(args.device).startswith("cpu"):
+        keep_all_host_pages()  # a step's large blocks reused, not mapped and zeroed afresh
     if log is None:
         log, source = load_log(args)
     report_bad_rows(log)
@@ -452,6 +493,7 @@ def run(args: argparse.Namespace, log: InteractionLog | None = None, source: str
     _log(f"{source}: {len(history)} users, {log.num_items} items, {log.num_events} events")
     settings, plan = plan_training(settings, log, split, history, args, time.perf_counter() - t0)
     deadline = Deadline(t0 + plan.training_deadline)
+    stop_on_signals(deadline)
     if args.tune:
         from relaygr.workers.training.tuning import tune
 
