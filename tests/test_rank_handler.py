@@ -185,18 +185,26 @@ def test_a_users_unchanged_history_is_served_as_the_same_events_and_a_changed_on
     h = RankHandler(engine, table, None, PipelineSettings(), "w0", lambda **_: None, lambda _p: None)  # type: ignore[arg-type]
     try:
         offset = _append(table, "u", [5, 6, 7], 1000.0, 0)
+        reads = []
+        records = table.records
+        table.records = lambda user: reads.append(user) or records(user)  # type: ignore[method-assign]
         first = h.served_history("u", 2000.0)
         again = h.served_history("u", 2000.0)
-        # The same events (a request's signal and the request read one history): mapped once.
-        assert again.events is first.events and engine.mapped == 1
+        # The same events (a request's signal and the request read one history): mapped once, and
+        # the records read once (every one is before both cuts).
+        assert again.events is first.events and engine.mapped == 1 and reads == ["u"]
         again.wait_ms, again.complete = 5.0, False  # a request's own flags stay its own
         assert h.served_history("u", 2000.0).complete and first.wait_ms == 0.0
         # An earlier cut of the history, then a new behaviour: new events with it.
         assert h.served_history("u", 1001.5).events.item_ids.tolist() == [5, 6]
+        # A cut inside the records reads them again, and so does the next cut past them (the
+        # memo now holds the shorter history).
+        assert h.served_history("u", 1001.5).events.item_ids.tolist() == [5, 6] and len(reads) == 3
+        assert h.served_history("u", 2000.0).events.item_ids.tolist() == [5, 6, 7] and len(reads) == 4
         _append(table, "u", [8], 1500.0, offset)
         after = h.served_history("u", 2000.0)
         assert after.events.item_ids.tolist() == [5, 6, 7, 8] and after.total == 4
-        assert engine.mapped == 3
+        assert engine.mapped == 4
     finally:
         table.close()
 

@@ -149,6 +149,24 @@ class ServedHistory:
     wait_ms: float = 0.0  # waited for behaviours
 
 
+@dataclass(frozen=True)
+class _ServedMemo:
+    """A user's last served history: the records it came from (``key``: oldest retained index,
+    version, how many were before the cut) and, when every record was before the cut, the newest
+    one's timestamp (``whole_until``): a later cut past it reads the same records."""
+
+    key: tuple[int, int, int]
+    served: ServedHistory
+    whole_until: float | None
+
+    def reaches(self, first: int, version: int, before_ts: float) -> bool:
+        return (
+            self.whole_until is not None
+            and self.key[:2] == (first, version)
+            and before_ts > self.whole_until
+        )
+
+
 class RankHandler:
     def __init__(
         self,
@@ -166,7 +184,7 @@ class RankHandler:
         # Serve at most the model's max_seq_len most recent events, in a window moving by steps.
         self.max_seq_len = engine.max_seq_len
         self.window_step = window_step(self.max_seq_len)
-        self._served: OrderedDict[str, tuple[tuple[int, int, int], ServedHistory]] = OrderedDict()
+        self._served: OrderedDict[str, _ServedMemo] = OrderedDict()
 
     # ------------------------------------------------------------------ history
 
@@ -174,18 +192,24 @@ class RankHandler:
         """The user's events before ``before_ts`` that a ranking reads (at most max_seq_len, the
         most recent, in a window moving by whole steps) in model item ids. The same records as the
         user's last call give the same events (a fresh ``ServedHistory`` around them)."""
-        version = self.history.version(user_id)
+        version, first = self.history.version(user_id), self.history.first(user_id)
+        memo = self._served.get(user_id)
+        if memo is not None and memo.reaches(first, version, before_ts):
+            # Unchanged records, every one of them before the last cut and this one: the same
+            # events, without reading the records again (a request after its own signal).
+            self._served.move_to_end(user_id)
+            return replace(memo.served)
         rec = self.history.records(user_id)
+        newest = float(rec["ts"].max()) if len(rec) else float("-inf")
+        every = len(rec)
         if len(rec):
             rec = rec[rec["ts"] < before_ts]
-        first = self.history.first(user_id)
         # The records before a time are a down-set of the user's records by timestamp: with the
         # records unchanged (``version``), as many of them are the same ones.
         key = (first, version, len(rec))
-        memo = self._served.get(user_id)
-        if memo is not None and memo[0] == key:
+        if memo is not None and memo.key == key:
             self._served.move_to_end(user_id)
-            return replace(memo[1])
+            return replace(memo.served)
         full = to_events(rec)
         hist, capped = served(full, first, self.max_seq_len, self.window_step)
         # The table keeps the raw ids' keys (``item_key``), whatever the model; the mapping is a
@@ -195,7 +219,7 @@ class RankHandler:
         out = ServedHistory(
             Events(items, hist.action_ids, hist.timestamps), first + len(full), capped, unknown
         )
-        self._served[user_id] = (key, out)
+        self._served[user_id] = _ServedMemo(key, out, newest if len(rec) == every else None)
         if len(self._served) > SERVED_MEMO_USERS:
             self._served.popitem(last=False)
         return replace(out)
