@@ -23,6 +23,9 @@ ranking worker alone: each visit's prefill signal and rank request go straight o
 (``tools.sender.send_to_worker``), as retrieval and pre-processing write them, and the stages before it idle, so
 that on a small machine the worker's host path is measured at rates the whole cascade cannot hold.
 
+``--fetch-clients rdkafka,aiokafka`` measures each mode once with each client fetching the ranking
+worker's records (``RELAYGR_FETCH_CLIENT``), one after the other in the same run.
+
 Per rate: requests, results, ranking P50/P99 (rank request produced -> result produced), the
 ranking worker process's CPU (user + system, every thread, from ``/proc/<pid>/stat``) from the
 first send to the last result, per ranking; the device thread's part of it (its CPU in ranking jobs:
@@ -62,6 +65,7 @@ from relaygr.tools.args import float_above, int_at_least
 from relaygr.tools.report.figures import percentile, ranking_ms
 
 MODES = ("relay", "baseline")
+FETCH_CLIENTS = ("rdkafka", "aiokafka")
 # The stages of a ranking (rank request produced -> result produced) that the results break down.
 STAGES = ("hop_rank", "history_wait", "signal_wait", "worker_prep", "lookup", "device_queue", "compute")
 LATE_S = 1.0  # results this much after the last was due: the worker (or the cascade) fell behind
@@ -80,6 +84,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--rates", default=None,
         help="the ladder's rates (per s, ascending) instead of sized ones: to compare two builds at the same rates")  # fmt: skip
     add("--modes", default="relay,baseline", help=f"comma-separated ({', '.join(MODES)})")
+    add("--fetch-clients", default=None,
+        help=f"comma-separated ({', '.join(FETCH_CLIENTS)}): the client that fetches the ranking worker's records, "
+        "one pipeline each per mode, measured side by side (default: RELAYGR_FETCH_CLIENT's)")  # fmt: skip
     add("--direct", action="store_true",
         help="load the ranking worker alone: each visit's prefill signal and rank request produced straight onto "
         "its topics (as retrieval and pre-processing write them), the stages before it idle, so their CPU is the "
@@ -212,9 +219,12 @@ def tiny_model_dir() -> Iterator[Path]:
 
 
 @contextlib.contextmanager
-def deployment(mode: str, model_dir: Path, say) -> Iterator[tuple[Settings, TopicRegistry, object]]:
-    """One pipeline in ``mode`` with one ranking worker (metrics served) on topics and a home of its
-    own (``tools.experiment.harness``); removed after."""
+def deployment(
+    mode: str, model_dir: Path, say, fetch_client: str | None = None
+) -> Iterator[tuple[Settings, TopicRegistry, object]]:
+    """One pipeline in ``mode`` with one ranking worker (metrics served; its records fetched by
+    ``fetch_client``, None: the settings') on topics and a home of its own
+    (``tools.experiment.harness``); removed after."""
     from relaygr.infra.local.cluster import ensure_broker
     from relaygr.infra.settings import get_settings
     from relaygr.streams.config import PipelineSettings
@@ -227,6 +237,8 @@ def deployment(mode: str, model_dir: Path, say) -> Iterator[tuple[Settings, Topi
     env = PipelineSettings.to_env(
         model_dir=model_dir, calibration_file=model_dir / "calibration.json", theta=1e-4
     )
+    if fetch_client is not None:
+        env["RELAYGR_FETCH_CLIENT"] = fetch_client
     with fresh_deployment(base, f"host-{mode}", mode, env, cores=plan_cores(1, pin=False), say=say) as dep:
         yield dep.settings, dep.reg, dep.pipe
 
@@ -365,7 +377,9 @@ async def _prime(settings: Settings, reg: TopicRegistry, pipe, args, ml, say) ->
     return requests
 
 
-async def _measure_mode(mode: str, settings: Settings, reg: TopicRegistry, pipe, args, ml, say) -> dict:
+async def _measure_mode(
+    mode: str, settings: Settings, reg: TopicRegistry, pipe, args, ml, say, fetch_client: str
+) -> dict:
     from relaygr.streams.config import PipelineSettings
 
     budget_ms = PipelineSettings().budget_ms
@@ -406,6 +420,7 @@ async def _measure_mode(mode: str, settings: Settings, reg: TopicRegistry, pipe,
     return {
         "bench": "host_path",
         "mode": mode,
+        "fetch_client": fetch_client,
         "events": args.events,
         "users": args.users,
         "budget_ms": budget_ms,
@@ -419,11 +434,14 @@ async def _measure_mode(mode: str, settings: Settings, reg: TopicRegistry, pipe,
 
 
 def side_by_side(lines: list[dict]) -> dict:
-    """Per mode: the highest rate held, the CPU per ranking there and at the probe, and its split."""
+    """Per mode (and fetch client, where several were measured): the highest rate held, the CPU per
+    ranking there and at the probe, and its split."""
     out: dict[str, dict] = {}
+    several = len({line.get("fetch_client") for line in lines}) > 1
     for line in lines:
         at = next((p for p in reversed(line["points"]) if p["held"]), line["probe"])
-        out[line["mode"]] = {
+        name = f"{line['mode']}/{line['fetch_client']}" if several else line["mode"]
+        out[name] = {
             "held_rate": line["held_rate"],
             "at_rate": at["rate"],
             "cpu_ms_per_ranking": at["cpu_ms_per_ranking"],
@@ -447,6 +465,9 @@ def run(args: argparse.Namespace) -> int:
         modes = [m.strip() for m in args.modes.split(",")]
         if set(modes) - set(MODES) or not modes:
             raise ValueError(f"--modes: {args.modes!r} (known: {', '.join(MODES)})")
+        clients = [c.strip() for c in (args.fetch_clients or Settings().fetch_client).split(",")]
+        if set(clients) - set(FETCH_CLIENTS) or not clients:
+            raise ValueError(f"--fetch-clients: {args.fetch_clients!r} (known: {', '.join(FETCH_CLIENTS)})")
         if not Path("/proc/self/stat").exists():
             raise ValueError("the worker's CPU is read from /proc/<pid>/stat: Linux only")
     except (ImportError, ValueError) as e:
@@ -462,9 +483,10 @@ def run(args: argparse.Namespace) -> int:
     lines = []
     with tiny_model_dir() as model_dir:
         for mode in modes:
-            with deployment(mode, model_dir, say) as (s, reg, pipe):
-                line = asyncio.run(_measure_mode(mode, s, reg, pipe, args, ml, say))
-            print(json.dumps(line), flush=True)
-            lines.append(line)
+            for client in clients:
+                with deployment(mode, model_dir, say, client) as (s, reg, pipe):
+                    line = asyncio.run(_measure_mode(mode, s, reg, pipe, args, ml, say, client))
+                print(json.dumps(line), flush=True)
+                lines.append(line)
     print(json.dumps(side_by_side(lines)))
     return 0

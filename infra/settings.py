@@ -106,6 +106,13 @@ class Settings(BaseSettings):
         "produced within it share one request to the broker instead of one each, which is what a "
         "stage's CPU per request was mostly spent on. Adds at most this much to each hop.",
     )
+    fetch_client: Literal["rdkafka", "aiokafka"] = Field(
+        default="rdkafka",
+        description="Which client fetches the records of the ranking worker and the ingress: librdkafka "
+        "on threads of its own (group membership, rebalances and commits stay aiokafka's), or aiokafka "
+        "on the event loop. librdkafka costs the loop less CPU per record and an idle consumer less "
+        "(docs/host-path.md).",
+    )
     metadata_max_age_ms: int = Field(
         default=30_000,
         ge=100,

@@ -1,6 +1,7 @@
 """Ingress stage: the cascade's own co-partitioning of whatever the producers wrote.
 
-Topology (plain aiokafka; two consumer groups, so requests never queue behind behaviours):
+Topology (two aiokafka consumer groups, so requests never queue behind behaviours; their records
+fetched by librdkafka, ``relaygr.infra.rdkafka_fetch``):
   behaviors (any partitioner) ──> validate ──> routed-behaviors (partition = partition_for(user_id)):
                                                one BehaviorBatch per user per fetch, and
                                                a progress record in every routed partition
@@ -51,6 +52,7 @@ from prometheus_client import Histogram
 
 from relaygr.infra.incarnations import Incarnations
 from relaygr.infra.kafka import consumer, describe_partitions, partition_for, producer, stop_clients
+from relaygr.infra.rdkafka_fetch import fetching
 from relaygr.infra.rdkafka_producer import RdProducer
 from relaygr.infra.settings import Settings
 from relaygr.infra.stop_guard import StopDeadline
@@ -67,7 +69,7 @@ from relaygr.schemas.routing import (
     encode_positions,
 )
 from relaygr.streams.common import DEAD_LETTERS, dead_letter, decode_keyed, deliver
-from relaygr.streams.ingress_behaviours import COMMIT_EVERY_S, ROUTED, BehaviourRouter
+from relaygr.streams.ingress_behaviours import BEHAVIOUR_FETCH, COMMIT_EVERY_S, ROUTED, BehaviourRouter
 
 log = logging.getLogger(__name__)
 STAGE = "ingress"
@@ -84,6 +86,7 @@ HOP = Histogram(
 )
 
 INPUTS = ("requests", "behaviors")
+BEHAVIOUR_PARTITION_FETCH_BYTES = 4 << 20  # a partition's share of one behaviours fetch
 # A behaviours-only router runs at this lower CPU priority (os.nice increment).
 BEHAVIOUR_NICENESS = 5
 # How often the ingress checks that the public topics are still the ones it has been reading.
@@ -120,7 +123,9 @@ class Ingress:
         # Requests and behaviours have their own consumers and producers (their own connections):
         # a request never waits behind a large behaviour fetch or batch on the wire.
         if "requests" in self.inputs:
-            self.req_consumer = consumer(self.settings, group_id=f"{prefix}-ingress-requests", **common)
+            self.req_consumer = fetching(
+                consumer(self.settings, group_id=f"{prefix}-ingress-requests", **common), self.settings
+            )
             self.req_consumer.subscribe(
                 [self.reg.name("requests")],
                 listener=_Assignments(self, "req_consumer", f"{prefix}-ingress-requests"),
@@ -131,11 +136,16 @@ class Ingress:
             clients += [self.req_producer, self.req_consumer, self.offsets]
             loops.append(self._requests)
         if "behaviors" in self.inputs:
-            self.beh_consumer = consumer(
+            self.beh_consumer = fetching(
+                consumer(
+                    self.settings,
+                    group_id=f"{prefix}-ingress-behaviors",
+                    max_partition_fetch_bytes=BEHAVIOUR_PARTITION_FETCH_BYTES,
+                    **common,
+                ),
                 self.settings,
-                group_id=f"{prefix}-ingress-behaviors",
-                max_partition_fetch_bytes=4 << 20,
-                **common,
+                max_records=BEHAVIOUR_FETCH,
+                max_partition_fetch_bytes=BEHAVIOUR_PARTITION_FETCH_BYTES,
             )
             self.beh_consumer.subscribe(
                 [self.reg.name("behaviors")],

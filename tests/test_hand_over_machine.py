@@ -206,7 +206,8 @@ def rig(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
             history, alignment, engine, lambda m: m, lambda m, r: None, lambda **f: None
         )  # type: ignore[arg-type]
         partitions = Partitions(REG, history, alignment, applier, Lineage())  # type: ignore[arg-type]
-        settings = Settings(home=tmp_path, topic_prefix="p", partitions=2)
+        # The fake consumers fetch by themselves (no librdkafka behind them).
+        settings = Settings(home=tmp_path, topic_prefix="p", partitions=2, fetch_client="aiokafka")
         intake = Intake(settings, REG, "ranker-0", Incarnations())  # type: ignore[arg-type]
         files = WorkerFiles(tmp_path / "ranker-0")
         dispatch = Dispatch(partitions)

@@ -161,9 +161,7 @@ class _ServedMemo:
 
     def reaches(self, first: int, version: int, before_ts: float) -> bool:
         return (
-            self.whole_until is not None
-            and self.key[:2] == (first, version)
-            and before_ts > self.whole_until
+            self.whole_until is not None and self.key[:2] == (first, version) and before_ts > self.whole_until
         )
 
 
