@@ -33,9 +33,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import queue
+import threading
 import time
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
@@ -50,6 +51,7 @@ log = logging.getLogger(__name__)
 TOUCH_S = (
     5.0  # how often the inner consumer is polled (aiokafka leaves the group after max_poll_interval_ms idle)
 )
+OUT_OF_RANGE = "_AUTO_OFFSET_RESET"  # librdkafka's error for a fetch position the log does not hold
 WARN_EVERY_S = 10.0  # the same fetch error is logged at most this often
 POSITION_S = 5.0  # the most one assignment waits for a partition's position (the rest go on meanwhile)
 
@@ -96,6 +98,57 @@ def fetching(inner: AIOKafkaConsumer, settings: Settings, **kw: Any) -> AIOKafka
     return RdFetchConsumer(inner, settings, **kw)
 
 
+class _PollThread:
+    """One thread that runs what it is asked to, one call at a time, in order, and settles each
+    call's future on the asking loop (cheaper per call than an executor: one queue put, one wake-up
+    of the loop)."""
+
+    def __init__(self) -> None:
+        self._asks: queue.SimpleQueue = queue.SimpleQueue()
+        self._cancelled: dict[asyncio.Future, Any] = {}  # future -> who hears how its call ended
+        self._orphans: dict[asyncio.Future, Any] = {}  # future -> its call's result, nobody told yet
+        self._thread = threading.Thread(target=self._serve, name="rdkafka-fetch", daemon=True)
+        self._thread.start()
+
+    def run(self, fn: Any, *args: Any) -> asyncio.Future:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._asks.put((loop, fut, fn, args))
+        return fut
+
+    def on_cancelled(self, fut: asyncio.Future, ended: Any) -> None:
+        """``fut`` was cancelled: ``ended(result or None)`` once its call returns (now, if it has)."""
+        if fut in self._orphans:
+            ended(self._orphans.pop(fut))
+        else:
+            self._cancelled[fut] = ended
+
+    def close(self) -> None:
+        self._asks.put(None)
+
+    def _serve(self) -> None:
+        while (ask := self._asks.get()) is not None:
+            loop, fut, fn, args = ask
+            try:
+                result, error = fn(*args), None
+            except BaseException as e:
+                result, error = None, e
+            with contextlib.suppress(RuntimeError):  # (the loop closed meanwhile)
+                loop.call_soon_threadsafe(self._settle, fut, result, error)
+
+    def _settle(self, fut: asyncio.Future, result: Any, error: BaseException | None) -> None:
+        if fut.cancelled():
+            ended = self._cancelled.pop(fut, None)
+            if ended is None:
+                self._orphans[fut] = result if error is None else None
+            else:
+                ended(result if error is None else None)
+        elif error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+
+
 class RdFetchConsumer:
     """``inner`` (not started) with its records fetched by librdkafka (see the module docstring)."""
 
@@ -107,6 +160,7 @@ class RdFetchConsumer:
         fetch_max_wait_ms: int = 20,
         max_records: int = 500,
         max_partition_fetch_bytes: int = 1 << 20,
+        auto_offset_reset: str = "earliest",
     ) -> None:
         self._inner, self._settings = inner, settings
         self._conf = {
@@ -114,7 +168,9 @@ class RdFetchConsumer:
             "group.id": f"{settings.topic_prefix}relaygr-fetch",
             "enable.auto.commit": False,
             "enable.auto.offset.store": False,
-            "auto.offset.reset": "earliest",
+            # An offset out of range is told, not reset behind the positions' back: reset here
+            # (``_reset``), as the inner consumer's ``auto_offset_reset`` says.
+            "auto.offset.reset": "error",
             "isolation.level": "read_uncommitted",  # aiokafka's default: the cascade writes no transactions
             # A partition resumed waits for the fetch in flight to its broker: a short wait bounds that.
             "fetch.wait.max.ms": fetch_max_wait_ms,
@@ -126,12 +182,16 @@ class RdFetchConsumer:
         }
         self._max_records = max_records
         self._rd: Consumer | None = None
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rdkafka-fetch")
-        self._polling: asyncio.Future | None = None  # the poll running on the thread
+        self._thread = _PollThread()
+        self._unfinished: asyncio.Future | None = None  # a poll whose caller was cancelled: done when it ends
         self._next: dict[TopicPartition, int] = {}  # librdkafka's partitions: the next offset to give
         self._seeks: dict[TopicPartition, int] = {}  # asked, not yet told to librdkafka
         self._moved: dict[TopicPartition, int] = {}  # seeks per partition (stale fetches are dropped)
         self._stray: set[TopicPartition] = set()  # fetched past their position and not given
+        self._out_of_range: set[TopicPartition] = set()  # positions the log no longer (or not yet) holds
+        if auto_offset_reset not in ("earliest", "latest"):
+            raise ValueError(f"auto_offset_reset: {auto_offset_reset!r} (earliest or latest)")
+        self._auto_offset_reset = auto_offset_reset
         self._paused: set[TopicPartition] = set()  # asked
         self._rd_paused: set[TopicPartition] = set()  # told to librdkafka
         self._reassign = True  # the inner consumer assigned anew: positions from it
@@ -154,15 +214,13 @@ class RdFetchConsumer:
         self._inner_assigned(self._inner.assignment())
 
     async def stop(self) -> None:
-        loop = asyncio.get_running_loop()
-        if self._polling is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.shield(self._polling)
+        if self._unfinished is not None:
+            await asyncio.shield(self._unfinished)
         if self._rd is not None:
             with contextlib.suppress(Exception):
-                await loop.run_in_executor(self._thread, self._rd.close)
+                await self._thread.run(self._rd.close)  # after any poll: one at a time there
             self._rd = None
-        self._thread.shutdown(wait=False)
+        self._thread.close()
         await self._inner.stop()
 
     def subscribe(
@@ -236,41 +294,44 @@ class RdFetchConsumer:
         ``timeout_ms`` for a first record."""
         if self._rd is None:
             raise RuntimeError("the consumer is not started")
-        if self._polling is not None:  # a poll whose caller was cancelled: its records were not given
-            with contextlib.suppress(Exception):
-                await asyncio.shield(self._polling)
-            self._polling = None
+        if self._unfinished is not None:  # its records not given: known once it ends
+            await asyncio.shield(self._unfinished)  # (a cancelled wait must not cancel it)
         await self._touch()
         await self._sync()
         only = set(partitions)
         self._apply_pauses(only)
         moved = dict(self._moved)
-        loop = asyncio.get_running_loop()
-        self._polling = loop.run_in_executor(
-            self._thread, self._poll, max_records or self._max_records, timeout_ms / 1000
-        )
-        polling = self._polling
+        polling = self._thread.run(self._poll, max_records or self._max_records, timeout_ms / 1000)
         try:
-            msgs = await asyncio.shield(polling)
-        except asyncio.CancelledError:  # the next call waits for it first (``_polling`` kept)
-            polling.add_done_callback(self._not_given)
+            msgs = await polling
+        except asyncio.CancelledError:
+            if polling.done() and not polling.cancelled():  # it ended, its records not given
+                self._not_given(polling.result())
+            else:  # it ends later (``_PollThread`` tells ``_ended``)
+                self._unfinished = asyncio.get_running_loop().create_future()
+                self._thread.on_cancelled(polling, self._ended)
             raise
-        self._polling = None
         return self._give(msgs, moved, only)
 
     def _poll(self, n: int, timeout_s: float) -> list:
-        """On the fetch thread: the first record within ``timeout_s``, and whatever is ready after it."""
+        """On the poll thread: the first record within ``timeout_s``, and whatever is ready after it."""
         assert self._rd is not None
         first = self._rd.poll(timeout_s)
         if first is None:
             return []
         return [first, *self._rd.consume(n - 1, 0)] if n > 1 else [first]
 
-    def _not_given(self, polling: asyncio.Future) -> None:
-        """A poll nobody took: librdkafka is past those records, the positions are not."""
-        if polling.cancelled() or polling.exception() is not None:
-            return
-        for m in polling.result():
+    def _ended(self, msgs: list | None) -> None:
+        """A poll whose caller was cancelled has ended (``msgs``: None, it failed)."""
+        if msgs:
+            self._not_given(msgs)
+        if self._unfinished is not None:
+            self._unfinished.set_result(None)
+            self._unfinished = None
+
+    def _not_given(self, msgs: list) -> None:
+        """Records polled and not given: librdkafka is past them, the positions are not."""
+        for m in msgs:
             if m.error() is None:
                 self._stray.add(TopicPartition(m.topic(), m.partition()))
 
@@ -281,7 +342,10 @@ class RdFetchConsumer:
         for m in msgs:
             err = m.error()
             if err is not None:
-                self._warn(m, err)
+                if err.name() == OUT_OF_RANGE and m.topic() is not None:
+                    self._out_of_range.add(TopicPartition(m.topic(), m.partition()))
+                else:
+                    self._warn(m, err)
                 continue
             tp = TopicPartition(m.topic(), m.partition())
             at = self._next.get(tp)
@@ -348,6 +412,37 @@ class RdFetchConsumer:
             if tp in self._next:
                 self._seek(tp, self._next[tp])
         self._stray.clear()
+        if self._out_of_range:
+            await self._reset()
+
+    async def _reset(self) -> None:
+        """Partitions whose position the log does not hold (a topic deleted and created again,
+        records past their retention): to its start or end, as aiokafka's reset policy does."""
+        tps, self._out_of_range = [tp for tp in self._out_of_range if tp in self._next], set()
+        moved = dict(self._moved)
+        try:
+            ask = (
+                self._inner.beginning_offsets
+                if self._auto_offset_reset == "earliest"
+                else self._inner.end_offsets
+            )
+            to = await ask(tps)
+        except Exception as e:  # tried again on the next poll
+            log.warning("resetting the positions of %s: %s", tps, e)
+            self._out_of_range.update(tps)
+            return
+        for tp in tps:
+            if tp in self._next and tp in to and self._moved.get(tp, 0) == moved.get(tp, 0):
+                log.info(
+                    "%s: position %d out of range: reset to %d (%s)",
+                    tp,
+                    self._next[tp],
+                    to[tp],
+                    self._auto_offset_reset,
+                )
+                self._inner.seek(tp, to[tp])
+                self._moved[tp] = self._moved.get(tp, 0) + 1
+                self._seek(tp, to[tp])
 
     async def _positions(self, tps: set[TopicPartition]) -> dict[TopicPartition, int]:
         async def one(tp: TopicPartition) -> tuple[TopicPartition, int | None]:

@@ -96,6 +96,24 @@ async def test_positions_seeks_and_pauses_as_aiokafka_gives_them(kafka_settings,
         await cons.stop()
 
 
+async def test_a_position_the_log_does_not_hold_is_reset_as_aiokafka_resets_it(kafka_settings, topic):
+    """Past the log's end (a topic deleted and created again under the consumer, records past their
+    retention): read from the start, as the inner consumer's reset policy says, and ``position``
+    says so; nothing of the log skipped."""
+    tp0, tp1 = TopicPartition(topic, 0), TopicPartition(topic, 1)
+    cons = outside(kafka_settings)
+    await cons.start()
+    try:
+        cons.assign([tp0, tp1])
+        cons.seek(tp0, 10 * PER_PARTITION)
+        cons.seek(tp1, PER_PARTITION)  # at the end: nothing to reset
+        got = await drain(cons, PER_PARTITION)
+        assert got == {tp0: list(range(PER_PARTITION))}
+        assert await cons.position(tp0) == PER_PARTITION == await cons.position(tp1)
+    finally:
+        await cons.stop()
+
+
 async def test_a_cancelled_fetch_loses_and_repeats_nothing(kafka_settings, topic):
     tps = [TopicPartition(topic, 0), TopicPartition(topic, 1)]
     cons = outside(kafka_settings)
@@ -103,9 +121,11 @@ async def test_a_cancelled_fetch_loses_and_repeats_nothing(kafka_settings, topic
     try:
         cons.assign(tps)
         seen: list[tuple[int, int]] = []
-        for _ in range(40):  # cancelled at every stage of a fetch: before, during and after its poll
+        # Cancelled at every stage of a fetch: before its poll, during it, after it, and while the
+        # next one waits for a cancelled poll to end.
+        for i in range(60):
             fetch = asyncio.ensure_future(cons.getmany(timeout_ms=50, max_records=7))
-            await asyncio.sleep(0.001)
+            await asyncio.sleep((0, 0.0005, 0.002, 0.01, 0.03)[i % 5])
             fetch.cancel()
             try:
                 batch = await fetch
