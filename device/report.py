@@ -121,6 +121,7 @@ def _store(rows: list[dict]) -> dict:
                 "speedup_host_to_device": round(r["speedup_host_to_device"], 1),
                 "speedup_disk": round(r["speedup_disk"], 1),
                 "host_pinned": r.get("host_pinned"),
+                "expander_matches": r.get("meets", {}).get("expander_choice_matches_the_times"),
             }
         )
     return {"rows": out}
