@@ -96,6 +96,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "dependency) into DIR/<mode>-<rate>.txt (collapsed stacks, every thread)")  # fmt: skip
     add("--profile-rate", type=float_above(0), default=None,
         help="with --profile: sample at this rate instead of the highest held")  # fmt: skip
+    add("--keep-broker", action="store_true",
+        help="leave the local broker this run starts up for the next run (default: stopped at the end; "
+        "one already up is never stopped)")  # fmt: skip
 
 
 def cpu_seconds_of_stat(text: str, ticks_per_s: float) -> float:
@@ -220,19 +223,15 @@ def tiny_model_dir() -> Iterator[Path]:
 
 @contextlib.contextmanager
 def deployment(
-    mode: str, model_dir: Path, say, fetch_client: str | None = None
+    base: Settings, mode: str, model_dir: Path, say, fetch_client: str | None = None
 ) -> Iterator[tuple[Settings, TopicRegistry, object]]:
     """One pipeline in ``mode`` with one ranking worker (metrics served; its records fetched by
-    ``fetch_client``, None: the settings') on topics and a home of its own
+    ``fetch_client``, None: the settings') on ``base``'s cluster, on topics and a home of its own
     (``tools.experiment.harness``); removed after."""
-    from relaygr.infra.local.cluster import ensure_broker
-    from relaygr.infra.settings import get_settings
     from relaygr.streams.config import PipelineSettings
     from relaygr.tools.experiment.harness import fresh_deployment
     from relaygr.workers.engine.cores import plan_cores
 
-    with contextlib.redirect_stdout(sys.stderr):
-        base, _ = ensure_broker(get_settings())
     # Every returning user's request is at risk: the relay path is the one measured.
     env = PipelineSettings.to_env(
         model_dir=model_dir, calibration_file=model_dir / "calibration.json", theta=1e-4
@@ -473,6 +472,8 @@ def run(args: argparse.Namespace) -> int:
     except (ImportError, ValueError) as e:
         print(f"relaygr bench host-path: {e}", file=sys.stderr)
         return 2
+    from relaygr.infra.local.cluster import broker_for_run
+    from relaygr.infra.settings import get_settings
     from relaygr.workers.training.movielens import load_movielens
 
     def say(msg: str) -> None:
@@ -481,10 +482,13 @@ def run(args: argparse.Namespace) -> int:
 
     ml = load_movielens("ml-100k")
     lines = []
-    with tiny_model_dir() as model_dir:
+    with (
+        broker_for_run(get_settings(), keep=args.keep_broker, progress=sys.stderr) as base,
+        tiny_model_dir() as model_dir,
+    ):
         for mode in modes:
             for client in clients:
-                with deployment(mode, model_dir, say, client) as (s, reg, pipe):
+                with deployment(base, mode, model_dir, say, client) as (s, reg, pipe):
                     line = asyncio.run(_measure_mode(mode, s, reg, pipe, args, ml, say, client))
                 print(json.dumps(line), flush=True)
                 lines.append(line)

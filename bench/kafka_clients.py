@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import subprocess
@@ -197,6 +196,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--linger-ms", default="2,5", help="producer lingers to compare, comma-separated")
     parser.add_argument("--min-fetch-bytes", type=int_at_least(1), default=16384,
                         help="the byte minimum of the aiokafka-min-bytes consumer")  # fmt: skip
+    parser.add_argument("--keep-broker", action="store_true",
+                        help="leave the local broker this run starts up (default: stopped at the end)")  # fmt: skip
     parser.add_argument("--child", type=json.loads, help=argparse.SUPPRESS)  # one client's window
 
 
@@ -205,7 +206,7 @@ def run(args: argparse.Namespace) -> int:
         child(args.child)
         return 0
     from relaygr.infra.kafka import resolve_bootstrap
-    from relaygr.infra.local.cluster import ensure_broker
+    from relaygr.infra.local.cluster import broker_for_run
     from relaygr.infra.settings import get_settings
 
     try:
@@ -217,19 +218,19 @@ def run(args: argparse.Namespace) -> int:
         print("relaygr bench kafka-clients: --rates are positive numbers, --linger-ms non-negative ones",
               file=sys.stderr)  # fmt: skip
         return 2
-    with contextlib.redirect_stdout(sys.stderr):  # stdout holds the JSON lines only
-        settings, _ = ensure_broker(get_settings())
-    bootstrap = resolve_bootstrap(settings)
-    for rate in rates:
-        rows = [
-            measure(bootstrap, "produce", c, rate, args.seconds, linger_ms=x)
-            for c in PRODUCERS
-            for x in lingers
-        ]
-        rows += [measure(bootstrap, "consume", c, rate, args.seconds, min_fetch_bytes=args.min_fetch_bytes)
-                 for c in CONSUMERS]  # fmt: skip
-        print(json.dumps({"bench": "kafka_clients", "rate": rate, "value_bytes": VALUE_BYTES, "clients": rows}),
-              flush=True)  # fmt: skip
+    # stdout holds the JSON lines only
+    with broker_for_run(get_settings(), keep=args.keep_broker, progress=sys.stderr) as settings:
+        bootstrap = resolve_bootstrap(settings)
+        for rate in rates:
+            rows = [
+                measure(bootstrap, "produce", c, rate, args.seconds, linger_ms=x)
+                for c in PRODUCERS
+                for x in lingers
+            ]
+            rows += [measure(bootstrap, "consume", c, rate, args.seconds, min_fetch_bytes=args.min_fetch_bytes)
+                     for c in CONSUMERS]  # fmt: skip
+            print(json.dumps({"bench": "kafka_clients", "rate": rate, "value_bytes": VALUE_BYTES, "clients": rows}),
+                  flush=True)  # fmt: skip
     return 0
 
 

@@ -26,6 +26,11 @@ it; a paused partition gives nothing until resumed, from its position; after the
 (or ``assign``), every partition starts where the inner consumer's position says (its committed
 offset, its reset policy, or a seek made since). All state changes reach librdkafka on the event
 loop between two polls, never while one runs.
+
+A long wait costs nothing while idle: the poll thread waits in slices of ``POLL_SLICE_S`` inside
+librdkafka (no turn of the event loop between them) and returns at the first record, at the
+timeout, or within a slice of a cancelled ``getmany``, so a caller may wait long when it has
+nothing else to do and still hand over at once.
 """
 
 from __future__ import annotations
@@ -53,6 +58,9 @@ TOUCH_S = (
 )
 OUT_OF_RANGE = "_AUTO_OFFSET_RESET"  # librdkafka's error for a fetch position the log does not hold
 WARN_EVERY_S = 10.0  # the same fetch error is logged at most this often
+# The poll thread waits this long at a time inside librdkafka: how soon a cancelled ``getmany``'s poll
+# ends (it holds the next one). Each slice is a C call on the poll thread, no turn of the event loop.
+POLL_SLICE_S = 0.05
 POSITION_S = 5.0  # the most one assignment waits for a partition's position (the rest go on meanwhile)
 
 
@@ -184,6 +192,7 @@ class RdFetchConsumer:
         self._rd: Consumer | None = None
         self._thread = _PollThread()
         self._unfinished: asyncio.Future | None = None  # a poll whose caller was cancelled: done when it ends
+        self._called_off = False  # the caller of the poll under way was cancelled (read by the poll thread)
         self._next: dict[TopicPartition, int] = {}  # librdkafka's partitions: the next offset to give
         self._seeks: dict[TopicPartition, int] = {}  # asked, not yet told to librdkafka
         self._moved: dict[TopicPartition, int] = {}  # seeks per partition (stale fetches are dropped)
@@ -301,10 +310,12 @@ class RdFetchConsumer:
         only = set(partitions)
         self._apply_pauses(only)
         moved = dict(self._moved)
+        self._called_off = False
         polling = self._thread.run(self._poll, max_records or self._max_records, timeout_ms / 1000)
         try:
             msgs = await polling
         except asyncio.CancelledError:
+            self._called_off = True  # the poll ends within a slice, not at its timeout
             if polling.done() and not polling.cancelled():  # it ended, its records not given
                 self._not_given(polling.result())
             else:  # it ends later (``_PollThread`` tells ``_ended``)
@@ -314,11 +325,17 @@ class RdFetchConsumer:
         return self._give(msgs, moved, only)
 
     def _poll(self, n: int, timeout_s: float) -> list:
-        """On the poll thread: the first record within ``timeout_s``, and whatever is ready after it."""
+        """On the poll thread: the first record within ``timeout_s``, and whatever is ready after
+        it; nothing once the caller has gone (``_called_off``), within a slice."""
         assert self._rd is not None
-        first = self._rd.poll(timeout_s)
-        if first is None:
-            return []
+        deadline = time.monotonic() + timeout_s
+        first = self._rd.poll(min(POLL_SLICE_S, timeout_s))
+        while first is None:
+            left = deadline - time.monotonic()
+            # (librdkafka counts whole milliseconds: a shorter wait would be a spin of zero-waits)
+            if self._called_off or left < 0.001:
+                return []
+            first = self._rd.poll(min(POLL_SLICE_S, left))
         return [first, *self._rd.consume(n - 1, 0)] if n > 1 else [first]
 
     def _ended(self, msgs: list | None) -> None:

@@ -132,8 +132,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"relaygr demo: {e}", file=sys.stderr)
         return 1
     finally:
-        if args.stop_broker and started:
+        if started and args.stop_broker:
             broker.stop(base)
+        elif started:  # kept for the next run to reuse; said, so that it is not forgotten
+            print(
+                f"== the local Kafka broker stays up at {settings.bootstrap} for the next run "
+                "(`relaygr broker stop` stops it; `--stop-broker` stops it at the end)",
+                file=sys.stderr if args.json else sys.stdout,
+            )
 
 
 def size_to_machine(

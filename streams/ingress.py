@@ -87,6 +87,8 @@ HOP = Histogram(
 
 INPUTS = ("requests", "behaviors")
 BEHAVIOUR_PARTITION_FETCH_BYTES = 4 << 20  # a partition's share of one behaviours fetch
+REQUEST_FETCH_MS = 20  # the requests' fetch wait while a commit is due
+IDLE_FETCH_MS = 250  # and while none is
 # A behaviours-only router runs at this lower CPU priority (os.nice increment).
 BEHAVIOUR_NICENESS = 5
 # How often the ingress checks that the public topics are still the ones it has been reading.
@@ -277,19 +279,24 @@ class Ingress:
         n_out = self.reg.partitions
         last_commit = time.monotonic()
         forwarding = False  # a fetch read but not yet all forwarded: its position is no commit
+        uncommitted = False  # forwarded since the last commit
         try:
             while True:
                 forwarding = False
-                batch = await self.req_consumer.getmany(timeout_ms=20, max_records=500)
+                # The fetch returns at the first record: a turn without one only commits, so it
+                # waits long once everything forwarded is committed (idle turns cost CPU).
+                wait_ms = REQUEST_FETCH_MS if uncommitted else IDLE_FETCH_MS
+                batch = await self.req_consumer.getmany(timeout_ms=wait_ms, max_records=500)
                 forwarding = True
                 await self._route_requests(batch, src, dst, beh, n_out)
                 forwarding = False
-                if time.monotonic() - last_commit > COMMIT_EVERY_S:
+                uncommitted = uncommitted or bool(batch)
+                if uncommitted and time.monotonic() - last_commit > COMMIT_EVERY_S:
                     # Every record read so far is forwarded (acknowledged) or dead-lettered. Not
                     # after every fetch: a commit is a broker round trip, and at a few requests
                     # a fetch it cost as much as forwarding them.
                     await _commit(self.req_consumer, self.incarnations)
-                    last_commit = time.monotonic()
+                    last_commit, uncommitted = time.monotonic(), False
         finally:
             if not forwarding:  # stopping: what was forwarded is not forwarded again
                 with contextlib.suppress(Exception):

@@ -468,6 +468,24 @@ async def test_assigned_while_serving(rig) -> None:
     assert r.notes == [{"event": "assigned", "partitions": [0, 1]}]
 
 
+async def test_the_periodic_commit_skips_offsets_already_committed_until_the_group_moves(rig) -> None:
+    """An idle worker's commit every ``commit_interval_s`` was a broker round trip each time; it is
+    made when the offsets moved, and always once after an assignment or a revocation (another
+    member may have committed meanwhile)."""
+    r = await _serving(rig, _all(0, 1))
+    r.dispatch.take(_tp(RANK, 0), SimpleNamespace(offset=4))
+    r.dispatch.finish()
+    first = await r.machine.commit(if_changed=True)
+    assert first[_tp(RANK, 0)] == 5 and len(r.log.commits) == 1
+    assert await r.machine.commit(if_changed=True) == {} and len(r.log.commits) == 1
+    r.dispatch.take(_tp(RANK, 0), SimpleNamespace(offset=5))
+    r.dispatch.finish()
+    assert (await r.machine.commit(if_changed=True))[_tp(RANK, 0)] == 6 and len(r.log.commits) == 2
+    assert (await r.machine.commit())[_tp(RANK, 0)] == 6 and len(r.log.commits) == 3  # when asked
+    await r.machine.assigned(_all(0, 1), r.intake.consumer)
+    assert (await r.machine.commit(if_changed=True))[_tp(RANK, 0)] == 6 and len(r.log.commits) == 4
+
+
 async def test_revoked_while_serving_drains_commits_and_forgets(rig) -> None:
     r = await _serving(rig, _all(0, 1))
     r.dispatch.take(_tp(RANK, 1), SimpleNamespace(offset=6))

@@ -178,3 +178,81 @@ async def test_the_group_assigns_from_committed_offsets_and_the_listener_seeks(k
         assert second.inner.paused() == {tp0, tp1}  # aiokafka itself fetched nothing
     finally:
         await second.stop()
+
+
+# ---------------------------------------------------------------------- the poll thread's wait
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def monotonic(self) -> float:
+        return self.t
+
+
+class _Rd:
+    """librdkafka's consumer as ``_poll`` sees it: each ``poll(timeout)`` waits on ``clock`` (a
+    little less than asked, as a timed wait may wake early) and returns a record once it is due;
+    ``on_poll`` runs after each call (the loop cancelling meanwhile)."""
+
+    def __init__(self, clock: _Clock, record_at: float | None = None, early_s: float = 0.0, on_poll=None):
+        self.clock, self.record_at, self.early_s, self.on_poll = clock, record_at, early_s, on_poll
+        self.waits: list[float] = []
+
+    def poll(self, timeout: float):
+        self.waits.append(timeout)
+        if self.record_at is not None and self.clock.t + timeout >= self.record_at:
+            self.clock.t = max(self.clock.t, self.record_at)
+            return "first"
+        self.clock.t += max(0.0, timeout - self.early_s)
+        if self.on_poll is not None:
+            self.on_poll(len(self.waits))
+        return None
+
+    def consume(self, n: int, timeout: float) -> list:
+        return ["ready"]
+
+
+@pytest.fixture
+def poller(monkeypatch: pytest.MonkeyPatch):
+    """An ``RdFetchConsumer`` reduced to what its poll thread's ``_poll`` reads, on a fake clock."""
+    from relaygr.infra import rdkafka_fetch
+
+    clock = _Clock()
+    monkeypatch.setattr(rdkafka_fetch, "time", clock)
+
+    def make(**kw) -> RdFetchConsumer:
+        cons = object.__new__(RdFetchConsumer)
+        cons._rd, cons._called_off = _Rd(clock, **kw), False
+        return cons
+
+    return make
+
+
+def test_a_long_wait_is_slices_within_librdkafka_that_end_at_the_timeout(poller) -> None:
+    from relaygr.infra.rdkafka_fetch import POLL_SLICE_S
+
+    cons = poller()
+    assert cons._poll(500, 0.25) == []
+    assert cons._rd.waits == pytest.approx([POLL_SLICE_S] * round(0.25 / POLL_SLICE_S))
+    assert cons._poll(500, 0.0) == [] and cons._rd.waits[-1] == 0.0  # one look, no wait
+
+
+def test_a_wait_whose_caller_was_cancelled_ends_after_the_slice_under_way(poller) -> None:
+    cons = poller(on_poll=lambda calls: setattr(cons, "_called_off", True))
+    assert cons._poll(500, 5.0) == [] and len(cons._rd.waits) == 1
+
+
+def test_the_first_record_ends_the_wait_with_what_is_ready_after_it(poller) -> None:
+    cons = poller(record_at=0.12)
+    assert cons._poll(500, 0.25) == ["first", "ready"]
+    assert cons._poll(1, 0.25) == ["first"]
+
+
+def test_a_wait_that_wakes_early_never_spins_on_zero_waits(poller) -> None:
+    """librdkafka counts whole milliseconds: a remainder under one would be a wait of zero, asked
+    again and again until the deadline (the idle behaviours router's CPU doubled)."""
+    cons = poller(early_s=0.0004)
+    assert cons._poll(500, 0.05) == []
+    assert all(w >= 0.001 for w in cons._rd.waits) and len(cons._rd.waits) <= 2

@@ -140,6 +140,7 @@ class HandOver:
         self._rebalancing = False  # between a revocation and the assignment after it
         self._joined = asyncio.Event()
         self._manual_stopped: asyncio.Task | None = None
+        self._last_commit: dict[TopicPartition, int] = {}  # this member's last commit (``commit``)
 
     @property
     def in_group(self) -> bool:
@@ -167,12 +168,17 @@ class HandOver:
         if self.state in (State.SERVING, State.JOINED):
             self.state = State.HANDING_OVER
 
-    async def commit(self) -> dict[TopicPartition, int]:
-        """Commit what is finished (nothing outside the group); returns the offsets committed."""
+    async def commit(self, *, if_changed: bool = False) -> dict[TopicPartition, int]:
+        """Commit what is finished (nothing outside the group); returns the offsets committed.
+        ``if_changed``: not when they are those this member last committed since the group last
+        assigned or revoked (an idle worker's periodic commit is a broker round trip for nothing)."""
         if not self.in_group:
             return {}
         offsets = self.partitions.commit_offsets()
+        if if_changed and offsets == self._last_commit:
+            return {}
         await self.intake.commit(offsets)
+        self._last_commit = offsets
         return offsets
 
     async def hand_over(self) -> None:
@@ -216,6 +222,7 @@ class HandOver:
         requests in flight, commit what is finished, forget them; what that means in a hand-over
         is in the module docstring."""
         tps = set(tps)
+        self._last_commit = {}  # committed by another member next: the next commit is made
         if self.state is State.SERVING_OUTSIDE:
             if tps:  # (the join's first assignment revokes nothing)
                 self._rebalancing = True  # no switch until the group has assigned again
@@ -260,6 +267,7 @@ class HandOver:
         incarnation, rewind offsets committed to an earlier topic of the same name, and read each
         behaviours partition from the history table's own offset (not the group's)."""
         tps = set(tps)
+        self._last_commit = {}
         if self.state in GONE:
             log.info("%s: assigned %s while handing over: not taken", self.worker_id, sorted(tps))
             return

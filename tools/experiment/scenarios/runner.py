@@ -102,12 +102,13 @@ class Scenario:
     def broker(
         self, args: argparse.Namespace, say: Callable[[str], None]
     ) -> Iterator[tuple[Settings, Settings]]:
-        """The clients' settings, and those the broker's nodes are recorded under (for pinning)."""
-        from relaygr.infra.local.cluster import ensure_broker
+        """The clients' settings, and those the broker's nodes are recorded under (for pinning). A
+        local broker started for the run is stopped at its end."""
+        from relaygr.infra.local.cluster import broker_for_run
         from relaygr.infra.settings import get_settings
 
-        settings, _ = ensure_broker(get_settings())
-        yield settings, settings
+        with broker_for_run(get_settings(), progress=sys.stderr) as settings:
+            yield settings, settings
 
     async def measure(self, run: ScenarioRun, dep: Deployment, setup: Setup) -> list[dict]:
         raise NotImplementedError
