@@ -469,13 +469,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from relaygr.infra.kafka import TopicError
     from relaygr.infra.local.broker import BrokerError
+    from relaygr.infra.local.cluster import broker_for_run
+    from relaygr.infra.settings import get_settings
 
     kinds = [KINDS[w] for w in dict.fromkeys(args.which)]
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     # Stopped from outside, ``relaygr`` unwinds (SystemExit), so the pipelines (some of them
-    # SIGSTOPped) are stopped too.
+    # SIGSTOPped) are stopped too, and a local broker started for the run.
     try:
-        return run_repeated(args, kinds)
+        with broker_for_run(get_settings(), progress=sys.stderr):
+            return run_repeated(args, kinds)
     except (BrokerError, TopicError, RuntimeError, TimeoutError) as e:
         print(f"relaygr experiment: {e}", file=sys.stderr)
         return 1
