@@ -1,7 +1,9 @@
 """The training loop of the HSTU ranker, with early stopping on a validation split.
 
 Primitives:
-- ``Objective``: what a step optimises (cut points, negatives and their mix, auxiliary weight).
+- ``Objective``: what a step optimises (cut points, negatives and their mix, auxiliary weight);
+  ``hard_negatives``: the share of each cut's negatives taken from the next-item head's top items
+  (one forward of the batch's histories without gradients a step).
 - ``EarlyStopping``: after each epoch from ``min_epochs`` on, NDCG@10 of the validation target (the
   event before each user's test event) ranked against the whole catalogue through ``rank_full``;
   keeps the best weights, says when ``patience`` epochs have not improved on them, and restores
@@ -22,6 +24,7 @@ Primitives:
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import random
 import time
@@ -35,7 +38,7 @@ from relaygr.workers.model.hstu_attention import position_bucket, time_bucket
 from relaygr.workers.model.model import HSTURanker
 from relaygr.workers.prefix_kv import Events
 from relaygr.workers.training.budget import BATCH_TOKENS, Deadline, batch_shapes
-from relaygr.workers.training.objectives import batch_loss, make_batch
+from relaygr.workers.training.objectives import batch_loss, head_scores, make_batch
 from relaygr.workers.training.quality import _log, evaluate, fmt_secs, spread_users
 
 VALIDATION_USERS = 1024
@@ -55,6 +58,7 @@ class Objective:
     long_cuts: float = 0.0
     aux_negatives: int = 0
     sampling_correction: bool = False
+    hard_negatives: float = 0.0
 
 
 @dataclass
@@ -208,6 +212,8 @@ def _batch(rows: list[Events], obj: Objective, model: HSTURanker, rng: np.random
         long_cuts=obj.long_cuts,
         aux_negatives=obj.aux_negatives,
         sampling_correction=obj.sampling_correction,
+        hard_share=obj.hard_negatives,
+        head=functools.partial(head_scores, model) if obj.hard_negatives > 0 else None,
     )
 
 

@@ -28,7 +28,7 @@ from relaygr.workers.model.runner import ModelRunner
 from relaygr.workers.prefix_kv import Events
 from relaygr.workers.training.budget import BATCH_TOKENS, Clock, RankCost, RunCosts, StepCost, batch_shapes
 from relaygr.workers.training.fit import Objective
-from relaygr.workers.training.objectives import batch_loss, make_batch
+from relaygr.workers.training.objectives import batch_loss, head_scores, make_batch
 
 PROBE_EVENTS = 1024
 """Longest history a ranking probe reads (the cost model extends it to longer ones)."""
@@ -62,8 +62,13 @@ def _step_seconds(model: HSTURanker, obj: Objective, rows: list[Events], clock: 
         aux_negatives=obj.aux_negatives,
         sampling_correction=obj.sampling_correction,
     )
+    hard = obj.hard_negatives > 0  # the head's forward of the batch's histories, every step
 
     def step() -> None:
+        if hard:
+            head_scores(
+                model, batch.items, batch.actions, batch.timestamps, batch.lengths, batch.cuts, batch.cut_ts
+            )
         batch_loss(model, batch, obj.aux_weight).backward()
         model.zero_grad(set_to_none=True)
 

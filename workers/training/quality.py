@@ -13,6 +13,10 @@ Primitives:
   serving API (``rank_full``), or (``dense``, what ``relaygr train`` validates and evaluates
   with) the dense path it is tested against: the same scores, several times faster. HR@10, NDCG@10, MRR: per user the mean over its targets, then the
   mean over users with a 95 % bootstrap confidence interval over users.
+- ``head_ranks``: a diagnostic, not what is served: the same targets ranked by the next-item
+  head that training's auxiliary loss fits (the last history token's final state dotted with the
+  item embedding table), one forward of the history per user and length. It shows how much the
+  backbone knows that the candidate path (the served score) has not learned to use.
 - ``paired_differences``: the whole history's metrics minus each truncation's, per user, with a
   paired bootstrap interval (the same resampled users for both).
 - ``popularity_metrics``: the same protocol for a most-popular baseline.
@@ -36,7 +40,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from relaygr.workers.model.dense import dense_rank_full
+from relaygr.workers.model.dense import dense_rank_full, train_scores
 from relaygr.workers.model.model import HSTURanker
 from relaygr.workers.model.runner import ModelRunner
 from relaygr.workers.prefix_kv import Events
@@ -212,6 +216,56 @@ def rank_targets(
             log(
                 f"eval {i + 1}/{len(users)} users  elapsed {fmt_secs(el)}  eta {fmt_secs(el / (i + 1) * (len(users) - i - 1))}"
             )
+    return ranks
+
+
+@torch.no_grad()
+def head_ranks(
+    model: HSTURanker,
+    history: dict[str, Events],
+    test: dict[str, Events],
+    *,
+    lengths: Sequence[int | None] = (None,),
+    max_users: int | None = None,
+    protocol: str = "leave-last-out",
+) -> dict[str, list[np.ndarray]]:
+    """``rank_targets``' ranks (same users, targets, candidates and protocol) by the next-item
+    head instead of the candidate path: a diagnostic of what the backbone knows, never a served
+    score. A history longer than ``DENSE_EVENTS`` is read as its last ``DENSE_EVENTS`` events."""
+    users = spread_users(list(history), max_users)
+    ranks: dict[str, list[np.ndarray]] = {_length_key(n): [] for n in lengths}
+    num_items = model.config.num_items
+    was_training = model.training
+    model.eval()
+    table = model.item_emb.weight.float()
+    try:
+        for u in users:
+            got: dict[str, list[float]] = {k: [] for k in ranks}
+            for seen, target, request_ts in _requests(history[u], test[u]):
+                every = _candidates(num_items, seen, target)
+                for n in lengths:
+                    h = seen if n is None else seen.slice(max(0, len(seen) - n))
+                    hstu_read = protocol == "hstu" and len(h) < len(seen)
+                    cands, tpos = _candidates(num_items, h, target) if hstu_read else every
+                    h = h.slice(max(0, len(h) - DENSE_EVENTS))
+                    k = len(h)
+                    _, states = train_scores(
+                        model,
+                        h.item_ids[None],
+                        h.action_ids[None],
+                        h.timestamps[None],
+                        torch.tensor([k]),
+                        torch.tensor([[k]]),
+                        torch.tensor([[request_ts]], dtype=torch.float64),
+                        torch.zeros(1, 1, 1, dtype=torch.int64),  # a dummy candidate: the history's states
+                        history_states=True,
+                    )
+                    scores = (table @ states[0, k - 1].float()).cpu().numpy()
+                    got[_length_key(n)].append(_rank_of_target(scores[cands.numpy()], tpos))
+            for k, v in got.items():
+                ranks[k].append(np.asarray(v))
+    finally:
+        model.train(was_training)
     return ranks
 
 

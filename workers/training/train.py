@@ -10,7 +10,8 @@ Primitives:
 - ``run(args, log=None)``: ``relaygr train --dataset ml-100k --out DIR`` or ``--interactions
   PATH`` (the arguments and their checks: ``train_args``) writes ``model.safetensors``,
   ``config.json``, ``vocab.json`` (raw item ids -> model ids) and ``metrics.json`` (quality
-  against the history length used at inference, and the popularity baseline) with
+  against the history length used at inference, the popularity baseline, and ``next_item_head``:
+  the next-item head's own ranks, a diagnostic, not the served score) with
   ``test_ranks.npz`` (each test target's rank, for ``relaygr quality``); ``--tune N``
   first searches N configurations (``tuning``). ``log``: events already read (from the
   ``behaviors`` topic, by ``relaygr.tools.train_source``), so this module never touches Kafka.
@@ -63,6 +64,7 @@ from relaygr.workers.training.quality import (
     RANKS_FILE,
     evaluate,
     format_row,
+    head_ranks,
     paired_differences,
     popularity_metrics,
     rank_targets,
@@ -182,6 +184,7 @@ class TrainSettings:
     far_keys: float = FAR_KEYS
     sampling_correction: bool = False
     batch_tokens: int = BATCH_TOKENS
+    hard_negatives: float = 0.0
 
     @property
     def objective(self) -> Objective:
@@ -195,6 +198,7 @@ class TrainSettings:
             self.long_cuts,
             self.aux_negatives,
             self.sampling_correction,
+            self.hard_negatives,
         )
 
 
@@ -266,6 +270,7 @@ def resolve_settings(
         far_keys=far,
         sampling_correction=getattr(args, "sampling_correction", "off") == "on",
         batch_tokens=getattr(args, "batch_tokens", None) or BATCH_TOKENS,
+        hard_negatives=getattr(args, "hard_negatives", 0.0) or 0.0,
     )
 
 
@@ -412,10 +417,30 @@ def _quality(
         "targets_evaluated": by_len["all"]["targets"],
         "by_history_length": [{"history": k, **v} for k, v in by_len.items()],
         "all_minus_truncation": paired_differences(ranks),
+        "next_item_head": _head_diagnostic(trained.model, history, test, args),
         "popularity_baseline": popularity_metrics(
             {u: history[u] for u in users}, test, num_items, HSTU_INPUT if args.protocol == "hstu" else None
         ),
         "eval_seconds": round(time.perf_counter() - t_eval, 1),
+    }
+
+
+def _head_diagnostic(
+    model: HSTURanker, history: dict, test: dict, args: argparse.Namespace
+) -> dict[str, object]:
+    """The next-item head's quality on the same users and targets (``head_ranks``), at the whole
+    history (and HSTU's input under ``--protocol hstu``): a diagnostic, not the served score."""
+    lengths = [HSTU_INPUT, None] if args.protocol == "hstu" else [None]
+    t0 = time.perf_counter()
+    ranks = head_ranks(
+        model, history, test, lengths=lengths, max_users=args.eval_users, protocol=args.protocol
+    )
+    return {
+        "note": "diagnostic, not the served score: the targets ranked by the next-item head of the "
+        "auxiliary loss (the last history token's final state . the item embedding table), not by "
+        "the candidate path that serving runs",
+        "by_history_length": [{"history": k, **v} for k, v in summarise(ranks).items()],
+        "seconds": round(time.perf_counter() - t0, 1),
     }
 
 
@@ -536,6 +561,8 @@ def _run(args: argparse.Namespace, log: InteractionLog | None, source: str | Non
     for row in metrics["by_history_length"]:
         _log(f"history {row['history']:>4}: " + format_row(row))
     _log("popularity  : " + format_row(metrics["popularity_baseline"]))
+    for row in metrics["next_item_head"]["by_history_length"]:
+        _log(f"next-item head (diagnostic, not served) {row['history']:>4}: " + format_row(row))
     for length, diff in metrics["all_minus_truncation"].items():
         _log(f"all - {length:>4}  : " + format_row(diff))
     print(

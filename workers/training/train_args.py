@@ -205,6 +205,16 @@ def add_objective_arguments(parser: argparse.ArgumentParser) -> None:
         "that the sampled softmax estimates the whole catalogue's (in-batch draws favour popular items)",
     )
     parser.add_argument(
+        "--hard-negatives",
+        type=float,
+        default=0.0,
+        metavar="SHARE",
+        help="share of each cut's negatives drawn from the items the model's own next-item head "
+        "ranks highest there (its top 4 x that many, the target and the history's items left out; one "
+        "forward without gradients a step; --in-batch-share and --popular-share are then shares "
+        "of the rest; 0: off)",
+    )
+    parser.add_argument(
         "--popular-share",
         type=float,
         default=0.0,
@@ -285,6 +295,9 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise SystemExit(f"--far-keys {args.far_keys}: must be above 0 (how many events' worth)")
     if not 0 <= (whole := getattr(args, "whole_histories", 0.0) or 0) <= 1:
         raise SystemExit(f"--whole-histories {whole}: must be a probability, from 0 (off) to 1")
+    hard = getattr(args, "hard_negatives", 0.0) or 0.0
+    if not 0 <= hard <= 1:
+        raise SystemExit(f"--hard-negatives {hard}: must be a share of the negatives, from 0 (off) to 1")
     for name in ("long_cuts", "recency_prior", "aux_negatives"):
         value = getattr(args, name, 0.0) or 0
         if value < 0:
