@@ -109,6 +109,19 @@ def test_the_cap_is_kept_when_it_fits_and_the_decay_follows_the_epochs_that_fit_
     assert short.estimate == pytest.approx(20 + 5 + 5 + 50)
 
 
+def test_the_final_evaluations_reserve_never_leaves_training_no_step() -> None:
+    """Probes on a loaded machine once predicted a final evaluation longer than the whole budget:
+    the training deadline fell before the start, and the run wrote a model of no step."""
+    costs = RunCosts(epoch=60.0, validation=300.0, evaluation=1200.0, spent=20.0, steps=30, share=0.98)
+    plan = plan_time(costs, 600, epochs=30, decay_epochs=30, min_epochs=16)
+    assert plan.epochs == 1 and plan.min_epochs == 1
+    assert plan.training_deadline >= 20 + (60 + 300) / 0.98  # the first epoch and its validation
+    assert any("one epoch is trained anyway" in line for line in plan.lines)
+    roomy = plan_time(costs, 36000, epochs=30, decay_epochs=30, min_epochs=16)
+    assert roomy.training_deadline == pytest.approx(36000 - 1200 / 0.98)  # the reserve, as before
+    assert not any("anyway" in line for line in roomy.lines)
+
+
 def test_the_default_budget_grows_with_the_log() -> None:
     assert default_budget(100_000) == 600 and default_budget(1_000_000) == 6000 and default_budget(500) == 600
 

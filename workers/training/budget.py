@@ -230,13 +230,24 @@ def plan_time(
         )
     elif epochs_given and fits < epochs:
         lines.append(f"  the budget stops training after about {fits} of the {epochs} epochs asked for")
+    deadline = budget - costs.wall(costs.evaluation)
+    # The evaluation's reserve never starves training: a run of no step would write a model that
+    # ranks like chance (a demo on a loaded machine once served one).
+    first_epoch = costs.spent + costs.wall(costs.epoch + costs.validation)
+    if deadline < first_epoch:
+        deadline = first_epoch
+        lines.append(
+            f"  the budget cannot hold one epoch and the final evaluation: one epoch is trained anyway, "
+            f"and the run takes about {_mins(first_epoch + costs.wall(costs.evaluation))} "
+            f"(a larger --time-budget, or fewer --eval-users, keeps to it)"
+        )
     return TimePlan(
         epochs=epochs,
         decay_epochs=decay_epochs,
         min_epochs=min_epochs,
         estimate=estimate,
         budget=budget,
-        training_deadline=budget - costs.wall(costs.evaluation),
+        training_deadline=deadline,
         binds=binds,
         lines=lines,
     )
