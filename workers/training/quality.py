@@ -171,6 +171,21 @@ def _requests(history: Events, test: Events):
         yield history.concat(test.slice(0, j)), int(test.item_ids[j]), float(test.timestamps[j])
 
 
+def _requests_read(
+    history: Events, test: Events, lengths: Sequence[int | None], protocol: str, num_items: int
+):
+    """Each test target's request time and, per history length (``None``: all), the history read
+    and its candidates under ``protocol`` with the target's position among them."""
+    for seen, target, request_ts in _requests(history, test):
+        every = _candidates(num_items, seen, target)
+        reads = []
+        for n in lengths:
+            h = seen if n is None else seen.slice(max(0, len(seen) - n))
+            hstu_read = protocol == "hstu" and len(h) < len(seen)
+            reads.append((n, h, *(_candidates(num_items, h, target) if hstu_read else every)))
+        yield request_ts, reads
+
+
 def rank_targets(
     model: HSTURanker | ModelRunner,
     history: dict[str, Events],
@@ -198,12 +213,8 @@ def rank_targets(
     module = model if isinstance(model, HSTURanker) else getattr(model, "model", None)  # the dense path's
     for i, u in enumerate(users):
         got: dict[str, list[float]] = {k: [] for k in ranks}
-        for seen, target, request_ts in _requests(history[u], test[u]):
-            every = _candidates(num_items, seen, target)
-            for n in lengths:
-                h = seen if n is None else seen.slice(max(0, len(seen) - n))
-                hstu_read = protocol == "hstu" and len(h) < len(seen)
-                cands, tpos = _candidates(num_items, h, target) if hstu_read else every
+        for request_ts, reads in _requests_read(history[u], test[u], lengths, protocol, num_items):
+            for n, h, cands, tpos in reads:
                 if dense and module is not None and len(h) <= DENSE_EVENTS:
                     scores = dense_rank_full(module, h, cands, request_ts).numpy()
                 else:
@@ -241,12 +252,8 @@ def head_ranks(
     try:
         for u in users:
             got: dict[str, list[float]] = {k: [] for k in ranks}
-            for seen, target, request_ts in _requests(history[u], test[u]):
-                every = _candidates(num_items, seen, target)
-                for n in lengths:
-                    h = seen if n is None else seen.slice(max(0, len(seen) - n))
-                    hstu_read = protocol == "hstu" and len(h) < len(seen)
-                    cands, tpos = _candidates(num_items, h, target) if hstu_read else every
+            for request_ts, reads in _requests_read(history[u], test[u], lengths, protocol, num_items):
+                for n, h, cands, tpos in reads:
                     h = h.slice(max(0, len(h) - DENSE_EVENTS))
                     k = len(h)
                     _, states = train_scores(
